@@ -1,0 +1,166 @@
+"""Books, chapters, scenes and layer config in Postgres."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from psycopg.types.json import Jsonb
+
+from animastor_tasks.adapters.postgres import Database
+from animastor_tasks.domain.book import Book, input_hash
+from animastor_tasks.domain.registry import MediaRegistry, StageSpec
+
+
+@dataclass(frozen=True)
+class ImportSummary:
+    book_id: str
+    created: bool
+    scenes_added: int
+    scenes_changed: int
+    scenes_removed: int
+    assets_dirtied: int
+
+
+def scene_input(spec: StageSpec, text: str, prompt: str) -> str:
+    return text if spec.input_field == "text" else prompt
+
+
+def scene_hashes(registry: MediaRegistry, text: str, prompt: str) -> dict[str, str]:
+    return {s.name: input_hash(scene_input(s, text, prompt), s.fingerprint) for s in registry.stages}
+
+
+class Catalog:
+    def __init__(self, db: Database, registry: MediaRegistry) -> None:
+        self.db = db
+        self.registry = registry
+
+    def import_book(self, book: Book) -> ImportSummary:
+        """Create or update a book; only what changed is touched and nothing is queued."""
+        stages = list(self.registry.names())
+        with self.db.transaction() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"book:{book.book_id}",))
+            created = (
+                conn.execute(
+                    "INSERT INTO books (book_id, title) VALUES (%s, %s) ON CONFLICT (book_id) DO UPDATE"
+                    " SET title = EXCLUDED.title, updated_at = now() RETURNING (xmax = 0)",
+                    (book.book_id, book.title),
+                ).fetchone()
+                or (False,)
+            )[0]
+            old = {
+                (c, s): (t, p)
+                for c, s, t, p in conn.execute(
+                    "SELECT chapter_id, scene_id, text, prompt FROM scenes WHERE book_id = %s", (book.book_id,)
+                )
+            }
+            new_keys = {(s.chapter_id, s.scene_id) for s in book.scenes}
+            removed = [key for key in old if key not in new_keys]
+            with conn.cursor() as cur:
+                cur.executemany(
+                    "DELETE FROM scenes WHERE book_id = %s AND chapter_id = %s AND scene_id = %s",
+                    [(book.book_id, c, s) for c, s in removed],
+                )
+                cur.execute(
+                    "DELETE FROM chapters WHERE book_id = %s AND NOT (chapter_id = ANY(%s))",
+                    (book.book_id, [c.chapter_id for c in book.chapters]),
+                )
+                cur.executemany(
+                    "INSERT INTO chapters (book_id, chapter_id, position, title) VALUES (%s, %s, %s, %s)"
+                    " ON CONFLICT (book_id, chapter_id) DO UPDATE SET position = EXCLUDED.position,"
+                    " title = EXCLUDED.title",
+                    [(book.book_id, c.chapter_id, c.position, c.title) for c in book.chapters],
+                )
+                cur.executemany(
+                    "INSERT INTO scenes (book_id, chapter_id, scene_id, position, text, prompt, input_hashes)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s)"
+                    " ON CONFLICT (book_id, chapter_id, scene_id) DO UPDATE SET position = EXCLUDED.position,"
+                    " text = EXCLUDED.text, prompt = EXCLUDED.prompt, input_hashes = EXCLUDED.input_hashes",
+                    [
+                        (
+                            book.book_id,
+                            s.chapter_id,
+                            s.scene_id,
+                            s.position,
+                            s.text,
+                            s.prompt,
+                            Jsonb(scene_hashes(self.registry, s.text, s.prompt)),
+                        )
+                        for s in book.scenes
+                    ],
+                )
+            self._ensure_asset_rows(conn, book.book_id, stages)
+            dirtied = conn.execute(
+                "UPDATE asset_states a SET state = 'dirty', updated_at = now() FROM scenes s"
+                " WHERE a.book_id = %s AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+                " AND s.scene_id = a.scene_id AND a.state = 'ready'"
+                " AND a.input_hash IS DISTINCT FROM s.input_hashes ->> a.stage",
+                (book.book_id,),
+            ).rowcount
+            changed = sum(
+                1
+                for s in book.scenes
+                if (s.chapter_id, s.scene_id) in old and old[s.chapter_id, s.scene_id] != (s.text, s.prompt)
+            )
+            added = sum(1 for s in book.scenes if (s.chapter_id, s.scene_id) not in old)
+            conn.execute(
+                "INSERT INTO events (kind, book_id, detail) VALUES ('book.imported', %s, %s)",
+                (book.book_id, Jsonb({"added": added, "changed": changed, "removed": len(removed)})),
+            )
+        return ImportSummary(book.book_id, bool(created), added, changed, len(removed), dirtied)
+
+    @staticmethod
+    def _ensure_asset_rows(conn: object, book_id: str, stages: list[str]) -> None:
+        conn.execute(  # type: ignore[attr-defined]
+            "INSERT INTO asset_states (book_id, chapter_id, scene_id, stage)"
+            " SELECT s.book_id, s.chapter_id, s.scene_id, st FROM scenes s, unnest(%s::text[]) st"
+            " WHERE s.book_id = %s ON CONFLICT DO NOTHING",
+            (stages, book_id),
+        )
+
+    def ensure_asset_rows(self, book_id: str) -> None:
+        """Rows for stages added to the registry after the book was imported."""
+        with self.db.transaction() as conn:
+            self._ensure_asset_rows(conn, book_id, list(self.registry.names()))
+
+    def book_exists(self, book_id: str) -> bool:
+        with self.db.transaction() as conn:
+            return conn.execute("SELECT 1 FROM books WHERE book_id = %s", (book_id,)).fetchone() is not None
+
+    def scene_keys(self, book_id: str) -> list[tuple[str, str]]:
+        """Every (chapter, scene) of the book in reading order."""
+        with self.db.transaction() as conn:
+            return [
+                (c, s)
+                for c, s in conn.execute(
+                    "SELECT chapter_id, scene_id FROM scenes WHERE book_id = %s ORDER BY position", (book_id,)
+                )
+            ]
+
+    def scene_input(self, book_id: str, chapter_id: str, scene_id: str) -> tuple[str, str] | None:
+        with self.db.transaction() as conn:
+            row = conn.execute(
+                "SELECT text, prompt FROM scenes WHERE book_id = %s AND chapter_id = %s AND scene_id = %s",
+                (book_id, chapter_id, scene_id),
+            ).fetchone()
+        return None if row is None else (row[0], row[1])
+
+    def set_layers(self, book_id: str, raw: str | None) -> bool:
+        with self.db.transaction() as conn:
+            updated = conn.execute(
+                "UPDATE books SET layer_config = %s, updated_at = now() WHERE book_id = %s", (raw, book_id)
+            ).rowcount
+        return bool(updated)
+
+    def layers(self, book_id: str) -> str | None:
+        with self.db.transaction() as conn:
+            row = conn.execute("SELECT layer_config FROM books WHERE book_id = %s", (book_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def all_layers(self, book_ids: Iterable[str]) -> dict[str, str | None]:
+        with self.db.transaction() as conn:
+            return dict(
+                conn.execute(
+                    "SELECT book_id, layer_config FROM books WHERE book_id = ANY(%s)", (list(book_ids),)
+                ).fetchall()
+            )

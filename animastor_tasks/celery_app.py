@@ -1,0 +1,55 @@
+"""The Celery app, its worker start-up checks and per-process runtime."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from celery import Celery, signals
+
+from animastor_tasks.celery_config import CONTROL_QUEUE, build_config
+from animastor_tasks.config import Settings
+from animastor_tasks.errors import redact_url
+from animastor_tasks.worker_presence import PresenceStep
+
+settings = Settings.from_env()
+
+app = Celery("animastor_tasks", include=["animastor_tasks.tasks"])
+app.conf.update(build_config(settings))
+app.steps["consumer"].add(PresenceStep)
+
+log = logging.getLogger("animastor.worker")
+
+
+@signals.celeryd_after_setup.connect
+def refuse_unknown_queues(sender: str, instance: Any, conf: Any, **_: Any) -> None:
+    """A worker consumes only queues the media registry (or the control plane) knows."""
+    known = {CONTROL_QUEUE, *settings.registry.queues()}
+    wanted = set(instance.app.amqp.queues.consume_from or {})
+    unknown = sorted(wanted - known)
+    if unknown:
+        sys.stderr.write(
+            f"animastor-tasks: refusing to consume unknown queue(s) {', '.join(unknown)}; "
+            f"known queues: {', '.join(sorted(known))} (stages come from ANIMASTOR_STAGES)\n"
+        )
+        raise SystemExit(2)
+    log.info("[WORKER] %s consuming %s (broker %s)", sender, ",".join(sorted(wanted)), redact_url(settings.broker_url))
+
+
+@signals.worker_process_init.connect
+def fresh_connections(**_: Any) -> None:
+    """A forked child builds its own pools on first use; nothing crosses the fork.
+
+    With `--gpus 0,1` each pool child sees exactly one GPU (its index picks it).
+    """
+    from billiard.process import current_process
+
+    from animastor_tasks.flow import runtime
+
+    runtime.reset()
+    gpu_ids = [g for g in os.environ.get("ANIMASTOR_GPU_IDS", "").split(",") if g]
+    if gpu_ids:
+        index = getattr(current_process(), "index", 0) or 0
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids[index % len(gpu_ids)]

@@ -1,0 +1,62 @@
+"""Celery settings derived from `Settings`: queues, routes, beat schedule, delivery.
+
+GPU queues take one message at a time (prefetch 1, ack late) so a job held by a
+busy worker is never stranded behind another; a job is stopped softly, then hard,
+before the broker would redeliver it (checked in `Settings.check_time_limits`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from kombu import Exchange, Queue
+
+from animastor_tasks.config import Settings
+
+CONTROL_QUEUE = "animastor.control"
+CONTROL_TASKS = ("regenerate", "cancel", "gate", "tick", "reconcile")
+
+
+def build_config(settings: Settings) -> dict[str, Any]:
+    queues = [Queue(CONTROL_QUEUE, Exchange(CONTROL_QUEUE, type="direct"), routing_key=CONTROL_QUEUE)]
+    routes: dict[str, dict[str, str]] = {f"animastor.{name}": {"queue": CONTROL_QUEUE} for name in CONTROL_TASKS}
+    for spec in settings.stages:
+        queues.append(Queue(spec.queue, Exchange(spec.queue, type="direct"), routing_key=spec.queue))
+        routes[spec.task_name] = {"queue": spec.queue}
+    return {
+        "broker_url": settings.broker_url,
+        "result_backend": settings.redis_url,
+        "result_expires": 3600,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "task_queues": queues,
+        "task_default_queue": CONTROL_QUEUE,
+        "task_routes": routes,
+        "task_create_missing_queues": False,
+        "worker_prefetch_multiplier": 1,
+        "task_acks_late": False,
+        "task_track_started": True,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+        "broker_connection_retry_on_startup": True,
+        "broker_connection_timeout": 3,
+        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout},
+        "result_backend_transport_options": {"retry_policy": {"max_retries": 2}},
+        "beat_schedule": {
+            "animastor-tick": {
+                "task": "animastor.tick",
+                "schedule": timedelta(seconds=settings.tick_seconds),
+                "options": {"queue": CONTROL_QUEUE, "expires": settings.tick_seconds * 2},
+            },
+            "animastor-reconcile": {
+                "task": "animastor.reconcile",
+                "schedule": timedelta(seconds=settings.reconcile_seconds),
+                "options": {"queue": CONTROL_QUEUE, "expires": settings.reconcile_seconds * 2},
+            },
+        },
+        "beat_max_loop_interval": min(5.0, settings.tick_seconds),
+    }

@@ -1,0 +1,336 @@
+"""The operator's command line: `animastor-tasks ...`.
+
+Exit codes: 0 ok, 2 bad input, 3 a store or the broker is unavailable (named, with its
+URL and the password hidden), 1 anything else. Read commands take `--json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import unquote
+
+import click
+
+from animastor_tasks.config import Settings
+from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _runtime() -> Any:
+    from animastor_tasks.flow import runtime
+
+    return runtime.current()
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+class Main(click.Group):
+    """Translates our errors into exit codes instead of tracebacks."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (InvalidInput, ConfigError) as err:
+            _fail(str(err), 2)
+        except StoreUnavailable as err:
+            _fail(str(err), 3)
+        except AnimastorError as err:
+            _fail(str(err), 1)
+
+
+@click.group(cls=Main)
+@click.version_option(package_name="animastor-tasks")
+def main() -> None:
+    """Command-only GPU job orchestration: books, commands, queues and workers."""
+
+
+def _emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    else:
+        human(data)
+
+
+# -- stores ------------------------------------------------------------------------------
+@main.group()
+def db() -> None:
+    """Postgres schema."""
+
+
+@db.command("migrate")
+def db_migrate() -> None:
+    """Apply pending migrations (idempotent)."""
+    from animastor_tasks.adapters.postgres import migrate
+
+    applied = migrate(_runtime().db)
+    click.echo(f"applied: {', '.join(applied)}" if applied else "database is up to date")
+
+
+@main.command()
+def up() -> None:
+    """Bring the stores up (configured ones when reachable, else local ones) and migrate."""
+    from animastor_tasks import devstack
+
+    devstack.main(["up"])
+
+
+@main.command()
+def down() -> None:
+    """Stop the local stores `up` started (if any)."""
+    from animastor_tasks import devstack
+
+    devstack.main(["down"])
+
+
+# -- books and layers ------------------------------------------------------------------------
+@main.group()
+def book() -> None:
+    """Books: import and re-import."""
+
+
+@book.command("import")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def book_import(path: Path, as_json: bool) -> None:
+    """Import (or re-import) a book from a JSON file ('-' reads standard input). Queues nothing."""
+    from animastor_tasks.domain.book import parse_book_json
+    from animastor_tasks.errors import InvalidBook
+
+    try:
+        raw = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+    except OSError as err:
+        raise InvalidBook(f"cannot read {str(path)!r}: {err.strerror}") from err
+    summary = _runtime().catalog.import_book(parse_book_json(raw))
+    data = summary.__dict__
+    _emit(
+        data,
+        as_json,
+        lambda d: click.echo(
+            f"{'imported' if d['created'] else 're-imported'} {d['book_id']!r}: {d['scenes_added']} added, "
+            f"{d['scenes_changed']} changed, {d['scenes_removed']} removed, {d['assets_dirtied']} asset(s) marked dirty"
+        ),
+    )
+
+
+@main.group()
+def layers() -> None:
+    """Which stages are enabled for a book."""
+
+
+@layers.command("set")
+@click.argument("book_id")
+@click.option("--enable", multiple=True, metavar="STAGE")
+@click.option("--disable", multiple=True, metavar="STAGE")
+@click.option("--json", "as_json", is_flag=True)
+def layers_set(book_id: str, enable: tuple[str, ...], disable: tuple[str, ...], as_json: bool) -> None:
+    from animastor_tasks.flow import commands
+
+    result = commands.set_layers(_runtime(), book_id, list(enable), list(disable))
+    _emit(result, as_json, lambda d: click.echo(", ".join(f"{k}={'on' if v else 'off'}" for k, v in d.items())))
+
+
+@layers.command("show")
+@click.argument("book_id")
+@click.option("--json", "as_json", is_flag=True)
+def layers_show(book_id: str, as_json: bool) -> None:
+    from animastor_tasks.flow import commands
+
+    result = commands.layers_of(_runtime(), book_id)
+    _emit(result, as_json, lambda d: click.echo(", ".join(f"{k}={'on' if v else 'off'}" for k, v in d.items())))
+
+
+# -- commands ---------------------------------------------------------------------------------
+def _scene_arg(value: str) -> tuple[str, str]:
+    chapter, sep, scene = value.partition("/")
+    if not sep:
+        raise click.BadParameter(f"{value!r} must be CHAPTER/SCENE (write a '/' inside an id as %2F)")
+    return unquote(chapter), unquote(scene)
+
+
+@main.command()
+@click.argument("book_id")
+@click.option("--stage", "stages", multiple=True, required=True, help="audio, image, ... or all")
+@click.option("--scene", "scenes", multiple=True, metavar="CH/SC", help="Only these scenes (default: whole book).")
+@click.option("--command-id", default=None, help="A UUID; resending it is a no-op.")
+@click.option("--no-force", is_flag=True, help="Skip scenes whose ready output has the same inputs.")
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the control worker.")
+@click.option("--json", "as_json", is_flag=True)
+def regenerate(
+    book_id: str,
+    stages: tuple[str, ...],
+    scenes: tuple[str, ...],
+    command_id: str | None,
+    no_force: bool,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Ask for work: one command per stage (enqueues animastor.regenerate)."""
+    from animastor_tasks.client import Client
+
+    picked = [_scene_arg(s) for s in scenes] or None
+    client = Client(timeout=timeout)
+    try:
+        result = client.regenerate(book_id, list(stages), picked, command_id=command_id, force=not no_force)
+    finally:
+        client.close()
+
+    def human(d: dict[str, Any]) -> None:
+        for c in d["commands"]:
+            n = len(c["targets"]) if isinstance(c["targets"], list) else c["targets"]
+            click.echo(f"{c['command_id']}  {c['stage']:<8} {c['status']:<10} {n} scene(s)")
+        for s in d["skipped"]:
+            click.echo(f"skipped {s['stage']}: {s['reason']}")
+
+    _emit(result, as_json, human)
+
+
+@main.command()
+@click.argument("book_id")
+@click.option("--reason", default=None)
+@click.option("--timeout", default=30.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> None:
+    """Stop All for a book (enqueues animastor.cancel)."""
+    from animastor_tasks.client import Client
+
+    client = Client(timeout=timeout)
+    try:
+        result = client.cancel(book_id, reason)
+    finally:
+        client.close()
+    _emit(
+        result,
+        as_json,
+        lambda d: click.echo(
+            f"cancelled {d['book_id']!r}: {len(d['cancelled_commands'])} command(s), {d['released']} pair(s) released"
+        ),
+    )
+
+
+@main.command()
+@click.argument("book_id")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--watch", is_flag=True, help="Refresh until every command is terminal.")
+@click.option("--interval", default=1.0, show_default=True)
+def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
+    """Commands of a book with progress, and every scene's state."""
+    from animastor_tasks import views
+    from animastor_tasks.flow import commands
+
+    rt = _runtime()
+    if as_json:
+        _emit(commands.status(rt, book_id), True, lambda _: None)
+        return
+    views.show_status(lambda: commands.status(rt, book_id), watch=watch, interval=interval)
+
+
+@main.command("commands")
+@click.argument("book_id", required=False)
+@click.option("--limit", default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
+    """Recent commands with status, reason, progress and age."""
+    from animastor_tasks import views
+
+    rows = _runtime().ledger.commands(book=book_id, limit=limit)
+    now = time.time()
+    data = [
+        {
+            "command_id": r.command_id,
+            "book_id": r.book_id,
+            "stage": r.stage,
+            "status": r.status,
+            "reason": r.reason,
+            "progress": {"total": r.targets, **r.progress},
+            "age_seconds": round(now - r.created_at, 1),
+        }
+        for r in rows
+    ]
+    _emit(data, as_json, views.show_commands)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+def queues(as_json: bool) -> None:
+    """GPU queues: consumers, depth, running, lane limit, breaker, deferrals."""
+    from animastor_tasks import views
+
+    _emit(views.queue_overview(_runtime()), as_json, views.show_queues)
+
+
+@main.command("reconcile")
+@click.option("--json", "as_json", is_flag=True)
+def reconcile_cmd(as_json: bool) -> None:
+    """Run one reconcile pass now (it never creates work)."""
+    from animastor_tasks.flow import maintenance
+
+    _emit(maintenance.reconcile(_runtime(), force=True), as_json, lambda d: click.echo(d))
+
+
+# -- processes ------------------------------------------------------------------------------
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--stage", default=None, help="Run a GPU worker for this stage (default: the control worker).")
+@click.option("--gpus", default=None, help="Comma-separated GPU ids; one pool process per GPU.")
+@click.option("--hostname", "-n", default=None)
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+def worker(stage: str | None, gpus: str | None, hostname: str | None, celery_args: tuple[str, ...]) -> None:
+    """Start a Celery worker: the control worker, or a GPU worker for one stage."""
+    from animastor_tasks.celery_config import CONTROL_QUEUE
+
+    settings = Settings.from_env()
+    if stage is None:
+        queue, concurrency, name = CONTROL_QUEUE, "2", hostname or "control@%h"
+    else:
+        if stage not in settings.registry:
+            raise ConfigError(
+                f"--stage {stage!r} is not a registered stage (known: {', '.join(settings.registry.names())})"
+            )
+        queue, name = settings.registry.get(stage).queue, hostname or f"{stage}@%h"
+        gpu_ids = [g.strip() for g in gpus.split(",")] if gpus else []
+        concurrency = str(len(gpu_ids) or 1)
+        if gpu_ids:
+            os.environ["ANIMASTOR_GPU_IDS"] = ",".join(gpu_ids)
+    argv = [
+        "celery",
+        "-A",
+        "animastor_tasks",
+        "worker",
+        "-Q",
+        queue,
+        "-c",
+        concurrency,
+        "--prefetch-multiplier",
+        "1",
+        "-n",
+        name,
+        "-E",
+        *celery_args,
+    ]
+    os.execvp(argv[0], argv)
+
+
+@main.command("dev-inference-server")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8765, show_default=True)
+@click.option("--latency", default=0.0, show_default=True, help="Seconds added to every request.")
+@click.option("--failure-rate", default=0.0, show_default=True, help="Share of requests answered 503.")
+@click.option("--api-key", default=None, envvar="ANIMASTOR_INFERENCE_API_KEY")
+def dev_inference_server(host: str, port: int, latency: float, failure_rate: float, api_key: str | None) -> None:
+    """Run the reference inference server (real WAV and PNG output)."""
+    from animastor_tasks.inference_server import serve
+
+    serve(host, port, latency=latency, failure_rate=failure_rate, api_key=api_key)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""A Python client for other services: enqueue the public tasks by name, JSON only.
+
+It needs only the broker and the result backend, not the package's workers, and
+fails fast with `StoreUnavailable("broker", ...)` when the broker cannot be reached.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeout
+from kombu.exceptions import OperationalError
+
+from animastor_tasks.celery_config import CONTROL_QUEUE
+from animastor_tasks.config import Settings
+from animastor_tasks.errors import AnimastorError, InvalidCommand, StoreUnavailable
+
+_REMOTE_INVALID = ("InvalidCommand", "InvalidInput", "InvalidBook")
+
+
+class Client:
+    def __init__(self, settings: Settings | None = None, *, timeout: float = 30.0) -> None:
+        self.settings = settings or Settings.from_env()
+        self.timeout = timeout
+        self.app = Celery("animastor_client", broker=self.settings.broker_url, backend=self.settings.redis_url)
+        self.app.conf.update(
+            task_serializer="json",
+            accept_content=["json"],
+            result_serializer="json",
+            result_accept_content=["json"],
+            broker_connection_timeout=3,
+            broker_connection_retry=False,
+            broker_connection_max_retries=0,
+            broker_transport_options={"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5},
+        )
+
+    def _call(self, name: str, kwargs: dict[str, Any], wait: bool) -> Any:
+        try:
+            result = self.app.send_task(
+                name,
+                kwargs=kwargs,
+                queue=CONTROL_QUEUE,
+                retry=True,
+                retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "timeout": 3},
+            )
+        except (OperationalError, OSError) as err:
+            raise StoreUnavailable("broker", self.settings.broker_url, str(err) or type(err).__name__) from err
+        if not wait:
+            return {"task_id": result.id}
+        try:
+            return result.get(timeout=self.timeout)
+        except CeleryTimeout as err:
+            raise AnimastorError(
+                f"{name}: no answer within {self.timeout:.0f}s; is a control worker consuming {CONTROL_QUEUE}? "
+                f"(task id {result.id} stays queued and will run when one starts)"
+            ) from err
+        except Exception as err:
+            if type(err).__name__ in _REMOTE_INVALID:
+                raise InvalidCommand(str(err)) from err
+            raise
+        finally:
+            result.forget() if result.ready() else None
+
+    def regenerate(
+        self,
+        book_id: str,
+        stages: list[str],
+        scenes: list[tuple[str, str]] | None = None,
+        *,
+        command_id: str | None = None,
+        force: bool = True,
+        wait: bool = True,
+    ) -> dict[str, Any]:
+        """One command per stage; `command_id` makes a resend a no-op (one is made if omitted)."""
+        kwargs = {
+            "book_id": book_id,
+            "stages": list(stages),
+            "scenes": None if scenes is None else [list(s) for s in scenes],
+            "command_id": command_id or str(uuid.uuid4()),
+            "force": force,
+        }
+        return dict(self._call("animastor.regenerate", kwargs, wait))
+
+    def cancel(self, book_id: str, reason: str | None = None, *, wait: bool = True) -> dict[str, Any]:
+        return dict(self._call("animastor.cancel", {"book_id": book_id, "reason": reason}, wait))
+
+    def close(self) -> None:
+        self.app.close()

@@ -1,0 +1,163 @@
+"""Settings: one frozen object built from the environment and validated when built.
+
+Every process (worker, beat, CLI, tests) calls `Settings.from_env()`; a bad value
+fails at start-up with a `ConfigError` naming the variable and showing the value,
+never later in the middle of a dispatch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from animastor_tasks.domain.registry import MediaRegistry, StageSpec, registry_from_table
+from animastor_tasks.errors import ConfigError, redact_url
+
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/animastor"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str = DEFAULT_DATABASE_URL
+    redis_url: str = DEFAULT_REDIS_URL
+    broker_url: str = DEFAULT_REDIS_URL
+    key_prefix: str = "animastor"
+    registry: MediaRegistry = field(default_factory=lambda: registry_from_table(None))
+    tick_seconds: float = 5.0
+    reconcile_seconds: float = 30.0
+    presence_ttl_seconds: float = 6.0
+    force_ttl_seconds: int = 120
+    capacity_defer_seconds: int = 60
+    idempotent_defer_seconds: int = 900
+    breaker_threshold: int = 5
+    breaker_cooldown_seconds: float = 30.0
+    artifact_root: Path = Path("artifacts")
+    journal_retention_days: float = 7.0
+    journal_max_rows: int = 1_000_000
+    job_soft_time_limit: int = 1800
+    job_time_limit: int = 1900
+    visibility_timeout: int = 3600
+    generate_max_retries: int = 3
+    retry_backoff_base: float = 1.0
+    retry_backoff_max: float = 30.0
+    inference_api_key: str = ""
+    db_pool_max: int = 8
+
+    @property
+    def stages(self) -> tuple[StageSpec, ...]:
+        return self.registry.stages
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        redis_url = _url(env, "ANIMASTOR_REDIS_URL", DEFAULT_REDIS_URL, ("redis", "rediss", "unix"))
+        settings = cls(
+            database_url=_url(env, "ANIMASTOR_DATABASE_URL", DEFAULT_DATABASE_URL, ("postgresql", "postgres")),
+            redis_url=redis_url,
+            broker_url=_url(
+                env, "ANIMASTOR_BROKER_URL", redis_url, ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp")
+            ),
+            key_prefix=_prefix(env),
+            registry=_registry(env),
+            tick_seconds=_number(env, "ANIMASTOR_TICK_SECONDS", 5.0, minimum=0.1),
+            reconcile_seconds=_number(env, "ANIMASTOR_RECONCILE_SECONDS", 30.0, minimum=0.5),
+            presence_ttl_seconds=_number(env, "ANIMASTOR_PRESENCE_TTL_SECONDS", 6.0, minimum=1.0),
+            force_ttl_seconds=int(_number(env, "ANIMASTOR_FORCE_TTL_SECONDS", 120, minimum=1)),
+            capacity_defer_seconds=int(_number(env, "ANIMASTOR_CAPACITY_DEFER_SECONDS", 60, minimum=1)),
+            idempotent_defer_seconds=int(_number(env, "ANIMASTOR_IDEMPOTENT_DEFER_SECONDS", 900, minimum=1)),
+            breaker_threshold=int(_number(env, "ANIMASTOR_BREAKER_THRESHOLD", 5, minimum=1)),
+            breaker_cooldown_seconds=_number(env, "ANIMASTOR_BREAKER_COOLDOWN_SECONDS", 30.0, minimum=0.1),
+            artifact_root=Path(env.get("ANIMASTOR_ARTIFACT_ROOT", "artifacts")).expanduser(),
+            journal_retention_days=_number(env, "ANIMASTOR_JOURNAL_RETENTION_DAYS", 7.0, minimum=0.0),
+            journal_max_rows=int(_number(env, "ANIMASTOR_JOURNAL_MAX_ROWS", 1_000_000, minimum=100)),
+            job_soft_time_limit=int(_number(env, "ANIMASTOR_JOB_SOFT_TIME_LIMIT", 1800, minimum=1)),
+            job_time_limit=int(_number(env, "ANIMASTOR_JOB_TIME_LIMIT", 1900, minimum=1)),
+            visibility_timeout=int(_number(env, "ANIMASTOR_VISIBILITY_TIMEOUT", 3600, minimum=1)),
+            generate_max_retries=int(_number(env, "ANIMASTOR_GENERATE_MAX_RETRIES", 3, minimum=0)),
+            retry_backoff_base=_number(env, "ANIMASTOR_RETRY_BACKOFF_BASE", 1.0, minimum=0.0),
+            retry_backoff_max=_number(env, "ANIMASTOR_RETRY_BACKOFF_MAX", 30.0, minimum=0.0),
+            inference_api_key=env.get("ANIMASTOR_INFERENCE_API_KEY", ""),
+            db_pool_max=int(_number(env, "ANIMASTOR_DB_POOL_MAX", 8, minimum=1)),
+        )
+        settings.check_time_limits()
+        return settings
+
+    def check_time_limits(self) -> None:
+        """A job must be stopped softly, then hard, before the broker redelivers it."""
+        if not self.job_soft_time_limit < self.job_time_limit < self.visibility_timeout:
+            raise ConfigError(
+                "time limits must satisfy ANIMASTOR_JOB_SOFT_TIME_LIMIT < ANIMASTOR_JOB_TIME_LIMIT < "
+                f"ANIMASTOR_VISIBILITY_TIMEOUT, got {self.job_soft_time_limit} < {self.job_time_limit} < "
+                f"{self.visibility_timeout}"
+            )
+
+    @property
+    def broker_is_amqp(self) -> bool:
+        return urlsplit(self.broker_url).scheme in ("amqp", "amqps", "pyamqp")
+
+    def describe(self) -> dict[str, Any]:
+        """What an operator may see: URLs with passwords hidden."""
+        return {
+            "database_url": redact_url(self.database_url),
+            "redis_url": redact_url(self.redis_url),
+            "broker_url": redact_url(self.broker_url),
+            "key_prefix": self.key_prefix,
+            "stages": {s.name: s.queue for s in self.stages},
+        }
+
+
+def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ...]) -> str:
+    value = env.get(name, "").strip() or default
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError as err:
+        raise ConfigError(f"{name}={redact_url(value)!r} is not a valid URL: {err}") from err
+    if parts.scheme not in schemes:
+        raise ConfigError(f"{name}={redact_url(value)!r} must use one of the schemes {', '.join(schemes)}")
+    if parts.scheme not in ("unix", "redis+socket") and not parts.hostname and "host=" not in parts.query:
+        raise ConfigError(f"{name}={redact_url(value)!r} names no host")
+    return value
+
+
+def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return float(default)
+    try:
+        value = float(raw)
+    except ValueError as err:
+        raise ConfigError(f"{name}={raw!r} is not a number") from err
+    if not value >= minimum:
+        raise ConfigError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+def _prefix(env: Mapping[str, str]) -> str:
+    value = env.get("ANIMASTOR_KEY_PREFIX", "animastor")
+    if not _PREFIX_RE.match(value):
+        raise ConfigError(f"ANIMASTOR_KEY_PREFIX={value!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+    return value
+
+
+def _registry(env: Mapping[str, str]) -> MediaRegistry:
+    raw = env.get("ANIMASTOR_STAGES", "").strip()
+    if not raw:
+        return registry_from_table(None)
+    try:
+        table = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"ANIMASTOR_STAGES={raw!r} is not valid JSON: {err}") from err
+    try:
+        return registry_from_table(table)
+    except ValueError as err:
+        raise ConfigError(f"ANIMASTOR_STAGES={raw!r}: {err}") from err

@@ -1,0 +1,100 @@
+"""The command gate: the one place that decides whether a scene x stage may have work.
+
+A pair may be queued or dispatched only while (1) an active command of its stage
+targets its scene, (2) its stage's layer is enabled for the book and (3) the book
+is not cancelled. Facts are read once per pass (see `flow.gate`); the decision
+itself is pure. An unreadable registry proves no command: nothing is authorized.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+Pair = tuple[str, str, str]  # (chapter_id, scene_id, stage)
+
+
+class CommandStatus(StrEnum):
+    ACTIVE = "active"  # authorizes its targets
+    BLOCKED = "blocked"  # no consumer for its stage; only a new command retries
+    COMPLETED = "completed"  # every target reached a terminal state
+    CANCELLED = "cancelled"  # Stop All
+    FAILED = "failed"  # could not be carried out
+
+
+class Denial(StrEnum):
+    CANCELLED = "cancelled"
+    NO_ACTIVE_TASK = "no_active_task"
+    LAYER_DISABLED = "layer_disabled"
+
+
+def parse_layers(raw: str | None) -> dict[str, bool]:
+    """Layer config as `{"<stage>_enabled": bool}`; missing or broken means no override."""
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except (TypeError, ValueError):
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, bool)}
+
+
+def layer_enabled(layers: dict[str, bool], stage: str) -> bool:
+    return layers.get(f"{stage}_enabled") is not False
+
+
+@dataclass(frozen=True)
+class BookFacts:
+    """Everything one gate pass needs to know about one book, read in one go."""
+
+    registry_readable: bool
+    cancel_flag: bool = False
+    tombstone: bool = False
+    layers_raw: str | None = None
+    commanded: frozenset[Pair] = frozenset()  # pairs targeted by an ACTIVE command
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_flag or self.tombstone
+
+    @property
+    def layers(self) -> dict[str, bool]:
+        return parse_layers(self.layers_raw)
+
+
+@dataclass(frozen=True)
+class SceneAuthorization:
+    stages: frozenset[str]
+    denied: dict[str, Denial] = field(default_factory=dict)
+
+
+def decide(facts: BookFacts, pair: Pair) -> Denial | None:
+    """None when the pair is authorized, else the first reason it is not."""
+    _chapter, _scene, stage = pair
+    if facts.cancelled:
+        return Denial.CANCELLED
+    if not facts.registry_readable or pair not in facts.commanded:
+        return Denial.NO_ACTIVE_TASK
+    if not layer_enabled(facts.layers, stage):
+        return Denial.LAYER_DISABLED
+    return None
+
+
+def authorize_scene(facts: BookFacts, chapter: str, scene: str, stages: Iterable[str]) -> SceneAuthorization:
+    allowed: set[str] = set()
+    denied: dict[str, Denial] = {}
+    for stage in stages:
+        reason = decide(facts, (chapter, scene, stage))
+        if reason is None:
+            allowed.add(stage)
+        else:
+            denied[stage] = reason
+    return SceneAuthorization(frozenset(allowed), denied)
+
+
+def describe_denied(denied: dict[str, Denial]) -> str:
+    return ",".join(f"{stage}:{reason}" for stage, reason in sorted(denied.items())) or "none"

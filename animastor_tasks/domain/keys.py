@@ -1,0 +1,132 @@
+"""Every Redis key shape, built in one place.
+
+Ids are client-controlled strings that may hold ``:``, glob characters, spaces or
+non-ASCII. Each component is percent-encoded (``quote(x, safe="")``) so an encoded
+component is made only of ``A-Z a-z 0-9 _ . - ~ %``: it can never contain the ``:``
+separator (no collisions: book ``a:b`` + chapter ``c`` differs from book ``a`` +
+chapter ``b:c``) nor a glob character (a ``SCAN MATCH`` on a book prefix never
+widens to another book).
+
+| key                                          | type   | lifetime                                  |
+| -------------------------------------------- | ------ | ----------------------------------------- |
+| ``P:cancel:B``                               | string | until the next regenerate of book B       |
+| ``P:layers:B``                               | string | mirror of Postgres, rebuilt by reconcile  |
+| ``P:force:B``  (members ``C:S:STAGE``)        | set    | force TTL (120 s) after a regenerate      |
+| ``P:defer:B:BUCKET`` (members ``C:S:STAGE``,  | zset   | score = expiry time; pruned by reconcile  |
+|   score = deferral expiry, unix seconds)      |        | and removed with the book's cancel        |
+| ``P:active-books`` (members ``B``)            | set    | while the book has active scenes          |
+| ``P:active:B`` (members ``C:S``)              | set    | while a scene has queued or running work  |
+| ``P:lease:B:C:S:STAGE``                       | string | the stage's lease TTL, renewed by the job |
+| ``P:dispatch:ID``                             | hash   | 4 x lease TTL; dispatch metadata          |
+| ``P:running:ID``                              | string | lease TTL while a delivery of ID runs     |
+| ``P:consumers:QUEUE`` (members hostname,      | zset   | heartbeat TTL per member (a few seconds)  |
+|   score = heartbeat expiry)                   |        |                                           |
+| ``P:breaker:QUEUE``                           | hash   | until closed again                        |
+| ``P:lock:NAME``                               | string | short singleton locks (tick, reconcile)   |
+| ``P:metrics``                                 | hash   | counters for the exporter; no expiry      |
+
+``P`` is the configured key prefix (``ANIMASTOR_KEY_PREFIX``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+SEP = ":"
+DEFER_BUCKETS = ("capacity", "idempotent", "fence")
+
+
+def encode(component: str) -> str:
+    """Percent-encode one id so it holds neither the separator nor a glob character."""
+    return quote(component, safe="")
+
+
+def decode(component: str) -> str:
+    return unquote(component)
+
+
+@dataclass(frozen=True)
+class Keyspace:
+    prefix: str = "animastor"
+
+    def _key(self, kind: str, *components: str) -> str:
+        return SEP.join((self.prefix, kind, *(encode(c) for c in components)))
+
+    # -- per book ---------------------------------------------------------
+    def cancel_flag(self, book: str) -> str:
+        return self._key("cancel", book)
+
+    def layers(self, book: str) -> str:
+        return self._key("layers", book)
+
+    def force_set(self, book: str) -> str:
+        return self._key("force", book)
+
+    def deferrals(self, book: str, bucket: str) -> str:
+        if bucket not in DEFER_BUCKETS:
+            raise ValueError(f"unknown deferral bucket {bucket!r}")
+        return SEP.join((self.prefix, "defer", encode(book), bucket))
+
+    def active_scenes(self, book: str) -> str:
+        return self._key("active", book)
+
+    def active_books(self) -> str:
+        return self._key("active-books")
+
+    # -- per scene x stage --------------------------------------------------
+    def lease(self, book: str, chapter: str, scene: str, stage: str) -> str:
+        return self._key("lease", book, chapter, scene, stage)
+
+    def parse_lease(self, key: str) -> tuple[str, str, str, str]:
+        """Inverse of `lease`: the (book, chapter, scene, stage) a lease key names."""
+        head = f"{self.prefix}{SEP}lease{SEP}"
+        if not key.startswith(head):
+            raise ValueError(f"{key!r} is not a lease key of prefix {self.prefix!r}")
+        parts = key[len(head) :].split(SEP)
+        if len(parts) != 4:
+            raise ValueError(f"{key!r} does not have four components")
+        book, chapter, scene, stage = (decode(p) for p in parts)
+        return book, chapter, scene, stage
+
+    def dispatch(self, dispatch_id: str) -> str:
+        return self._key("dispatch", dispatch_id)
+
+    def running(self, dispatch_id: str) -> str:
+        return self._key("running", dispatch_id)
+
+    # -- per queue ------------------------------------------------------------
+    def consumers(self, queue: str) -> str:
+        return self._key("consumers", queue)
+
+    def breaker(self, queue: str) -> str:
+        return self._key("breaker", queue)
+
+    def lock(self, name: str) -> str:
+        return self._key("lock", name)
+
+    def metrics(self) -> str:
+        return self._key("metrics")
+
+    def book_pattern(self, kind: str, book: str) -> str:
+        """A SCAN MATCH pattern for every key of one kind under one book (never another's)."""
+        return f"{self.prefix}{SEP}{kind}{SEP}{encode(book)}{SEP}*"
+
+
+def pair_member(chapter: str, scene: str, stage: str) -> str:
+    """Set/zset member naming one scene x stage inside a book-scoped key."""
+    return SEP.join((encode(chapter), encode(scene), encode(stage)))
+
+
+def parse_pair_member(member: str) -> tuple[str, str, str]:
+    chapter, scene, stage = member.split(SEP)
+    return decode(chapter), decode(scene), decode(stage)
+
+
+def scene_member(chapter: str, scene: str) -> str:
+    return SEP.join((encode(chapter), encode(scene)))
+
+
+def parse_scene_member(member: str) -> tuple[str, str]:
+    chapter, scene = member.split(SEP)
+    return decode(chapter), decode(scene)

@@ -1,0 +1,158 @@
+"""Tiny, real media files made from text, with no I/O and no third-party code.
+
+The builtin generator and the reference inference server both need output that a
+player or an image viewer accepts, that is reproducible byte for byte (so tests
+and input hashes can rely on it), and that costs nothing to produce. Nothing here
+touches the disk or the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import struct
+import sys
+import wave
+import zlib
+from array import array
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_PNG_SIDE = 4096
+_AMPLITUDE = 0.35 * 32767
+_FADE_SECONDS = 0.005
+# Samples per pixel for each PNG colour type at bit depth 8 (grey, RGB, palette, grey+alpha, RGBA).
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+
+
+def _tone_hz(token: str) -> float:
+    """A pitch for a word: stable across processes (crc32, not the salted `hash`)."""
+    return 180.0 + zlib.crc32(token.encode("utf-8")) % 640
+
+
+def synthesize_wav(
+    text: str, *, sample_rate: int = 16000, seconds_per_word: float = 0.12, min_seconds: float = 0.3
+) -> bytes:
+    """Return a mono 16-bit PCM WAV "reading" `text`: one short tone per word.
+
+    The duration is `max(min_seconds, words * seconds_per_word)`, so longer scenes
+    give longer audio, and the same text always gives the same bytes.
+    """
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or not 1000 <= sample_rate <= 192000:
+        raise ValueError(f"sample_rate must be an integer between 1000 and 192000, got {sample_rate!r}")
+    if not seconds_per_word > 0 or not min_seconds > 0:
+        raise ValueError("seconds_per_word and min_seconds must be positive")
+    words = text.split()
+    seconds = max(min_seconds, len(words) * seconds_per_word)
+    total = max(1, round(seconds * sample_rate))
+    tones = [_tone_hz(w) for w in words] or [_tone_hz(text)]
+    samples = array("h")
+    count = len(tones)
+    for index, hz in enumerate(tones):
+        n = (index + 1) * total // count - index * total // count
+        step = 2.0 * math.pi * hz / sample_rate
+        segment = [_AMPLITUDE * math.sin(step * j) for j in range(n)]
+        fade = min(n // 2, int(sample_rate * _FADE_SECONDS))
+        for j in range(fade):  # short ramps so word boundaries do not click
+            gain = j / fade
+            segment[j] *= gain
+            segment[n - 1 - j] *= gain
+        samples.extend(int(v) for v in segment)
+    if sys.byteorder == "big":
+        samples.byteswap()  # WAV is little-endian
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(sample_rate)
+        out.writeframes(samples.tobytes())
+    return buffer.getvalue()
+
+
+def wav_duration_seconds(data: bytes) -> float:
+    """Duration of a WAV file in seconds; ValueError if `data` is not a WAV file."""
+    try:
+        with wave.open(io.BytesIO(data), "rb") as wav:
+            return wav.getnframes() / wav.getframerate()
+    except (wave.Error, EOFError) as err:
+        raise ValueError(f"not a WAV file: {err}") from err
+
+
+def _chunk(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+def render_png(prompt: str, *, width: int = 64, height: int = 64) -> bytes:
+    """Return an RGB PNG "illustrating" `prompt`: a gradient with a checker pattern.
+
+    Colours and pattern come from sha256 of the prompt, so the same prompt always
+    gives the same bytes and different prompts give visibly different images.
+    """
+    for label, side in (("width", width), ("height", height)):
+        if isinstance(side, bool) or not isinstance(side, int) or not 1 <= side <= MAX_PNG_SIDE:
+            raise ValueError(f"{label} must be an integer between 1 and {MAX_PNG_SIDE}, got {side!r}")
+    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
+    left, right, bottom = digest[0:3], digest[3:6], digest[6:9]
+    pattern = digest[9:]
+    cell = max(1, min(width, height) // 8)
+    raw = bytearray()
+    for y in range(height):
+        raw.append(0)  # filter type "None" for every scanline
+        fy = y / (height - 1) if height > 1 else 0.0
+        for x in range(width):
+            fx = x / (width - 1) if width > 1 else 0.0
+            cx, cy = x // cell, y // cell
+            lit = (pattern[(cx + 8 * cy) % len(pattern)] >> ((cx + cy) % 8)) & 1
+            for ch in range(3):
+                value = left[ch] * (1.0 - fx) + right[ch] * fx
+                value = value * (1.0 - 0.5 * fy) + bottom[ch] * 0.5 * fy
+                raw.append((int(value) + (96 if lit else 0)) % 256)
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
+    return (
+        PNG_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(bytes(raw), 9)) + _chunk(b"IEND", b"")
+    )
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of a PNG after checking its structure; ValueError if it is broken.
+
+    Checks the signature, every chunk CRC, IHDR first and IEND last, and that the
+    image data inflates to exactly the size IHDR promises (8-bit, non-interlaced).
+    """
+    if not data.startswith(PNG_SIGNATURE):
+        raise ValueError("not a PNG file: bad signature")
+    pos = len(PNG_SIGNATURE)
+    kinds: list[bytes] = []
+    idat = bytearray()
+    header = b""
+    while pos < len(data):
+        if pos + 12 > len(data):
+            raise ValueError("truncated PNG chunk")
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind = data[pos + 4 : pos + 8]
+        payload = data[pos + 8 : pos + 8 + length]
+        if len(payload) != length or pos + 12 + length > len(data):
+            raise ValueError(f"truncated PNG chunk {kind!r}")
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        if crc != zlib.crc32(kind + payload):
+            raise ValueError(f"bad CRC in PNG chunk {kind!r}")
+        kinds.append(kind)
+        if kind == b"IHDR":
+            header = payload
+        elif kind == b"IDAT":
+            idat += payload
+        pos += 12 + length
+    if not kinds or kinds[0] != b"IHDR" or len(header) != 13:
+        raise ValueError("PNG does not start with a valid IHDR chunk")
+    if kinds[-1] != b"IEND" or not idat:
+        raise ValueError("PNG has no image data or no IEND chunk")
+    width, height, depth, colour, _compression, _filter, interlace = struct.unpack(">IIBBBBB", header)
+    try:
+        pixels = zlib.decompress(bytes(idat))
+    except zlib.error as err:
+        raise ValueError(f"PNG image data does not inflate: {err}") from err
+    if depth == 8 and interlace == 0 and colour in _PNG_CHANNELS:
+        expected = height * (1 + width * _PNG_CHANNELS[colour])
+        if len(pixels) != expected:
+            raise ValueError(f"PNG image data is {len(pixels)} bytes, IHDR promises {expected}")
+    return width, height

@@ -1,0 +1,125 @@
+"""The media registry: which stages exist, their queues and their limits.
+
+A stage is configuration, not code: adding `video -> gpu.video` is one more entry
+in the table given to `registry_from_table` (env `ANIMASTOR_STAGES`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_QUEUE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+INPUT_FIELDS = ("text", "prompt")
+
+DEFAULT_TABLE: dict[str, dict[str, Any]] = {
+    "audio": {"queue": "gpu.audio", "input": "text", "media_type": "audio/wav"},
+    "image": {"queue": "gpu.image", "input": "prompt", "media_type": "image/png"},
+}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage: its queue, its guards and where its input comes from."""
+
+    name: str
+    queue: str
+    input_field: str = "text"
+    media_type: str = "application/octet-stream"
+    lease_ttl: int = 120
+    lane_limit: int = 8
+    book_quota: int = 4
+    window: int = 4
+    generator: str = "builtin"
+    endpoint: str | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def task_name(self) -> str:
+        return f"animastor.generate.{self.name}"
+
+    @property
+    def fingerprint(self) -> str:
+        """Generator and parameters: part of the input hash, so changing either reruns the stage."""
+        return json.dumps([self.generator, dict(self.params)], sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class MediaRegistry:
+    stages: tuple[StageSpec, ...]
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    def queues(self) -> tuple[str, ...]:
+        return tuple(s.queue for s in self.stages)
+
+    def get(self, name: str) -> StageSpec:
+        for spec in self.stages:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def by_queue(self, queue: str) -> StageSpec | None:
+        for spec in self.stages:
+            if spec.queue == queue:
+                return spec
+        return None
+
+    def __contains__(self, name: object) -> bool:
+        return any(s.name == name for s in self.stages)
+
+
+def _positive_int(stage: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"stage {stage!r}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
+    """Build the registry from `{stage: {queue, input, media_type, lease_ttl, ...}}`."""
+    table = DEFAULT_TABLE if table is None else table
+    if not isinstance(table, Mapping) or not table:
+        raise ValueError("the stage table must be a non-empty JSON object")
+    stages: list[StageSpec] = []
+    seen_queues: set[str] = set()
+    for name, entry in table.items():
+        if not isinstance(name, str) or not _NAME_RE.match(name) or name == "all":
+            raise ValueError(f"stage name {name!r} must be lower-case letters, digits or '_' (and not 'all')")
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"stage {name!r}: entry must be an object, got {entry!r}")
+        queue = entry.get("queue", f"gpu.{name}")
+        if not isinstance(queue, str) or not _QUEUE_RE.match(queue) or queue == "animastor.control":
+            raise ValueError(f"stage {name!r}: queue {queue!r} is not a valid queue name")
+        if queue in seen_queues:
+            raise ValueError(f"stage {name!r}: queue {queue!r} is used by another stage")
+        seen_queues.add(queue)
+        input_field = entry.get("input", "text")
+        if input_field not in INPUT_FIELDS:
+            raise ValueError(f"stage {name!r}: input must be one of {INPUT_FIELDS}, got {input_field!r}")
+        endpoint = entry.get("endpoint")
+        if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://"))):
+            raise ValueError(f"stage {name!r}: endpoint must be an http(s) URL, got {endpoint!r}")
+        params = entry.get("params", {})
+        if not isinstance(params, Mapping):
+            raise ValueError(f"stage {name!r}: params must be an object, got {params!r}")
+        stages.append(
+            StageSpec(
+                name=name,
+                queue=queue,
+                input_field=input_field,
+                media_type=str(entry.get("media_type", "application/octet-stream")),
+                lease_ttl=_positive_int(name, "lease_ttl", entry.get("lease_ttl", 120)),
+                lane_limit=_positive_int(name, "lane_limit", entry.get("lane_limit", 8)),
+                book_quota=_positive_int(name, "book_quota", entry.get("book_quota", 4)),
+                window=_positive_int(name, "window", entry.get("window", 4)),
+                generator=str(entry.get("generator", "http" if endpoint else "builtin")),
+                endpoint=endpoint,
+                params=dict(params),
+            )
+        )
+    return MediaRegistry(tuple(stages))

@@ -1,0 +1,80 @@
+"""Every error this package raises on purpose.
+
+    AnimastorError
+     ├── ConfigError          a setting from the environment is missing or malformed
+     ├── InvalidInput         a caller sent something we refuse (nothing was written)
+     │    ├── InvalidBook     a book file that cannot be imported
+     │    └── InvalidCommand  a regenerate/cancel/layers call that cannot be carried out
+     ├── InvalidTransition    an asset state change the FSM does not allow
+     ├── StoreUnavailable     Postgres, Redis or the broker cannot be reached
+     └── GeneratorError       a generator failed to produce media
+          └── GenerationStopped  the job was told to stop (cancel, lost lease)
+
+Driver errors are translated at the adapter edge so that no caller ever sees a
+raw psycopg/redis/kombu traceback.
+"""
+
+from __future__ import annotations
+
+import re
+
+_PASSWORD_IN_URL = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@/\s]*)@", re.I)
+
+
+def redact_url(url: str) -> str:
+    """Hide the password of a URL so it can be printed or logged."""
+    return _PASSWORD_IN_URL.sub(lambda m: f"{m['scheme']}{m['user']}:***@", url)
+
+
+class AnimastorError(Exception):
+    """Root of every error raised on purpose by animastor-tasks."""
+
+
+class ConfigError(AnimastorError):
+    """A setting from the environment is missing or malformed."""
+
+
+class InvalidInput(AnimastorError):
+    """Input refused before anything was written."""
+
+
+class InvalidBook(InvalidInput):
+    """A book document that cannot be imported."""
+
+
+class InvalidCommand(InvalidInput):
+    """A regenerate, cancel or layers request that cannot be carried out."""
+
+
+class InvalidTransition(AnimastorError):
+    """An asset state change the FSM does not allow."""
+
+    def __init__(self, source: str, target: str) -> None:
+        super().__init__(f"asset state cannot move from {source!r} to {target!r}")
+        self.source = source
+        self.target = target
+
+
+class StoreUnavailable(AnimastorError):
+    """Postgres, Redis or the broker cannot be reached or answered with an error."""
+
+    def __init__(self, store: str, url: str, detail: str) -> None:
+        super().__init__(f"{store} unavailable at {redact_url(url)}: {detail}")
+        self.store = store
+        self.url = redact_url(url)
+        self.detail = detail
+
+
+class GeneratorError(AnimastorError):
+    """A generator failed; `retryable` says whether another attempt may succeed."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class GenerationStopped(GeneratorError):
+    """The job was asked to stop (book cancelled or lease lost) and produced nothing."""
+
+    def __init__(self, message: str = "generation stopped") -> None:
+        super().__init__(message, retryable=False)

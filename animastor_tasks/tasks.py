@@ -1,0 +1,130 @@
+"""Thin Celery tasks: the public, versioned contract. Each calls one flow.
+
+| task                        | queue               | kwargs                                                  |
+| --------------------------- | ------------------- | ------------------------------------------------------- |
+| animastor.regenerate        | animastor.control   | book_id, stages, scenes=None, command_id=None, force=True |
+| animastor.cancel            | animastor.control   | book_id, reason=None                                    |
+| animastor.gate              | animastor.control   | book_id                                                 |
+| animastor.tick              | animastor.control   | (none; beat)                                            |
+| animastor.reconcile         | animastor.control   | (none; beat)                                            |
+| animastor.generate.<stage>  | the stage's queue   | book_id, chapter_id, scene_id, stage, dispatch_id, fencing_token |
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Task
+
+from animastor_tasks.celery_app import app, settings
+from animastor_tasks.celery_config import CONTROL_QUEUE
+from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.flow import commands, gate, maintenance, runtime
+from animastor_tasks.flow.generate import Job, run_job
+
+
+class CeleryPublisher:
+    """The flows' `Publisher`, backed by this app."""
+
+    def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None:
+        app.send_task(
+            task_name,
+            kwargs=kwargs,
+            queue=queue,
+            task_id=dispatch_id,
+            retry=True,
+            retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "timeout": 2},
+        )
+
+    def revoke(self, dispatch_ids: Sequence[str]) -> None:
+        try:
+            app.control.revoke(list(dispatch_ids))
+        except Exception as err:  # the start-of-job check is what guarantees safety; revoke only saves work
+            runtime.current().coord.client.hincrby(runtime.current().coord.keys.metrics(), "revoke:failed", 1)
+            app.log.get_default_logger().warning("[DISPATCH] revoke broadcast failed: %s", err)
+
+    def enqueue_gate(self, book_id: str) -> None:
+        app.send_task("animastor.gate", kwargs={"book_id": book_id}, queue=CONTROL_QUEUE)
+
+
+PUBLISHER = CeleryPublisher()
+
+
+def rt() -> runtime.Runtime:
+    return runtime.current(PUBLISHER)
+
+
+@app.task(name="animastor.regenerate")
+def regenerate(
+    book_id: str,
+    stages: list[str],
+    scenes: list[list[str]] | None = None,
+    command_id: str | None = None,
+    force: bool = True,
+) -> dict[str, Any]:
+    return commands.regenerate(rt(), book_id, stages, scenes, command_id, force)
+
+
+@app.task(name="animastor.cancel")
+def cancel(book_id: str, reason: str | None = None) -> dict[str, Any]:
+    return commands.cancel(rt(), book_id, reason)
+
+
+@app.task(name="animastor.gate")
+def gate_task(book_id: str) -> dict[str, Any]:
+    report = gate.gate_pass(rt(), book_id)
+    return {
+        "book_id": book_id,
+        "authorized": len(report.authorized),
+        "released": len(report.released),
+        "outcomes": dict(report.outcomes),
+        "error": report.error,
+    }
+
+
+@app.task(name="animastor.tick", ignore_result=True)
+def tick() -> list[str]:
+    return maintenance.tick(rt())
+
+
+@app.task(name="animastor.reconcile", ignore_result=True)
+def reconcile() -> dict[str, Any]:
+    return maintenance.reconcile(rt())
+
+
+def _register_generate(spec: StageSpec) -> None:
+    @app.task(
+        name=spec.task_name,
+        bind=True,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        soft_time_limit=settings.job_soft_time_limit,
+        time_limit=settings.job_time_limit,
+    )
+    def generate(
+        self: Task, book_id: str, chapter_id: str, scene_id: str, stage: str, dispatch_id: str, fencing_token: int
+    ) -> dict[str, Any]:
+        last = [0.0]
+
+        def progress(fraction: float) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.5 or fraction >= 1.0:
+                last[0] = now
+                meta = {
+                    "book_id": book_id,
+                    "chapter_id": chapter_id,
+                    "scene_id": scene_id,
+                    "stage": stage,
+                    "percent": round(fraction * 100, 1),
+                }
+                self.update_state(state="PROGRESS", meta=meta)
+                self.send_event("task-progress", **meta)
+
+        job = Job(book_id, chapter_id, scene_id, stage, dispatch_id, int(fencing_token))
+        return run_job(rt(), job, worker=self.request.hostname or "unknown", progress=progress)
+
+
+for _spec in settings.stages:
+    _register_generate(_spec)

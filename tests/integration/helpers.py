@@ -1,0 +1,59 @@
+"""Shared builders for integration tests (real Postgres, Redis and broker)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from animastor_tasks.domain.book import Book, parse_book
+from animastor_tasks.flow.runtime import Runtime
+
+
+def make_book(book_id: str = "b1", chapters: int = 2, scenes: int = 3, text: str = "Once upon a time") -> Book:
+    return parse_book(
+        {
+            "book_id": book_id,
+            "title": f"Book {book_id}",
+            "chapters": [
+                {
+                    "chapter_id": f"ch{c}",
+                    "title": f"Chapter {c}",
+                    "scenes": [
+                        {"scene_id": f"s{s}", "text": f"{text} {c}.{s}", "prompt": f"a lighthouse {c}.{s}"}
+                        for s in range(1, scenes + 1)
+                    ],
+                }
+                for c in range(1, chapters + 1)
+            ],
+        }
+    )
+
+
+def advertise(rt: Runtime, *queues: str, host: str = "test-worker@local", ttl: float = 60.0) -> None:
+    """Announce a consumer the way a worker's heartbeat does (for tests without GPU workers)."""
+    rt.coord.heartbeat(host, queues, ttl)
+
+
+def queued_messages(rt: Runtime, queue: str) -> int:
+    """Messages waiting in a queue of the real Redis broker."""
+    client = redis.Redis.from_url(rt.settings.broker_url)
+    try:
+        return int(client.llen(queue))
+    finally:
+        client.close()
+
+
+def states(rt: Runtime, book: str) -> dict[tuple[str, str, str], str]:
+    return {(c, s, st): state for c, s, st, state, _ in rt.ledger.scene_states(book)}
+
+
+def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")

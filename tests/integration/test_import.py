@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from animastor_tasks.adapters.postgres import migrate
+from animastor_tasks.domain.book import book_to_dict
+from animastor_tasks.errors import InvalidBook
+
+from .helpers import make_book, queued_messages, states
+
+
+def test_import_creates_every_pair_dirty_and_queues_nothing(rt) -> None:
+    summary = rt.catalog.import_book(make_book())
+    assert summary.created and summary.scenes_added == 6
+    found = states(rt, "b1")
+    assert len(found) == 12 and set(found.values()) == {"dirty"}
+    assert queued_messages(rt, "gpu.audio") == 0 and rt.coord.active_books() == set()
+
+
+def test_reimport_dirties_only_ready_audio_of_changed_text(rt) -> None:
+    book = make_book()
+    rt.catalog.import_book(book)
+    with rt.db.transaction() as conn:
+        conn.execute(
+            "UPDATE asset_states a SET state = 'ready', artifact_sha256 = 'x', input_hash = s.input_hashes ->> a.stage"
+            " FROM scenes s WHERE s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
+        )
+    doc = book_to_dict(book)
+    doc["chapters"][0]["scenes"][0]["text"] = "A different text"
+    from animastor_tasks.domain.book import parse_book
+
+    summary = rt.catalog.import_book(parse_book(doc))
+    assert (summary.created, summary.scenes_changed, summary.assets_dirtied) == (False, 1, 1)
+    found = states(rt, "b1")
+    assert found[("ch1", "s1", "audio")] == "dirty"
+    assert found[("ch1", "s1", "image")] == "ready"  # the prompt did not change
+    assert sum(1 for v in found.values() if v == "ready") == 11
+    assert queued_messages(rt, "gpu.audio") == 0
+
+
+def test_reimport_removes_dropped_scenes(rt) -> None:
+    rt.catalog.import_book(make_book(scenes=3))
+    summary = rt.catalog.import_book(make_book(scenes=2))
+    assert summary.scenes_removed == 2
+    assert len(states(rt, "b1")) == 8
+
+
+def test_migrate_is_idempotent(rt) -> None:
+    assert migrate(rt.db) == []
+
+
+def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.cli", *args], input=stdin, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_cli_import_and_bad_input_writes_nothing(rt, tmp_path) -> None:
+    good = tmp_path / "book.json"
+    good.write_text(json.dumps(book_to_dict(make_book("cli-book"))))
+    done = _cli("book", "import", str(good), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["scenes_added"] == 6
+
+    bad = book_to_dict(make_book("bad-book"))
+    bad["chapters"][1]["scenes"][2]["scene_id"] = "s1"
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    refused = _cli("book", "import", str(path))
+    assert refused.returncode == 2
+    assert "chapters[1].scenes[2].scene_id" in refused.stderr and "'s1'" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert not rt.catalog.book_exists("bad-book")
+
+    broken = _cli("book", "import", "-", stdin="{not json")
+    assert broken.returncode == 2 and "line 1" in broken.stderr
+
+
+def test_cli_store_down_exits_3_without_password(rt, tmp_path) -> None:
+    path = tmp_path / "book.json"
+    path.write_text(json.dumps(book_to_dict(make_book("x"))))
+    env_url = "postgresql://postgres:s3cret@127.0.0.1:1/none"
+    done = subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.cli", "book", "import", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "ANIMASTOR_DATABASE_URL": env_url},
+    )
+    assert done.returncode == 3, done.stderr
+    assert "postgres unavailable" in done.stderr and "s3cret" not in done.stderr
+
+
+def test_invalid_book_from_python_writes_nothing(rt) -> None:
+    from animastor_tasks.domain.book import parse_book
+
+    with pytest.raises(InvalidBook, match="chapters"):
+        parse_book({"book_id": "b", "title": "t", "chapters": []})
+    assert not rt.catalog.book_exists("b")

@@ -1,0 +1,65 @@
+"""The decision table: command x layer x cancel x registry -> authorization and reason."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from animastor_tasks.domain.gate import BookFacts, CommandStatus, Denial, authorize_scene, decide, parse_layers
+
+PAIR = ("ch1", "s1", "audio")
+COMMANDS = ["none", "active_this_stage", "active_other_stage", "blocked", "cancelled", "completed"]
+LAYERS = {"on": '{"audio_enabled": true}', "off": '{"audio_enabled": false}', "missing": None, "broken": "{not json"}
+CANCELS = {"none": (False, False), "flag": (True, False), "tombstone": (False, True), "both": (True, True)}
+
+
+def commanded_for(command: str) -> frozenset[tuple[str, str, str]]:
+    """Only an ACTIVE command of this stage that targets the scene authorizes it."""
+    commands = {
+        "none": [],
+        "active_this_stage": [(CommandStatus.ACTIVE, "audio")],
+        "active_other_stage": [(CommandStatus.ACTIVE, "image")],
+        "blocked": [(CommandStatus.BLOCKED, "audio")],
+        "cancelled": [(CommandStatus.CANCELLED, "audio")],
+        "completed": [(CommandStatus.COMPLETED, "audio")],
+    }[command]
+    return frozenset(("ch1", "s1", stage) for status, stage in commands if status == CommandStatus.ACTIVE)
+
+
+def expected(command: str, layer: str, cancel: str, readable: bool) -> Denial | None:
+    if cancel != "none":
+        return Denial.CANCELLED
+    if not readable or command != "active_this_stage":
+        return Denial.NO_ACTIVE_TASK
+    if layer == "off":
+        return Denial.LAYER_DISABLED
+    return None
+
+
+@pytest.mark.parametrize(
+    ("command", "layer", "cancel", "readable"),
+    list(itertools.product(COMMANDS, LAYERS, CANCELS, [True, False])),
+)
+def test_decision_table(command: str, layer: str, cancel: str, readable: bool) -> None:
+    flag, tombstone = CANCELS[cancel]
+    facts = BookFacts(
+        registry_readable=readable,
+        cancel_flag=flag,
+        tombstone=tombstone,
+        layers_raw=LAYERS[layer],
+        commanded=commanded_for(command) if readable else frozenset(),
+    )
+    assert decide(facts, PAIR) == expected(command, layer, cancel, readable)
+
+
+def test_scene_authorization_lists_each_denied_stage() -> None:
+    facts = BookFacts(True, layers_raw='{"image_enabled": false}', commanded=frozenset({("c", "s", "image")}))
+    auth = authorize_scene(facts, "c", "s", ["audio", "image"])
+    assert auth.stages == frozenset()
+    assert auth.denied == {"audio": Denial.NO_ACTIVE_TASK, "image": Denial.LAYER_DISABLED}
+
+
+@pytest.mark.parametrize("raw", [None, "", "[]", "42", "{bad", '"x"', '{"audio_enabled": "no"}'])
+def test_unusable_layer_config_enables_everything(raw: str | None) -> None:
+    assert parse_layers(raw).get("audio_enabled") is not False

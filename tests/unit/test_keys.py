@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import fnmatch
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from animastor_tasks.domain.keys import Keyspace, encode, pair_member, parse_pair_member, scene_member
+
+HOSTILE = st.text(
+    alphabet=st.one_of(st.sampled_from(list(":*?[]\\ %/\n\t")), st.characters(codec="utf-8")),
+    min_size=1,
+    max_size=30,
+)
+keys = Keyspace("pfx")
+
+
+@given(a=st.tuples(HOSTILE, HOSTILE, HOSTILE, HOSTILE), b=st.tuples(HOSTILE, HOSTILE, HOSTILE, HOSTILE))
+def test_distinct_tuples_never_share_a_key(a: tuple[str, ...], b: tuple[str, ...]) -> None:
+    if a != b:
+        assert keys.lease(*a) != keys.lease(*b)
+
+
+@given(t=st.tuples(HOSTILE, HOSTILE, HOSTILE, HOSTILE))
+def test_every_key_parses_back_to_its_tuple(t: tuple[str, str, str, str]) -> None:
+    assert keys.parse_lease(keys.lease(*t)) == t
+
+
+@given(t=st.tuples(HOSTILE, HOSTILE, HOSTILE))
+def test_pair_members_round_trip(t: tuple[str, str, str]) -> None:
+    assert parse_pair_member(pair_member(*t)) == t
+
+
+@given(component=HOSTILE)
+def test_encoded_component_has_no_separator_or_glob(component: str) -> None:
+    encoded = encode(component)
+    assert not set(encoded) & set(":*?[]\\ \n")
+    assert encoded.isascii()
+
+
+def test_book_a_b_chapter_c_differs_from_book_a_chapter_b_c() -> None:
+    assert keys.lease("a:b", "c", "s", "audio") != keys.lease("a", "b:c", "s", "audio")
+    assert scene_member("a:b", "c") != scene_member("a", "b:c")
+
+
+@given(book=HOSTILE, other=HOSTILE)
+def test_book_scan_pattern_matches_only_that_book(book: str, other: str) -> None:
+    pattern = keys.book_pattern("lease", book)
+    own = keys.lease(book, "c", "s", "audio")
+    foreign = keys.lease(other, "c", "s", "audio")
+    assert fnmatch.fnmatchcase(own, pattern)
+    if other != book:
+        assert not fnmatch.fnmatchcase(foreign, pattern)
+
+
+def test_star_book_pattern_does_not_widen() -> None:
+    pattern = keys.book_pattern("lease", "a*")
+    assert not fnmatch.fnmatchcase(keys.lease("abc", "c", "s", "audio"), pattern)
+    assert fnmatch.fnmatchcase(keys.lease("a*", "c", "s", "audio"), pattern)
+
+
+def test_parse_rejects_foreign_keys() -> None:
+    with pytest.raises(ValueError):
+        keys.parse_lease("other:lease:a:b:c:d")
+    with pytest.raises(ValueError):
+        keys.parse_lease("pfx:lease:a:b:c")
+
+
+def test_unknown_deferral_bucket_is_refused() -> None:
+    with pytest.raises(ValueError, match="bucket"):
+        keys.deferrals("b", "nope")

@@ -1,0 +1,113 @@
+"""domain.media makes real, reproducible WAV and PNG files from text."""
+
+from __future__ import annotations
+
+import io
+import struct
+import wave
+import zlib
+from typing import Any
+
+import pytest
+
+from animastor_tasks.domain.media import png_size, render_png, synthesize_wav, wav_duration_seconds
+
+
+def _pcm(data: bytes) -> tuple[Any, list[int]]:
+    with wave.open(io.BytesIO(data), "rb") as wav:
+        params = wav.getparams()
+        frames = wav.readframes(wav.getnframes())
+    return params, list(struct.unpack(f"<{len(frames) // 2}h", frames))
+
+
+def _rgb_pixels(data: bytes) -> list[tuple[int, int, int]]:
+    """Decode our own PNG layout (one IDAT, filter 0) to check the picture is not blank."""
+    width, height = png_size(data)
+    start = data.index(b"IDAT")
+    (length,) = struct.unpack(">I", data[start - 4 : start])
+    raw = zlib.decompress(data[start + 4 : start + 4 + length])
+    stride = 1 + 3 * width
+    pixels = []
+    for y in range(height):
+        row = raw[y * stride : (y + 1) * stride]
+        assert row[0] == 0
+        pixels.extend(tuple(row[1 + 3 * x : 4 + 3 * x]) for x in range(width))
+    return pixels
+
+
+def test_wav_is_mono_16bit_pcm_and_audible() -> None:
+    params, samples = _pcm(synthesize_wav("Once upon a time there was a dragon."))
+    assert (params.nchannels, params.sampwidth, params.framerate) == (1, 2, 16000)
+    assert max(abs(s) for s in samples) > 5000
+
+
+@pytest.mark.parametrize(("words", "expected"), [(1, 0.3), (10, 1.2), (100, 12.0)])
+def test_wav_duration_follows_word_count(words: int, expected: float) -> None:
+    text = " ".join(f"word{i}" for i in range(words))
+    assert wav_duration_seconds(synthesize_wav(text)) == pytest.approx(expected, abs=1 / 16000)
+
+
+def test_wav_duration_grows_with_text_and_honours_settings() -> None:
+    short = wav_duration_seconds(synthesize_wav("a b c d e"))
+    long = wav_duration_seconds(synthesize_wav("a b c d e " * 10))
+    assert long > short * 5
+    data = synthesize_wav("one two", sample_rate=8000, seconds_per_word=0.5, min_seconds=0.1)
+    assert _pcm(data)[0].framerate == 8000
+    assert wav_duration_seconds(data) == pytest.approx(1.0)
+    assert wav_duration_seconds(synthesize_wav("")) == pytest.approx(0.3)
+
+
+def test_wav_is_deterministic_and_text_dependent() -> None:
+    assert synthesize_wav("the same words") == synthesize_wav("the same words")
+    assert synthesize_wav("the same words") != synthesize_wav("other same words")
+    # Each word gets its own tone: the halves of a two-word clip differ.
+    _, samples = _pcm(synthesize_wav("alpha omega", seconds_per_word=0.2))
+    half = len(samples) // 2
+    assert samples[:half] != samples[half:]
+
+
+def test_wav_rejects_bad_arguments_and_bad_input() -> None:
+    with pytest.raises(ValueError, match="sample_rate"):
+        synthesize_wav("x", sample_rate=10)
+    with pytest.raises(ValueError):
+        synthesize_wav("x", seconds_per_word=0)
+    with pytest.raises(ValueError, match="not a WAV"):
+        wav_duration_seconds(b"RIFF nonsense")
+
+
+def test_png_has_requested_size_and_valid_structure() -> None:
+    data = render_png("a castle at dusk")
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert png_size(data) == (64, 64)
+    assert png_size(render_png("a castle at dusk", width=10, height=7)) == (10, 7)
+    assert png_size(render_png("tiny", width=1, height=1)) == (1, 1)
+
+
+def test_png_is_deterministic_and_prompt_dependent() -> None:
+    assert render_png("a castle at dusk") == render_png("a castle at dusk")
+    assert render_png("a castle at dusk") != render_png("a castle at dawn")
+    assert _rgb_pixels(render_png("a castle at dusk")) != _rgb_pixels(render_png("a castle at dawn"))
+
+
+def test_png_is_a_picture_not_a_flat_fill() -> None:
+    pixels = _rgb_pixels(render_png("a forest"))
+    assert len(pixels) == 64 * 64
+    assert len(set(pixels)) > 50
+
+
+def test_png_size_rejects_corruption() -> None:
+    data = bytearray(render_png("a castle"))
+    data[data.index(b"IDAT") + 10] ^= 0xFF
+    with pytest.raises(ValueError, match="CRC"):
+        png_size(bytes(data))
+    with pytest.raises(ValueError, match="signature"):
+        png_size(b"GIF89a")
+    with pytest.raises(ValueError):
+        png_size(render_png("a castle")[:-12])  # IEND cut off
+
+
+def test_png_rejects_bad_size() -> None:
+    with pytest.raises(ValueError, match="width"):
+        render_png("x", width=0)
+    with pytest.raises(ValueError, match="height"):
+        render_png("x", height=100_000)

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from animastor_tasks.celery_config import build_config
+from animastor_tasks.config import Settings
+from animastor_tasks.domain.outcomes import DeferralWindows, Outcome, compute_backoff, deferral_bucket, deferral_seconds
+from animastor_tasks.domain.registry import registry_from_table
+from animastor_tasks.errors import ConfigError
+
+
+def test_default_registry() -> None:
+    reg = registry_from_table(None)
+    assert reg.names() == ("audio", "image")
+    assert reg.get("audio").queue == "gpu.audio" and reg.get("image").queue == "gpu.image"
+    assert reg.get("image").task_name == "animastor.generate.image"
+
+
+def test_a_third_stage_is_configuration_only() -> None:
+    table = {
+        "audio": {"queue": "gpu.audio"},
+        "image": {"queue": "gpu.image", "input": "prompt"},
+        "video": {"queue": "gpu.video", "input": "prompt", "lease_ttl": 600, "lane_limit": 2, "book_quota": 1},
+    }
+    settings = Settings.from_env({"ANIMASTOR_STAGES": json.dumps(table)})
+    assert settings.registry.names() == ("audio", "image", "video")
+    video = settings.registry.get("video")
+    assert (video.lease_ttl, video.lane_limit, video.book_quota) == (600, 2, 1)
+    conf = build_config(settings)
+    assert {q.name for q in conf["task_queues"]} == {"animastor.control", "gpu.audio", "gpu.image", "gpu.video"}
+    assert conf["task_routes"]["animastor.generate.video"] == {"queue": "gpu.video"}
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"ANIMASTOR_DATABASE_URL": "mysql://x"}, "ANIMASTOR_DATABASE_URL"),
+        ({"ANIMASTOR_REDIS_URL": "redis://host:notaport/0"}, "notaport"),
+        ({"ANIMASTOR_TICK_SECONDS": "soon"}, "'soon'"),
+        ({"ANIMASTOR_TICK_SECONDS": "-1"}, "ANIMASTOR_TICK_SECONDS"),
+        ({"ANIMASTOR_STAGES": "{oops"}, "ANIMASTOR_STAGES"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"lease_ttl": 0}}'}, "lease_ttl"),
+        ({"ANIMASTOR_STAGES": '{"a": {"queue": "q"}, "b": {"queue": "q"}}'}, "used by another stage"),
+        ({"ANIMASTOR_KEY_PREFIX": "bad prefix*"}, "ANIMASTOR_KEY_PREFIX"),
+        ({"ANIMASTOR_JOB_TIME_LIMIT": "10", "ANIMASTOR_JOB_SOFT_TIME_LIMIT": "20"}, "SOFT_TIME_LIMIT"),
+        ({"ANIMASTOR_VISIBILITY_TIMEOUT": "100"}, "VISIBILITY_TIMEOUT"),
+    ],
+)
+def test_bad_settings_name_the_variable(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env(env)
+    assert needle in str(info.value)
+
+
+def test_password_never_shown() -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"ANIMASTOR_DATABASE_URL": "mysql://user:s3cret@host/db"})
+    assert "s3cret" not in str(info.value)
+    described = Settings.from_env({"ANIMASTOR_REDIS_URL": "redis://:hunter2@127.0.0.1:6379/0"}).describe()
+    assert "hunter2" not in json.dumps(described)
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(AttributeError):
+        Settings().key_prefix = "x"  # type: ignore[misc]
+
+
+def test_taxonomy_windows() -> None:
+    w = DeferralWindows(60, 900)
+    assert {deferral_seconds(o, w) for o in (Outcome.LANE_FULL, Outcome.QUOTA_EXHAUSTED, Outcome.WINDOW_FULL)} == {60}
+    assert {deferral_seconds(o, w) for o in (Outcome.ALREADY_COMPLETED, Outcome.ALREADY_GENERATING)} == {900}
+    assert deferral_seconds(Outcome.FENCE_REJECTED, w) == 900
+    assert deferral_bucket(Outcome.BLOCKED) is None and deferral_seconds(Outcome.PUBLISH_FAILED, w) is None
+
+
+def test_backoff_is_capped_and_pure() -> None:
+    assert [compute_backoff(n, base=1, maximum=5) for n in range(0, 6)] == [0, 1, 2, 4, 5, 5]
