@@ -43,7 +43,7 @@ class Client:
                 kwargs=kwargs,
                 queue=CONTROL_QUEUE,
                 retry=True,
-                retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "timeout": 3},
+                retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
             )
         except (OperationalError, OSError) as err:
             raise StoreUnavailable("broker", self.settings.broker_url, str(err) or type(err).__name__) from err

@@ -35,7 +35,7 @@ class CeleryPublisher:
             queue=queue,
             task_id=dispatch_id,
             retry=True,
-            retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "timeout": 2},
+            retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
         )
 
     def revoke(self, dispatch_ids: Sequence[str]) -> None:

@@ -264,7 +264,10 @@ class Ledger:
         `choose(counts)` receives the in-transaction counts and returns the subset of
         `wanted` (pair, dispatch id) to claim; it runs while the lane locks are held, so
         two concurrent passes can never overfill a lane or claim one pair twice.
-        `before_commit(claims)` takes the leases: if it fails, nothing is claimed.
+        `before_commit(claims)` takes the leases and records capacity deferrals while the
+        lane locks are held (a completion takes the same lock before it frees capacity,
+        so a deferral can never be written after the completion that should clear it);
+        if it fails, nothing is claimed.
         """
         stages = sorted({pair[2] for pair, _ in wanted})
         with self.db.transaction() as conn:
@@ -272,25 +275,25 @@ class Ledger:
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lane:{queue_lanes[stage]}",))
             counts = self._capacity_counts(conn, book, stages)
             chosen: Sequence[tuple[Pair, str]] = choose(counts)
-            if not chosen:
-                return []
-            rows = conn.execute(
-                "WITH p(chapter_id, scene_id, stage, dispatch_id) AS"
-                " (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]))"
-                " UPDATE asset_states a SET state = 'generating', fencing_token = a.fencing_token + 1,"
-                " dispatch_id = p.dispatch_id, updated_at = now() FROM p"
-                " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
-                " AND a.stage = p.stage AND a.state = 'pending'"
-                " RETURNING a.chapter_id, a.scene_id, a.stage, a.fencing_token, a.dispatch_id",
-                (
-                    [p[0] for p, _ in chosen],
-                    [p[1] for p, _ in chosen],
-                    [p[2] for p, _ in chosen],
-                    [d for _, d in chosen],
-                    book,
-                ),
-            ).fetchall()
-            claims = [Claim(*row) for row in rows]
+            claims: list[Claim] = []
+            if chosen:
+                rows = conn.execute(
+                    "WITH p(chapter_id, scene_id, stage, dispatch_id) AS"
+                    " (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]))"
+                    " UPDATE asset_states a SET state = 'generating', fencing_token = a.fencing_token + 1,"
+                    " dispatch_id = p.dispatch_id, updated_at = now() FROM p"
+                    " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
+                    " AND a.stage = p.stage AND a.state = 'pending'"
+                    " RETURNING a.chapter_id, a.scene_id, a.stage, a.fencing_token, a.dispatch_id",
+                    (
+                        [p[0] for p, _ in chosen],
+                        [p[1] for p, _ in chosen],
+                        [p[2] for p, _ in chosen],
+                        [d for _, d in chosen],
+                        book,
+                    ),
+                ).fetchall()
+                claims = [Claim(*row) for row in rows]
             if claims:
                 conn.execute(
                     "INSERT INTO events (kind, book_id, chapter_id, scene_id, stage, dispatch_id, detail)"
@@ -305,7 +308,7 @@ class Ledger:
                         [c.token for c in claims],
                     ),
                 )
-                before_commit(claims)
+            before_commit(claims)
         return claims
 
     @staticmethod
@@ -484,10 +487,12 @@ class Ledger:
         token: int,
         dispatch_id: str,
         artifact: dict[str, Any],
+        lane: str,
     ) -> bool:
         """`generating -> ready` + the artifact row, only if the token is still current."""
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lane:{lane}",))
             done = conn.execute(
                 "UPDATE asset_states a SET state = 'ready', artifact_sha256 = %s,"
                 " input_hash = s.input_hashes ->> a.stage, error = NULL, updated_at = now() FROM scenes s"
@@ -521,9 +526,10 @@ class Ledger:
             self._settle_commands(conn, book)
         return True
 
-    def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str) -> bool:
+    def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool:
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lane:{lane}",))
             done = conn.execute(
                 "UPDATE asset_states SET state = 'failed', error = %s, updated_at = now()"
                 " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s"

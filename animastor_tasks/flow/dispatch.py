@@ -161,7 +161,9 @@ def _claim_and_publish(
                 permits[stage] -= 1
         return chosen
 
-    def take_leases(claims: list[Claim]) -> None:
+    def before_commit(claims: list[Claim]) -> None:
+        for outcome, pairs in capacity.items():
+            _defer(rt, book, outcome, pairs, now)
         rt.coord.take_leases(
             [
                 (
@@ -182,9 +184,8 @@ def _claim_and_publish(
             ]
         )
 
-    claims = rt.ledger.claim(book, wanted, {s: spec.queue for s, spec in specs.items()}, choose, take_leases)
+    claims = rt.ledger.claim(book, wanted, {s: spec.queue for s, spec in specs.items()}, choose, before_commit)
     for outcome, pairs in capacity.items():
-        _defer(rt, book, outcome, pairs, now)
         result.outcomes[outcome] += len(pairs)
     if not claims:
         return

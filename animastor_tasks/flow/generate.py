@@ -143,32 +143,34 @@ def _run_owned(
             telemetry.record(rt, "job:stopped")
             return {**result, "outcome": "stopped", "reason": watcher.why}
         if media is None:
-            if not rt.ledger.fail_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, error):
+            if not rt.ledger.fail_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, error, spec.queue):
                 return _reject(rt, job, "stale_token", result)
             telemetry.record(rt, "job:failed")
             log.error("[GENERATE] %s failed after %d attempt(s): %s", job.describe(), attempts, error)
+            _free_capacity(rt, job)
             return {**result, "outcome": "failed", "error": error, "attempts": attempts}
         artifact = store_artifact(rt.settings.artifact_root, media, job)
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
-        if not rt.ledger.commit_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, artifact):
+        if not rt.ledger.commit_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, artifact, spec.queue):
             return _reject(rt, job, "stale_token at commit; output discarded", result)
     finally:
         watcher.done.set()
         watcher.join(timeout=2)
         rt.coord.release_lease(job.lease_pair, job.dispatch_id)
     rt.coord.clear_deferrals(job.book_id, [job.pair])
-    # Capacity freed: the book's pairs waiting for it may go now, not when their deferral ends.
-    rt.coord.clear_deferrals(job.book_id, _same_stage_waiting(rt, job), buckets=("capacity",))
-    if rt.publisher is not None:
-        rt.publisher.enqueue_gate(job.book_id)
+    _free_capacity(rt, job)
     telemetry.record(rt, "job:ready")
     log.info("[GENERATE] %s ready sha256=%s attempts=%d", job.describe(), artifact["sha256"], attempts)
     return {**result, "outcome": "ready", "sha256": artifact["sha256"], "attempts": attempts}
 
 
-def _same_stage_waiting(rt: Runtime, job: Job) -> list[tuple[str, str, str]]:
+def _free_capacity(rt: Runtime, job: Job) -> None:
+    """The job's slot is free: the book's pairs waiting for capacity may go now, not in a minute."""
     _, _, deferred, _ = rt.coord.book_snapshot(job.book_id, time.time())
-    return [p for p in deferred.get("capacity", set()) if p[2] == job.stage]
+    waiting = [p for p in deferred.get("capacity", set()) if p[2] == job.stage]
+    rt.coord.clear_deferrals(job.book_id, waiting, buckets=("capacity",))
+    if rt.publisher is not None:
+        rt.publisher.enqueue_gate(job.book_id)
 
 
 def _generate_with_retries(
