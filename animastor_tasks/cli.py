@@ -52,6 +52,15 @@ class Main(click.Group):
 @click.version_option(package_name="animastor-tasks")
 def main() -> None:
     """Command-only GPU job orchestration: books, commands, queues and workers."""
+    _load_local_env()
+
+
+def _load_local_env() -> None:
+    """After `animastor-tasks up` started local stores, later commands find them without a `source`."""
+    from animastor_tasks import devstack
+
+    for key, value in devstack.local_env().items():
+        os.environ.setdefault(key, value)
 
 
 def _emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
@@ -80,8 +89,25 @@ def db_migrate() -> None:
 def up() -> None:
     """Bring the stores up (configured ones when reachable, else local ones) and migrate."""
     from animastor_tasks import devstack
+    from animastor_tasks.adapters.postgres import Database, migrate
 
-    devstack.main(["up"])
+    overrides, _ = devstack.ensure_stores(log=click.echo)
+    os.environ.update(overrides)
+    stores = devstack.LocalStores()
+    if overrides:
+        stores.data_dir.mkdir(parents=True, exist_ok=True)
+        stores.env_path.write_text(devstack.render_env(overrides))
+        click.echo(f"local stores: settings in {stores.env_path} (animastor-tasks commands load them by themselves)")
+    settings = Settings.from_env()
+    db = Database(settings.database_url)
+    try:
+        applied = migrate(db)
+    finally:
+        db.close()
+    click.echo(f"postgres: migrations applied: {', '.join(applied)}" if applied else "postgres: schema up to date")
+    click.echo(
+        "ready: start workers with `animastor-tasks worker` (control) and `animastor-tasks worker --stage audio`"
+    )
 
 
 @main.command()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from celery import Task
+from celery import Celery, Task
 
 from animastor_tasks.celery_app import app, settings
 from animastor_tasks.celery_config import CONTROL_QUEUE
@@ -26,10 +26,13 @@ from animastor_tasks.flow.generate import Job, run_job
 
 
 class CeleryPublisher:
-    """The flows' `Publisher`, backed by this app."""
+    """The flows' `Publisher`, backed by a Celery app (this package's by default)."""
+
+    def __init__(self, celery_app: Celery = app) -> None:
+        self.app = celery_app
 
     def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None:
-        app.send_task(
+        self.app.send_task(
             task_name,
             kwargs=kwargs,
             queue=queue,
@@ -40,13 +43,13 @@ class CeleryPublisher:
 
     def revoke(self, dispatch_ids: Sequence[str]) -> None:
         try:
-            app.control.revoke(list(dispatch_ids))
+            self.app.control.revoke(list(dispatch_ids))
         except Exception as err:  # the start-of-job check is what guarantees safety; revoke only saves work
             runtime.current().coord.client.hincrby(runtime.current().coord.keys.metrics(), "revoke:failed", 1)
             app.log.get_default_logger().warning("[DISPATCH] revoke broadcast failed: %s", err)
 
     def enqueue_gate(self, book_id: str) -> None:
-        app.send_task("animastor.gate", kwargs={"book_id": book_id}, queue=CONTROL_QUEUE)
+        self.app.send_task("animastor.gate", kwargs={"book_id": book_id}, queue=CONTROL_QUEUE)
 
 
 PUBLISHER = CeleryPublisher()

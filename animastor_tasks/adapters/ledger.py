@@ -159,7 +159,7 @@ class Ledger:
                 "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
                 f" WHERE {where} AND c.command_id IN (SELECT command_id FROM commands c WHERE {where}"
                 "  ORDER BY created_at DESC LIMIT %s)"
-                " GROUP BY 1, 2, 3, 4, 5, 6, 7 ORDER BY 6 DESC",
+                " GROUP BY 1, 2, 3, 4, 5, 6, 7 ORDER BY 6 DESC, 3",
                 [*params, *params, limit],
             ).fetchall()
         found: dict[str, dict[str, Any]] = {}

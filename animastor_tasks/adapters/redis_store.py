@@ -109,6 +109,11 @@ class Coordination:
             pipe.execute()
         return len(members)
 
+    def remove_force(self, book: str, pairs: Iterable[Pair]) -> None:
+        members = [pair_member(*p) for p in pairs]
+        if members:
+            self._run(lambda: self.client.srem(self.keys.force_set(book), *members))
+
     # -- deferrals ---------------------------------------------------------------
     def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:
         mapping = {pair_member(*p): now + seconds for p in pairs}

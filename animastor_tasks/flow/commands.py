@@ -129,6 +129,8 @@ def regenerate(
     pairs = [(c, s, stage) for stage in enabled for c, s in targets]
     if force:
         rt.coord.add_force(book, pairs, rt.settings.force_ttl_seconds)
+    else:
+        rt.coord.remove_force(book, pairs)
     rt.coord.clear_deferrals(book, pairs)
     rt.coord.activate(book, targets)
     log.info(

@@ -31,7 +31,9 @@ def _add(rt: Runtime, counts: Mapping[str, int]) -> None:
 
 
 def record_outcomes(rt: Runtime, outcomes: Mapping[str, int]) -> None:
-    _add(rt, {f"dispatch:{outcome}": n for outcome, n in outcomes.items()})
+    """A deferred pair must cost no write, so deferrals are not counted here (the exporter reads the
+    deferral sets themselves)."""
+    _add(rt, {f"dispatch:{outcome}": n for outcome, n in outcomes.items() if outcome != "deferred_capacity"})
 
 
 def record_blocked(rt: Runtime, stage: str, commands: int) -> None:

@@ -57,3 +57,15 @@ def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.1) -> An
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+def fake_artifact(sha: str) -> dict[str, Any]:
+    """An artifact record for a simulated completion (no generator involved)."""
+    return {
+        "sha256": sha.ljust(64, "0"),
+        "size": 1,
+        "media_type": "audio/wav",
+        "generator": "sim",
+        "duration_ms": 1,
+        "path": "-",
+    }

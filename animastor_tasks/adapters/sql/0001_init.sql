@@ -90,8 +90,9 @@ CREATE TABLE artifacts (
     duration_ms    integer NOT NULL,
     path           text NOT NULL,
     created_at     timestamptz NOT NULL DEFAULT now(),
-    UNIQUE (book_id, chapter_id, scene_id, stage, fencing_token)
+    UNIQUE (dispatch_id)                   -- a dispatch commits at most once
 );
+CREATE INDEX artifacts_pair ON artifacts (book_id, chapter_id, scene_id, stage);
 
 CREATE TABLE cancel_tombstones (
     book_id       text PRIMARY KEY REFERENCES books ON DELETE CASCADE,

@@ -1,0 +1,308 @@
+"""Command-to-GPU-start latency through real Celery workers, next to a bare Celery hop.
+
+Workers (subprocesses, on the bench stores):
+  control: `celery -A animastor_tasks worker -Q animastor.control -c 1 -P solo`
+  GPU:     `celery -A animastor_tasks worker -Q gpu.audio -c 1 -P solo` (builtin generator)
+  raw:     `celery -A bench.rawhop worker -Q bench.raw -c 1 -P solo`
+
+Each sample: read the Postgres clock (`clock_timestamp()`), `Client().regenerate(book,
+["audio"], [[ch, sc]], wait=False)` on a scene never generated before, then wait (LISTEN
+on a bench-only trigger) for the job's `job.started` event; latency = `events.at` (the
+start check's transaction start, on the same clock) - the send time. The next sample
+starts once that job is `ready`. A raw-hop sample (enqueue -> the no-op task's first line)
+is taken right after each sample, so both see the same machine load.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from bench.common import (
+    ROOT,
+    BenchResult,
+    BookShape,
+    Context,
+    bench_env,
+    load_books,
+    make_runtime,
+    median,
+    percentile,
+    pg_connect,
+    redis_client,
+    scene_key,
+)
+
+BOOK = "latency-book"
+CHANNEL = "bench_events"
+TARGET_P50_RATIO = 5.0
+TARGET_P99_RATIO = 10.0
+
+_TRIGGER_SQL = f"""
+CREATE OR REPLACE FUNCTION bench_notify_event() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('{CHANNEL}', NEW.kind || '|' || coalesce(NEW.scene_id, ''));
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE TRIGGER bench_notify AFTER INSERT ON events FOR EACH ROW
+    WHEN (NEW.kind IN ('job.started', 'job.ready', 'job.failed')) EXECUTE FUNCTION bench_notify_event();
+"""
+_DROP_TRIGGER_SQL = "DROP TRIGGER IF EXISTS bench_notify ON events; DROP FUNCTION IF EXISTS bench_notify_event();"
+
+
+class Workers:
+    """Celery worker subprocesses, stopped by their own pids only."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logdir = tempfile.mkdtemp(prefix="animastor-bench-workers-")
+
+    def start(self, name: str, app: str, queue: str) -> None:
+        celery = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "celery")
+        env = {**os.environ, **bench_env(), "PYTHONPATH": ROOT}
+        env.pop("ANIMASTOR_STAGES", None)
+        log = open(os.path.join(self.logdir, f"{name}.log"), "wb")  # noqa: SIM115 - closed with the process
+        self.procs[name] = subprocess.Popen(
+            [celery, "-A", app, "worker", "-Q", queue, "-c", "1", "-P", "solo", "-n", f"{name}@%h", "-l", "warning"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+
+    def check(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {name} exited with {proc.returncode}: {self.tail(name)}")
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        try:
+            with open(os.path.join(self.logdir, f"{name}.log"), errors="replace") as handle:
+                return "".join(handle.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+class EventWaiter:
+    """Waits for `job.*` events of a scene: LISTEN (bench trigger), with a table check as fallback."""
+
+    def __init__(self) -> None:
+        self.listen = pg_connect()
+        self.listen.execute(f"LISTEN {CHANNEL}")
+        self.query = pg_connect()
+        self.seen: set[str] = set()
+
+    def clock(self) -> float:
+        return float(self.query.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
+
+    def wait(self, kind: str, scene: str, timeout: float) -> bool:
+        wanted = f"{kind}|{scene}"
+        failed = f"job.failed|{scene}"
+        deadline = time.monotonic() + timeout
+        while wanted not in self.seen:
+            if failed in self.seen:
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            for note in self.listen.notifies(timeout=min(remaining, 0.25), stop_after=1):
+                self.seen.add(note.payload)
+            if wanted not in self.seen and self._recorded(kind, scene):
+                self.seen.add(wanted)
+        return True
+
+    def _recorded(self, kind: str, scene: str) -> bool:
+        row = self.query.execute(
+            "SELECT 1 FROM events WHERE kind = %s AND book_id = %s AND scene_id = %s LIMIT 1", (kind, BOOK, scene)
+        ).fetchone()
+        return row is not None
+
+    def started_at(self, scene: str) -> float:
+        return float(
+            self.query.execute(
+                "SELECT extract(epoch FROM at) FROM events WHERE kind = 'job.started' AND book_id = %s"
+                " AND scene_id = %s ORDER BY id LIMIT 1",
+                (BOOK, scene),
+            ).fetchone()[0]
+        )
+
+    def close(self) -> None:
+        self.listen.close()
+        self.query.close()
+
+
+def wait_until(check: Any, timeout: float, what: str, workers: Workers) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        workers.check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def raw_hop(app: Any, client: Any, timeout: float = 10.0) -> float | None:
+    """Seconds from `send_task` to the no-op task's first line, or None on timeout."""
+    from bench import rawhop
+
+    token = uuid.uuid4().hex
+    sent = time.time()
+    app.send_task(rawhop.TASK, kwargs={"token": token}, queue=rawhop.QUEUE)
+    answer = client.blpop([rawhop.result_key(token)], timeout=timeout)
+    return None if answer is None else float(answer[1]) - sent
+
+
+def breakdown(requests: dict[str, tuple[str, float]]) -> dict[str, float]:
+    """p50 (ms) of send -> command created -> dispatch claimed -> job started, from the journal."""
+    parts: dict[str, list[float]] = {"to_command_created": [], "to_dispatch": [], "to_job_started": []}
+    with pg_connect() as conn:
+        for scene, (command_id, sent) in requests.items():
+            created = conn.execute(
+                "SELECT extract(epoch FROM at) FROM events WHERE kind = 'command.created' AND book_id = %s"
+                " AND detail ->> 'command_id' = %s",
+                (BOOK, command_id),
+            ).fetchone()
+            dispatched = conn.execute(
+                "SELECT extract(epoch FROM at) FROM events WHERE kind = 'dispatch' AND book_id = %s AND scene_id = %s"
+                " ORDER BY id LIMIT 1",
+                (BOOK, scene),
+            ).fetchone()
+            started = conn.execute(
+                "SELECT extract(epoch FROM at) FROM events WHERE kind = 'job.started' AND book_id = %s"
+                " AND scene_id = %s ORDER BY id LIMIT 1",
+                (BOOK, scene),
+            ).fetchone()
+            if created and dispatched and started:
+                parts["to_command_created"].append((float(created[0]) - sent) * 1000)
+                parts["to_dispatch"].append((float(dispatched[0]) - float(created[0])) * 1000)
+                parts["to_job_started"].append((float(started[0]) - float(dispatched[0])) * 1000)
+    return {k: round(median(v), 2) for k, v in parts.items()}
+
+
+def run(ctx: Context) -> BenchResult:
+    from animastor_tasks.client import Client
+    from animastor_tasks.config import Settings
+    from bench import rawhop
+
+    result = BenchResult()
+    samples = 40 if ctx.quick else 200
+    warmup = 5
+    shape = BookShape(BOOK, samples + warmup + 5, 1000)
+    load_books([shape], lambda _b, _i, _st: "dirty")
+    with pg_connect() as conn:
+        conn.execute(_TRIGGER_SQL)
+
+    rt = make_runtime(publisher=False)
+    workers = Workers()
+    waiter = EventWaiter()
+    client = Client(Settings.from_env(bench_env()))
+    rclient = redis_client()
+    latencies: list[float] = []
+    hops: list[float] = []
+    failures: list[str] = []
+    requests: dict[str, tuple[str, float]] = {}
+    try:
+        started = time.perf_counter()
+        workers.start("control", "animastor_tasks", "animastor.control")
+        workers.start("gpu-audio", "animastor_tasks", "gpu.audio")
+        workers.start("raw", "bench.rawhop", rawhop.QUEUE)
+        wait_until(
+            lambda: all(rt.coord.live_consumers([q])[q] for q in ("animastor.control", "gpu.audio")),
+            90,
+            "worker presence",
+            workers,
+        )
+        wait_until(lambda: raw_hop(rawhop.app, rclient, 2.0) is not None, 90, "the raw-hop worker", workers)
+        ctx.log(f"latency: workers up in {time.perf_counter() - started:.1f}s; {samples} samples")
+
+        consecutive = 0
+        for i in range(warmup + samples):
+            workers.check()
+            chapter, scene = scene_key(i, shape.scenes_per_chapter)
+            command_id = str(uuid.uuid4())
+            sent = waiter.clock()
+            client.regenerate(BOOK, ["audio"], [[chapter, scene]], command_id=command_id, wait=False)
+            ok = waiter.wait("job.started", scene, 20.0) and waiter.wait("job.ready", scene, 20.0)
+            if not ok:
+                failures.append(scene)
+                consecutive += 1
+                if consecutive >= 3:
+                    raise RuntimeError(
+                        f"3 samples in a row never started; control log: {workers.tail('control')}"
+                        f" gpu log: {workers.tail('gpu-audio')}"
+                    )
+                continue
+            consecutive = 0
+            if i >= warmup:
+                latencies.append(waiter.started_at(scene) - sent)
+                requests[scene] = (command_id, sent)
+            time.sleep(0.02)  # let the control worker finish the gate pass the completion enqueued
+            hop = raw_hop(rawhop.app, rclient)
+            if hop is not None and i >= warmup:
+                hops.append(hop)
+            if (i + 1) % 50 == 0:
+                ctx.log(f"latency: {i + 1 - warmup}/{samples} samples")
+    finally:
+        workers.stop()
+        waiter.close()
+        client.close()
+        rclient.close()
+        rt.close()
+        with pg_connect() as conn:
+            conn.execute(_DROP_TRIGGER_SQL)
+
+    ms = [x * 1000 for x in latencies]
+    raw = [x * 1000 for x in hops]
+    p50, p99 = percentile(ms, 50), percentile(ms, 99)
+    raw50, raw99 = percentile(raw, 50), percentile(raw, 99)
+    result.figure(
+        "latency_p50_ms",
+        p50,
+        "ms",
+        baseline=f"raw hop p50 {raw50:.2f} ms (x{p50 / raw50:.1f})",
+        target=f"<= {TARGET_P50_RATIO:g}x raw p50",
+        ok=p50 <= TARGET_P50_RATIO * raw50,
+    )
+    result.figure(
+        "latency_p99_ms",
+        p99,
+        "ms",
+        baseline=f"raw hop p99 {raw99:.2f} ms (x{p99 / raw99:.1f})",
+        target=f"<= {TARGET_P99_RATIO:g}x raw p99",
+        ok=p99 <= TARGET_P99_RATIO * raw99,
+    )
+    result.figure("raw_hop_p50_ms", raw50, "ms", baseline="bare Celery hop, solo worker")
+    result.figure("raw_hop_p99_ms", raw99, "ms", baseline="bare Celery hop, solo worker")
+    result.notes["latency"] = {
+        "samples": len(ms),
+        "raw_samples": len(raw),
+        "warmup": warmup,
+        "failures": failures,
+        "min_ms": round(min(ms), 2) if ms else None,
+        "max_ms": round(max(ms), 2) if ms else None,
+        "raw_max_ms": round(max(raw), 2) if raw else None,
+        "breakdown_p50_ms": breakdown(requests),
+        "method": "events.at of job.started (start check's transaction start, DB clock) - clock_timestamp() read"
+        " just before Client().regenerate(wait=False); 2 Celery hops (client->control, control->gpu) + regenerate"
+        " + gate pass + claim + start check",
+        "worker_logs": workers.logdir,
+    }
+    return result
