@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from kombu import Exchange, Queue
 
@@ -16,6 +17,15 @@ from animastor_tasks.config import Settings
 
 CONTROL_QUEUE = "animastor.control"
 CONTROL_TASKS = ("regenerate", "cancel", "gate", "tick", "reconcile")
+
+
+def result_backend_url(redis_url: str) -> str:
+    """Celery's spelling of a Redis URL: a redis-py `unix://` socket becomes `redis+socket://`."""
+    parts = urlsplit(redis_url)
+    if parts.scheme != "unix":
+        return redis_url
+    db = parse_qs(parts.query).get("db", ["0"])[0]
+    return f"redis+socket://{parts.path}?virtual_host={db}"
 
 
 def build_config(settings: Settings) -> dict[str, Any]:
@@ -26,7 +36,7 @@ def build_config(settings: Settings) -> dict[str, Any]:
         routes[spec.task_name] = {"queue": spec.queue}
     return {
         "broker_url": settings.broker_url,
-        "result_backend": settings.redis_url,
+        "result_backend": result_backend_url(settings.redis_url),
         "result_expires": 3600,
         "task_serializer": "json",
         "result_serializer": "json",

@@ -13,7 +13,7 @@ from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from kombu.exceptions import OperationalError
 
-from animastor_tasks.celery_config import CONTROL_QUEUE
+from animastor_tasks.celery_config import CONTROL_QUEUE, result_backend_url
 from animastor_tasks.config import Settings
 from animastor_tasks.errors import AnimastorError, InvalidCommand, StoreUnavailable
 
@@ -24,7 +24,9 @@ class Client:
     def __init__(self, settings: Settings | None = None, *, timeout: float = 30.0) -> None:
         self.settings = settings or Settings.from_env()
         self.timeout = timeout
-        self.app = Celery("animastor_client", broker=self.settings.broker_url, backend=self.settings.redis_url)
+        self.app = Celery(
+            "animastor_client", broker=self.settings.broker_url, backend=result_backend_url(self.settings.redis_url)
+        )
         self.app.conf.update(
             task_serializer="json",
             accept_content=["json"],

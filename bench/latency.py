@@ -16,6 +16,7 @@ is taken right after each sample, so both see the same machine load.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from bench.common import (
     BookShape,
     Context,
     bench_env,
+    count_round_trips,
     load_books,
     make_runtime,
     median,
@@ -170,6 +172,16 @@ def raw_hop(app: Any, client: Any, timeout: float = 10.0) -> float | None:
     return None if answer is None else float(answer[1]) - sent
 
 
+def regenerate_round_trips(rt: Any, waiter: EventWaiter, key: tuple[str, str]) -> str:
+    """Round trips of one `commands.regenerate` run in this process (it dispatches to the live GPU worker)."""
+    from animastor_tasks.flow import commands
+
+    with count_round_trips(rt) as trips:
+        commands.regenerate(rt, BOOK, ["audio"], [list(key)])
+    waiter.wait("job.ready", key[1], 20.0)
+    return trips.describe()
+
+
 def breakdown(requests: dict[str, tuple[str, float]]) -> dict[str, float]:
     """p50 (ms) of send -> command created -> dispatch claimed -> job started, from the journal."""
     parts: dict[str, list[float]] = {"to_command_created": [], "to_dispatch": [], "to_job_started": []}
@@ -210,7 +222,7 @@ def run(ctx: Context) -> BenchResult:
     with pg_connect() as conn:
         conn.execute(_TRIGGER_SQL)
 
-    rt = make_runtime(publisher=False)
+    rt = make_runtime()
     workers = Workers()
     waiter = EventWaiter()
     client = Client(Settings.from_env(bench_env()))
@@ -219,6 +231,7 @@ def run(ctx: Context) -> BenchResult:
     hops: list[float] = []
     failures: list[str] = []
     requests: dict[str, tuple[str, float]] = {}
+    trips: str | None = None
     try:
         started = time.perf_counter()
         workers.start("control", "animastor_tasks", "animastor.control")
@@ -260,8 +273,11 @@ def run(ctx: Context) -> BenchResult:
                 hops.append(hop)
             if (i + 1) % 50 == 0:
                 ctx.log(f"latency: {i + 1 - warmup}/{samples} samples")
+        trips = regenerate_round_trips(rt, waiter, scene_key(warmup + samples, shape.scenes_per_chapter))
     finally:
         workers.stop()
+        if not failures and trips is not None:
+            shutil.rmtree(workers.logdir, ignore_errors=True)
         waiter.close()
         client.close()
         rclient.close()
@@ -303,6 +319,7 @@ def run(ctx: Context) -> BenchResult:
         "method": "events.at of job.started (start check's transaction start, DB clock) - clock_timestamp() read"
         " just before Client().regenerate(wait=False); 2 Celery hops (client->control, control->gpu) + regenerate"
         " + gate pass + claim + start check",
-        "worker_logs": workers.logdir,
+        "regenerate_round_trips_in_process": trips,
+        "worker_logs": workers.logdir if failures or trips is None else "(removed: no failure)",
     }
     return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import psycopg
 from psycopg.types.json import Jsonb
 
 from animastor_tasks.adapters.postgres import Database
@@ -110,8 +111,8 @@ class Catalog:
         return ImportSummary(book.book_id, bool(created), added, changed, len(removed), dirtied)
 
     @staticmethod
-    def _ensure_asset_rows(conn: object, book_id: str, stages: list[str]) -> None:
-        conn.execute(  # type: ignore[attr-defined]
+    def _ensure_asset_rows(conn: psycopg.Connection, book_id: str, stages: list[str]) -> None:
+        conn.execute(
             "INSERT INTO asset_states (book_id, chapter_id, scene_id, stage)"
             " SELECT s.book_id, s.chapter_id, s.scene_id, st FROM scenes s, unnest(%s::text[]) st"
             " WHERE s.book_id = %s ON CONFLICT DO NOTHING",

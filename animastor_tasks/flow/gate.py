@@ -17,8 +17,9 @@ import psycopg
 from animastor_tasks.adapters.ledger import InFlight
 from animastor_tasks.domain.fsm import AssetState
 from animastor_tasks.domain.gate import BookFacts, Denial, Pair, decide
+from animastor_tasks.domain.outcomes import Outcome
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import dispatch
+from animastor_tasks.flow import dispatch, telemetry
 from animastor_tasks.flow.runtime import Runtime
 
 log = logging.getLogger("animastor.gate")
@@ -36,6 +37,19 @@ class PassReport:
 
 
 def gate_pass(rt: Runtime, book: str, *, dispatch_work: bool = True) -> PassReport:
+    """One pass, timed into the `gate_pass_seconds` histogram when it changed something.
+
+    Why only then: a pass over deferred pairs must stay free of writes; one that released or
+    dispatched pairs writes anyway, and its duration is the one operators need to watch.
+    """
+    started = time.monotonic()
+    report = _gate_pass(rt, book, dispatch_work=dispatch_work)
+    if report.released or any(outcome != Outcome.DEFERRED for outcome in report.outcomes):
+        telemetry.observe(rt, "gate_pass_seconds", time.monotonic() - started)
+    return report
+
+
+def _gate_pass(rt: Runtime, book: str, *, dispatch_work: bool = True) -> PassReport:
     report = PassReport(book)
     now = time.time()
     try:

@@ -16,7 +16,7 @@ from typing import Any
 from animastor_tasks.domain.fsm import AssetState
 from animastor_tasks.domain.gate import BookFacts, decide
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import dispatch, gate
+from animastor_tasks.flow import dispatch, gate, telemetry
 from animastor_tasks.flow.runtime import Runtime
 
 log = logging.getLogger("animastor.reconcile")
@@ -26,10 +26,12 @@ def tick(rt: Runtime) -> list[str]:
     """Enqueue one gate task per book with active scenes; a second beat's tick is skipped."""
     if not rt.coord.try_lock("tick", rt.settings.tick_seconds * 0.8):
         return []
+    started = time.monotonic()
     books = sorted(rt.coord.active_books())
     publisher = rt.require_publisher()
     for book in books:
         publisher.enqueue_gate(book)
+    telemetry.observe(rt, "tick_seconds", time.monotonic() - started)
     return books
 
 

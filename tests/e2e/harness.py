@@ -252,7 +252,7 @@ class Cluster:
             raise AssertionError(f"{err}: still starting: {names}\n{self.report(pending)}") from None
 
     # -- signals ------------------------------------------------------------------------------------
-    def signal(self, proc: Proc, sig: int, *, group: bool = True) -> None:
+    def send_signal(self, proc: Proc, sig: int, *, group: bool = True) -> None:
         """Send `sig` to the process group (worker + pool children), or only to the main process."""
         with contextlib.suppress(ProcessLookupError):
             if group:
@@ -261,7 +261,7 @@ class Cluster:
                 os.kill(proc.pid, sig)
 
     def kill(self, proc: Proc, sig: int = signal.SIGKILL, *, group: bool = True) -> None:
-        self.signal(proc, sig, group=group)
+        self.send_signal(proc, sig, group=group)
         if sig == signal.SIGKILL:
             proc.popen.wait(timeout=10)
             self._forget(proc)
@@ -269,15 +269,15 @@ class Cluster:
     def stop(self, proc: Proc, timeout: float = 8.0) -> int | None:
         """SIGTERM to the main process (a clean Celery shutdown), then SIGKILL the group if it lingers."""
         if proc.alive():
-            self.signal(proc, signal.SIGCONT)
-            self.signal(proc, signal.SIGTERM, group=False)
+            self.send_signal(proc, signal.SIGCONT)
+            self.send_signal(proc, signal.SIGTERM, group=False)
             try:
                 proc.popen.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.signal(proc, signal.SIGKILL)
+                self.send_signal(proc, signal.SIGKILL)
                 proc.popen.wait(timeout=10)
         # Pool children that outlived their parent: the whole group goes.
-        self.signal(proc, signal.SIGKILL)
+        self.send_signal(proc, signal.SIGKILL)
         self._forget(proc)
         return proc.popen.returncode
 
@@ -299,8 +299,8 @@ class Cluster:
         """Stop everything this cluster started, whatever state it is in."""
         running = [p for p in self.procs if p.alive()]
         for proc in running:
-            self.signal(proc, signal.SIGCONT)
-            self.signal(proc, signal.SIGTERM, group=False)
+            self.send_signal(proc, signal.SIGCONT)
+            self.send_signal(proc, signal.SIGTERM, group=False)
         deadline = time.monotonic() + 6.0
         for proc in running:
             try:
@@ -308,7 +308,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 pass
         for proc in self.procs:
-            self.signal(proc, signal.SIGKILL)
+            self.send_signal(proc, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(timeout=10)
             self._forget(proc)

@@ -77,3 +77,10 @@ def test_taxonomy_windows() -> None:
 
 def test_backoff_is_capped_and_pure() -> None:
     assert [compute_backoff(n, base=1, maximum=5) for n in range(0, 6)] == [0, 1, 2, 4, 5, 5]
+
+
+def test_result_backend_speaks_celerys_socket_form() -> None:
+    from animastor_tasks.celery_config import result_backend_url
+
+    assert result_backend_url("unix:///tmp/r/redis.sock?db=3") == "redis+socket:///tmp/r/redis.sock?virtual_host=3"
+    assert result_backend_url("redis://127.0.0.1:6379/2") == "redis://127.0.0.1:6379/2"

@@ -1,0 +1,46 @@
+"""The public client against a real broker: fail fast when it is down, clear errors for bad calls."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from animastor_tasks.client import Client
+from animastor_tasks.errors import AnimastorError, StoreUnavailable
+
+
+def test_regenerate_fails_fast_when_the_broker_is_unreachable(settings) -> None:
+    client = Client(replace(settings, broker_url="redis://127.0.0.1:1/0"), timeout=5)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as info:
+        client.regenerate("b1", ["audio"])
+    elapsed = time.monotonic() - started
+    client.close()
+    assert info.value.store == "broker" and "127.0.0.1:1" in str(info.value)
+    assert elapsed < 10, elapsed
+
+
+def test_cli_regenerate_with_broker_down_exits_3(settings) -> None:
+    env = {**__import__("os").environ, "ANIMASTOR_BROKER_URL": "redis://:pw@127.0.0.1:1/0"}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.cli", "regenerate", "b1", "--stage", "audio"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 3, done.stderr
+    assert "broker unavailable" in done.stderr and ":pw@" not in done.stderr
+    assert time.monotonic() - started < 15
+
+
+def test_no_control_worker_times_out_with_a_clear_message(rt, settings) -> None:
+    client = Client(settings, timeout=1)
+    with pytest.raises(AnimastorError, match="no answer within 1s; is a control worker consuming animastor.control"):
+        client.regenerate("b1", ["audio"])
+    client.close()
