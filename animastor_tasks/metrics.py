@@ -1,0 +1,221 @@
+"""Prometheus metrics for operators: `animastor-tasks metrics --port 9808` (binds 127.0.0.1 by default).
+
+Why a collector and not counters in this process: the numbers live where the work happens.
+Every worker adds to one Redis hash (`flow.telemetry`), queues and presence are in Redis and
+the broker, commands in Postgres; each scrape reads them fresh (a few round trips), so the
+exporter holds no state, can restart at will and any number of them agree.
+
+A store that cannot be read drops only its own families for that scrape and sets
+`animastor_store_up{store=...}` to 0: a scrape never fails as a whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from animastor_tasks.flow import telemetry
+from animastor_tasks.flow.runtime import Runtime
+
+log = logging.getLogger("animastor.metrics")
+
+COMMAND_STATUSES = ("active", "blocked", "completed", "cancelled", "failed")
+#: Histograms the flows record with `telemetry.observe`: name -> help text.
+HISTOGRAMS = {
+    "gate_pass_seconds": "Duration of gate passes that released or dispatched work (animastor.gate).",
+    "tick_seconds": "Duration of the beat tick (enqueueing one gate task per active book).",
+}
+DEFAULT_PORT = 9808
+DEFAULT_ADDRESS = "127.0.0.1"
+
+
+class AnimastorCollector(Collector):
+    """Reads counters, queues, presence and commands on every scrape."""
+
+    def __init__(self, runtime: Callable[[], Runtime]) -> None:
+        self._runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        rt = self._runtime()
+        up = {"redis": 1.0, "postgres": 1.0, "broker": 1.0}
+        try:
+            raw = rt.coord.client.hgetall(rt.coord.keys.metrics())
+            fields = {_text(k): _text(v) for k, v in raw.items()}
+        except Exception as err:  # the exporter reports a store outage instead of failing the scrape
+            log.warning("[METRICS] counters unreadable: %s", err)
+            fields, up["redis"] = {}, 0.0
+        if up["redis"]:
+            yield from _counter_families(fields)
+            yield from _histogram_families(fields)
+            try:
+                yield from _queue_families(rt, up)
+            except Exception as err:
+                log.warning("[METRICS] queues unreadable: %s", err)
+                up["redis"] = 0.0
+        try:
+            yield _commands_family(rt)
+        except Exception as err:
+            log.warning("[METRICS] commands unreadable: %s", err)
+            up["postgres"] = 0.0
+        store_up = GaugeMetricFamily("animastor_store_up", "1 when the store answered this scrape.", labels=["store"])
+        for store, value in up.items():
+            store_up.add_metric([store], value)
+        yield store_up
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _number(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0
+
+
+def _counter_families(fields: dict[str, str]) -> Iterator[Metric]:
+    dispatch = CounterMetricFamily(
+        "animastor_dispatch_outcomes", "Dispatch attempts by outcome (see the outcome taxonomy).", labels=["outcome"]
+    )
+    fence = CounterMetricFamily(
+        "animastor_fence_rejections", "GPU jobs refused at start or commit because their fencing token was stale."
+    )
+    blocked = CounterMetricFamily(
+        "animastor_blocked_commands", "Commands BLOCKED because no worker consumed their stage.", labels=["stage"]
+    )
+    jobs = CounterMetricFamily("animastor_jobs", "GPU job events by kind.", labels=["event"])
+    revoke = CounterMetricFamily("animastor_revoke_failures", "Revoke broadcasts that failed (cancel still holds).")
+    fence_total = 0.0
+    for name, value in sorted(fields.items()):
+        kind, _, label = name.partition(":")
+        n = _number(value)
+        if kind == "dispatch":
+            dispatch.add_metric([label], n)
+            if label == "fence_rejected":
+                fence_total += n
+        elif kind == "blocked":
+            blocked.add_metric([label], n)
+        elif kind == "job":
+            jobs.add_metric([label], n)
+        elif name == "revoke:failed":
+            revoke.add_metric([], n)
+    fence.add_metric([], fence_total)
+    yield from (dispatch, fence, blocked, jobs)
+    if revoke.samples:
+        yield revoke
+
+
+def _histogram_families(fields: dict[str, str]) -> Iterator[Metric]:
+    last = GaugeMetricFamily(
+        "animastor_last_observation_timestamp_seconds",
+        "Unix time of the latest observation of each timed flow (a stale tick means beat or the control worker is down).",
+        labels=["name"],
+    )
+    for name, doc in HISTOGRAMS.items():
+        family = HistogramMetricFamily(f"animastor_{name}", doc)
+        buckets: list[tuple[str, float]] = []
+        running = 0.0
+        for bound in [*telemetry.DURATION_BUCKETS, "+Inf"]:
+            label = bound if isinstance(bound, str) else f"{bound:g}"
+            running += _number(fields.get(telemetry.histogram_field(name, f"le={label}"), "0"))
+            buckets.append((label, running))
+        sum_us = _number(fields.get(telemetry.histogram_field(name, "sum_us"), "0"))
+        family.add_metric([], buckets, sum_value=sum_us / 1_000_000)
+        yield family
+        stamp = fields.get(telemetry.histogram_field(name, "last"))
+        if stamp is not None:
+            last.add_metric([name], _number(stamp))
+    yield last
+
+
+def _queue_families(rt: Runtime, up: dict[str, float]) -> Iterator[Metric]:
+    from animastor_tasks import views
+
+    rows = views.queue_overview(rt)
+    consumers = GaugeMetricFamily(
+        "animastor_queue_consumers", "Live consumers (heartbeat) per GPU queue.", labels=["queue", "stage"]
+    )
+    depth = GaugeMetricFamily("animastor_queue_depth", "Messages waiting in each GPU queue.", labels=["queue", "stage"])
+    in_flight = GaugeMetricFamily(
+        "animastor_queue_in_flight", "Pairs generating per GPU queue (lane usage).", labels=["queue", "stage"]
+    )
+    lane = GaugeMetricFamily("animastor_queue_lane_limit", "Lane limit per GPU queue.", labels=["queue", "stage"])
+    breaker = GaugeMetricFamily(
+        "animastor_breaker_state", "Circuit breaker per queue: 1 for its current state.", labels=["queue", "state"]
+    )
+    deferred = GaugeMetricFamily(
+        "animastor_deferred_pairs", "Live deferrals of active books, by bucket.", labels=["bucket"]
+    )
+    for row in rows:
+        labels = [row["queue"], row["stage"]]
+        consumers.add_metric(labels, float(len(row["consumers"])))
+        if row["depth"] is None:
+            up["broker"] = 0.0
+        else:
+            depth.add_metric(labels, float(row["depth"]))
+        in_flight.add_metric(labels, float(row["in_flight"]))
+        lane.add_metric(labels, float(row["lane_limit"]))
+        for state in ("closed", "open", "half-open"):
+            breaker.add_metric([row["queue"], state], 1.0 if row["breaker"] == state else 0.0)
+    totals: dict[str, int] = defaultdict(int)
+    if rows:
+        totals.update(rows[0]["deferred"])
+    else:
+        totals.update(rt.coord.deferral_counts(rt.coord.active_books(), time.time()))
+    for bucket, count in sorted(totals.items()):
+        deferred.add_metric([bucket], float(count))
+    yield from (consumers, depth, in_flight, lane, breaker, deferred)
+
+
+def _commands_family(rt: Runtime) -> Metric:
+    with rt.db.transaction() as conn:
+        rows = conn.execute("SELECT status, count(*) FROM commands GROUP BY status").fetchall()
+    counts = dict.fromkeys(COMMAND_STATUSES, 0)
+    counts.update({str(status): int(n) for status, n in rows})
+    family = GaugeMetricFamily("animastor_commands", "Commands in the registry by status.", labels=["status"])
+    for status, n in sorted(counts.items()):
+        family.add_metric([status], float(n))
+    return family
+
+
+def build_registry(runtime: Callable[[], Runtime]) -> CollectorRegistry:
+    """A registry holding only our collector (no process metrics of the exporter itself)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AnimastorCollector(runtime))
+    return registry
+
+
+def serve(address: str = DEFAULT_ADDRESS, port: int = DEFAULT_PORT) -> None:
+    """Serve `/metrics` until SIGINT or SIGTERM."""
+    from animastor_tasks.flow import runtime
+
+    registry = build_registry(runtime.current)
+    server, thread = start_http_server(port, addr=address, registry=registry)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("[METRICS] serving http://%s:%d/metrics", address, server.server_port)
+    print(f"animastor metrics on http://{address}:{server.server_port}/metrics", flush=True)
+    stop.wait()
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+    runtime.reset()
+
+
+def tick_age(rt: Runtime, now: float | None = None) -> float | None:
+    """Seconds since the last beat tick ran (None when none was ever recorded): a liveness probe for beat."""
+    raw = rt.coord.client.hget(rt.coord.keys.metrics(), telemetry.histogram_field("tick_seconds", "last"))
+    if raw is None:
+        return None
+    return (time.time() if now is None else now) - _number(_text(raw))

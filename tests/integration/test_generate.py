@@ -1,0 +1,159 @@
+"""The generate job run in-process on the real stores (the worker runs this same function)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.flow import commands
+from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.flow.runtime import Runtime
+
+from .helpers import advertise, make_book, states
+from .test_http_generator import start_server  # noqa: F401  (fixture: the real reference server)
+
+
+def with_stage(rt: Runtime, spec: StageSpec, tmp_path: Path, **settings: object) -> None:
+    stages = tuple(spec if s.name == spec.name else s for s in rt.settings.stages)
+    rt.settings = replace(
+        rt.settings,
+        registry=replace(rt.settings.registry, stages=stages),
+        artifact_root=tmp_path / "artifacts",
+        **settings,  # type: ignore[arg-type]
+    )
+
+
+def dispatched_jobs(rt: Runtime, book: str) -> list[Job]:
+    with rt.db.transaction() as conn:
+        rows = conn.execute(
+            "SELECT chapter_id, scene_id, stage, dispatch_id, fencing_token FROM asset_states"
+            " WHERE book_id = %s AND state = 'generating' ORDER BY chapter_id, scene_id, stage",
+            (book,),
+        ).fetchall()
+    return [Job(book, c, s, st, d, t) for c, s, st, d, t in rows]
+
+
+def drain(rt: Runtime, book: str) -> list[dict]:
+    """Run every dispatched job, pass after pass, as GPU workers would."""
+    from animastor_tasks.flow import gate
+
+    results: list[dict] = []
+    for _ in range(50):
+        jobs = dispatched_jobs(rt, book)
+        if not jobs:
+            rt.coord.client.delete(rt.coord.keys.deferrals(book, "capacity"))
+            gate.gate_pass(rt, book)
+            jobs = dispatched_jobs(rt, book)
+            if not jobs:
+                return results
+        results += [run_job(rt, job, worker="test") for job in jobs]
+    raise AssertionError("jobs never drained")
+
+
+def test_http_generator_with_injected_5xx_ends_ready_or_failed(rt, tmp_path, start_server) -> None:  # noqa: F811
+    url = start_server("--failure-rate", "0.2")
+    spec = replace(rt.settings.registry.get("audio"), generator="http", endpoint=f"{url}/v1/generate/audio")
+    with_stage(rt, spec, tmp_path, retry_backoff_base=0.01, retry_backoff_max=0.05, generate_max_retries=3)
+    rt.catalog.import_book(make_book("b", chapters=4, scenes=5))
+    advertise(rt, "gpu.audio")
+    commands.regenerate(rt, "b", ["audio"])
+    results = drain(rt, "b")
+    outcomes = [r["outcome"] for r in results]
+    retries = sum(r.get("attempts", 1) - 1 for r in results)
+    print(f"http 20% 5xx: {len(results)} jobs, outcomes={dict(Counter(outcomes))}, retries={retries}")
+    found = {p: s for p, s in states(rt, "b").items() if p[2] == "audio"}
+    assert len(found) == 20 and set(found.values()) <= {"ready", "failed"}  # none lost
+    assert retries > 0  # the injected failures were really retried
+    with rt.db.transaction() as conn:
+        rows = conn.execute("SELECT sha256, path, size_bytes FROM artifacts WHERE book_id = 'b'").fetchall()
+    assert len(rows) == sum(1 for s in found.values() if s == "ready")
+    for sha, path, size in rows:
+        data = Path(path).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == sha and len(data) == size and data[:4] == b"RIFF"
+    status = {c.stage: c for c in rt.ledger.commands(book="b")}["audio"]
+    assert status.status in {"completed", "failed"}
+
+
+def test_cancel_stops_a_running_job_within_two_seconds(rt, tmp_path) -> None:
+    slow = replace(rt.settings.registry.get("audio"), params={"steps": 40, "step_seconds": 0.25})
+    with_stage(rt, slow, tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    commands.regenerate(rt, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    outcome: dict = {}
+    worker = threading.Thread(target=lambda: outcome.update(run_job(rt, job, worker="test")))
+    worker.start()
+    time.sleep(0.6)
+    commands.cancel(rt, "b")
+    cancelled_at = time.monotonic()
+    worker.join(timeout=5)
+    stopped_after = time.monotonic() - cancelled_at
+    print(f"stopped {stopped_after:.2f}s after cancel returned")
+    assert outcome["outcome"] == "stopped" and stopped_after < 2.0
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "dirty"
+    with rt.db.transaction() as conn:
+        assert conn.execute("SELECT count(*) FROM artifacts").fetchone()[0] == 0
+
+
+def test_a_job_that_lost_its_token_never_calls_the_generator(rt, tmp_path) -> None:
+    with_stage(rt, replace(rt.settings.registry.get("audio"), params={"fail_rate": 1.0}), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    commands.regenerate(rt, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    stale = replace(job, fencing_token=job.fencing_token - 1)
+    result = run_job(rt, stale, worker="test")
+    assert result == {**result, "outcome": "fence_rejected", "reason": "stale_token"}
+    with rt.db.transaction() as conn:
+        started = conn.execute("SELECT count(*) FROM events WHERE kind = 'job.started'").fetchone()[0]
+    assert started == 0  # fail_rate=1 would have failed the pair had the generator run
+
+
+def test_cancelled_book_job_is_rejected_at_start(rt, tmp_path) -> None:
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    commands.regenerate(rt, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    commands.cancel(rt, "b")
+    assert run_job(rt, job, worker="late-worker")["outcome"] == "fence_rejected"
+
+
+def test_a_duplicate_delivery_runs_once(rt, tmp_path) -> None:
+    slow = replace(rt.settings.registry.get("audio"), params={"steps": 4, "step_seconds": 0.2})
+    with_stage(rt, slow, tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    commands.regenerate(rt, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    first: dict = {}
+    thread = threading.Thread(target=lambda: first.update(run_job(rt, job, worker="w1")))
+    thread.start()
+    time.sleep(0.2)
+    second = run_job(rt, job, worker="w2")
+    thread.join(timeout=10)
+    assert second["outcome"] == "duplicate_delivery" and first["outcome"] == "ready"
+    with rt.db.transaction() as conn:
+        assert conn.execute("SELECT count(*) FROM artifacts").fetchone()[0] == 1
+
+
+def test_generator_errors_are_retried_then_failed_with_the_message(rt, tmp_path) -> None:
+    failing = replace(rt.settings.registry.get("image"), params={"fail_rate": 1.0})
+    with_stage(rt, failing, tmp_path, retry_backoff_base=0.01, generate_max_retries=2)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.image")
+    commands.regenerate(rt, "b", ["image"])
+    [job] = dispatched_jobs(rt, "b")
+    result = run_job(rt, job, worker="test")
+    assert result["outcome"] == "failed" and result["attempts"] == 3
+    with rt.db.transaction() as conn:
+        error = conn.execute("SELECT error FROM asset_states WHERE state = 'failed'").fetchone()[0]
+    assert error and "fail" in error.lower()
+    [command] = rt.ledger.commands(book="b")
+    assert command.status == "failed" and command.reason == "1 of 1 targets failed"
