@@ -41,6 +41,6 @@ def test_cli_regenerate_with_broker_down_exits_3(settings) -> None:
 
 def test_no_control_worker_times_out_with_a_clear_message(rt, settings) -> None:
     client = Client(settings, timeout=1)
-    with pytest.raises(AnimastorError, match="no answer within 1s; is a control worker consuming animastor.control"):
+    with pytest.raises(AnimastorError, match=r"no answer within 1s; is a control worker consuming animastor\.control"):
         client.regenerate("b1", ["audio"])
     client.close()
