@@ -65,14 +65,30 @@ class Coordination:
 
     # -- cancel flag, layers mirror --------------------------------------------
     def set_cancel_flag(self, book: str) -> None:
-        self._run(lambda: self.client.set(self.keys.cancel_flag(book), "1"))
+        self.set_cancel_flags([book])
+
+    def set_cancel_flags(self, books: Iterable[str]) -> None:
+        with self._errors():
+            pipe = self.client.pipeline(transaction=False)
+            for book in books:
+                pipe.set(self.keys.cancel_flag(book), "1")
+            pipe.execute()
 
     def clear_cancel_flag(self, book: str) -> None:
         self._run(lambda: self.client.delete(self.keys.cancel_flag(book)))
 
     def mirror_layers(self, book: str, raw: str | None) -> None:
-        key = self.keys.layers(book)
-        self._run(lambda: self.client.delete(key) if raw is None else self.client.set(key, raw))
+        self.mirror_layers_many({book: raw})
+
+    def mirror_layers_many(self, layers: dict[str, str | None]) -> None:
+        with self._errors():
+            pipe = self.client.pipeline(transaction=False)
+            for book, raw in layers.items():
+                if raw is None:
+                    pipe.delete(self.keys.layers(book))
+                else:
+                    pipe.set(self.keys.layers(book), raw)
+            pipe.execute()
 
     # -- one read for a whole gate pass ---------------------------------------
     def book_snapshot(

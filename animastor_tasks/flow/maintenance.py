@@ -53,10 +53,8 @@ def reconcile(rt: Runtime, *, force: bool = False) -> dict[str, Any]:
 
 
 def _rebuild_redis(rt: Runtime, books: list[str], report: dict[str, Any]) -> None:
-    for book in rt.ledger.tombstoned_books():
-        rt.coord.set_cancel_flag(book)
-    for book, raw in rt.catalog.all_layers(books).items():
-        rt.coord.mirror_layers(book, raw)
+    rt.coord.set_cancel_flags(rt.ledger.tombstoned_books())
+    rt.coord.mirror_layers_many(rt.catalog.all_layers(books))
     for book in books:
         rows = rt.ledger.gate_rows(book)
         if rows is None:
