@@ -48,9 +48,11 @@ def build_config(settings: Settings) -> dict[str, Any]:
         "task_create_missing_queues": False,
         "worker_prefetch_multiplier": 1,
         "task_acks_late": False,
-        "task_track_started": True,
+        # Flower sees every task through worker events; a STARTED write to the result backend
+        # and a task-sent event per publish would only add to each hop's latency.
+        "task_track_started": False,
         "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        "task_send_sent_event": False,
         "worker_hijack_root_logger": False,
         "broker_connection_retry_on_startup": True,
         "broker_connection_timeout": 3,

@@ -31,6 +31,16 @@ def scene_hashes(registry: MediaRegistry, text: str, prompt: str) -> dict[str, s
     return {s.name: input_hash(scene_input(s, text, prompt), s.fingerprint) for s in registry.stages}
 
 
+@dataclass(frozen=True)
+class CommandContext:
+    """What a regenerate must know before it writes anything."""
+
+    exists: bool
+    scenes: list[tuple[str, str]]  # the named scenes that exist, or every scene, in reading order
+    layers_raw: str | None
+    replay_of: list[str]  # commands already created for this request id
+
+
 class Catalog:
     def __init__(self, db: Database, registry: MediaRegistry) -> None:
         self.db = db
@@ -124,19 +134,31 @@ class Catalog:
         with self.db.transaction() as conn:
             self._ensure_asset_rows(conn, book_id, list(self.registry.names()))
 
+    def command_context(self, book_id: str, named: list[tuple[str, str]] | None, request_id: str) -> CommandContext:
+        with self.db.transaction() as conn:
+            head = conn.execute(
+                "SELECT b.layer_config, ARRAY(SELECT c.command_id::text FROM commands c WHERE c.request_id = %s)"
+                " FROM books b WHERE b.book_id = %s",
+                (request_id, book_id),
+            ).fetchone()
+            if head is None:
+                return CommandContext(False, [], None, [])
+            if named is None:
+                rows = conn.execute(
+                    "SELECT chapter_id, scene_id FROM scenes WHERE book_id = %s ORDER BY position", (book_id,)
+                ).fetchall()
+            else:
+                rows = conn.execute(
+                    "SELECT s.chapter_id, s.scene_id FROM scenes s"
+                    " JOIN unnest(%s::text[], %s::text[]) AS n(c, sc) ON s.chapter_id = n.c AND s.scene_id = n.sc"
+                    " WHERE s.book_id = %s ORDER BY s.position",
+                    ([c for c, _ in named], [sc for _, sc in named], book_id),
+                ).fetchall()
+        return CommandContext(True, [(c, sc) for c, sc in rows], head[0], list(head[1]))
+
     def book_exists(self, book_id: str) -> bool:
         with self.db.transaction() as conn:
             return conn.execute("SELECT 1 FROM books WHERE book_id = %s", (book_id,)).fetchone() is not None
-
-    def scene_keys(self, book_id: str) -> list[tuple[str, str]]:
-        """Every (chapter, scene) of the book in reading order."""
-        with self.db.transaction() as conn:
-            return [
-                (c, s)
-                for c, s in conn.execute(
-                    "SELECT chapter_id, scene_id FROM scenes WHERE book_id = %s ORDER BY position", (book_id,)
-                )
-            ]
 
     def scene_input(self, book_id: str, chapter_id: str, scene_id: str) -> tuple[str, str] | None:
         with self.db.transaction() as conn:

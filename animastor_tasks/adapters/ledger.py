@@ -34,7 +34,7 @@ class CommandRow:
     progress: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class InFlight:
     """A pending or generating pair as a gate pass sees it."""
 
@@ -48,13 +48,14 @@ class InFlight:
     ready_hash: str | None  # hash of the inputs of the last committed artifact
     current_hash: str | None  # hash of the scene's current inputs
     has_artifact: bool
+    commanded: bool  # an active command of this stage targets the scene
 
 
 @dataclass(frozen=True)
 class GateRows:
     layers_raw: str | None
     tombstone: bool
-    commanded: frozenset[Pair]
+    commanded: frozenset[Pair]  # in-flight pairs an active command targets
     in_flight: tuple[InFlight, ...]
 
 
@@ -192,7 +193,11 @@ class Ledger:
 
     # -- gate facts ---------------------------------------------------------------------
     def gate_rows(self, book: str) -> GateRows | None:
-        """Everything a gate pass needs from Postgres, in three queries; None for an unknown book."""
+        """Everything a gate pass needs from Postgres, in two queries; None for an unknown book.
+
+        Only in-flight pairs are read, each flagged with whether an active command targets it:
+        idle pairs and the targets of finished work cost nothing.
+        """
         with self.db.transaction() as conn:
             head = conn.execute(
                 "SELECT b.layer_config, t.book_id IS NOT NULL FROM books b"
@@ -201,26 +206,23 @@ class Ledger:
             ).fetchone()
             if head is None:
                 return None
-            commanded = frozenset(
-                (c, s, st)
-                for c, s, st in conn.execute(
-                    "SELECT t.chapter_id, t.scene_id, t.stage FROM commands c"
-                    " JOIN command_targets t ON t.command_id = c.command_id"
-                    " WHERE c.book_id = %s AND c.status = 'active'",
-                    (book,),
-                )
-            )
             in_flight = tuple(
                 InFlight(*row)
                 for row in conn.execute(
-                    "SELECT a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position, a.dispatch_id,"
-                    " a.input_hash, s.input_hashes ->> a.stage, a.artifact_sha256 IS NOT NULL"
+                    "WITH active AS (SELECT DISTINCT t.chapter_id, t.scene_id, t.stage FROM commands c"
+                    "  JOIN command_targets t ON t.command_id = c.command_id"
+                    "  WHERE c.book_id = %s AND c.status = 'active')"
+                    " SELECT a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position, a.dispatch_id,"
+                    " a.input_hash, s.input_hashes ->> a.stage, a.artifact_sha256 IS NOT NULL, act.stage IS NOT NULL"
                     " FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
                     "  AND s.scene_id = a.scene_id"
+                    " LEFT JOIN active act ON act.chapter_id = a.chapter_id AND act.scene_id = a.scene_id"
+                    "  AND act.stage = a.stage"
                     " WHERE a.book_id = %s AND a.state IN ('pending', 'generating') ORDER BY s.position",
-                    (book,),
+                    (book, book),
                 )
             )
+        commanded = frozenset((i.chapter, i.scene, i.stage) for i in in_flight if i.commanded)
         return GateRows(head[0], bool(head[1]), commanded, in_flight)
 
     def move_pairs(
@@ -273,6 +275,8 @@ class Ledger:
         with self.db.transaction() as conn:
             for stage in stages:
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lane:{queue_lanes[stage]}",))
+            # The scene window spans stages: a completion of another stage takes this lock too.
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"book:{book}",))
             counts = self._capacity_counts(conn, book, stages)
             chosen: Sequence[tuple[Pair, str]] = choose(counts)
             claims: list[Claim] = []
@@ -395,10 +399,11 @@ class Ledger:
                 )
         return blocked, released
 
-    def cancel_book(self, book: str, reason: str | None) -> tuple[list[str], list[tuple[Pair, str | None]]]:
+    def cancel_book(self, book: str, reason: str | None) -> tuple[list[str], int, list[tuple[Pair, str]]]:
         """Tombstone; active/blocked commands -> cancelled; in-flight pairs -> dirty.
 
-        Returns (cancelled command ids, released pairs with their dispatch ids).
+        Returns (cancelled command ids, released pair count, the released pairs that were
+        dispatched, with their dispatch ids: the only ones holding leases or queued jobs).
         """
         with self.db.transaction() as conn:
             conn.execute(
@@ -414,23 +419,21 @@ class Ledger:
                     (reason or "cancelled", book),
                 )
             ]
-            released = [
-                ((c, s, st), d)
-                for c, s, st, d in conn.execute(
-                    "UPDATE asset_states a SET state = 'dirty', updated_at = now()"
-                    " FROM (SELECT chapter_id, scene_id, stage, dispatch_id AS old_dispatch FROM asset_states"
-                    "  WHERE book_id = %s AND state IN ('pending', 'generating') FOR UPDATE) o"
-                    " WHERE a.book_id = %s AND a.chapter_id = o.chapter_id AND a.scene_id = o.scene_id"
-                    " AND a.stage = o.stage AND a.state IN ('pending', 'generating')"
-                    " RETURNING a.chapter_id, a.scene_id, a.stage, o.old_dispatch",
-                    (book, book),
-                )
-            ]
+            rows = conn.execute(
+                "UPDATE asset_states a SET state = 'dirty', updated_at = now()"
+                " FROM (SELECT chapter_id, scene_id, stage, state AS old_state, dispatch_id AS old_dispatch"
+                "  FROM asset_states WHERE book_id = %s AND state IN ('pending', 'generating') FOR UPDATE) o"
+                " WHERE a.book_id = %s AND a.chapter_id = o.chapter_id AND a.scene_id = o.scene_id"
+                " AND a.stage = o.stage AND a.state IN ('pending', 'generating')"
+                " RETURNING a.chapter_id, a.scene_id, a.stage, o.old_state, o.old_dispatch",
+                (book, book),
+            ).fetchall()
+            dispatched = [((c, s, st), d) for c, s, st, old, d in rows if old == "generating" and d]
             conn.execute(
                 "INSERT INTO events (kind, book_id, detail) VALUES ('book.cancelled', %s, %s)",
-                (book, Jsonb({"reason": reason, "commands": cancelled, "released": len(released)})),
+                (book, Jsonb({"reason": reason, "commands": cancelled, "released": len(rows)})),
             )
-        return cancelled, released
+        return cancelled, len(rows), dispatched
 
     def tombstoned_books(self) -> list[str]:
         with self.db.transaction() as conn:
@@ -493,6 +496,7 @@ class Ledger:
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lane:{lane}",))
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"book:{book}",))
             done = conn.execute(
                 "UPDATE asset_states a SET state = 'ready', artifact_sha256 = %s,"
                 " input_hash = s.input_hashes ->> a.stage, error = NULL, updated_at = now() FROM scenes s"
@@ -530,6 +534,7 @@ class Ledger:
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lane:{lane}",))
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"book:{book}",))
             done = conn.execute(
                 "UPDATE asset_states SET state = 'failed', error = %s, updated_at = now()"
                 " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s"

@@ -50,7 +50,9 @@ class Database:
                         timeout=self._timeout,
                         open=True,
                         kwargs={"connect_timeout": max(1, int(self._timeout)), "autocommit": False},
-                        check=ConnectionPool.check_connection,
+                        # No ping per checkout (a round trip on every transaction): a connection that
+                        # died is discarded when its transaction fails, and idle ones are recycled.
+                        max_idle=60,
                         reconnect_timeout=self._timeout,
                     )
                     self._pid = pid

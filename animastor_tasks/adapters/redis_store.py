@@ -113,22 +113,27 @@ class Coordination:
     def cancel_flag_set(self, book: str) -> bool:
         return bool(self._run(lambda: self.client.exists(self.keys.cancel_flag(book))))
 
-    # -- force set ------------------------------------------------------------------
-    def add_force(self, book: str, pairs: Iterable[Pair], ttl: int) -> int:
+    def start_work(
+        self, book: str, pairs: Sequence[Pair], scenes: Sequence[tuple[str, str]], *, force_ttl: int | None
+    ) -> None:
+        """A regenerate's Redis side in one round trip: force set (or un-force), deferrals cleared,
+        scenes in the active index."""
         members = [pair_member(*p) for p in pairs]
         if not members:
-            return 0
+            return
+        force_key = self.keys.force_set(book)
         with self._errors():
             pipe = self.client.pipeline(transaction=True)
-            pipe.sadd(self.keys.force_set(book), *members)
-            pipe.expire(self.keys.force_set(book), ttl)
+            if force_ttl is not None:
+                pipe.sadd(force_key, *members)
+                pipe.expire(force_key, force_ttl)
+            else:
+                pipe.srem(force_key, *members)
+            for bucket in DEFER_BUCKETS:
+                pipe.zrem(self.keys.deferrals(book, bucket), *members)
+            pipe.sadd(self.keys.active_scenes(book), *(scene_member(c, s) for c, s in scenes))
+            pipe.sadd(self.keys.active_books(), book)
             pipe.execute()
-        return len(members)
-
-    def remove_force(self, book: str, pairs: Iterable[Pair]) -> None:
-        members = [pair_member(*p) for p in pairs]
-        if members:
-            self._run(lambda: self.client.srem(self.keys.force_set(book), *members))
 
     # -- deferrals ---------------------------------------------------------------
     def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:

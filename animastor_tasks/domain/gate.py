@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
 Pair = tuple[str, str, str]  # (chapter_id, scene_id, stage)
 
@@ -61,8 +62,9 @@ class BookFacts:
     def cancelled(self) -> bool:
         return self.cancel_flag or self.tombstone
 
-    @property
+    @cached_property
     def layers(self) -> dict[str, bool]:
+        """Parsed once per pass, not once per pair."""
         return parse_layers(self.layers_raw)
 
 

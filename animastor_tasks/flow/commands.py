@@ -46,23 +46,20 @@ def _stages(rt: Runtime, stages: object) -> list[str]:
     return list(dict.fromkeys(wanted))
 
 
-def _scenes(rt: Runtime, book: str, scenes: object) -> list[tuple[str, str]]:
-    in_book = rt.catalog.scene_keys(book)
+def _scene_ids(scenes: object) -> list[tuple[str, str]] | None:
+    """The named scenes, validated for shape and id rules (their existence is checked later)."""
     if scenes is None:
-        return in_book
+        return None
     if isinstance(scenes, str) or not isinstance(scenes, list | tuple) or not scenes:
         raise InvalidCommand(
             f"scenes: must be null or a non-empty list of [chapter_id, scene_id], got {show_value(scenes)}"
         )
-    known = set(in_book)
     picked: list[tuple[str, str]] = []
     for i, item in enumerate(scenes):
         if not isinstance(item, list | tuple) or len(item) != 2:
             raise InvalidCommand(f"scenes[{i}]: must be [chapter_id, scene_id], got {show_value(item)}")
         chapter = validate_id(f"scenes[{i}][0]", item[0], error=InvalidCommand)
         scene = validate_id(f"scenes[{i}][1]", item[1], error=InvalidCommand)
-        if (chapter, scene) not in known:
-            raise InvalidCommand(f"scenes[{i}]: scene {show_value([chapter, scene])} is not in book {show_value(book)}")
         picked.append((chapter, scene))
     return list(dict.fromkeys(picked))
 
@@ -102,15 +99,23 @@ def regenerate(
     if not isinstance(force, bool):
         raise InvalidCommand(f"force: must be true or false, got {show_value(force)}")
     request_id = _request_id(command_id)
-    book = _book(rt, book_id)
+    book = validate_id("book_id", book_id, error=InvalidCommand)
     wanted = _stages(rt, stages)
-    targets = _scenes(rt, book, scenes)
+    named = _scene_ids(scenes)
+    # Every check that needs the store, in one transaction.
+    context = rt.catalog.command_context(book, named, request_id)
+    if not context.exists:
+        raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
+    if context.replay_of:
+        return _replay(book, request_id, rt.ledger.commands(command_ids=context.replay_of))
+    if named is not None:
+        missing = [i for i, pair in enumerate(named) if pair not in context.scenes]
+        if missing:
+            i = missing[0]
+            raise InvalidCommand(f"scenes[{i}]: scene {show_value(list(named[i]))} is not in book {show_value(book)}")
+    targets = named if named is not None else context.scenes
 
-    existing = rt.ledger.commands_for_request(request_id)
-    if existing:
-        return _replay(book, request_id, existing)
-
-    layers = parse_layers(rt.catalog.layers(book))
+    layers = parse_layers(context.layers_raw)
     skipped = [{"stage": s, "reason": "layer_disabled"} for s in wanted if not layer_enabled(layers, s)]
     enabled = [s for s in wanted if layer_enabled(layers, s)]
     if not enabled:
@@ -127,12 +132,7 @@ def regenerate(
     except psycopg.errors.UniqueViolation:
         return _replay(book, request_id, rt.ledger.commands_for_request(request_id))
     pairs = [(c, s, stage) for stage in enabled for c, s in targets]
-    if force:
-        rt.coord.add_force(book, pairs, rt.settings.force_ttl_seconds)
-    else:
-        rt.coord.remove_force(book, pairs)
-    rt.coord.clear_deferrals(book, pairs)
-    rt.coord.activate(book, targets)
+    rt.coord.start_work(book, pairs, targets, force_ttl=rt.settings.force_ttl_seconds if force else None)
     log.info(
         "[COMMAND] book=%r regenerate stages=%s scenes=%d request=%s skipped=%s",
         book,
@@ -159,20 +159,20 @@ def cancel(rt: Runtime, book_id: object, reason: object = None) -> dict[str, Any
     book = _book(rt, book_id)
     # The flag goes first: from this moment running jobs see should_stop() and the gate denies.
     rt.coord.stop_book(book)
-    cancelled, released = rt.ledger.cancel_book(book, reason)
-    rt.coord.drop_leases([(book, *pair) for pair, _ in released])
-    dispatch_ids = [d for _, d in released if d]
+    cancelled, released, dispatched = rt.ledger.cancel_book(book, reason)
+    rt.coord.drop_leases([(book, *pair) for pair, _ in dispatched])
+    dispatch_ids = [d for _, d in dispatched]
     if dispatch_ids and rt.publisher is not None:
         rt.publisher.revoke(dispatch_ids)
     log.info(
         "[COMMAND] book=%r cancelled commands=%d released=%d revoked=%d reason=%r",
         book,
         len(cancelled),
-        len(released),
+        released,
         len(dispatch_ids),
         reason,
     )
-    return {"book_id": book, "cancelled_commands": cancelled, "released": len(released), "revoked": len(dispatch_ids)}
+    return {"book_id": book, "cancelled_commands": cancelled, "released": released, "revoked": len(dispatch_ids)}
 
 
 def set_layers(rt: Runtime, book_id: object, enable: list[str], disable: list[str]) -> dict[str, bool]:

@@ -109,9 +109,12 @@ def _settle_idempotent(
     holders = rt.coord.lease_holders([(book, i.chapter, i.scene, i.stage) for i in todo])
     leased = [i for i, holder in zip(todo, holders, strict=False) if holder is not None]
     if leased:
-        stale_forced = [(book, i.chapter, i.scene, i.stage) for i in leased if (i.chapter, i.scene, i.stage) in force]
-        # Force pre-clears a stale dispatch of exactly this pair (it holds a lease but the pair is pending).
-        rt.coord.drop_leases(stale_forced)
+        # Force pre-clears a stale dispatch of exactly this pair (it holds a lease but the pair is pending):
+        # compare-and-delete on the dispatch the pair last recorded, never the fresh lease a concurrent
+        # gate pass has just taken for it (this pass read the pair as pending before that claim).
+        for i in leased:
+            if (i.chapter, i.scene, i.stage) in force and i.dispatch_id:
+                rt.coord.release_lease((book, i.chapter, i.scene, i.stage), i.dispatch_id)
         busy = [(i.chapter, i.scene, i.stage) for i in leased if (i.chapter, i.scene, i.stage) not in force]
         _defer(rt, book, Outcome.ALREADY_GENERATING, busy, now)
         result.outcomes[Outcome.ALREADY_GENERATING] += len(busy)
