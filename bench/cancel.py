@@ -9,7 +9,9 @@ pending pairs carry capacity deferrals exactly as on a live system.
 Then `flow.commands.cancel(rt, book)` is timed (real Celery publisher: the revoke is a real
 broadcast). Afterwards a gate pass, a tick (with the gate tasks it enqueues run in-process)
 and a forced reconcile run; every `dispatch` / `job.started` event and every message
-published to a GPU queue after the cancel counts as a job started after cancel (must be 0).
+published to a GPU queue after the cancel counts as a job started after cancel (must be 0);
+so does any of the running jobs' messages that, delivered anyway (`flow.generate.run_job`
+in-process, as if the revoke lost the race), is not `fence_rejected`.
 The freed lane makes this meaningful: if the gate let anything through, it would dispatch.
 
 Baseline (same data, same run): the bare SQL of the release — one UPDATE of the book's
@@ -26,9 +28,9 @@ from bench.common import (
     Context,
     activate,
     add_command,
-    count_round_trips,
     advertise_consumers,
     analyze,
+    count_round_trips,
     load_books,
     make_runtime,
     median,
@@ -65,7 +67,12 @@ def setup(rt: Any) -> dict[str, Any]:
     specs = {s.name: s for s in rt.settings.stages}
     rt.coord.take_leases(
         [
-            ((BOOK, c, s, st), d, specs[st].lease_ttl, {"book": BOOK, "chapter": c, "scene": s, "stage": st, "token": t})
+            (
+                (BOOK, c, s, st),
+                d,
+                specs[st].lease_ttl,
+                {"book": BOOK, "chapter": c, "scene": s, "stage": st, "token": t},
+            )
             for c, s, st, d, t in generating
         ]
     )
@@ -75,6 +82,7 @@ def setup(rt: Any) -> dict[str, Any]:
     return {
         "pending": sum(1 for i in range(shape.scenes) for st in lane if i >= lane[st]),
         "generating": len(generating),
+        "running": generating,
         "first_pass": dict(before.outcomes),
     }
 
@@ -100,6 +108,7 @@ def baseline_release_ms() -> float:
 def once(rt: Any, ctx: Context) -> dict[str, Any]:
     from animastor_tasks.flow import commands, maintenance
     from animastor_tasks.flow.gate import gate_pass
+    from animastor_tasks.flow.generate import Job, run_job
 
     info = setup(rt)
     base_ms = baseline_release_ms()
@@ -117,6 +126,10 @@ def once(rt: Any, ctx: Context) -> dict[str, Any]:
             gate_pass(rt, book)
         reconciled = maintenance.reconcile(rt, force=True)
         again = gate_pass(rt, BOOK)
+        # The running jobs' messages, delivered anyway (a revoke that lost the race): they must not start.
+        late = [
+            run_job(rt, Job(BOOK, c, s, st, d, t), worker="bench@host")["outcome"] for c, s, st, d, t in info["running"]
+        ]
         with pg_connect() as conn:
             started_events = conn.execute(
                 "SELECT count(*) FROM events WHERE id > %s AND book_id = %s AND kind IN ('dispatch', 'job.started')",
@@ -129,13 +142,18 @@ def once(rt: Any, ctx: Context) -> dict[str, Any]:
     finally:
         client.close()
     ctx.log(f"cancel: {seconds * 1000:.1f} ms, released {answer['released']}, revoked {answer['revoked']}")
+    info.pop("running")
     return {
         **info,
         "cancel_ms": seconds * 1000,
         "baseline_ms": base_ms,
         "round_trips": trips.describe(),
+        "slowest_statements_ms": {
+            sql: round(sec * 1000, 1) for sql, sec in sorted(trips.statement_seconds.items(), key=lambda kv: -kv[1])[:4]
+        },
         "answer": {k: (len(v) if isinstance(v, list) else v) for k, v in answer.items()},
-        "started_after": int(started_events) + max(0, published),
+        "started_after": int(started_events) + max(0, published) + sum(1 for o in late if o != "fence_rejected"),
+        "late_deliveries": {o: late.count(o) for o in set(late)},
         "dispatch_or_started_events_after": int(started_events),
         "messages_published_after": published,
         "in_flight_after": int(in_flight),

@@ -92,6 +92,21 @@ def reset_stores() -> None:
         client.flushdb()
     finally:
         client.close()
+    declare_broker_queues()
+
+
+def declare_broker_queues() -> None:
+    """Declare animastor's queues again after a FLUSHDB (kombu's Redis transport keeps bindings in keys).
+
+    A producer remembers what it declared, so without this a message published after a
+    flush would find no binding and never reach its queue's list.
+    """
+    from animastor_tasks.celery_app import app
+
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        for queue in app.amqp.queues.values():
+            queue.bind(channel).declare()
 
 
 def make_runtime(stages: dict[str, Any] | None = None, *, publisher: bool = True) -> Any:
@@ -171,9 +186,12 @@ def load_books(
     layers = "\\N" if layer_config is None else layer_config
     with pg_connect(autocommit=False) as conn, conn.cursor() as cur:
         cur.execute("SET LOCAL session_replication_role = replica")
-        counts["books"] = _copy(cur, "books", ("book_id", "title", "layer_config"), (
-            f"{s.book_id}\t{s.book_id}\t{layers}\n" for s in shapes
-        ))
+        counts["books"] = _copy(
+            cur,
+            "books",
+            ("book_id", "title", "layer_config"),
+            (f"{s.book_id}\t{s.book_id}\t{layers}\n" for s in shapes),
+        )
 
         def chapters() -> Iterator[str]:
             for s in shapes:
@@ -499,5 +517,10 @@ def proc_cpu_seconds(pid: int) -> float | None:
 
 
 def redis_cpu_seconds() -> float:
-    info = redis_client().info("cpu")
+    """CPU the whole Redis server has used (INFO cpu): every client's work, not only ours."""
+    client = redis_client()
+    try:
+        info = client.info("cpu")
+    finally:
+        client.close()
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])

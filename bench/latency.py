@@ -161,25 +161,31 @@ def wait_until(check: Any, timeout: float, what: str, workers: Workers) -> None:
         time.sleep(0.1)
 
 
-def raw_hop(app: Any, client: Any, timeout: float = 10.0) -> float | None:
+def raw_hop(app: Any, client: Any, timeout: float = 10.0, *, product: bool = False) -> float | None:
     """Seconds from `send_task` to the no-op task's first line, or None on timeout."""
     from bench import rawhop
 
     token = uuid.uuid4().hex
+    task, queue = (rawhop.PRODUCT_TASK, rawhop.PRODUCT_QUEUE) if product else (rawhop.TASK, rawhop.QUEUE)
     sent = time.time()
-    app.send_task(rawhop.TASK, kwargs={"token": token}, queue=rawhop.QUEUE)
+    app.send_task(task, kwargs={"token": token}, queue=queue)
     answer = client.blpop([rawhop.result_key(token)], timeout=timeout)
     return None if answer is None else float(answer[1]) - sent
 
 
-def regenerate_round_trips(rt: Any, waiter: EventWaiter, key: tuple[str, str]) -> str:
+def regenerate_round_trips(rt: Any, waiter: EventWaiter, key: tuple[str, str]) -> dict[str, Any]:
     """Round trips of one `commands.regenerate` run in this process (it dispatches to the live GPU worker)."""
     from animastor_tasks.flow import commands
 
     with count_round_trips(rt) as trips:
         commands.regenerate(rt, BOOK, ["audio"], [list(key)])
     waiter.wait("job.ready", key[1], 20.0)
-    return trips.describe()
+    slowest = sorted(trips.statement_seconds.items(), key=lambda kv: -kv[1])[:5]
+    return {
+        "round_trips": trips.describe(),
+        "pg_transactions": trips.pg_transactions,
+        "slowest_statements_ms": {sql: round(sec * 1000, 2) for sql, sec in slowest},
+    }
 
 
 def breakdown(requests: dict[str, tuple[str, float]]) -> dict[str, float]:
@@ -229,14 +235,18 @@ def run(ctx: Context) -> BenchResult:
     rclient = redis_client()
     latencies: list[float] = []
     hops: list[float] = []
+    product_hops: list[float] = []
+    # A sender configured like animastor's own app (task-sent events on), for the product-config hop.
+    product_client = rawhop.product_app
     failures: list[str] = []
     requests: dict[str, tuple[str, float]] = {}
-    trips: str | None = None
+    trips: dict[str, Any] | None = None
     try:
         started = time.perf_counter()
         workers.start("control", "animastor_tasks", "animastor.control")
         workers.start("gpu-audio", "animastor_tasks", "gpu.audio")
         workers.start("raw", "bench.rawhop", rawhop.QUEUE)
+        workers.start("raw-product", "bench.rawhop:product_app", rawhop.PRODUCT_QUEUE)
         wait_until(
             lambda: all(rt.coord.live_consumers([q])[q] for q in ("animastor.control", "gpu.audio")),
             90,
@@ -244,6 +254,12 @@ def run(ctx: Context) -> BenchResult:
             workers,
         )
         wait_until(lambda: raw_hop(rawhop.app, rclient, 2.0) is not None, 90, "the raw-hop worker", workers)
+        wait_until(
+            lambda: raw_hop(product_client, rclient, 2.0, product=True) is not None,
+            90,
+            "the product-config raw-hop worker",
+            workers,
+        )
         ctx.log(f"latency: workers up in {time.perf_counter() - started:.1f}s; {samples} samples")
 
         consecutive = 0
@@ -252,7 +268,7 @@ def run(ctx: Context) -> BenchResult:
             chapter, scene = scene_key(i, shape.scenes_per_chapter)
             command_id = str(uuid.uuid4())
             sent = waiter.clock()
-            client.regenerate(BOOK, ["audio"], [[chapter, scene]], command_id=command_id, wait=False)
+            client.regenerate(BOOK, ["audio"], [(chapter, scene)], command_id=command_id, wait=False)
             ok = waiter.wait("job.started", scene, 20.0) and waiter.wait("job.ready", scene, 20.0)
             if not ok:
                 failures.append(scene)
@@ -271,6 +287,10 @@ def run(ctx: Context) -> BenchResult:
             hop = raw_hop(rawhop.app, rclient)
             if hop is not None and i >= warmup:
                 hops.append(hop)
+            hop = raw_hop(product_client, rclient, product=True)
+            if hop is not None and i >= warmup:
+                product_hops.append(hop)
+            time.sleep(0.01)  # its result and events are written after the hop: let them land first
             if (i + 1) % 50 == 0:
                 ctx.log(f"latency: {i + 1 - warmup}/{samples} samples")
         trips = regenerate_round_trips(rt, waiter, scene_key(warmup + samples, shape.scenes_per_chapter))
@@ -307,9 +327,18 @@ def run(ctx: Context) -> BenchResult:
     )
     result.figure("raw_hop_p50_ms", raw50, "ms", baseline="bare Celery hop, solo worker")
     result.figure("raw_hop_p99_ms", raw99, "ms", baseline="bare Celery hop, solo worker")
+    product = [x * 1000 for x in product_hops]
+    result.figure(
+        "raw_hop_productcfg_p50_ms",
+        percentile(product, 50),
+        "ms",
+        baseline=f"p99 {percentile(product, 99):.2f} ms; events+track_started+backend",
+    )
     result.notes["latency"] = {
         "samples": len(ms),
         "raw_samples": len(raw),
+        "raw_productcfg_samples": len(product),
+        "raw_productcfg_p99_ms": round(percentile(product, 99), 2),
         "warmup": warmup,
         "failures": failures,
         "min_ms": round(min(ms), 2) if ms else None,

@@ -3,6 +3,11 @@
 Worker: `celery -A bench.rawhop worker -Q bench.raw -P solo -c 1`. The no-op task pushes
 `time.time()` at its start onto a Redis list named by the caller's token; the caller
 BLPOPs it and compares with its own send time (same machine, same clock).
+
+`product_app` is the same hop with the delivery settings animastor's app uses (task
+events on, `task-sent` events, `task_track_started`, a Redis result backend), queue
+`bench.raw.product`: it separates what Celery settings cost from what orchestration costs.
+Worker: `celery -A bench.rawhop:product_app worker -Q bench.raw.product -P solo -c 1`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from celery import Celery
 
 QUEUE = "bench.raw"
 TASK = "bench.rawhop.noop"
+PRODUCT_QUEUE = "bench.raw.product"
+PRODUCT_TASK = "bench.rawhop.noop_product"
 BROKER = os.environ.get("ANIMASTOR_BROKER_URL", "redis://127.0.0.1:6379/13")
 PREFIX = os.environ.get("ANIMASTOR_KEY_PREFIX", "bench")
 
@@ -29,6 +36,23 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
 )
 
+product_app = Celery("bench_rawhop_product", broker=BROKER, backend=os.environ.get("ANIMASTOR_REDIS_URL", BROKER))
+product_app.conf.update(
+    task_serializer="json",
+    accept_content=["json"],
+    result_serializer="json",
+    result_accept_content=["json"],
+    task_default_queue=PRODUCT_QUEUE,
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+    task_acks_late=False,
+    task_track_started=True,
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    result_expires=3600,
+)
+
 _client: redis.Redis | None = None
 
 
@@ -36,9 +60,7 @@ def result_key(token: str) -> str:
     return f"{PREFIX}:rawhop:{token}"
 
 
-@app.task(name=TASK, ignore_result=True)
-def noop(token: str) -> None:
-    """Record when the task started, nothing else."""
+def _record(token: str) -> None:
     started = time.time()
     global _client
     if _client is None:
@@ -47,3 +69,15 @@ def noop(token: str) -> None:
     pipe.rpush(result_key(token), repr(started))
     pipe.expire(result_key(token), 60)
     pipe.execute()
+
+
+@app.task(name=TASK, ignore_result=True)
+def noop(token: str) -> None:
+    """Record when the task started, nothing else."""
+    _record(token)
+
+
+@product_app.task(name=PRODUCT_TASK)
+def noop_product(token: str) -> None:
+    """The same, under animastor's delivery settings (its result is stored, like a control task's)."""
+    _record(token)

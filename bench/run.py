@@ -98,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, BenchResult] = {}
     durations: dict[str, float] = {}
     errors: dict[str, str] = {}
+    loads: dict[str, dict[str, float]] = {}
     started = time.perf_counter()
     for name in names:
         print(f"== {name}", flush=True)
+        loads[name] = {"start": os.getloadavg()[0]}
         t0 = time.perf_counter()
         try:
             reset_stores()
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         finally:
             durations[name] = round(time.perf_counter() - t0, 1)
+            loads[name]["end"] = os.getloadavg()[0]
             print(f"   {name} took {durations[name]:.1f}s", flush=True)
     try:
         reset_stores()
@@ -139,8 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         notes[name] = {
             **result.notes,
             "rows": [
-                {"name": r.name, "value": r.value, "unit": r.unit, "baseline": r.baseline, "target": r.target,
-                 "verdict": r.verdict}
+                {
+                    "name": r.name,
+                    "value": r.value,
+                    "unit": r.unit,
+                    "baseline": r.baseline,
+                    "target": r.target,
+                    "verdict": r.verdict,
+                }
                 for r in result.rows
             ],
         }
@@ -148,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "quick" if args.quick else "full",
         "benchmarks": names,
         "durations_seconds": durations,
+        "loadavg_1min": loads,
+        "note": "other engineers' tests share this 2-core machine; a high 1-min load average means noisy figures",
         "errors": errors,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
