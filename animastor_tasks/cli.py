@@ -358,5 +358,34 @@ def dev_inference_server(host: str, port: int, latency: float, failure_rate: flo
     serve(host, port, latency=latency, failure_rate=failure_rate, api_key=api_key)
 
 
+# -- operations -----------------------------------------------------------------------------
+@main.command("metrics")
+@click.option("--address", default="127.0.0.1", show_default=True, envvar="ANIMASTOR_METRICS_ADDRESS")
+@click.option("--port", default=9808, show_default=True, envvar="ANIMASTOR_METRICS_PORT", type=click.IntRange(0, 65535))
+def metrics_cmd(address: str, port: int) -> None:
+    """Serve Prometheus metrics on http://ADDRESS:PORT/metrics until Ctrl-C (see docs/operations.md)."""
+    from animastor_tasks import metrics
+
+    try:
+        metrics.serve(address, port)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {address}:{port}: {err.strerror or err}") from err
+
+
+@main.command()
+@click.option("--keep-running", is_flag=True, help="Leave the stack up after the story, until Ctrl-C.")
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Logs, beat schedule and generated Flower credentials (default: .animastor-local/demo).",
+)
+def demo(keep_running: bool, run_dir: Path | None) -> None:
+    """Start the whole stack, run a scripted story on the sample book, stop everything again."""
+    from animastor_tasks import demo as demo_module
+
+    sys.exit(demo_module.main(keep_running=keep_running, run_dir=run_dir))
+
+
 if __name__ == "__main__":
     main()

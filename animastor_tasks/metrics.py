@@ -15,20 +15,22 @@ import logging
 import signal
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from animastor_tasks.domain.outcomes import Outcome
 from animastor_tasks.flow import telemetry
 from animastor_tasks.flow.runtime import Runtime
 
 log = logging.getLogger("animastor.metrics")
 
 COMMAND_STATUSES = ("active", "blocked", "completed", "cancelled", "failed")
+JOB_EVENTS = ("started", "ready", "failed", "retry", "stopped", "duplicate_delivery")
 #: Histograms the flows record with `telemetry.observe`: name -> help text.
 HISTOGRAMS = {
     "gate_pass_seconds": "Duration of gate passes that released or dispatched work (animastor.gate).",
@@ -46,7 +48,7 @@ class AnimastorCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         rt = self._runtime()
-        up = {"redis": 1.0, "postgres": 1.0, "broker": 1.0}
+        up = {"redis": 1.0, "postgres": 1.0}  # "broker" is added when the queue depths were asked
         try:
             raw = rt.coord.client.hgetall(rt.coord.keys.metrics())
             fields = {_text(k): _text(v) for k, v in raw.items()}
@@ -54,7 +56,7 @@ class AnimastorCollector(Collector):
             log.warning("[METRICS] counters unreadable: %s", err)
             fields, up["redis"] = {}, 0.0
         if up["redis"]:
-            yield from _counter_families(fields)
+            yield from _counter_families(fields, rt.settings.registry.names())
             yield from _histogram_families(fields)
             try:
                 yield from _queue_families(rt, up)
@@ -83,7 +85,7 @@ def _number(value: str) -> float:
         return 0.0
 
 
-def _counter_families(fields: dict[str, str]) -> Iterator[Metric]:
+def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator[Metric]:
     dispatch = CounterMetricFamily(
         "animastor_dispatch_outcomes", "Dispatch attempts by outcome (see the outcome taxonomy).", labels=["outcome"]
     )
@@ -95,10 +97,14 @@ def _counter_families(fields: dict[str, str]) -> Iterator[Metric]:
     )
     jobs = CounterMetricFamily("animastor_jobs", "GPU job events by kind.", labels=["event"])
     revoke = CounterMetricFamily("animastor_revoke_failures", "Revoke broadcasts that failed (cancel still holds).")
+    # Known label values start at 0 so that rate() and alerts work from the first scrape.
+    seen: dict[str, float] = {f"dispatch:{o}": 0.0 for o in Outcome if o != Outcome.DEFERRED}
+    seen.update({f"job:{e}": 0.0 for e in JOB_EVENTS})
+    seen.update({f"blocked:{stage}": 0.0 for stage in stages})
+    seen.update({k: _number(v) for k, v in fields.items()})
     fence_total = 0.0
-    for name, value in sorted(fields.items()):
+    for name, n in sorted(seen.items()):
         kind, _, label = name.partition(":")
-        n = _number(value)
         if kind == "dispatch":
             dispatch.add_metric([label], n)
             if label == "fence_rejected":
@@ -118,7 +124,7 @@ def _counter_families(fields: dict[str, str]) -> Iterator[Metric]:
 def _histogram_families(fields: dict[str, str]) -> Iterator[Metric]:
     last = GaugeMetricFamily(
         "animastor_last_observation_timestamp_seconds",
-        "Unix time of the latest observation of each timed flow (a stale tick means beat or the control worker is down).",
+        "Unix time of the latest observation of each timed flow (a stale tick: beat or the control worker is down).",
         labels=["name"],
     )
     for name, doc in HISTOGRAMS.items():
@@ -126,9 +132,9 @@ def _histogram_families(fields: dict[str, str]) -> Iterator[Metric]:
         buckets: list[tuple[str, float]] = []
         running = 0.0
         for bound in [*telemetry.DURATION_BUCKETS, "+Inf"]:
-            label = bound if isinstance(bound, str) else f"{bound:g}"
-            running += _number(fields.get(telemetry.histogram_field(name, f"le={label}"), "0"))
-            buckets.append((label, running))
+            stored = bound if isinstance(bound, str) else f"{bound:g}"  # the field name observe() wrote
+            running += _number(fields.get(telemetry.histogram_field(name, f"le={stored}"), "0"))
+            buckets.append((stored if isinstance(bound, str) else floatToGoString(bound), running))
         sum_us = _number(fields.get(telemetry.histogram_field(name, "sum_us"), "0"))
         family.add_metric([], buckets, sum_value=sum_us / 1_000_000)
         yield family
@@ -156,6 +162,7 @@ def _queue_families(rt: Runtime, up: dict[str, float]) -> Iterator[Metric]:
     deferred = GaugeMetricFamily(
         "animastor_deferred_pairs", "Live deferrals of active books, by bucket.", labels=["bucket"]
     )
+    up["broker"] = 1.0
     for row in rows:
         labels = [row["queue"], row["stage"]]
         consumers.add_metric(labels, float(len(row["consumers"])))
@@ -167,11 +174,8 @@ def _queue_families(rt: Runtime, up: dict[str, float]) -> Iterator[Metric]:
         lane.add_metric(labels, float(row["lane_limit"]))
         for state in ("closed", "open", "half-open"):
             breaker.add_metric([row["queue"], state], 1.0 if row["breaker"] == state else 0.0)
-    totals: dict[str, int] = defaultdict(int)
-    if rows:
-        totals.update(rows[0]["deferred"])
-    else:
-        totals.update(rt.coord.deferral_counts(rt.coord.active_books(), time.time()))
+    # Every row carries the same totals (deferrals are counted across the active books).
+    totals = rows[0]["deferred"] if rows else rt.coord.deferral_counts(rt.coord.active_books(), time.time())
     for bucket, count in sorted(totals.items()):
         deferred.add_metric([bucket], float(count))
     yield from (consumers, depth, in_flight, lane, breaker, deferred)
@@ -204,9 +208,9 @@ def serve(address: str = DEFAULT_ADDRESS, port: int = DEFAULT_PORT) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    log.info("[METRICS] serving http://%s:%d/metrics", address, server.server_port)
-    print(f"animastor metrics on http://{address}:{server.server_port}/metrics", flush=True)
-    stop.wait()
+    print(f"[METRICS] serving http://{address}:{server.server_port}/metrics", flush=True)
+    while not stop.wait(1.0):
+        pass
     server.shutdown()
     server.server_close()
     thread.join(timeout=5)

@@ -32,9 +32,12 @@ class ConsumerCounter:
         self.coord = coord
         self.amqp_url = amqp_url
 
-    def counts(self, queues: Sequence[str]) -> dict[str, int]:
-        live = self.coord.live_consumers(queues)
-        counts = {q: len(live.get(q, {})) for q in queues}
+    def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]:
+        """`heartbeats`: live heartbeat counts already read (a gate pass reads them in its snapshot)."""
+        if heartbeats is None:
+            live = self.coord.live_consumers(queues)
+            heartbeats = {q: len(live.get(q, {})) for q in queues}
+        counts = {q: heartbeats.get(q, 0) for q in queues}
         if self.amqp_url:
             broker_counts = amqp_consumer_counts(self.amqp_url, queues)
             counts = {q: (counts[q] if broker_counts.get(q, 0) > 0 else 0) or broker_counts.get(q, 0) for q in queues}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -28,6 +29,16 @@ from animastor_tasks.errors import StoreUnavailable
 T = TypeVar("T")
 Pair = tuple[str, str, str]
 BookPair = tuple[str, str, str, str]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    cancel_flag: bool
+    force: set[Pair]
+    deferred: dict[str, set[Pair]]  # live deferrals by bucket
+    active: set[tuple[str, str]]  # the book's scenes in the active index
+    consumers: dict[str, int]  # live heartbeats per queue asked for
+    breaker_clean: dict[str, bool]  # no failure recorded: publishing needs no breaker call
 
 
 def _script(name: str) -> str:
@@ -91,10 +102,8 @@ class Coordination:
             pipe.execute()
 
     # -- one read for a whole gate pass ---------------------------------------
-    def book_snapshot(
-        self, book: str, now: float
-    ) -> tuple[bool, set[Pair], dict[str, set[Pair]], set[tuple[str, str]]]:
-        """(cancel flag, force pairs, live deferrals by bucket, active scenes) in one round trip."""
+    def book_snapshot(self, book: str, now: float, queues: Sequence[str] = ()) -> Snapshot:
+        """Everything Redis knows that a gate pass needs, in one round trip."""
         with self._errors():
             pipe = self.client.pipeline(transaction=False)
             pipe.exists(self.keys.cancel_flag(book))
@@ -102,12 +111,22 @@ class Coordination:
             for bucket in DEFER_BUCKETS:
                 pipe.zrangebyscore(self.keys.deferrals(book, bucket), f"({now}", "+inf")
             pipe.smembers(self.keys.active_scenes(book))
-            cancel, force, *deferred, active = pipe.execute()
-        return (
-            bool(cancel),
-            {parse_pair_member(m) for m in force},
-            {b: {parse_pair_member(m) for m in members} for b, members in zip(DEFER_BUCKETS, deferred, strict=True)},
-            {parse_scene_member(m) for m in active},
+            for queue in queues:
+                pipe.zcount(self.keys.consumers(queue), f"({now}", "+inf")
+                pipe.exists(self.keys.breaker(queue))
+            cancel, force, *rest = pipe.execute()
+        deferred, active, per_queue = (
+            rest[: len(DEFER_BUCKETS)],
+            rest[len(DEFER_BUCKETS)],
+            rest[len(DEFER_BUCKETS) + 1 :],
+        )
+        return Snapshot(
+            cancel_flag=bool(cancel),
+            force={parse_pair_member(m) for m in force},
+            deferred={b: {parse_pair_member(m) for m in ms} for b, ms in zip(DEFER_BUCKETS, deferred, strict=True)},
+            active={parse_scene_member(m) for m in active},
+            consumers={q: int(per_queue[2 * i]) for i, q in enumerate(queues)},
+            breaker_clean={q: not per_queue[2 * i + 1] for i, q in enumerate(queues)},
         )
 
     def cancel_flag_set(self, book: str) -> bool:
@@ -233,6 +252,25 @@ class Coordination:
 
     def release_lease(self, pair: BookPair, dispatch_id: str) -> bool:
         return bool(self._run(lambda: self._release(keys=[self.keys.lease(*pair)], args=[dispatch_id])))
+
+    def claim_delivery(self, dispatch_id: str, worker: str, ttl: int, book: str) -> tuple[bool, bool]:
+        """(this delivery owns the dispatch, the book is cancelled), in one round trip.
+
+        A second delivery of a dispatch that is still running (broker redelivery after a
+        visibility timeout) finds the marker and does not run again.
+        """
+        with self._errors():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(self.keys.running(dispatch_id), worker, nx=True, ex=ttl)
+            pipe.exists(self.keys.cancel_flag(book))
+            owned, cancelled = pipe.execute()
+        return bool(owned), bool(cancelled)
+
+    def touch_delivery(self, dispatch_id: str, ttl: int) -> None:
+        self._run(lambda: self.client.expire(self.keys.running(dispatch_id), ttl))
+
+    def end_delivery(self, dispatch_id: str) -> None:
+        self._run(lambda: self.client.delete(self.keys.running(dispatch_id)))
 
     def drop_leases(self, pairs: Sequence[BookPair]) -> None:
         if pairs:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from animastor_tasks.adapters.ledger import Claim, InFlight, new_dispatch_id
+from animastor_tasks.adapters.redis_store import Snapshot
 from animastor_tasks.domain.gate import Pair
 from animastor_tasks.domain.outcomes import Outcome, deferral_bucket, deferral_seconds, no_worker_reason
 from animastor_tasks.domain.registry import StageSpec
@@ -38,13 +39,13 @@ def dispatch_pending(
     rt: Runtime,
     book: str,
     pending: Sequence[InFlight],
+    snap: Snapshot,
     *,
-    force: set[Pair],
-    deferred: dict[str, set[Pair]],
     now: float,
 ) -> DispatchResult:
     result = DispatchResult()
-    deferred_pairs = set().union(*deferred.values()) if deferred else set()
+    force = snap.force
+    deferred_pairs = set().union(*snap.deferred.values())
     todo: list[InFlight] = []
     for item in pending:
         if (item.chapter, item.scene, item.stage) in deferred_pairs:
@@ -58,7 +59,7 @@ def dispatch_pending(
     specs = {s: rt.settings.registry.get(s) for s in {i.stage for i in todo} if s in rt.settings.registry}
     todo = [i for i in todo if i.stage in specs]
     try:
-        consumers = rt.consumers.counts([spec.queue for spec in specs.values()])
+        consumers = rt.consumers.counts([spec.queue for spec in specs.values()], snap.consumers)
     except StoreUnavailable as err:
         log.warning("[DISPATCH] book=%r presence registry unreadable, dispatching nothing: %s", book, err)
         return result
@@ -75,6 +76,8 @@ def dispatch_pending(
     permits: dict[str, int] = {}
     open_stages: set[str] = set()
     for stage in {i.stage for i in todo}:
+        if snap.breaker_clean.get(specs[stage].queue, False):
+            continue  # no failure on record: closed, nothing to ask
         state = rt.coord.breaker_acquire(specs[stage].queue, rt.settings.breaker_cooldown_seconds)
         if state == "open":
             open_stages.add(stage)
@@ -85,7 +88,7 @@ def dispatch_pending(
 
     todo = _settle_idempotent(rt, book, todo, force, result, now)
     if todo:
-        _claim_and_publish(rt, book, todo, specs, permits, result, now)
+        _claim_and_publish(rt, book, todo, specs, permits, snap.breaker_clean, result, now)
     telemetry.record_outcomes(rt, result.outcomes)
     return result
 
@@ -129,6 +132,7 @@ def _claim_and_publish(
     todo: list[InFlight],
     specs: dict[str, StageSpec],
     permits: dict[str, int],
+    breaker_clean: dict[str, bool],
     result: DispatchResult,
     now: float,
 ) -> None:
@@ -192,7 +196,6 @@ def _claim_and_publish(
         result.outcomes[outcome] += len(pairs)
     if not claims:
         return
-    rt.coord.clear_deferrals(book, [(c.chapter, c.scene, c.stage) for c in claims])
     publisher = rt.require_publisher()
     failed: list[Claim] = []
     for claim in claims:
@@ -226,10 +229,13 @@ def _claim_and_publish(
             claim.token,
             spec.queue,
         )
+    # Bookkeeping after the jobs are on their way, so it never delays their start.
+    rt.coord.clear_deferrals(book, [(c.chapter, c.scene, c.stage) for c in claims])
     for stage in {c.stage for c in claims if c not in failed}:
-        rt.coord.breaker_record(
-            specs[stage].queue, True, rt.settings.breaker_threshold, rt.settings.breaker_cooldown_seconds
-        )
+        if not breaker_clean.get(specs[stage].queue, False):
+            rt.coord.breaker_record(
+                specs[stage].queue, True, rt.settings.breaker_threshold, rt.settings.breaker_cooldown_seconds
+            )
     if failed:
         rt.ledger.unclaim(book, failed)
         for claim in failed:

@@ -53,7 +53,7 @@ def _gate_pass(rt: Runtime, book: str, *, dispatch_work: bool = True) -> PassRep
     report = PassReport(book)
     now = time.time()
     try:
-        cancel_flag, force, deferred, active = rt.coord.book_snapshot(book, now)
+        snap = rt.coord.book_snapshot(book, now, rt.settings.registry.queues())
     except StoreUnavailable as err:
         report.error = str(err)
         log.warning("[COMMAND-GATE] book=%r coordination unreadable, nothing authorized: %s", book, err)
@@ -66,11 +66,11 @@ def _gate_pass(rt: Runtime, book: str, *, dispatch_work: bool = True) -> PassRep
         return report
     if rows is None:
         log.warning("[COMMAND-GATE] book=%r unknown; removed from the active index", book)
-        rt.coord.deactivate(book, active)
+        rt.coord.deactivate(book, snap.active)
         rt.coord.drop_book_if_idle(book)
         return report
 
-    facts = BookFacts(True, cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
+    facts = BookFacts(True, snap.cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
     pending: list[InFlight] = []
     for item in rows.in_flight:
         pair = (item.chapter, item.scene, item.stage)
@@ -95,14 +95,14 @@ def _gate_pass(rt: Runtime, book: str, *, dispatch_work: bool = True) -> PassRep
 
     released = set(report.released)
     busy = {(i.chapter, i.scene) for i in rows.in_flight if (i.chapter, i.scene, i.stage) not in released}
-    idle = active - busy
+    idle = snap.active - busy
     if idle:
         rt.coord.deactivate(book, idle)
         if not busy:
             rt.coord.drop_book_if_idle(book)
 
     if dispatch_work and pending:
-        result = dispatch.dispatch_pending(rt, book, pending, force=force, deferred=deferred, now=now)
+        result = dispatch.dispatch_pending(rt, book, pending, snap, now=now)
         report.outcomes = result.outcomes
         report.dispatched = result.dispatched
     return report

@@ -79,7 +79,7 @@ class Watcher(threading.Thread):
                     if not self.rt.coord.renew_lease(self.job.lease_pair, self.job.dispatch_id, self.spec.lease_ttl):
                         self._halt("lease lost")
                         return
-                    self.rt.coord.client.expire(self.rt.coord.keys.running(self.job.dispatch_id), self.spec.lease_ttl)
+                    self.rt.coord.touch_delivery(self.job.dispatch_id, self.spec.lease_ttl)
             except StoreUnavailable as err:
                 log.warning("[GENERATE] %s watcher cannot reach redis: %s", self.job.describe(), err)
 
@@ -97,15 +97,17 @@ def run_job(
 ) -> dict[str, Any]:
     spec = rt.settings.registry.get(job.stage)
     result: dict[str, Any] = {"dispatch_id": job.dispatch_id, "book_id": job.book_id, "stage": job.stage}
-    running_key = rt.coord.keys.running(job.dispatch_id)
-    if not rt.coord.client.set(running_key, worker, nx=True, ex=spec.lease_ttl):
+    owned, cancelled = rt.coord.claim_delivery(job.dispatch_id, worker, spec.lease_ttl, job.book_id)
+    if not owned:
         log.warning("[GENERATE] %s duplicate delivery while another copy runs; not run again", job.describe())
         telemetry.record(rt, "job:duplicate_delivery")
         return {**result, "outcome": "duplicate_delivery"}
     try:
+        if cancelled:
+            return _reject(rt, job, "cancelled", result)
         return _run_owned(rt, job, spec, worker, progress, result)
     finally:
-        rt.coord.client.delete(running_key)
+        rt.coord.end_delivery(job.dispatch_id)
 
 
 def _reject(rt: Runtime, job: Job, why: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -117,8 +119,6 @@ def _reject(rt: Runtime, job: Job, why: str, result: dict[str, Any]) -> dict[str
 def _run_owned(
     rt: Runtime, job: Job, spec: StageSpec, worker: str, progress: Callable[[float], None], result: dict[str, Any]
 ) -> dict[str, Any]:
-    if rt.coord.cancel_flag_set(job.book_id):
-        return _reject(rt, job, "cancelled", result)
     check = rt.ledger.start_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id)
     if not check.ok:
         return _reject(rt, job, check.reason, result)
@@ -166,7 +166,7 @@ def _run_owned(
 
 def _free_capacity(rt: Runtime, job: Job) -> None:
     """The job's slot is free: the book's pairs waiting for capacity may go now, not in a minute."""
-    _, _, deferred, _ = rt.coord.book_snapshot(job.book_id, time.time())
+    deferred = rt.coord.book_snapshot(job.book_id, time.time()).deferred
     # Every stage: the scene window is shared by the book's stages, so a finished audio job
     # can free the slot an image pair was deferred for (window_full).
     waiting = list(deferred.get("capacity", set()))
