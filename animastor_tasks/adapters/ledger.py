@@ -274,63 +274,58 @@ class Ledger:
         if it fails, nothing is claimed.
         """
         stages = sorted({pair[2] for pair, _ in wanted})
+        # Lanes first (sorted), then the book: completions take their lane, then the book,
+        # so the order is the same everywhere. The scene window spans stages, hence the book lock.
+        locks = [*(f"lane:{queue_lanes[stage]}" for stage in stages), f"book:{book}"]
         with self.db.transaction() as conn:
-            for stage in stages:
-                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lane:{queue_lanes[stage]}",))
-            # The scene window spans stages: a completion of another stage takes this lock too.
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"book:{book}",))
+            conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtext(k)) FROM unnest(%s::text[]) WITH ORDINALITY AS l(k, n)"
+                " ORDER BY n",
+                (locks,),
+            )
             counts = self._capacity_counts(conn, book, stages)
             chosen: Sequence[tuple[Pair, str]] = choose(counts)
             claims: list[Claim] = []
             if chosen:
+                # The claim and its journal event in one statement.
                 rows = conn.execute(
                     "WITH p(chapter_id, scene_id, stage, dispatch_id) AS"
-                    " (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]))"
-                    " UPDATE asset_states a SET state = 'generating', fencing_token = a.fencing_token + 1,"
-                    " dispatch_id = p.dispatch_id, updated_at = now() FROM p"
-                    " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
-                    " AND a.stage = p.stage AND a.state = 'pending'"
-                    " RETURNING a.chapter_id, a.scene_id, a.stage, a.fencing_token, a.dispatch_id",
+                    " (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[])),"
+                    " claimed AS (UPDATE asset_states a SET state = 'generating', fencing_token = a.fencing_token + 1,"
+                    "  dispatch_id = p.dispatch_id, updated_at = now() FROM p"
+                    "  WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
+                    "  AND a.stage = p.stage AND a.state = 'pending'"
+                    "  RETURNING a.chapter_id, a.scene_id, a.stage, a.fencing_token, a.dispatch_id),"
+                    " journal AS (INSERT INTO events (kind, book_id, chapter_id, scene_id, stage, dispatch_id, detail)"
+                    "  SELECT 'dispatch', %s, chapter_id, scene_id, stage, dispatch_id,"
+                    "  jsonb_build_object('token', fencing_token) FROM claimed)"
+                    " SELECT chapter_id, scene_id, stage, fencing_token, dispatch_id FROM claimed",
                     (
                         [p[0] for p, _ in chosen],
                         [p[1] for p, _ in chosen],
                         [p[2] for p, _ in chosen],
                         [d for _, d in chosen],
                         book,
+                        book,
                     ),
                 ).fetchall()
                 claims = [Claim(*row) for row in rows]
-            if claims:
-                conn.execute(
-                    "INSERT INTO events (kind, book_id, chapter_id, scene_id, stage, dispatch_id, detail)"
-                    " SELECT 'dispatch', %s, c, s, st, d, jsonb_build_object('token', t)"
-                    " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::bigint[]) AS u(c, s, st, d, t)",
-                    (
-                        book,
-                        [c.chapter for c in claims],
-                        [c.scene for c in claims],
-                        [c.stage for c in claims],
-                        [c.dispatch_id for c in claims],
-                        [c.token for c in claims],
-                    ),
-                )
             before_commit(claims)
         return claims
 
     @staticmethod
     def _capacity_counts(conn: psycopg.Connection, book: str, stages: list[str]) -> dict[str, Any]:
-        lane: dict[str, int] = dict(
-            conn.execute(
-                "SELECT stage, count(*) FROM asset_states WHERE state = 'generating' AND stage = ANY(%s)"
-                " GROUP BY stage",
-                (stages,),
-            ).fetchall()
-        )
-        generating = conn.execute(
-            "SELECT chapter_id, scene_id, stage FROM asset_states WHERE book_id = %s AND state = 'generating'",
-            (book,),
+        """Generating pairs per lane and the book's own generating pairs, in one query."""
+        rows = conn.execute(
+            "SELECT stage, NULL, NULL, count(*) FROM asset_states WHERE state = 'generating' AND stage = ANY(%s)"
+            " GROUP BY stage"
+            " UNION ALL SELECT stage, chapter_id, scene_id, NULL FROM asset_states"
+            " WHERE book_id = %s AND state = 'generating'",
+            (stages, book),
         ).fetchall()
-        return {"lane": lane, "book_generating": [tuple(r) for r in generating]}
+        lane = {stage: int(n) for stage, chapter, _, n in rows if chapter is None}
+        mine = [(chapter, scene, stage) for stage, chapter, scene, n in rows if chapter is not None]
+        return {"lane": lane, "book_generating": mine}
 
     def unclaim(self, book: str, claims: Sequence[Claim]) -> int:
         """Undo claims whose job could not be published: `generating -> pending` if the token is still ours."""
