@@ -6,7 +6,7 @@ one worker per GPU stage, beat, Flower and the metrics exporter -> import the sa
 -> Stop All in the middle of a slow run -> where the artifacts, Flower and the metrics are.
 
 Every process runs in a session (process group) of its own under `Supervisor`: a terminal's
-Ctrl-C reaches only the demo, which then stops the groups itself, in order and completely,
+Ctrl-C reaches only the demo, which then stops every group itself, pool children included,
 on a normal exit, Ctrl-C or SIGTERM alike; a second Ctrl-C skips the grace period. Children
 also get SIGTERM from the kernel if the demo dies without cleaning up (Linux PDEATHSIG).
 Each child carries `ANIMASTOR_SUPERVISOR=<token>` in its environment so that anyone (the
@@ -117,6 +117,8 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
 
 
 def _live_pids() -> Iterator[int]:
+    if not os.path.isdir("/proc"):  # not Linux: survivors cannot be looked for, only signalled
+        return
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             yield int(entry.name)
@@ -152,7 +154,7 @@ class Supervisor:
 
     Why groups: a Celery worker forks pool processes; signalling the group reaches every one of
     them, and a terminal's Ctrl-C (sent to the terminal's foreground group) reaches only us, so
-    the shutdown happens in one place and in order.
+    the shutdown happens in one place.
     """
 
     def __init__(
@@ -235,7 +237,7 @@ class Supervisor:
 
     def stop(self, *names: str, grace: float = 15.0) -> None:
         """SIGTERM each group, wait up to `grace` (Celery finishes running tasks), then SIGKILL what is left."""
-        targets = [self.children.pop(n) for n in names if n in self.children]
+        targets = [self.children[n] for n in names if n in self.children]  # still listed if interrupted
         for child in targets:
             _signal_group(child.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -249,6 +251,8 @@ class Supervisor:
                     child.process.wait(5)
         for child in targets:
             _reap_group(child.pid)
+            if self.children.get(child.name) is child:
+                del self.children[child.name]
             self.say(f"stopped {child.name} (pid {child.pid}, exit status {child.process.returncode})")
 
     def stop_all(self, grace: float = 15.0) -> None:
@@ -588,6 +592,8 @@ class Demo:
                 time.sleep(0.2)
                 rows = self.rt.ledger.commands(command_ids=command_ids)
                 live.update(_render(rows))
+        if not self.console.is_terminal:
+            self.console.line()  # a log or a pipe gets the final bars without their closing newline
         return rows
 
     def regenerate_all(self, book: str) -> None:

@@ -135,33 +135,29 @@ class Catalog:
             self._ensure_asset_rows(conn, book_id, list(self.registry.names()))
 
     def command_context(self, book_id: str, named: list[tuple[str, str]] | None, request_id: str) -> CommandContext:
-        with self.db.transaction() as conn:
-            head = conn.execute(
-                "SELECT b.layer_config, ARRAY(SELECT c.command_id::text FROM commands c WHERE c.request_id = %s)"
-                " FROM books b WHERE b.book_id = %s",
-                (request_id, book_id),
+        chapters = None if named is None else [c for c, _ in named]
+        scene_ids = None if named is None else [sc for _, sc in named]
+        with self.db.read() as conn:
+            row = conn.execute(
+                "SELECT b.layer_config,"
+                " ARRAY(SELECT c.command_id::text FROM commands c WHERE c.request_id = %(request)s),"
+                " ARRAY(SELECT ARRAY[s.chapter_id, s.scene_id] FROM scenes s WHERE s.book_id = b.book_id"
+                "  AND (%(chapters)s::text[] IS NULL OR (s.chapter_id, s.scene_id) IN"
+                "   (SELECT * FROM unnest(%(chapters)s::text[], %(scenes)s::text[])))"
+                "  ORDER BY s.position)"
+                " FROM books b WHERE b.book_id = %(book)s",
+                {"request": request_id, "chapters": chapters, "scenes": scene_ids, "book": book_id},
             ).fetchone()
-            if head is None:
-                return CommandContext(False, [], None, [])
-            if named is None:
-                rows = conn.execute(
-                    "SELECT chapter_id, scene_id FROM scenes WHERE book_id = %s ORDER BY position", (book_id,)
-                ).fetchall()
-            else:
-                rows = conn.execute(
-                    "SELECT s.chapter_id, s.scene_id FROM scenes s"
-                    " JOIN unnest(%s::text[], %s::text[]) AS n(c, sc) ON s.chapter_id = n.c AND s.scene_id = n.sc"
-                    " WHERE s.book_id = %s ORDER BY s.position",
-                    ([c for c, _ in named], [sc for _, sc in named], book_id),
-                ).fetchall()
-        return CommandContext(True, [(c, sc) for c, sc in rows], head[0], list(head[1]))
+        if row is None:
+            return CommandContext(False, [], None, [])
+        return CommandContext(True, [(c, sc) for c, sc in row[2]], row[0], list(row[1]))
 
     def book_exists(self, book_id: str) -> bool:
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             return conn.execute("SELECT 1 FROM books WHERE book_id = %s", (book_id,)).fetchone() is not None
 
     def scene_input(self, book_id: str, chapter_id: str, scene_id: str) -> tuple[str, str] | None:
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             row = conn.execute(
                 "SELECT text, prompt FROM scenes WHERE book_id = %s AND chapter_id = %s AND scene_id = %s",
                 (book_id, chapter_id, scene_id),
@@ -176,12 +172,12 @@ class Catalog:
         return bool(updated)
 
     def layers(self, book_id: str) -> str | None:
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             row = conn.execute("SELECT layer_config FROM books WHERE book_id = %s", (book_id,)).fetchone()
         return None if row is None else row[0]
 
     def all_layers(self, book_ids: Iterable[str]) -> dict[str, str | None]:
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             return dict(
                 conn.execute(
                     "SELECT book_id, layer_config FROM books WHERE book_id = ANY(%s)", (list(book_ids),)

@@ -91,7 +91,7 @@ class Ledger:
 
     # -- commands -----------------------------------------------------------------------
     def commands_for_request(self, request_id: str) -> list[CommandRow]:
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             ids = [r[0] for r in conn.execute("SELECT command_id FROM commands WHERE request_id = %s", (request_id,))]
         return self.commands(command_ids=[str(i) for i in ids]) if ids else []
 
@@ -153,7 +153,7 @@ class Ledger:
         if command_ids is not None:
             where += " AND c.command_id = ANY(%s::uuid[])"
             params.append(list(command_ids))
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             rows = conn.execute(
                 "SELECT c.command_id, c.book_id, c.stage, c.status, c.reason, extract(epoch FROM c.created_at),"
                 " a.state, count(*) FROM commands c"
@@ -195,37 +195,38 @@ class Ledger:
 
     # -- gate facts ---------------------------------------------------------------------
     def gate_rows(self, book: str) -> GateRows | None:
-        """Everything a gate pass needs from Postgres, in two queries; None for an unknown book.
+        """Everything a gate pass needs from Postgres, in one statement; None for an unknown book.
 
         Only in-flight pairs are read, each flagged with whether an active command targets it:
         idle pairs and the targets of finished work cost nothing.
         """
-        with self.db.transaction() as conn:
-            head = conn.execute(
-                "SELECT b.layer_config, t.book_id IS NOT NULL FROM books b"
-                " LEFT JOIN cancel_tombstones t ON t.book_id = b.book_id WHERE b.book_id = %s",
-                (book,),
-            ).fetchone()
-            if head is None:
-                return None
-            in_flight = tuple(
-                InFlight(*row)
-                for row in conn.execute(
-                    "WITH active AS (SELECT DISTINCT t.chapter_id, t.scene_id, t.stage FROM commands c"
-                    "  JOIN command_targets t ON t.command_id = c.command_id"
-                    "  WHERE c.book_id = %s AND c.status = 'active')"
-                    " SELECT a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position, a.dispatch_id,"
-                    " a.input_hash, s.input_hashes ->> a.stage, a.artifact_sha256 IS NOT NULL, act.stage IS NOT NULL"
-                    " FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-                    "  AND s.scene_id = a.scene_id"
-                    " LEFT JOIN active act ON act.chapter_id = a.chapter_id AND act.scene_id = a.scene_id"
-                    "  AND act.stage = a.stage"
-                    " WHERE a.book_id = %s AND a.state IN ('pending', 'generating') ORDER BY s.position",
-                    (book, book),
-                )
-            )
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "WITH active AS (SELECT DISTINCT t.chapter_id, t.scene_id, t.stage FROM commands c"
+                "  JOIN command_targets t ON t.command_id = c.command_id"
+                "  WHERE c.book_id = %(book)s AND c.status = 'active'),"
+                " flight AS (SELECT a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position,"
+                "  a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
+                "  a.artifact_sha256 IS NOT NULL AS has_artifact, act.stage IS NOT NULL AS commanded"
+                "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+                "   AND s.scene_id = a.scene_id"
+                "  LEFT JOIN active act ON act.chapter_id = a.chapter_id AND act.scene_id = a.scene_id"
+                "   AND act.stage = a.stage"
+                "  WHERE a.book_id = %(book)s AND a.state IN ('pending', 'generating'))"
+                # The book's own row comes first (position -1) and carries the layers and the tombstone.
+                " SELECT NULL, NULL, NULL, NULL, 0, -1, b.layer_config, NULL, NULL, false,"
+                "  EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id)"
+                " FROM books b WHERE b.book_id = %(book)s"
+                " UNION ALL SELECT * FROM flight ORDER BY 6",
+                {"book": book},
+            ).fetchall()
+        if not rows or rows[0][5] != -1:
+            return None
+        head, body = rows[0], rows[1:]
+        in_flight = tuple(InFlight(*row) for row in body)
+        layers_raw, tombstone = head[6], bool(head[10])
         commanded = frozenset((i.chapter, i.scene, i.stage) for i in in_flight if i.commanded)
-        return GateRows(head[0], bool(head[1]), commanded, in_flight)
+        return GateRows(layers_raw, tombstone, commanded, in_flight)
 
     def move_pairs(
         self, book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str
@@ -433,11 +434,11 @@ class Ledger:
         return cancelled, len(rows), dispatched
 
     def tombstoned_books(self) -> list[str]:
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             return [r[0] for r in conn.execute("SELECT book_id FROM cancel_tombstones")]
 
     def is_tombstoned(self, book: str) -> bool:
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             return conn.execute("SELECT 1 FROM cancel_tombstones WHERE book_id = %s", (book,)).fetchone() is not None
 
     # -- jobs -----------------------------------------------------------------------------------
@@ -549,7 +550,7 @@ class Ledger:
 
     def token_is_current(self, book: str, pair: Pair, token: int, dispatch_id: str) -> bool:
         chapter, scene, stage = pair
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             return (
                 conn.execute(
                     "SELECT 1 FROM asset_states WHERE book_id = %s AND chapter_id = %s AND scene_id = %s"
@@ -584,7 +585,7 @@ class Ledger:
     # -- reconcile ------------------------------------------------------------------------------
     def generating_pairs(self) -> list[tuple[str, str, str, str, int, str | None]]:
         """(book, chapter, scene, stage, token, dispatch id) of every generating pair."""
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             return [
                 tuple(r)
                 for r in conn.execute(
@@ -595,7 +596,7 @@ class Ledger:
 
     def books_with_work(self) -> list[str]:
         """Books with an active command or an in-flight pair: the ones reconcile looks at."""
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             return [
                 r[0]
                 for r in conn.execute(
@@ -634,7 +635,7 @@ class Ledger:
     # -- reads for operators ----------------------------------------------------------------------
     def scene_states(self, book: str) -> list[tuple[str, str, str, str, str | None]]:
         """(chapter, scene, stage, state, artifact sha256) for every pair, in reading order."""
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             return [
                 tuple(r)
                 for r in conn.execute(
@@ -646,7 +647,7 @@ class Ledger:
             ]
 
     def lane_usage(self) -> dict[str, int]:
-        with self.db.transaction() as conn:
+        with self.db.read() as conn:
             return dict(
                 conn.execute(
                     "SELECT stage, count(*) FROM asset_states WHERE state = 'generating' GROUP BY stage"

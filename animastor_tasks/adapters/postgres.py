@@ -61,8 +61,21 @@ class Database:
     @contextmanager
     def transaction(self) -> Iterator[psycopg.Connection]:
         """One transaction: committed when the block ends, rolled back on error."""
+        with self._connection(autocommit=False) as conn:
+            yield conn
+
+    @contextmanager
+    def read(self) -> Iterator[psycopg.Connection]:
+        """For one read-only statement: no BEGIN/COMMIT round trips around it."""
+        with self._connection(autocommit=True) as conn:
+            yield conn
+
+    @contextmanager
+    def _connection(self, *, autocommit: bool) -> Iterator[psycopg.Connection]:
         try:
             with self._get_pool().connection() as conn:
+                if conn.autocommit != autocommit:
+                    conn.autocommit = autocommit
                 yield conn
         except psycopg.Error as err:
             if _is_store_error(err):
