@@ -278,7 +278,8 @@ class Ledger:
         # Lanes first (sorted), then the book: completions take their lane, then the book,
         # so the order is the same everywhere. The scene window spans stages, hence the book lock.
         locks = [*(f"lane:{queue_lanes[stage]}" for stage in stages), f"book:{book}"]
-        with self.db.transaction() as conn:
+        with self.db.transaction() as conn, conn.pipeline():
+            # Pipeline mode: BEGIN, the locks and the counts reach the server in one round trip.
             conn.execute(
                 "SELECT pg_advisory_xact_lock(hashtext(k)) FROM unnest(%s::text[]) WITH ORDINALITY AS l(k, n)"
                 " ORDER BY n",
