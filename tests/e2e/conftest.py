@@ -14,15 +14,17 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from .harness import Cluster, Stack, audio_stage, free_port, image_stage, stage_table, wait_for
+from .harness import Cluster, Stack, audio_stage, free_port, image_stage, stage_table
 
 FIGURES: list[str] = []
 E2E_TABLES = "events, artifacts, cancel_tombstones, command_targets, commands, asset_states, scenes, chapters, books"
@@ -61,24 +63,25 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if executable is None:
         pytest.skip("redis-server is not installed; the e2e tests need a private Redis")
     folder = tmp_path_factory.mktemp("redis")
+    proc: subprocess.Popen[bytes] | None = None
+    url = ""
     for _ in range(5):
         port = free_port()
-        proc = subprocess.Popen(
-            [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            cwd=folder,
-            stdout=open(folder / "redis.log", "wb"),  # noqa: SIM115 - lives as long as the server
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(folder / "redis.log", "ab") as log:
+            candidate = subprocess.Popen(
+                [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                cwd=folder,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         url = f"redis://127.0.0.1:{port}/0"
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
-        try:
-            wait_for(lambda: _pings(client) or proc.poll() is not None, 10, what="redis-server up")
-            if proc.poll() is None:
-                break
-        finally:
-            client.close()
-    else:
+        if _wait_redis(url, candidate):
+            proc = candidate
+            break
+        candidate.kill()
+        candidate.wait(timeout=5)
+    if proc is None:
         pytest.fail(f"could not start a private redis-server:\n{(folder / 'redis.log').read_text()}")
     yield url
     proc.terminate()
@@ -89,11 +92,19 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait()
 
 
-def _pings(client: redis.Redis) -> bool:
+def _wait_redis(url: str, proc: subprocess.Popen[bytes]) -> bool:
+    """True once the server answers; False if it exited (say the port was taken meanwhile)."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
     try:
-        return bool(client.ping())
-    except redis.RedisError:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                time.sleep(0.05)
         return False
+    finally:
+        client.close()
 
 
 def _amqp_reachable() -> bool:
@@ -104,8 +115,15 @@ def _amqp_reachable() -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class AmqpBroker:
+    url: str
+    vhost: str
+    private: bool  # a vhost of our own (deleted at the end); else the shared "/"
+
+
 @pytest.fixture(scope="session")
-def amqp_url() -> Iterator[str]:
+def amqp_broker() -> Iterator[AmqpBroker]:
     if not _amqp_reachable():
         pytest.skip("RabbitMQ is not listening on 127.0.0.1:5672")
     vhost = f"animastor-e2e-{uuid.uuid4().hex[:8]}"
@@ -119,10 +137,11 @@ def amqp_url() -> Iterator[str]:
             ).returncode
             == 0
         )
-    url = f"amqp://guest:guest@127.0.0.1:5672/{vhost}" if made else "amqp://guest:guest@127.0.0.1:5672//"
-    yield url
-    if made and ctl:
-        subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=30)
+    if made:
+        yield AmqpBroker(f"amqp://guest:guest@127.0.0.1:5672/{vhost}", vhost, True)
+        subprocess.run([ctl or "rabbitmqctl", "delete_vhost", vhost], capture_output=True, timeout=30)
+    else:
+        yield AmqpBroker("amqp://guest:guest@127.0.0.1:5672//", "/", False)
 
 
 def purge_amqp(url: str) -> None:
@@ -186,7 +205,9 @@ def make_stack(
 
     yield build
 
-    failed = any(getattr(request.node, f"rep_{w}", None) and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call"))
+    failed = any(
+        getattr(request.node, f"rep_{w}", None) and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call")
+    )
     for stack in stacks:
         if failed:
             print(f"\n===== process logs ({request.node.name}) =====\n{stack.cluster.report(lines=60)}")

@@ -136,7 +136,9 @@ class Cluster:
         self._seq += 1
         return f"{base}-{self._seq}-{uuid.uuid4().hex[:6]}"
 
-    def _spawn(self, name: str, role: str, argv: list[str], queues: Sequence[str], env: Mapping[str, str] | None) -> Proc:
+    def _spawn(
+        self, name: str, role: str, argv: list[str], queues: Sequence[str], env: Mapping[str, str] | None
+    ) -> Proc:
         full_env = {**os.environ, **self.env, **(env or {}), "PYTHONUNBUFFERED": "1"}
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "wb") as handle:
@@ -289,7 +291,9 @@ class Cluster:
             return self.beat(env=proc.env, wait=wait, timeout=timeout)
         base = proc.name.rsplit("-", 2)[0]
         concurrency = int(proc.argv[proc.argv.index("-c") + 1])
-        return self.worker(list(proc.queues), base=base, concurrency=concurrency, env=proc.env, wait=wait, timeout=timeout)
+        return self.worker(
+            list(proc.queues), base=base, concurrency=concurrency, env=proc.env, wait=wait, timeout=timeout
+        )
 
     def _forget(self, proc: Proc) -> None:
         with _LIVE_LOCK:
@@ -303,10 +307,8 @@ class Cluster:
             self.send_signal(proc, signal.SIGTERM, group=False)
         deadline = time.monotonic() + 6.0
         for proc in running:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         for proc in self.procs:
             self.send_signal(proc, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -314,7 +316,9 @@ class Cluster:
             self._forget(proc)
 
     # -- one-shot commands ------------------------------------------------------------------------------
-    def run(self, args: Sequence[str], *, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, args: Sequence[str], *, timeout: float = 60.0, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run `celery -A animastor_tasks <args>` to completion (its own session, killed on timeout)."""
         full_env = {**os.environ, **self.env, **(env or {}), "PYTHONUNBUFFERED": "1"}
         popen = subprocess.Popen(
@@ -346,7 +350,9 @@ class Cluster:
         chunks = []
         for proc in procs if procs is not None else self.procs:
             state = "running" if proc.alive() else f"exited {proc.popen.returncode}"
-            chunks.append(f"----- {proc.name} ({proc.role}, pid {proc.pid}, {state}) {proc.log_path}\n{proc.tail(lines)}")
+            chunks.append(
+                f"----- {proc.name} ({proc.role}, pid {proc.pid}, {state}) {proc.log_path}\n{proc.tail(lines)}"
+            )
         return "\n".join(chunks)
 
     def logs_mentioning(self, needle: str) -> list[tuple[Proc, str]]:
@@ -458,3 +464,176 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Watching the broker and the asset states while a test runs.
+
+
+class RedisQueueTap:
+    """Every push onto a Redis-broker queue, seen through keyspace notifications (our private server).
+
+    Kombu's Redis transport publishes with LPUSH onto a list named after the queue (and
+    `<queue>\\x06\\x16<n>` for priorities), so a psubscribe on the keyspace channel sees
+    each publish, even one consumed before anyone could look at the list's length.
+    """
+
+    def __init__(self, url: str, queues: Sequence[str]) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+        self.client.config_set("notify-keyspace-events", "Kl")
+        db = self.client.connection_pool.connection_kwargs.get("db", 0)
+        self.queues = list(queues)
+        self.pushes: dict[str, int] = dict.fromkeys(self.queues, 0)
+        self.max_len: dict[str, int] = dict.fromkeys(self.queues, 0)
+        self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        self._prefix = f"__keyspace@{db}__:"
+        self._pubsub.psubscribe(*(f"{self._prefix}{q}*" for q in self.queues))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="queue-tap", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            message = self._pubsub.get_message(timeout=0.05)
+            while message is not None:
+                channel = message["channel"].decode("utf-8", "replace")[len(self._prefix) :]
+                if message["data"] in (b"lpush", b"rpush"):
+                    for queue in self.queues:
+                        if channel == queue or channel.startswith(queue + "\x06\x16"):
+                            self.pushes[queue] += 1
+                message = self._pubsub.get_message(timeout=0)
+            for queue in self.queues:
+                self.max_len[queue] = max(self.max_len[queue], int(self.client.llen(queue)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pubsub.close()
+        self.client.close()
+
+
+class AmqpQueueTap:
+    """Every message published in a (private) vhost, per target queue, seen through RabbitMQ's firehose.
+
+    Celery publishes to a direct queue through the default exchange (routing key = queue
+    name), so a queue bound beside it would see nothing; the firehose (`rabbitmqctl
+    trace_on`) copies every publish to `amq.rabbitmq.trace` with the routing keys in its
+    headers, and a queue bound there counts them, including those consumed at once.
+    """
+
+    def __init__(self, url: str, vhost: str, queues: Sequence[str]) -> None:
+        from kombu import Connection, Exchange, Queue
+
+        self.vhost = vhost
+        subprocess.run(["rabbitmqctl", "trace_on", "-p", vhost], check=True, capture_output=True, timeout=30)
+        self.conn = Connection(url, connect_timeout=3)
+        self.channel = self.conn.channel()
+        trace = Exchange("amq.rabbitmq.trace", type="topic", durable=True, internal=True, passive=True)
+        self.tap = Queue(f"e2e-firehose-{uuid.uuid4().hex[:6]}", trace, routing_key="publish.#", durable=False)
+        self.tap(self.channel).declare()
+        self.counts: dict[str, int] = dict.fromkeys(queues, 0)
+
+    def pushes(self, queue: str) -> int:
+        while True:
+            message = self.channel.basic_get(self.tap.name, no_ack=True)
+            if message is None:
+                break
+            headers = message.headers or message.properties.get("application_headers") or {}
+            for key in headers.get("routing_keys", []):
+                key = key.decode() if isinstance(key, bytes) else key
+                if key in self.counts:
+                    self.counts[key] += 1
+        return self.counts[queue]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.tap(self.channel).delete()
+        self.conn.close()
+        subprocess.run(["rabbitmqctl", "trace_off", "-p", self.vhost], capture_output=True, timeout=30)
+
+
+def amqp_queue_depth(url: str, queue: str) -> int | None:
+    """Messages ready in an AMQP queue; None when the queue does not exist."""
+    from kombu import Connection
+
+    with Connection(url, connect_timeout=3) as conn:
+        channel = conn.channel()
+        try:
+            _, count, _ = channel.queue_declare(queue=queue, passive=True)
+            return int(count)
+        except Exception:
+            return None
+
+
+class GeneratingMonitor:
+    """Polls asset states; records how long each (pair, token) stayed `generating`."""
+
+    def __init__(self, stack: Stack, book: str, interval: float = 0.1) -> None:
+        self.stack, self.book, self.interval = stack, book, interval
+        self.first: dict[tuple[tuple[str, str, str], int], float] = {}
+        self.last: dict[tuple[tuple[str, str, str], int], float] = {}
+        self.ended: dict[tuple[tuple[str, str, str], int], float] = {}
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="generating-monitor", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        from animastor_tasks.adapters.postgres import Database
+
+        db = Database(self.stack.settings.database_url, max_size=1)
+        try:
+            while not self._stop.is_set():
+                try:
+                    with db.transaction() as conn:
+                        rows = conn.execute(
+                            "SELECT chapter_id, scene_id, stage, fencing_token FROM asset_states"
+                            " WHERE book_id = %s AND state = 'generating'",
+                            (self.book,),
+                        ).fetchall()
+                except Exception as err:  # recorded and reported by the test
+                    self.errors.append(repr(err))
+                    rows = []
+                now = time.monotonic()
+                seen = {((c, s, st), int(t)) for c, s, st, t in rows}
+                for key in seen:
+                    self.first.setdefault(key, now)
+                    self.last[key] = now
+                for key in set(self.first) - seen - set(self.ended):
+                    self.ended[key] = now
+                self._stop.wait(self.interval)
+        finally:
+            db.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def span(self, key: tuple[tuple[str, str, str], int]) -> float:
+        return self.ended.get(key, time.monotonic()) - self.first[key]
+
+    def longest(self) -> tuple[float, Any]:
+        if not self.first:
+            return 0.0, None
+        key = max(self.first, key=self.span)
+        return self.span(key), key
+
+
+def generate_lines(proc: Proc, dispatch_id: str) -> list[str]:
+    return [line for line in proc.log().splitlines() if f"dispatch={dispatch_id}" in line or f"[{dispatch_id}]" in line]
+
+
+def running_dispatch(proc: Proc) -> str | None:
+    """The dispatch id a GPU worker has started and not yet finished, read from its log."""
+    current = None
+    for line in proc.log().splitlines():
+        if "[GENERATE]" not in line or "dispatch=" not in line:
+            continue
+        dispatch_id = line.split("dispatch=", 1)[1].split()[0]
+        if " started on " in line:
+            current = dispatch_id
+        elif dispatch_id == current and (" ready sha256=" in line or "fence_rejected" in line or "stopping:" in line):
+            current = None
+    return current

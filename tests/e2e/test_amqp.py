@@ -1,0 +1,45 @@
+"""The same end-to-end flows on RabbitMQ, where the broker's own consumer count is used as well."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from .harness import AmqpQueueTap, amqp_queue_depth
+from .test_blocked import run_blocked
+from .test_full_run import run_full_book
+
+pytestmark = [pytest.mark.e2e, pytest.mark.amqp]
+
+
+def test_blocked_without_image_worker_amqp(make_stack, figure, amqp_broker) -> None:
+    stack = make_stack(broker_url=amqp_broker.url)
+    assert stack.settings.broker_is_amqp
+    peak: dict[str, int] = {}
+
+    def depth(queue: str) -> int:
+        peak[queue] = max(peak.get(queue, 0), amqp_queue_depth(amqp_broker.url, queue) or 0)
+        return peak[queue]
+
+    if not amqp_broker.private:  # no firehose on the shared vhost: the queue depth and the journal only
+        run_blocked(stack, figure, "amqp broker (shared vhost)", None, depth)
+        return
+    tap = AmqpQueueTap(amqp_broker.url, amqp_broker.vhost, ["gpu.audio", "gpu.image"])
+
+    def pushes(queue: str) -> int:
+        time.sleep(0.2)
+        return tap.pushes(queue)
+
+    try:
+        run_blocked(stack, figure, "amqp broker", pushes, depth)
+    finally:
+        tap.close()
+
+
+def test_full_book_run_amqp(make_stack, figure, amqp_broker) -> None:
+    stack = make_stack(broker_url=amqp_broker.url)
+    run_full_book(stack, figure, "amqp broker")
+    # Every job was routed through RabbitMQ and consumed: nothing is left in the GPU queues.
+    assert amqp_queue_depth(amqp_broker.url, "gpu.audio") == 0
+    assert amqp_queue_depth(amqp_broker.url, "gpu.image") == 0

@@ -1,0 +1,73 @@
+"""Worker start-up refusal and consumer presence, with real worker processes."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from .harness import wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def test_worker_on_an_unknown_queue_exits_non_zero_naming_it(make_stack, figure) -> None:
+    stack = make_stack()
+    began = time.monotonic()
+    done = stack.cluster.run(["worker", "-Q", "gpu.nope", "-c", "1", "-n", "nope@%h", "-l", "info"], timeout=60)
+    took = time.monotonic() - began
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "gpu.nope" in done.stderr, done.stderr
+    assert "ready." not in output
+    assert stack.rt.coord.live_consumers(["gpu.nope"]) == {"gpu.nope": {}}
+    last = [line for line in done.stderr.strip().splitlines() if "gpu.nope" in line][-1]
+    figure(f"exit code {done.returncode} after {took:.1f}s; stderr: {last.strip()[:160]}")
+
+
+def test_presence_follows_worker_lifecycle_and_add_consumer(make_stack, figure) -> None:
+    stack = make_stack()
+    cluster, ttl = stack.cluster, stack.settings.presence_ttl_seconds
+    coord = stack.rt.coord
+    first = cluster.gpu("audio", wait=False)
+    second = cluster.gpu("audio", wait=False)
+
+    # Appears within a few seconds of start, no later than the worker is ready (first heartbeat at consumer start).
+    host = wait_for(lambda: cluster.advertised(first), 45, interval=0.02, what="first worker advertised")
+    appear = time.monotonic() - first.started_at
+    first.wait_log(" ready.", timeout=5)
+    cluster.wait_ready(second)
+    other = second.hostname
+    assert set(coord.live_consumers(["gpu.audio"])["gpu.audio"]) == {host, other}
+
+    # add_consumer at runtime: the audio worker shows up under gpu.image at its next heartbeat.
+    sent = time.monotonic()
+    done = cluster.run(["control", "add_consumer", "gpu.image", "-d", host], timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "add consumer gpu.image" in done.stdout + done.stderr, done.stdout + done.stderr
+    wait_for(lambda: cluster.advertised(first, "gpu.image") == host, ttl, what="advertised under gpu.image")
+    added = time.monotonic() - sent
+    assert cluster.advertised(first, "gpu.audio") == host
+    assert cluster.advertised(second, "gpu.image") is None
+
+    # Clean shutdown: the entries are withdrawn (removed from the sets, not left to expire).
+    stopped = time.monotonic()
+    assert cluster.stop(first) == 0, first.tail()
+    stop_took = time.monotonic() - stopped
+    for queue in ("gpu.audio", "gpu.image"):
+        assert coord.client.zscore(coord.keys.consumers(queue), host) is None, queue
+    assert set(coord.live_consumers(["gpu.audio"])["gpu.audio"]) == {other}
+
+    # SIGKILL: nothing withdraws the entry; it stops counting within one TTL.
+    cluster.kill(second, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: other not in coord.live_consumers(["gpu.audio"])["gpu.audio"], ttl + 0.5, what="expired")
+    gone = time.monotonic() - killed
+    assert gone <= ttl + 0.5
+    assert coord.client.zscore(coord.keys.consumers("gpu.audio"), other) is not None  # expired, not withdrawn
+    assert stack.rt.consumers.counts(["gpu.audio", "gpu.image"]) == {"gpu.audio": 0, "gpu.image": 0}
+    figure(
+        f"advertised {appear:.2f}s after the process started; add_consumer -> under gpu.image in {added:.2f}s; "
+        f"SIGTERM stop {stop_took:.2f}s, entries withdrawn; SIGKILL -> gone after {gone:.2f}s (TTL {ttl:.0f}s)"
+    )

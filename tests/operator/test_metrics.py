@@ -1,0 +1,181 @@
+"""The Prometheus exporter: histogram arithmetic in-process, then real scrapes over HTTP while real workers work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from animastor_tasks import metrics
+from animastor_tasks.demo import free_port
+from animastor_tasks.flow import telemetry
+from animastor_tasks.flow.runtime import Runtime
+
+from . import Stack, http_get, make_book, operator_env, wait_for
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, metric: str, **labels: str) -> float:
+    key = (metric, tuple(sorted(labels.items())))
+    assert key in samples, f"{metric}{labels} not exported; have {sorted(k for k in samples if k[0] == metric)}"
+    return samples[key]
+
+
+def test_observations_become_a_cumulative_histogram(rt: Runtime) -> None:
+    for seconds in (0.003, 0.2, 0.2, 20.0):
+        telemetry.observe(rt, "gate_pass_seconds", seconds)
+    samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
+    bucket = "animastor_gate_pass_seconds_bucket"
+    assert value(samples, bucket, le="0.005") == 1
+    assert value(samples, bucket, le="0.1") == 1
+    assert value(samples, bucket, le="0.25") == 3
+    assert value(samples, bucket, le="10.0") == 3
+    assert value(samples, bucket, le="+Inf") == 4
+    assert value(samples, "animastor_gate_pass_seconds_count") == 4
+    assert value(samples, "animastor_gate_pass_seconds_sum") == pytest.approx(20.403)
+    assert value(samples, "animastor_tick_seconds_count") == 0
+    assert value(samples, "animastor_last_observation_timestamp_seconds", name="gate_pass_seconds") > 0
+    assert value(samples, "animastor_store_up", store="redis") == 1
+
+
+def test_counters_of_the_hash_are_exported_by_kind(rt: Runtime) -> None:
+    telemetry.record_outcomes(rt, {"dispatched": 3, "fence_rejected": 2, "deferred_capacity": 7})
+    telemetry.record_blocked(rt, "image", 1)
+    telemetry.record(rt, "job:ready", 5)
+    samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
+    assert value(samples, "animastor_dispatch_outcomes_total", outcome="dispatched") == 3
+    assert value(samples, "animastor_dispatch_outcomes_total", outcome="lane_full") == 0  # known labels start at 0
+    assert value(samples, "animastor_fence_rejections_total") == 2
+    assert value(samples, "animastor_blocked_commands_total", stage="image") == 1
+    assert value(samples, "animastor_blocked_commands_total", stage="audio") == 0
+    assert value(samples, "animastor_jobs_total", event="ready") == 5
+    assert value(samples, "animastor_commands", status="active") == 0
+
+
+def scrape(url: str) -> Samples:
+    status, body = http_get(url)
+    assert status == 200, body
+    return parse(body)
+
+
+@pytest.fixture
+def exporter_stack(tmp_path: Path) -> Iterator[tuple[Stack, str]]:
+    """Control + GPU workers + beat (1 s tick) and `animastor-tasks metrics` as a subprocess."""
+    with operator_env(tmp_path, ANIMASTOR_TICK_SECONDS="1") as env:
+        stack = Stack(env, tmp_path)
+        try:
+            port = free_port()
+            stack.supervisor.start(
+                "metrics", [sys.executable, "-m", "animastor_tasks.cli", "metrics", "--port", str(port)]
+            )
+            stack.start_control()
+            stack.start_gpu("audio")
+            stack.start_gpu("image")
+            stack.start_beat()
+            url = f"http://127.0.0.1:{port}/metrics"
+            wait_for(lambda: http_get(url)[0] == 200, 30, "the exporter answers")
+            stack.wait_consumers("animastor.control", "gpu.audio", "gpu.image")
+            yield stack, url
+        finally:
+            stack.close()
+    log = (tmp_path / "logs" / "metrics.log").read_text()
+    assert f"serving http://127.0.0.1:{port}/metrics" in log  # loopback unless told otherwise
+
+
+def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
+    from animastor_tasks.client import Client
+
+    stack, url = exporter_stack
+    before = scrape(url)
+    assert value(before, "animastor_queue_consumers", queue="gpu.audio", stage="audio") == 1
+    assert value(before, "animastor_queue_consumers", queue="gpu.image", stage="image") == 1
+    assert value(before, "animastor_commands", status="completed") == 0
+    assert value(before, "animastor_jobs_total", event="ready") == 0
+
+    book = f"m-{uuid.uuid4().hex[:6]}"
+    stack.rt.catalog.import_book(make_book(book, scenes=3))
+    client = Client(stack.settings, timeout=30)
+    try:
+        ids = [c["command_id"] for c in client.regenerate(book, ["all"])["commands"]]
+
+        def completed() -> bool:
+            rows = stack.rt.ledger.commands(command_ids=ids)
+            return len(rows) == 2 and all(r.status == "completed" for r in rows)
+
+        wait_for(completed, 60, "both commands completed")
+
+        def ticked() -> Samples | None:
+            samples = scrape(url)
+            return samples if value(samples, "animastor_tick_seconds_count") > 0 else None
+
+        after = wait_for(ticked, 15, "a beat tick recorded")
+        assert value(after, "animastor_commands", status="completed") == 2
+        assert value(after, "animastor_jobs_total", event="started") == 6
+        assert value(after, "animastor_jobs_total", event="ready") == 6
+        assert value(after, "animastor_dispatch_outcomes_total", outcome="dispatched") >= 6
+        assert value(after, "animastor_gate_pass_seconds_count") >= 1
+        assert value(after, "animastor_gate_pass_seconds_bucket", le="+Inf") == value(
+            after, "animastor_gate_pass_seconds_count"
+        )
+        assert value(after, "animastor_queue_depth", queue="gpu.audio", stage="audio") == 0
+        assert value(after, "animastor_queue_in_flight", queue="gpu.image", stage="image") == 0
+        for store in ("redis", "postgres", "broker"):
+            assert value(after, "animastor_store_up", store=store) == 1
+
+        # The image worker goes away: the next image command is BLOCKED, and the scrape says so.
+        stack.supervisor.stop("image")
+        wait_for(
+            lambda: value(scrape(url), "animastor_queue_consumers", queue="gpu.image", stage="image") == 0,
+            15,
+            "no image consumer",
+        )
+        blocked_id = client.regenerate(book, ["image"])["commands"][0]["command_id"]
+        wait_for(
+            lambda: stack.rt.ledger.commands(command_ids=[blocked_id])[0].status == "blocked", 30, "command BLOCKED"
+        )
+        blocked = scrape(url)
+    finally:
+        client.close()
+    assert value(blocked, "animastor_blocked_commands_total", stage="image") == 1
+    assert value(blocked, "animastor_commands", status="blocked") == 1
+    assert value(blocked, "animastor_dispatch_outcomes_total", outcome="blocked") == 3
+    assert value(blocked, "animastor_queue_consumers", queue="gpu.audio", stage="audio") == 1
+
+
+def test_a_redis_outage_is_reported_not_fatal(tmp_path: Path) -> None:
+    """Redis down: the scrape still answers 200, with `animastor_store_up{store="redis"} 0`."""
+    with operator_env(tmp_path) as env:
+        port = free_port()
+        dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "animastor_tasks.cli", "metrics", "--port", str(port)],
+            env={**env, "ANIMASTOR_REDIS_URL": dead, "ANIMASTOR_BROKER_URL": dead},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}/metrics"
+            samples = wait_for(lambda: http_get(url)[0] == 200 and scrape(url), 30, "the exporter answers")
+            assert value(samples, "animastor_store_up", store="redis") == 0
+            assert value(samples, "animastor_store_up", store="postgres") == 1
+            assert value(samples, "animastor_commands", status="active") == 0
+            assert ("animastor_jobs_total", (("event", "ready"),)) not in samples  # unknown, not a made-up 0
+        finally:
+            proc.terminate()
+            assert proc.wait(timeout=15) == 0  # SIGTERM is a clean stop
