@@ -23,11 +23,15 @@ app.steps["consumer"].add(PresenceStep)
 log = logging.getLogger("animastor.worker")
 
 
-@signals.celeryd_after_setup.connect
-def refuse_unknown_queues(sender: str, instance: Any, conf: Any, **_: Any) -> None:
-    """A worker consumes only queues the media registry (or the control plane) knows."""
+@signals.celeryd_init.connect
+def refuse_unknown_queues(sender: str, instance: Any, conf: Any, options: dict[str, Any], **_: Any) -> None:
+    """A worker consumes only queues the media registry (or the control plane) knows.
+
+    Runs before Celery selects the queues, so the operator gets our message and exit code 2.
+    """
     known = {CONTROL_QUEUE, *settings.registry.queues()}
-    wanted = set(instance.app.amqp.queues.consume_from or {})
+    raw = options.get("queues") or []
+    wanted = {q.strip() for item in ([raw] if isinstance(raw, str) else raw) for q in str(item).split(",") if q.strip()}
     unknown = sorted(wanted - known)
     if unknown:
         sys.stderr.write(
@@ -35,7 +39,12 @@ def refuse_unknown_queues(sender: str, instance: Any, conf: Any, **_: Any) -> No
             f"known queues: {', '.join(sorted(known))} (stages come from ANIMASTOR_STAGES)\n"
         )
         raise SystemExit(2)
-    log.info("[WORKER] %s consuming %s (broker %s)", sender, ",".join(sorted(wanted)), redact_url(settings.broker_url))
+    log.info(
+        "[WORKER] %s consuming %s (broker %s)",
+        sender,
+        ",".join(sorted(wanted)) or "all queues",
+        redact_url(settings.broker_url),
+    )
 
 
 @signals.worker_process_init.connect
