@@ -170,6 +170,10 @@ class Coordination:
                 pipe.zrem(self.keys.deferrals(book, bucket), *members)
             pipe.execute()
 
+    def clear_bucket(self, book: str, bucket: str) -> None:
+        """Every deferral of one bucket for a book (capacity freed: all its waiters may try again)."""
+        self._run(lambda: self.client.delete(self.keys.deferrals(book, bucket)))
+
     def deferral_counts(self, books: Iterable[str], now: float) -> dict[str, int]:
         """Live deferred pairs per bucket across the given books (for operators)."""
         books = list(books)

@@ -166,11 +166,9 @@ def _run_owned(
 
 def _free_capacity(rt: Runtime, job: Job) -> None:
     """The job's slot is free: the book's pairs waiting for capacity may go now, not in a minute."""
-    deferred = rt.coord.book_snapshot(job.book_id, time.time()).deferred
     # Every stage: the scene window is shared by the book's stages, so a finished audio job
     # can free the slot an image pair was deferred for (window_full).
-    waiting = list(deferred.get("capacity", set()))
-    rt.coord.clear_deferrals(job.book_id, waiting, buckets=("capacity",))
+    rt.coord.clear_bucket(job.book_id, "capacity")
     if rt.publisher is not None:
         rt.publisher.enqueue_gate(job.book_id)
 
