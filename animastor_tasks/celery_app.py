@@ -39,12 +39,12 @@ def refuse_unknown_queues(sender: str, instance: Any, conf: Any, options: dict[s
             f"known queues: {', '.join(sorted(known))} (stages come from ANIMASTOR_STAGES)\n"
         )
         raise SystemExit(2)
-    log.info(
-        "[WORKER] %s consuming %s (broker %s)",
-        sender,
-        ",".join(sorted(wanted)) or "all queues",
-        redact_url(settings.broker_url),
-    )
+
+
+@signals.celeryd_after_setup.connect
+def announce(sender: str, instance: Any, **_: Any) -> None:
+    queues = sorted(instance.app.amqp.queues.consume_from or {})
+    log.info("[WORKER] %s consuming %s (broker %s)", sender, ",".join(queues), redact_url(settings.broker_url))
 
 
 @signals.worker_process_init.connect
