@@ -14,7 +14,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 import redis
 
-from .harness import Cluster, Stack, audio_stage, free_port, image_stage, stage_table
+from .harness import Cluster, RedisServer, Stack, audio_stage, image_stage, stage_table
 
 FIGURES: list[str] = []
 E2E_TABLES = "events, artifacts, cancel_tombstones, command_targets, commands, asset_states, scenes, chapters, books"
@@ -58,53 +57,20 @@ def figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
 
 
 @pytest.fixture(scope="session")
-def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The session's private redis-server; a test that stops it must start it again (see tests/faults)."""
     executable = shutil.which("redis-server")
     if executable is None:
         pytest.skip("redis-server is not installed; the e2e tests need a private Redis")
-    folder = tmp_path_factory.mktemp("redis")
-    proc: subprocess.Popen[bytes] | None = None
-    url = ""
-    for _ in range(5):
-        port = free_port()
-        with open(folder / "redis.log", "ab") as log:
-            candidate = subprocess.Popen(
-                [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                cwd=folder,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        url = f"redis://127.0.0.1:{port}/0"
-        if _wait_redis(url, candidate):
-            proc = candidate
-            break
-        candidate.kill()
-        candidate.wait(timeout=5)
-    if proc is None:
-        pytest.fail(f"could not start a private redis-server:\n{(folder / 'redis.log').read_text()}")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    server = RedisServer(tmp_path_factory.mktemp("redis"), executable)
+    server.start()
+    yield server
+    server.stop()
 
 
-def _wait_redis(url: str, proc: subprocess.Popen[bytes]) -> bool:
-    """True once the server answers; False if it exited (say the port was taken meanwhile)."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                return bool(client.ping())
-            except redis.RedisError:
-                time.sleep(0.05)
-        return False
-    finally:
-        client.close()
+@pytest.fixture(scope="session")
+def private_redis(redis_server: RedisServer) -> str:
+    return redis_server.url
 
 
 def _amqp_reachable() -> bool:

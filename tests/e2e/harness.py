@@ -33,6 +33,7 @@ from animastor_tasks.celery_config import CONTROL_QUEUE
 from animastor_tasks.client import Client
 from animastor_tasks.config import Settings
 from animastor_tasks.flow.runtime import Runtime
+from tests.support import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CELERY = [sys.executable, "-m", "celery", "-A", "animastor_tasks"]
@@ -51,18 +52,6 @@ def _kill_leftovers() -> None:
 
 
 atexit.register(_kill_leftovers)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05, what: str = "condition") -> Any:
-    """Poll until `predicate()` is truthy; its value, or AssertionError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what}: not met within {timeout:.1f}s")
-        time.sleep(interval)
 
 
 def stage_table(**stages: Mapping[str, Any]) -> str:
@@ -166,7 +155,9 @@ class Cluster:
         env: Mapping[str, str] | None = None,
         wait: bool = True,
         timeout: float = 45.0,
+        args: Sequence[str] = (),
     ) -> Proc:
+        """`args`: extra `celery worker` options (say `--without-mingle`), kept by `restart`."""
         queue_list = [queues] if isinstance(queues, str) else list(queues)
         name = self._unique(base or queue_list[0].replace(".", "-"))
         argv = [
@@ -184,6 +175,7 @@ class Cluster:
             "info",
             "-P",
             "prefork",
+            *args,
         ]
         role = "control" if queue_list == [CONTROL_QUEUE] else "gpu"
         proc = self._spawn(name, role, argv, queue_list, env)
@@ -291,8 +283,9 @@ class Cluster:
             return self.beat(env=proc.env, wait=wait, timeout=timeout)
         base = proc.name.rsplit("-", 2)[0]
         concurrency = int(proc.argv[proc.argv.index("-c") + 1])
+        extra = proc.argv[proc.argv.index("prefork") + 1 :]
         return self.worker(
-            list(proc.queues), base=base, concurrency=concurrency, env=proc.env, wait=wait, timeout=timeout
+            list(proc.queues), base=base, concurrency=concurrency, env=proc.env, wait=wait, timeout=timeout, args=extra
         )
 
     def _forget(self, proc: Proc) -> None:
@@ -466,6 +459,93 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class RedisServer:
+    """A private redis-server (no persistence) that a test may stop, start again on the same port, or restart.
+
+    Started in a session of its own and remembered in the same leftover set as the cluster's
+    processes, so it never outlives the test run. A restart comes back empty, like a real
+    Redis restart without persistence.
+    """
+
+    def __init__(self, folder: Path, executable: str) -> None:
+        self.folder = folder
+        self.executable = executable
+        self.port = 0
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        return self.folder / "redis.log"
+
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def start(self, attempts: int = 5) -> str:
+        """Start on the port it had (a restart) or, the first time, on a free one; its URL."""
+        if self.running():
+            return self.url
+        for _ in range(attempts if self.port == 0 else 1):
+            port = self.port or free_port()
+            with open(self.log_path, "ab") as log:
+                popen = subprocess.Popen(
+                    [self.executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                    cwd=self.folder,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            with _LIVE_LOCK:
+                _LIVE_GROUPS.add(popen.pid)
+            if self._answers(f"redis://127.0.0.1:{port}/0", popen):
+                self.port, self.popen = port, popen
+                return self.url
+            self._reap(popen)  # the port was taken meanwhile: try another one
+        raise AssertionError(f"could not start a private redis-server:\n{self.log_path.read_text()}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the server (SIGTERM: a clean shutdown; SIGKILL: a crash); the port is kept for `start`."""
+        if self.popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.send_signal(sig)
+        self._reap(self.popen)
+        self.popen = None
+
+    def restart(self) -> str:
+        self.stop()
+        return self.start()
+
+    @staticmethod
+    def _answers(url: str, popen: subprocess.Popen[bytes]) -> bool:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and popen.poll() is None:
+                try:
+                    return bool(client.ping())
+                except redis.RedisError:
+                    time.sleep(0.05)
+            return False
+        finally:
+            client.close()
+
+    @staticmethod
+    def _reap(popen: subprocess.Popen[bytes]) -> None:
+        try:
+            popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout=5)
+        with _LIVE_LOCK:
+            _LIVE_GROUPS.discard(popen.pid)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Watching the broker and the asset states while a test runs.
 
@@ -486,6 +566,7 @@ class RedisQueueTap:
         db = self.client.connection_pool.connection_kwargs.get("db", 0)
         self.queues = list(queues)
         self.pushes: dict[str, int] = dict.fromkeys(self.queues, 0)
+        self.push_times: list[tuple[float, str]] = []  # (time.monotonic() when seen, queue) per push
         self.max_len: dict[str, int] = dict.fromkeys(self.queues, 0)
         self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         self._prefix = f"__keyspace@{db}__:"
@@ -503,6 +584,7 @@ class RedisQueueTap:
                     for queue in self.queues:
                         if channel == queue or channel.startswith(queue + "\x06\x16"):
                             self.pushes[queue] += 1
+                            self.push_times.append((time.monotonic(), queue))
                 message = self._pubsub.get_message(timeout=0)
             for queue in self.queues:
                 self.max_len[queue] = max(self.max_len[queue], int(self.client.llen(queue)))
@@ -637,3 +719,123 @@ def running_dispatch(proc: Proc) -> str | None:
         elif dispatch_id == current and (" ready sha256=" in line or "fence_rejected" in line or "stopping:" in line):
             current = None
     return current
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared scenarios: one body, run at e2e size by tests/e2e and at fault-suite size by tests/faults.
+
+
+def sigkill_trials(
+    make_stack: Callable[..., Stack],
+    figure: Callable[[str], None],
+    *,
+    kills: int,
+    chapters: int,
+    scenes: int,
+    workers: int = 1,
+    job: Mapping[str, Any] | None = None,
+    lease_ttl: int = 3,
+    book_id: str = "kill-book",
+    timeout: float = 90.0,
+) -> dict[str, Any]:
+    """SIGKILL an image worker in the middle of a job `kills` times while a book's image stage runs.
+
+    `chapters` x `scenes` image jobs of `job` params on `workers` image workers. At most one
+    worker is down at a time (the others keep working); lane and book quota equal the worker
+    count, so every kill hits a running job and nothing waits queued long enough to lose its
+    lease. The presence TTL outlasts a restart, so the queue never looks consumerless (that
+    would rightly BLOCK the command). Asserts: every pair ready with exactly one artifact under
+    its final token, no killed dispatch ever committed, each killed pair released within lease
+    TTL + one reconcile, no pair generating longer than that plus a job. Returns the figures.
+    """
+    from tests.integration.helpers import make_book
+
+    job = dict(job or {"steps": 4, "step_seconds": 0.25})
+    job_seconds = float(job.get("steps", 4)) * float(job.get("step_seconds", 0.0))
+    stages = stage_table(
+        audio=audio_stage(),
+        image=image_stage(params=job, lease_ttl=lease_ttl, lane_limit=workers, book_quota=workers),
+    )
+    stack = make_stack(stages=stages, presence_ttl_seconds=10)
+    cluster, settings = stack.cluster, stack.settings
+    images = [cluster.gpu("image", wait=False) for _ in range(workers)]
+    cluster.wait_ready(cluster.control(wait=False), *images, cluster.beat(wait=False))
+    book = make_book(book_id, chapters=chapters, scenes=scenes)
+    stack.rt.catalog.import_book(book)
+    pairs = {pair for pair in stack.states(book.book_id) if pair[2] == "image"}
+    assert len(pairs) == chapters * scenes
+
+    settle = min(0.3, job_seconds / 3)  # into the job, with most of it still ahead
+    monitor = GeneratingMonitor(stack, book.book_id)
+    began = time.monotonic()
+    try:
+        stack.client.regenerate(book.book_id, ["image"])
+        done: list[tuple[str, tuple[tuple[str, str, str], int], float]] = []
+        while len(done) < kills:
+            cluster.wait_ready(*images)  # the last one killed is back: one worker down at a time
+
+            def busy() -> tuple[int, str] | None:
+                for i, proc in enumerate(images):
+                    dispatch_id = running_dispatch(proc)
+                    if dispatch_id is not None:
+                        return i, dispatch_id
+                return None
+
+            index, dispatch_id = wait_for(busy, 30, what="a job running on an image worker")
+            victim = images[index]
+            time.sleep(settle)
+            assets = stack.asset_rows(book.book_id)
+            holder = [(pair, a["token"]) for pair, a in assets.items() if a["dispatch_id"] == dispatch_id]
+            if running_dispatch(victim) != dispatch_id or not holder or assets[holder[0][0]]["state"] != "generating":
+                continue  # it finished meanwhile; kill the next one
+            cluster.kill(victim, signal.SIGKILL)
+            done.append((dispatch_id, holder[0], time.monotonic()))
+            images[index] = cluster.restart(victim, wait=False)
+        cluster.wait_ready(*images)
+        rows = stack.wait_commands(book.book_id, ["image"], "completed", timeout=timeout)
+    finally:
+        monitor.stop()
+    elapsed = time.monotonic() - began
+
+    assert monitor.errors == []
+    assert rows["image"].progress["ready"] == len(pairs)
+    states = stack.states(book.book_id)
+    assert {s for (_, _, st), s in states.items() if st == "image"} == {"ready"}
+    artifacts = stack.check_artifacts(book.book_id, pairs)  # one row per pair, under its final token
+    killed_ids = {d for d, _, _ in done}
+    assert not killed_ids & {r["dispatch_id"] for r in artifacts}
+    ready_events = stack.events("job.ready", book.book_id)
+    assert not killed_ids & {e["dispatch_id"] for e in ready_events}
+    assert len(ready_events) == len(pairs), f"{len(ready_events)} job.ready events for {len(pairs)} pairs"
+
+    # A killed job's pair leaves `generating` within lease TTL + one reconcile (+1 s for polling/tick jitter).
+    bound = lease_ttl + settings.reconcile_seconds + 1.0
+    recoveries = []
+    for dispatch_id, key, killed_at in done:
+        assert key in monitor.ended, f"{key} (dispatch {dispatch_id}) still generating"
+        recoveries.append(monitor.ended[key] - killed_at)
+    assert max(recoveries) <= bound, f"recoveries {recoveries} exceed {bound}s"
+    # And no pair ever stayed `generating` longer than a job plus that bound.
+    longest, which = monitor.longest()
+    assert longest <= bound + job_seconds + 0.5, f"{which} generating for {longest:.1f}s"
+    expired = stack.events("lease.expired", book.book_id)
+    assert len(expired) >= kills
+    jobs = len(stack.events("job.started", book.book_id))
+    result = {
+        "kills": len(done),
+        "pairs": len(pairs),
+        "jobs_started": jobs,
+        "dispatches": len(stack.events("dispatch", book.book_id)),
+        "expired": len(expired),
+        "elapsed": elapsed,
+        "recover_max": max(recoveries),
+        "bound": bound,
+        "longest": longest,
+    }
+    figure(
+        f"kills {len(done)} on {workers} worker(s), pairs {len(pairs)}, jobs started {jobs}, "
+        f"dispatches {result['dispatches']}, leases expired {len(expired)}, lost 0, duplicated 0 (1 artifact and "
+        f"1 job.ready per pair), total {elapsed:.1f}s; kill -> pair released max {max(recoveries):.2f}s "
+        f"(bound {bound:.0f}s); longest generating {longest:.2f}s"
+    )
+    return result

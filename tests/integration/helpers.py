@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import redis
@@ -47,16 +46,6 @@ def queued_messages(rt: Runtime, queue: str) -> int:
 
 def states(rt: Runtime, book: str) -> dict[tuple[str, str, str], str]:
     return {(c, s, st): state for c, s, st, state, _ in rt.ledger.scene_states(book)}
-
-
-def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def fake_artifact(sha: str) -> dict[str, Any]:

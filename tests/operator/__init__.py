@@ -15,11 +15,10 @@ import os
 import re
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import redis
 
 from animastor_tasks import devstack
 from animastor_tasks.demo import Supervisor, celery_argv, free_port, group_members, marked_processes, worker_argv
+from tests.support import wait_for
 
 #: The builtin generator with no sleeping: jobs take milliseconds.
 FAST_STAGES = (
@@ -55,18 +55,6 @@ def make_book(book_id: str, scenes: int = 3) -> Any:
             ],
         }
     )
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    """Poll until `predicate()` is truthy and return its value; AssertionError naming `what` on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what}: not met within {timeout:.0f}s")
-        time.sleep(interval)
 
 
 def redis_server_executable() -> str:
