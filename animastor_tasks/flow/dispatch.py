@@ -110,20 +110,25 @@ def _settle_idempotent(
     todo = [i for i in todo if (i.chapter, i.scene, i.stage) not in done_set]
 
     holders = rt.coord.lease_holders([(book, i.chapter, i.scene, i.stage) for i in todo])
-    leased = [i for i, holder in zip(todo, holders, strict=False) if holder is not None]
-    if leased:
-        # Force pre-clears a stale dispatch of exactly this pair (it holds a lease but the pair is pending):
-        # compare-and-delete on the dispatch the pair last recorded, never the fresh lease a concurrent
-        # gate pass has just taken for it (this pass read the pair as pending before that claim).
-        for i in leased:
-            if (i.chapter, i.scene, i.stage) in force and i.dispatch_id:
-                rt.coord.release_lease((book, i.chapter, i.scene, i.stage), i.dispatch_id)
-        busy = [(i.chapter, i.scene, i.stage) for i in leased if (i.chapter, i.scene, i.stage) not in force]
-        _defer(rt, book, Outcome.ALREADY_GENERATING, busy, now)
-        result.outcomes[Outcome.ALREADY_GENERATING] += len(busy)
-        busy_set = set(busy)
-        todo = [i for i in todo if (i.chapter, i.scene, i.stage) not in busy_set]
-    return todo
+    leased = [(i, holder) for i, holder in zip(todo, holders, strict=True) if holder is not None]
+    if not leased:
+        return todo
+    busy: list[Pair] = []
+    skip: set[Pair] = set()
+    for i, holder in leased:
+        pair = (i.chapter, i.scene, i.stage)
+        if holder != i.dispatch_id:
+            # A concurrent pass claimed the pair after this one read it: not ours to judge, no write.
+            skip.add(pair)
+        elif pair in force:
+            # Force pre-clears the stale dispatch of exactly this pair (compare-and-delete on its id).
+            rt.coord.release_lease((book, *pair), holder)
+        else:
+            busy.append(pair)
+    _defer(rt, book, Outcome.ALREADY_GENERATING, busy, now)
+    result.outcomes[Outcome.ALREADY_GENERATING] += len(busy)
+    skip.update(busy)
+    return [i for i in todo if (i.chapter, i.scene, i.stage) not in skip]
 
 
 def _claim_and_publish(

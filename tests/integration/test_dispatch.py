@@ -303,3 +303,32 @@ def test_a_third_stage_runs_through_the_same_path(rt) -> None:
     advertise(rt, "gpu.video")
     commands.regenerate(rt, "b", ["video"])
     assert queued_messages(rt, "gpu.video") == 2
+
+
+def test_a_pending_pair_still_leased_is_already_generating_unless_forced(rt) -> None:
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    commands.regenerate(rt, "b", ["audio"], force=False)
+    # Both pairs were dispatched; put them back to pending while their leases live on (a stale dispatch).
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE asset_states SET state = 'pending' WHERE book_id = 'b' AND stage = 'audio'")
+    report = gate.gate_pass(rt, "b")
+    assert report.outcomes[Outcome.ALREADY_GENERATING] == 2 and report.dispatched == []
+    idem = rt.coord.client.zrange(rt.coord.keys.deferrals("b", "idempotent"), 0, -1)
+    assert sorted(idem) == ["ch1:s1:audio", "ch1:s2:audio"]
+    # A forced pair pre-clears exactly its own stale lease and is dispatched again.
+    commands.regenerate(rt, "b", ["audio"], [["ch1", "s1"]])
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+    assert states(rt, "b")[("ch1", "s2", "audio")] == "pending"
+
+
+def test_a_lease_taken_by_a_concurrent_claim_is_skipped_without_a_write(rt) -> None:
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    commands.regenerate(rt, "b", ["audio"], force=False)
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE asset_states SET state = 'pending' WHERE book_id = 'b' AND stage = 'audio'")
+    rt.coord.client.set(rt.coord.keys.lease("b", "ch1", "s1", "audio"), "someone-else")
+    report = gate.gate_pass(rt, "b")
+    assert report.outcomes[Outcome.ALREADY_GENERATING] == 0 and report.dispatched == []
+    assert rt.coord.client.zcard(rt.coord.keys.deferrals("b", "idempotent")) == 0
