@@ -22,7 +22,7 @@ from typing import Any
 
 from animastor_tasks.domain.outcomes import Outcome, compute_backoff
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.errors import GenerationStopped, GeneratorError, StoreUnavailable
+from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import telemetry
 from animastor_tasks.flow.runtime import Runtime
 from animastor_tasks.generators import GenerationRequest, Media, load_generator
@@ -129,7 +129,10 @@ def _run_owned(
     watcher.start()
     started = time.monotonic()
     try:
-        generator = load_generator(spec, rt.settings)
+        try:
+            generator = load_generator(spec, rt.settings)
+        except ConfigError as err:
+            generator = _Unavailable(str(err))
         request = GenerationRequest(
             job.book_id,
             job.chapter_id,
@@ -194,15 +197,30 @@ def _generate_with_retries(
             message = str(err)
             if not err.retryable or attempt > rt.settings.generate_max_retries:
                 return None, message, attempt
-            delay = compute_backoff(attempt, base=rt.settings.retry_backoff_base, maximum=rt.settings.retry_backoff_max)
-            log.warning("[GENERATE] %s attempt %d failed (%s); retry in %.1fs", job.describe(), attempt, message, delay)
-            telemetry.record(rt, "job:retry")
-            if watcher.stop.wait(delay):
-                return None, "stopped", attempt
-            if not rt.ledger.token_is_current(job.book_id, job.pair, job.fencing_token, job.dispatch_id):
-                watcher.why = "superseded during retry"
-                watcher.stop.set()
-                return None, "stopped", attempt
+        except Exception as err:  # a generator bug or a time limit: fail the pair, never loop on it
+            log.exception("[GENERATE] %s generator raised", job.describe())
+            return None, f"{type(err).__name__}: {err}", attempt
+        delay = compute_backoff(attempt, base=rt.settings.retry_backoff_base, maximum=rt.settings.retry_backoff_max)
+        log.warning("[GENERATE] %s attempt %d failed (%s); retry in %.1fs", job.describe(), attempt, message, delay)
+        telemetry.record(rt, "job:retry")
+        if watcher.stop.wait(delay):
+            return None, "stopped", attempt
+        if not rt.ledger.token_is_current(job.book_id, job.pair, job.fencing_token, job.dispatch_id):
+            watcher.why = "superseded during retry"
+            watcher.stop.set()
+            return None, "stopped", attempt
+
+
+class _Unavailable:
+    """Stands in for a generator that cannot be loaded: the pair fails with the reason, once."""
+
+    name = "unavailable"
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def generate(self, request: GenerationRequest, should_stop: Callable[[], bool], progress: Any) -> Media:
+        raise GeneratorError(self.reason, retryable=False)
 
 
 def store_artifact(root: Path, media: Media, job: Job) -> dict[str, Any]:

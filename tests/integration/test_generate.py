@@ -157,3 +157,26 @@ def test_generator_errors_are_retried_then_failed_with_the_message(rt, tmp_path)
     assert error and "fail" in error.lower()
     [command] = rt.ledger.commands(book="b")
     assert command.status == "failed" and command.reason == "1 of 1 targets failed"
+
+
+def test_an_unloadable_generator_fails_the_pair_once_with_the_reason(rt, tmp_path) -> None:
+    with_stage(rt, replace(rt.settings.registry.get("audio"), generator="no-such-backend"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    commands.regenerate(rt, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    result = run_job(rt, job, worker="test")
+    assert result["outcome"] == "failed" and result["attempts"] == 1
+    assert "no-such-backend" in result["error"]
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "failed"  # not left generating to be re-dispatched
+
+
+def test_a_generator_bug_fails_the_pair_instead_of_looping(rt, tmp_path) -> None:
+    with_stage(rt, replace(rt.settings.registry.get("audio"), params={"steps": "many"}), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    commands.regenerate(rt, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    result = run_job(rt, job, worker="test")
+    assert result["outcome"] == "failed" and "steps" in result["error"]
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "failed"
