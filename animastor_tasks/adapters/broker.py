@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from animastor_tasks.adapters.redis_store import Coordination
+from animastor_tasks.errors import StoreUnavailable
 
 log = logging.getLogger("animastor.broker")
 
@@ -64,3 +66,40 @@ def amqp_consumer_counts(url: str, queues: Sequence[str]) -> dict[str, int]:
                 except Exception:
                     log.debug("[PRESENCE] channel close failed", exc_info=True)
     return counts
+
+
+def queued_dispatch_ids(broker_url: str, queues: Sequence[str], limit: int = 10_000) -> set[str] | None:
+    """Task ids of the messages waiting in Redis-broker queues: live evidence for a queued job.
+
+    A job that waits in its queue longer than its lease TTL has not started renewing its
+    lease yet; without this, reconcile would re-dispatch it. None where the broker cannot be
+    peeked at (AMQP), so callers fall back to leases alone.
+    """
+    import json
+
+    import redis
+
+    parts = urlsplit(broker_url)
+    if parts.scheme in ("redis", "rediss"):
+        client = redis.Redis.from_url(broker_url, socket_timeout=5)
+    elif parts.scheme == "redis+socket":
+        client = redis.Redis(unix_socket_path=parts.path, socket_timeout=5)
+    else:
+        return None
+    ids: set[str] = set()
+    try:
+        pipe = client.pipeline(transaction=False)
+        for queue in queues:
+            pipe.lrange(queue, 0, limit - 1)
+        for messages in pipe.execute():
+            for raw in messages:
+                try:
+                    task_id = json.loads(raw)["headers"]["id"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                ids.add(str(task_id))
+    except redis.RedisError as err:
+        raise StoreUnavailable("broker", broker_url, str(err)) from err
+    finally:
+        client.close()
+    return ids

@@ -240,9 +240,10 @@ class Coordination:
             pipe = self.client.pipeline(transaction=False)
             for pair, dispatch_id, ttl, meta in leases:
                 pipe.set(self.keys.lease(*pair), dispatch_id, ex=ttl)
-                meta_key = self.keys.dispatch(dispatch_id)
-                pipe.hset(meta_key, mapping={k: str(v) for k, v in meta.items()})
-                pipe.expire(meta_key, ttl * 4)
+                if meta:
+                    meta_key = self.keys.dispatch(dispatch_id)
+                    pipe.hset(meta_key, mapping={k: str(v) for k, v in meta.items()})
+                    pipe.expire(meta_key, ttl * 4)
             pipe.execute()
 
     def lease_holders(self, pairs: Sequence[BookPair]) -> list[str | None]:

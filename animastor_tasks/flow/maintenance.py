@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from animastor_tasks.adapters.broker import queued_dispatch_ids
 from animastor_tasks.domain.fsm import AssetState
 from animastor_tasks.domain.gate import BookFacts, decide
 from animastor_tasks.errors import StoreUnavailable
@@ -68,7 +69,19 @@ def _rebuild_redis(rt: Runtime, books: list[str], report: dict[str, Any]) -> Non
 def _expire_dead_generating(rt: Runtime, report: dict[str, Any]) -> None:
     generating = rt.ledger.generating_pairs()
     holders = rt.coord.lease_holders([(b, c, s, st) for b, c, s, st, _, _ in generating])
-    dead = [row for row, holder in zip(generating, holders, strict=False) if holder is None]
+    dead = [row for row, holder in zip(generating, holders, strict=True) if holder is None]
+    if dead:
+        # A job still waiting in its queue has not started renewing its lease: it is alive.
+        queued = queued_dispatch_ids(rt.settings.broker_url, rt.settings.registry.queues()) or set()
+        waiting = [
+            (b, c, s, st, d)
+            for b, c, s, st, _, d in dead
+            if d is not None and d in queued and st in rt.settings.registry
+        ]
+        rt.coord.take_leases(
+            [((b, c, s, st), d, rt.settings.registry.get(st).lease_ttl, {}) for b, c, s, st, d in waiting]
+        )
+        dead = [row for row in dead if row[5] not in queued]
     facts_by_book: dict[str, BookFacts | None] = {}
     for book, chapter, scene, stage, token, _ in dead:
         if book not in facts_by_book:

@@ -240,6 +240,7 @@ def test_reconcile_returns_a_dead_lease_to_pending_once_and_fences_the_stale_job
         token, dispatch_id = conn.execute(
             "SELECT fencing_token, dispatch_id FROM asset_states WHERE book_id = 'b' AND stage = 'audio'"
         ).fetchone()
+    rt.coord.client.delete("gpu.audio")  # a worker took the job and died with it
     rt.coord.drop_leases([("b", "ch1", "s1", "audio")])
     report = maintenance.reconcile(rt, force=True)
     assert report["expired"] == 1
@@ -332,3 +333,20 @@ def test_a_lease_taken_by_a_concurrent_claim_is_skipped_without_a_write(rt) -> N
     report = gate.gate_pass(rt, "b")
     assert report.outcomes[Outcome.ALREADY_GENERATING] == 0 and report.dispatched == []
     assert rt.coord.client.zcard(rt.coord.keys.deferrals("b", "idempotent")) == 0
+
+
+def test_a_job_still_queued_keeps_its_pair_past_the_lease(rt) -> None:
+    """Waiting in the broker queue is live evidence: reconcile restores the lease, it does not re-dispatch."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    commands.regenerate(rt, "b", ["audio"])
+    assert queued_messages(rt, "gpu.audio") == 1
+    rt.coord.drop_leases([("b", "ch1", "s1", "audio")])
+    assert maintenance.reconcile(rt, force=True)["expired"] == 0
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+    assert rt.coord.lease_holders([("b", "ch1", "s1", "audio")]) != [None]
+    # Once the message is gone (lost with a broker flush), the pair goes back to pending.
+    rt.coord.client.delete("gpu.audio")
+    rt.coord.drop_leases([("b", "ch1", "s1", "audio")])
+    assert maintenance.reconcile(rt, force=True)["expired"] == 1
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
