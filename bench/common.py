@@ -390,10 +390,10 @@ class _CountingConnection:
 
 @contextmanager
 def count_round_trips(rt: Any) -> Iterator[RoundTrips]:
-    """Count what goes through `rt.coord.client` and `rt.db.transaction()` while the block runs.
+    """Count what goes through `rt.coord.client`, `rt.db.transaction()` and `rt.db.read()` while the block runs.
 
     Redis: every `execute_command` (scripts included) and every pipeline `execute`.
-    Postgres: every `conn.execute` / cursor execute inside a `Database.transaction()`,
+    Postgres: every `conn.execute` / cursor execute inside a `Database.transaction()` or `read()`,
     plus the transactions themselves (each also costs a BEGIN and a COMMIT round trip
     and the pool's connection check, not included in `pg_statements`).
     """
@@ -419,6 +419,7 @@ def count_round_trips(rt: Any) -> Iterator[RoundTrips]:
 
     db = rt.db
     original_transaction = db.transaction
+    original_read = db.read
 
     @contextmanager
     def transaction() -> Iterator[Any]:
@@ -426,15 +427,23 @@ def count_round_trips(rt: Any) -> Iterator[RoundTrips]:
         with original_transaction() as conn:
             yield _CountingConnection(conn, counter)
 
+    @contextmanager
+    def read() -> Iterator[Any]:
+        # Autocommit: the statement is the only round trip (no BEGIN/COMMIT).
+        with original_read() as conn:
+            yield _CountingConnection(conn, counter)
+
     client.execute_command = execute_command
     client.pipeline = pipeline
     db.transaction = transaction
+    db.read = read
     try:
         yield counter
     finally:
         del client.execute_command
         del client.pipeline
         del db.transaction
+        del db.read
 
 
 # ---------------------------------------------------------------------------------------------------------------------
