@@ -16,7 +16,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from animastor_tasks.adapters.postgres import Database
-from animastor_tasks.domain.fsm import AssetState, sources_of
+from animastor_tasks.domain.fsm import AssetState, sources_of, transition
 from animastor_tasks.domain.gate import layer_enabled, parse_layers
 
 Pair = tuple[str, str, str]  # (chapter, scene, stage)
@@ -231,7 +231,12 @@ class Ledger:
     def move_pairs(
         self, book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str
     ) -> list[Pair]:
-        """Compare-and-set many pairs `source -> target`; the pairs that really moved."""
+        """Compare-and-set many pairs `source -> target`; the pairs that really moved.
+
+        The edge is checked against the FSM first (`InvalidTransition`); a pair no longer in
+        `source` is left alone and simply missing from the answer.
+        """
+        transition(source, target)
         if not pairs:
             return []
         with self.db.transaction() as conn:
@@ -607,6 +612,7 @@ class Ledger:
             ]
 
     def expire_generating(self, book: str, pair: Pair, token: int, target: AssetState) -> bool:
+        transition(AssetState.GENERATING, target)
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
             done = conn.execute(

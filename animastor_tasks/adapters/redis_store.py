@@ -8,6 +8,7 @@ of round trips whatever the number of scenes. Driver errors become `StoreUnavail
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ class Snapshot:
     active: set[tuple[str, str]]  # the book's scenes in the active index
     consumers: dict[str, int]  # live heartbeats per queue asked for
     breaker_clean: dict[str, bool]  # no failure recorded: publishing needs no breaker call
+    # When this process noticed that Redis lost its data (FLUSHALL, a restart without persistence);
+    # -inf if never. Until every live worker has heartbeated again, "no consumer" is not evidence.
+    data_lost_at: float = float("-inf")
 
 
 def _script(name: str) -> str:
@@ -56,6 +60,8 @@ class Coordination:
         self._release = self.client.register_script(_script("release_lease"))
         self._breaker_acquire = self.client.register_script(_script("breaker_acquire"))
         self._breaker_record = self.client.register_script(_script("breaker_record"))
+        self._epoch: str | None = None  # the dataset token this process last saw (see `_seen_epoch`)
+        self._data_lost_at = float("-inf")
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -106,6 +112,8 @@ class Coordination:
         """Everything Redis knows that a gate pass needs, in one round trip."""
         with self._errors():
             pipe = self.client.pipeline(transaction=False)
+            pipe.setnx(self.keys.epoch(), uuid.uuid4().hex)
+            pipe.get(self.keys.epoch())
             pipe.exists(self.keys.cancel_flag(book))
             pipe.smembers(self.keys.force_set(book))
             for bucket in DEFER_BUCKETS:
@@ -114,7 +122,8 @@ class Coordination:
             for queue in queues:
                 pipe.zcount(self.keys.consumers(queue), f"({now}", "+inf")
                 pipe.exists(self.keys.breaker(queue))
-            cancel, force, *rest = pipe.execute()
+            _, epoch, cancel, force, *rest = pipe.execute()
+        self._seen_epoch(epoch, now)
         deferred, active, per_queue = (
             rest[: len(DEFER_BUCKETS)],
             rest[len(DEFER_BUCKETS)],
@@ -127,7 +136,30 @@ class Coordination:
             active={parse_scene_member(m) for m in active},
             consumers={q: int(per_queue[2 * i]) for i, q in enumerate(queues)},
             breaker_clean={q: not per_queue[2 * i + 1] for i, q in enumerate(queues)},
+            data_lost_at=self._data_lost_at,
         )
+
+    def data_lost_at(self, now: float | None = None) -> float:
+        """When this process noticed that Redis lost its data (-inf if never), checked now in one round trip."""
+        now = time.time() if now is None else now
+        with self._errors():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.setnx(self.keys.epoch(), uuid.uuid4().hex)
+            pipe.get(self.keys.epoch())
+            _, epoch = pipe.execute()
+        self._seen_epoch(epoch, now)
+        return self._data_lost_at
+
+    def _seen_epoch(self, epoch: Any, now: float) -> None:
+        """A dataset token other than the one seen before means Redis was emptied meanwhile.
+
+        Why: presence lives only in Redis; right after a FLUSHALL or a restart every queue looks
+        consumerless until the workers' next heartbeat, and a gate pass must not BLOCK a stage then.
+        """
+        value = None if epoch is None else str(epoch)
+        if value is not None and self._epoch is not None and value != self._epoch:
+            self._data_lost_at = now
+        self._epoch = value if value is not None else self._epoch
 
     def cancel_flag_set(self, book: str) -> bool:
         return bool(self._run(lambda: self.client.exists(self.keys.cancel_flag(book))))

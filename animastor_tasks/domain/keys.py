@@ -24,6 +24,9 @@ widens to another book).
 | ``P:breaker:QUEUE``                           | hash   | until closed again                        |
 | ``P:lock:NAME``                               | string | short singleton locks (tick, reconcile)   |
 | ``P:metrics``                                 | hash   | counters for the exporter; no expiry      |
+| ``P:epoch``                                   | string | a random token set once per Redis dataset |
+|                                               |        | (a process that sees it change knows      |
+|                                               |        | Redis lost its data); no expiry           |
 
 ``P`` is the configured key prefix (``ANIMASTOR_KEY_PREFIX``).
 """
@@ -107,6 +110,9 @@ class Keyspace:
 
     def metrics(self) -> str:
         return self._key("metrics")
+
+    def epoch(self) -> str:
+        return self._key("epoch")
 
     def book_pattern(self, kind: str, book: str) -> str:
         """A SCAN MATCH pattern for every key of one kind under one book (never another's)."""

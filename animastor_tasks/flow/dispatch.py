@@ -67,11 +67,19 @@ def dispatch_pending(
         log.warning("[DISPATCH] book=%r consumer count unavailable, dispatching nothing: %s", book, err)
         return result
 
+    presence_unsure = now - snap.data_lost_at < rt.settings.presence_ttl_seconds
+    unsure: set[str] = set()
     for stage, spec in specs.items():
         if consumers.get(spec.queue, 0) == 0:
+            if presence_unsure:
+                # Redis lost its data moments ago: workers have not re-advertised yet. Dispatch nothing
+                # for the stage and block nothing; the next pass decides (no side effect here).
+                unsure.add(stage)
+                log.warning("[DISPATCH] book=%r stage=%s presence not rebuilt after a Redis loss; waiting", book, stage)
+                continue
             result.blocked[stage] = block_stage(rt, book, spec)
             result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
-    todo = [i for i in todo if i.stage not in result.blocked]
+    todo = [i for i in todo if i.stage not in result.blocked and i.stage not in unsure]
 
     permits: dict[str, int] = {}
     open_stages: set[str] = set()

@@ -121,6 +121,8 @@ def _block_consumerless(rt: Runtime, report: dict[str, Any]) -> None:
     specs = [rt.settings.registry.get(s) for s in by_stage if s in rt.settings.registry]
     if not specs:
         return
+    if time.time() - rt.coord.data_lost_at() < rt.settings.presence_ttl_seconds:
+        return  # Redis lost its data moments ago: presence is not rebuilt yet, "no consumer" proves nothing
     counts = rt.consumers.counts([s.queue for s in specs])
     for spec in specs:
         if counts.get(spec.queue, 0) == 0:

@@ -350,3 +350,26 @@ def test_a_job_still_queued_keeps_its_pair_past_the_lease(rt) -> None:
     rt.coord.drop_leases([("b", "ch1", "s1", "audio")])
     assert maintenance.reconcile(rt, force=True)["expired"] == 1
     assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
+
+
+def test_reconcile_blocks_jobs_queued_on_a_queue_that_lost_every_consumer(rt) -> None:
+    from animastor_tasks.flow.generate import Job, run_job
+
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.image", ttl=0.3)
+    commands.regenerate(rt, "b", ["image"])
+    assert queued_messages(rt, "gpu.image") == 2
+    with rt.db.transaction() as conn:
+        jobs = conn.execute(
+            "SELECT chapter_id, scene_id, stage, dispatch_id, fencing_token FROM asset_states"
+            " WHERE state = 'generating'"
+        ).fetchall()
+    time.sleep(0.4)  # the only consumer's heartbeat expires
+    report = maintenance.reconcile(rt, force=True)
+    assert report["blocked"] == 1
+    [command] = rt.ledger.commands(book="b")
+    assert (command.status, command.reason) == ("blocked", "no_worker:image")
+    assert set(states(rt, "b").values()) == {"dirty"}
+    # The messages still in the queue are harmless: a worker that picks one up later refuses it.
+    for c, s, st, d, t in jobs:
+        assert run_job(rt, Job("b", c, s, st, d, t), worker="late")["outcome"] == "fence_rejected"

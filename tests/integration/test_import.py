@@ -101,3 +101,18 @@ def test_invalid_book_from_python_writes_nothing(rt) -> None:
     with pytest.raises(InvalidBook, match="chapters"):
         parse_book({"book_id": "b", "title": "t", "chapters": []})
     assert not rt.catalog.book_exists("b")
+
+
+def test_persisted_transitions_are_compare_and_set(rt) -> None:
+    from animastor_tasks.domain.fsm import AssetState
+    from animastor_tasks.errors import InvalidTransition
+
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    pairs = [("ch1", "s1", "audio"), ("ch1", "s2", "audio")]
+    # Both rows are dirty: a move that expects `pending` changes nothing and says so.
+    assert rt.ledger.move_pairs("b", pairs, AssetState.PENDING, AssetState.DIRTY, "test") == []
+    assert set(states(rt, "b").values()) == {"dirty"}
+    # An edge the FSM does not have is refused before any SQL runs.
+    with pytest.raises(InvalidTransition, match=r"'dirty'.*'ready'"):
+        rt.ledger.move_pairs("b", pairs, AssetState.DIRTY, AssetState.READY, "test")
+    assert not rt.ledger.expire_generating("b", pairs[0], 0, AssetState.PENDING)
