@@ -1,0 +1,50 @@
+"""The read commands of the CLI, run as a subprocess against the real stores (`--json` shapes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from animastor_tasks.flow import commands
+
+from .helpers import advertise, make_book
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ.copy(),
+    )
+
+
+def test_read_commands_speak_json(rt) -> None:
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
+    advertise(rt, "gpu.audio", host="audio@box")
+    commands.regenerate(rt, "b", ["all"])  # audio runs, image is BLOCKED (no consumer)
+
+    status = json.loads(cli("status", "b", "--json").stdout)
+    assert {c["stage"]: c["status"] for c in status["commands"]} == {"audio": "active", "image": "blocked"}
+    image = next(c for c in status["commands"] if c["stage"] == "image")
+    assert image["reason"] == "no_worker:image" and image["progress"]["dirty"] == 3
+
+    queues = {q["queue"]: q for q in json.loads(cli("queues", "--json").stdout)}
+    assert [c["hostname"] for c in queues["gpu.audio"]["consumers"]] == ["audio@box"]
+    assert queues["gpu.audio"]["depth"] == 3 and queues["gpu.audio"]["in_flight"] == 3
+    assert queues["gpu.image"]["consumers"] == [] and queues["gpu.image"]["start_worker"].endswith("--stage image")
+
+    recent = json.loads(cli("commands", "b", "--json").stdout)
+    assert {c["stage"] for c in recent} == {"audio", "image"} and all(c["age_seconds"] >= 0 for c in recent)
+
+    assert json.loads(cli("layers", "show", "b", "--json").stdout) == {"audio": True, "image": True}
+
+
+def test_read_commands_exit_2_on_bad_input(rt) -> None:
+    done = cli("status", "no-such-book", "--json")
+    assert done.returncode == 2 and "unknown book 'no-such-book'" in done.stderr
+    done = cli("layers", "set", "no-such-book", "--disable", "image")
+    assert done.returncode == 2
