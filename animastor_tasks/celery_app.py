@@ -58,13 +58,13 @@ def fresh_connections(**_: Any) -> None:
     from animastor_tasks.flow import runtime
 
     runtime.reset()
+    gpu_ids = [g for g in os.environ.get("ANIMASTOR_GPU_IDS", "").split(",") if g]
+    if gpu_ids:
+        index = getattr(current_process(), "index", 0) or 0
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids[index % len(gpu_ids)]
     try:
         # Remember the Redis dataset from the start, so a later FLUSHALL or empty restart is noticed
         # (see Coordination._seen_epoch) even by a child that had run no gate pass before it.
         runtime.current().coord.data_lost_at()
     except Exception as err:  # Redis down at fork: noticed at the first gate pass instead
         log.warning("[WORKER] could not read the Redis epoch at start: %s", err)
-    gpu_ids = [g for g in os.environ.get("ANIMASTOR_GPU_IDS", "").split(",") if g]
-    if gpu_ids:
-        index = getattr(current_process(), "index", 0) or 0
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids[index % len(gpu_ids)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import redis
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from kombu.exceptions import OperationalError
@@ -36,6 +37,11 @@ class Client:
             broker_connection_retry=False,
             broker_connection_max_retries=0,
             broker_transport_options={"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5},
+            # The result store is subscribed to before the publish: it must fail fast too (Celery's default
+            # retries for ~20 s, then raises a bare RuntimeError).
+            result_backend_transport_options={
+                "retry_policy": {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
+            },
         )
 
     def _call(self, name: str, kwargs: dict[str, Any], wait: bool) -> Any:
@@ -49,6 +55,15 @@ class Client:
             )
         except (OperationalError, OSError) as err:
             raise StoreUnavailable("broker", self.settings.broker_url, str(err) or type(err).__name__) from err
+        except (redis.RedisError, RuntimeError) as err:
+            # The Redis result store could not be reached (a RuntimeError raised from a connection error
+            # after Celery's reconnect attempts). With one Redis for both, that is the broker being down.
+            cause = err if isinstance(err, redis.RedisError) else err.__cause__
+            if not isinstance(cause, redis.RedisError | OSError):
+                raise
+            same = self.settings.redis_url == self.settings.broker_url
+            store, url = ("broker", self.settings.broker_url) if same else ("redis", self.settings.redis_url)
+            raise StoreUnavailable(store, url, f"result store unreachable: {cause}") from err
         if not wait:
             return {"task_id": result.id}
         try:

@@ -233,6 +233,13 @@ class LocalStores:
                 env[BROKER_VAR] = broker_url(entry["socket"])
         return env
 
+    def stop_postgres(self) -> str:
+        """Stop only the embedded PostgreSQL (fast shutdown), keeping its data: `start(redis=False)` brings it
+        back with everything it stored, on the same socket (fault tests use this for a database outage)."""
+        with self._locked():
+            pg = self._read_state().get("postgres")
+            return self._stop_postgres(pg) if pg else "postgres: no embedded server recorded"
+
     def env(self) -> dict[str, str]:
         """The environment for the local servers that are running now (empty when none is)."""
         state = self._read_state()

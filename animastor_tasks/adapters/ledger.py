@@ -439,6 +439,22 @@ class Ledger:
             )
         return cancelled, len(rows), dispatched
 
+    def forced_in_flight(self, book: str, force_ttl: float) -> list[tuple[Pair, float]]:
+        """In-flight pairs whose newest active command is forced and younger than `force_ttl`, each with the
+        seconds left of that window: the force set lives in Redis, so after a Redis loss it is rebuilt from this."""
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "SELECT DISTINCT ON (t.chapter_id, t.scene_id, t.stage) t.chapter_id, t.scene_id, t.stage, c.force,"
+                " %s - extract(epoch FROM now() - c.created_at)"
+                " FROM commands c JOIN command_targets t ON t.command_id = c.command_id"
+                " JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
+                "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
+                " WHERE c.book_id = %s AND c.status = 'active' AND a.state IN ('pending', 'generating')"
+                " ORDER BY t.chapter_id, t.scene_id, t.stage, c.created_at DESC",
+                (force_ttl, book),
+            ).fetchall()
+        return [((c, s, st), float(left)) for c, s, st, force, left in rows if force and left > 0]
+
     def tombstoned_books(self) -> list[str]:
         with self.db.read() as conn:
             return [r[0] for r in conn.execute("SELECT book_id FROM cancel_tombstones")]

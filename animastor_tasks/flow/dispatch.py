@@ -45,6 +45,10 @@ def dispatch_pending(
 ) -> DispatchResult:
     result = DispatchResult()
     force = snap.force
+    if now - snap.data_lost_at < rt.settings.force_ttl_seconds:
+        # Redis lost its data (the force set with it) less than a force window ago: the commands in
+        # Postgres still say which pairs were forced, so a forced pair is not settled as already completed.
+        force = force | {pair for pair, _ in rt.ledger.forced_in_flight(book, rt.settings.force_ttl_seconds)}
     deferred_pairs = set().union(*snap.deferred.values())
     todo: list[InFlight] = []
     for item in pending:

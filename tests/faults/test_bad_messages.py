@@ -1,0 +1,145 @@
+"""Issue 7, item 11: hostile or broken messages on the control queue, published with kombu directly.
+
+A pickle-serialized regenerate (must never be deserialized, let alone run), a body that is not JSON, a
+regenerate with wrong kwargs and one with wrongly typed kwargs, an unknown task name, and a ~10 MB payload.
+Each is rejected and logged by the control worker, nothing is written for any of them, the worker process
+keeps running (same pid) and a regenerate sent afterwards completes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+from kombu import Connection, Exchange, Producer, Queue
+
+from animastor_tasks.celery_config import CONTROL_QUEUE
+from tests.e2e.harness import wait_for
+from tests.integration.helpers import make_book
+
+pytestmark = [pytest.mark.faults, pytest.mark.e2e]
+
+HUGE = 10 * 1024 * 1024
+
+
+def _headers(task: str, task_id: str) -> dict[str, Any]:
+    """Celery task message protocol 2 headers."""
+    return {
+        "lang": "py",
+        "task": task,
+        "id": task_id,
+        "root_id": task_id,
+        "parent_id": None,
+        "group": None,
+        "shadow": None,
+        "eta": None,
+        "expires": None,
+        "retries": 0,
+        "timelimit": [None, None],
+        "argsrepr": "()",
+        "kwargsrepr": "{...}",
+        "origin": "faults-test",
+        "ignore_result": False,
+    }
+
+
+def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_stack, figure) -> None:
+    stack = make_stack()
+    cluster = stack.cluster
+    control = cluster.control(wait=False)
+    cluster.wait_ready(control, cluster.gpu("audio", wait=False))
+    book = make_book("bad-messages", chapters=1, scenes=3)
+    stack.rt.catalog.import_book(book)
+    good = {"book_id": book.book_id, "stages": ["audio"], "scenes": None, "command_id": None, "force": True}
+
+    # (label, task name, kwargs or raw body, serializer, what the control worker must log for it)
+    cases: list[tuple[str, str, Any, str | None, str]] = [
+        (
+            "pickle",
+            "animastor.regenerate",
+            good,
+            "pickle",
+            "Received invalid task message: Refusing to deserialize untrusted content of type pickle",
+        ),
+        ("not json", "animastor.regenerate", b"{'not': json", None, "Can't decode message body: DecodeError"),
+        (
+            "wrong kwargs",
+            "animastor.regenerate",
+            {"book": book.book_id, "stage": "audio"},
+            "json",
+            "[{id}] raised unexpected: TypeError(\"regenerate() got an unexpected keyword argument 'book'\")",
+        ),
+        (
+            "wrong types",
+            "animastor.regenerate",
+            {"book_id": 42, "stages": "audio"},
+            "json",
+            "[{id}] raised unexpected: InvalidCommand('book_id: must be a string",
+        ),
+        ("unknown task", "animastor.nope", good, "json", "Received unregistered task of type 'animastor.nope'"),
+        (
+            "10 MB payload",
+            "animastor.regenerate",
+            {"book_id": "x" * HUGE, "stages": ["audio"]},
+            "json",
+            '[{id}] raised unexpected: InvalidCommand("book_id: must be at most 200 characters (has 10485760)',
+        ),
+    ]
+    queue = Queue(CONTROL_QUEUE, Exchange(CONTROL_QUEUE, type="direct"), routing_key=CONTROL_QUEUE)
+    ids: dict[str, str] = {}
+    sent = time.monotonic()
+    with Connection(stack.env["ANIMASTOR_BROKER_URL"], connect_timeout=5) as conn:
+        producer = Producer(conn.channel())
+        for label, task, payload, serializer, _ in cases:
+            task_id = ids[label] = str(uuid.uuid4())
+            if isinstance(payload, bytes):
+                body: Any = payload
+                options: dict[str, Any] = {"content_type": "application/json", "content_encoding": "utf-8"}
+            else:
+                body = ((), payload, {"callbacks": None, "errbacks": None, "chain": None, "chord": None})
+                options = {"serializer": serializer}
+            producer.publish(
+                body,
+                exchange=queue.exchange,
+                routing_key=queue.routing_key,
+                declare=[queue],
+                headers=_headers(task, task_id),
+                correlation_id=task_id,
+                **options,
+            )
+
+    # Each is rejected and logged; the messages do not linger in the queue (acked or rejected, not stuck).
+    def logged(needle: str) -> bool:
+        return needle in control.log()
+
+    for label, _, _, _, needle in cases:
+        text = needle.replace("{id}", ids[label])
+        wait_for(lambda n=text: logged(n), 30, what=f"control worker logs the rejection of the {label} message")
+    handled = time.monotonic() - sent
+    for label in ("wrong kwargs", "wrong types", "10 MB payload"):
+        result = stack.client.app.AsyncResult(ids[label])
+        assert wait_for(lambda r=result: r.state == "FAILURE", 10, what=f"{label}: stored as a failure"), label
+        result.forget()
+    broker = stack.rt.coord.client
+    wait_for(lambda: broker.llen(CONTROL_QUEUE) == 0, 10, what="control queue drained")
+    assert control.alive(), control.tail()
+    assert stack.rt.ledger.commands(book=book.book_id) == [], "a rejected message wrote a command"
+    assert stack.query("SELECT count(*) FROM commands")[0][0] == 0
+
+    # The same worker process keeps serving: a regenerate completes.
+    pid = control.pid
+    began = time.monotonic()
+    stack.client.regenerate(book.book_id, ["audio"])
+    stack.wait_commands(book.book_id, ["audio"], "completed", timeout=30)
+    served = time.monotonic() - began
+    assert control.alive() and control.pid == pid
+    assert len(cluster.procs) == 2  # nothing was restarted
+    audio = {p for p in stack.states(book.book_id) if p[2] == "audio"}
+    stack.check_artifacts(book.book_id, audio)
+    figure(
+        f"trials {len(cases)} bad messages ({', '.join(label for label, *_ in cases)}): {len(cases)} rejected and "
+        f"logged within {handled:.2f}s, 0 written, control worker pid unchanged; a regenerate afterwards "
+        f"completed in {served:.2f}s; lost 0, duplicated 0"
+    )
