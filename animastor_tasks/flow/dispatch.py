@@ -44,11 +44,6 @@ def dispatch_pending(
     now: float,
 ) -> DispatchResult:
     result = DispatchResult()
-    force = snap.force
-    if now - snap.data_lost_at < rt.settings.force_ttl_seconds:
-        # Redis lost its data (the force set with it) less than a force window ago: the commands in
-        # Postgres still say which pairs were forced, so a forced pair is not settled as already completed.
-        force = force | {pair for pair, _ in rt.ledger.forced_in_flight(book, rt.settings.force_ttl_seconds)}
     deferred_pairs = set().union(*snap.deferred.values())
     todo: list[InFlight] = []
     for item in pending:
@@ -59,6 +54,12 @@ def dispatch_pending(
     if not todo:
         telemetry.record_outcomes(rt, result.outcomes)
         return result
+
+    force = snap.force
+    if now - snap.data_lost_at < rt.settings.force_ttl_seconds:
+        # Redis lost its data (the force set with it) less than a force window ago: the commands in
+        # Postgres still say which pairs were forced, so a forced pair is not settled as already completed.
+        force = force | {pair for pair, _ in rt.ledger.forced_in_flight(book, rt.settings.force_ttl_seconds)}
 
     specs = {s: rt.settings.registry.get(s) for s in {i.stage for i in todo} if s in rt.settings.registry}
     todo = [i for i in todo if i.stage in specs]
