@@ -11,10 +11,14 @@ from celery import Celery, signals
 
 from animastor_tasks.celery_config import CONTROL_QUEUE, build_config
 from animastor_tasks.config import Settings
-from animastor_tasks.errors import redact_url
+from animastor_tasks.errors import ConfigError, redact_url
 from animastor_tasks.worker_presence import PresenceStep
 
-settings = Settings.from_env()
+try:
+    settings = Settings.from_env()
+except ConfigError as err:  # a worker or beat with a bad setting stops here, with the variable named
+    sys.stderr.write(f"animastor-tasks: {err}\n")
+    raise SystemExit(2) from err
 
 app = Celery("animastor_tasks", include=["animastor_tasks.tasks"])
 app.conf.update(build_config(settings))

@@ -1,0 +1,20 @@
+"""Processes refuse to start on bad settings, naming the variable, without a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "program", [["celery", "-A", "animastor_tasks", "worker"], ["celery", "-A", "animastor_tasks", "beat"]]
+)
+def test_time_limits_out_of_order_stop_the_process(program: list[str]) -> None:
+    env = {**os.environ, "ANIMASTOR_JOB_SOFT_TIME_LIMIT": "20", "ANIMASTOR_JOB_TIME_LIMIT": "10"}
+    done = subprocess.run([sys.executable, "-m", *program], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "ANIMASTOR_JOB_SOFT_TIME_LIMIT < ANIMASTOR_JOB_TIME_LIMIT < ANIMASTOR_VISIBILITY_TIMEOUT" in done.stderr
+    assert "Traceback" not in done.stderr
