@@ -51,6 +51,12 @@ def announce(sender: str, instance: Any, **_: Any) -> None:
     log.info("[WORKER] %s consuming %s (broker %s)", sender, ",".join(queues), redact_url(settings.broker_url))
 
 
+def gpu_for_child(gpu_ids: str, index: int) -> str | None:
+    """The one GPU a pool child sees when the worker was given `--gpus` (None: leave it alone)."""
+    ids = [g.strip() for g in gpu_ids.split(",") if g.strip()]
+    return ids[index % len(ids)] if ids else None
+
+
 @signals.worker_process_init.connect
 def fresh_connections(**_: Any) -> None:
     """A forked child builds its own pools on first use; nothing crosses the fork.
@@ -62,10 +68,9 @@ def fresh_connections(**_: Any) -> None:
     from animastor_tasks.flow import runtime
 
     runtime.reset()
-    gpu_ids = [g for g in os.environ.get("ANIMASTOR_GPU_IDS", "").split(",") if g]
-    if gpu_ids:
-        index = getattr(current_process(), "index", 0) or 0
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids[index % len(gpu_ids)]
+    gpu = gpu_for_child(os.environ.get("ANIMASTOR_GPU_IDS", ""), getattr(current_process(), "index", 0) or 0)
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     try:
         # Remember the Redis dataset from the start, so a later FLUSHALL or empty restart is noticed
         # (see Coordination._seen_epoch) even by a child that had run no gate pass before it.

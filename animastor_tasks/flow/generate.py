@@ -97,6 +97,8 @@ def run_job(
 ) -> dict[str, Any]:
     spec = rt.settings.registry.get(job.stage)
     result: dict[str, Any] = {"dispatch_id": job.dispatch_id, "book_id": job.book_id, "stage": job.stage}
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        result["gpu"] = os.environ["CUDA_VISIBLE_DEVICES"]  # which GPU ran it, for Flower and operators
     owned, cancelled = rt.coord.claim_delivery(job.dispatch_id, worker, spec.lease_ttl, job.book_id)
     if not owned:
         log.warning("[GENERATE] %s duplicate delivery while another copy runs; not run again", job.describe())

@@ -71,3 +71,27 @@ def test_presence_follows_worker_lifecycle_and_add_consumer(make_stack, figure) 
         f"advertised {appear:.2f}s after the process started; add_consumer -> under gpu.image in {added:.2f}s; "
         f"SIGTERM stop {stop_took:.2f}s, entries withdrawn; SIGKILL -> gone after {gone:.2f}s (TTL {ttl:.0f}s)"
     )
+
+
+def test_gpus_option_pins_one_gpu_per_pool_child(make_stack, figure) -> None:
+    """`--gpus 3,5` (ANIMASTOR_GPU_IDS): each of the two pool children runs its jobs on its own GPU."""
+    import re
+
+    from tests.integration.helpers import make_book
+
+    stack = make_stack()
+    cluster = stack.cluster
+    procs = [
+        cluster.control(wait=False),
+        cluster.gpu("audio", concurrency=2, env={"ANIMASTOR_GPU_IDS": "3,5"}, wait=False),
+    ]
+    cluster.wait_ready(*procs)
+    book = make_book("gpu-book", chapters=2, scenes=4)
+    stack.rt.catalog.import_book(book)
+    stack.client.regenerate(book.book_id, ["audio"])
+    stack.wait_commands(book.book_id, ["audio"], "completed", timeout=45)
+    gpus = re.findall(r"succeeded in .*'gpu': '(\d+)'", procs[1].log())
+    assert len(gpus) == 8 and set(gpus) <= {"3", "5"}, gpus
+    children = set(re.findall(r"ForkPoolWorker-(\d+)\].*succeeded in .*'gpu': '(\d+)'", procs[1].log()))
+    assert len({gpu for _, gpu in children}) == len({child for child, _ in children})  # one GPU per child
+    figure(f"8 jobs on 2 pool children; GPUs seen {sorted(set(gpus))}; child->gpu {sorted(children)}")

@@ -84,3 +84,11 @@ def test_result_backend_speaks_celerys_socket_form() -> None:
 
     assert result_backend_url("unix:///tmp/r/redis.sock?db=3") == "redis+socket:///tmp/r/redis.sock?virtual_host=3"
     assert result_backend_url("redis://127.0.0.1:6379/2") == "redis://127.0.0.1:6379/2"
+
+
+def test_each_pool_child_sees_one_gpu() -> None:
+    from animastor_tasks.celery_app import gpu_for_child
+
+    assert [gpu_for_child("0,1", i) for i in range(4)] == ["0", "1", "0", "1"]
+    assert gpu_for_child(" 3 , 5", 1) == "5"
+    assert gpu_for_child("", 0) is None
