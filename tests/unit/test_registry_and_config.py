@@ -92,3 +92,16 @@ def test_each_pool_child_sees_one_gpu() -> None:
     assert [gpu_for_child("0,1", i) for i in range(4)] == ["0", "1", "0", "1"]
     assert gpu_for_child(" 3 , 5", 1) == "5"
     assert gpu_for_child("", 0) is None
+
+
+def test_a_missing_tool_fails_under_ci_and_skips_elsewhere(monkeypatch) -> None:
+    import pytest
+
+    from tests.support import missing
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must provide it"):
+        missing("RabbitMQ is not listening")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="fails under CI=true"):
+        missing("RabbitMQ is not listening")
