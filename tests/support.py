@@ -37,3 +37,24 @@ def redis_server_executable() -> str:
     from animastor_tasks.devstack import bundled_redis_server
 
     return shutil.which("redis-server") or str(bundled_redis_server())
+
+
+class Figures:
+    """Measured figures: each printed as it is taken, and all repeated in the terminal summary."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def recorder(self, request: pytest.FixtureRequest) -> Callable[[str], None]:
+        def record(line: str) -> None:
+            text = f"{request.node.name}: {line}"
+            print(text)
+            self.lines.append(text)
+
+        return record
+
+    def summarize(self, reporter: Any, title: str) -> None:
+        if self.lines:
+            reporter.section(title)
+            for line in self.lines:
+                reporter.write_line(line)

@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support import missing, redis_server_executable
+from tests.support import Figures, missing, redis_server_executable
 
 from .harness import Cluster, RedisServer, Stack, audio_stage, image_stage, stage_table
 
-FIGURES: list[str] = []
+FIGURES = Figures()
 E2E_TABLES = "events, artifacts, cancel_tombstones, command_targets, commands, asset_states, scenes, chapters, books"
 GPU_QUEUES = ("gpu.audio", "gpu.image")
 
@@ -40,22 +40,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if FIGURES:
-        terminalreporter.section("e2e figures")
-        for line in FIGURES:
-            terminalreporter.write_line(line)
+    FIGURES.summarize(terminalreporter, "e2e figures")
 
 
 @pytest.fixture
 def figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """Record a measured figure: printed now and in the terminal summary."""
-
-    def record(line: str) -> None:
-        text = f"{request.node.name}: {line}"
-        print(text)
-        FIGURES.append(text)
-
-    return record
+    return FIGURES.recorder(request)
 
 
 @pytest.fixture(scope="session")

@@ -23,11 +23,12 @@ from tests.e2e.conftest import (  # noqa: F401  (fixtures and the report hook, r
     redis_server,
 )
 from tests.e2e.harness import RedisServer
+from tests.support import Figures
 
 from .scale import Scale
 from .scale import current as current_scale
 
-FIGURES: list[str] = []
+FIGURES = Figures()
 
 
 @pytest.fixture(scope="session")
@@ -39,22 +40,13 @@ def scale() -> Scale:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if FIGURES:
-        terminalreporter.section(f"fault figures (scale {current_scale().name})")
-        for line in FIGURES:
-            terminalreporter.write_line(line)
+    FIGURES.summarize(terminalreporter, f"fault figures (scale {current_scale().name})")
 
 
 @pytest.fixture
 def figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """Record a measured figure line: printed now and in the terminal summary."""
-
-    def record(line: str) -> None:
-        text = f"{request.node.name}: {line}"
-        print(text)
-        FIGURES.append(text)
-
-    return record
+    return FIGURES.recorder(request)
 
 
 @pytest.fixture
