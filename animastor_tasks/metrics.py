@@ -215,11 +215,3 @@ def serve(address: str = DEFAULT_ADDRESS, port: int = DEFAULT_PORT) -> None:
     server.server_close()
     thread.join(timeout=5)
     runtime.reset()
-
-
-def tick_age(rt: Runtime, now: float | None = None) -> float | None:
-    """Seconds since the last beat tick ran (None when none was ever recorded): a liveness probe for beat."""
-    raw = rt.coord.client.hget(rt.coord.keys.metrics(), telemetry.histogram_field("tick_seconds", "last"))
-    if raw is None:
-        return None
-    return (time.time() if now is None else now) - _number(_text(raw))

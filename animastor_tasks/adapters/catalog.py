@@ -129,11 +129,6 @@ class Catalog:
             (stages, book_id),
         )
 
-    def ensure_asset_rows(self, book_id: str) -> None:
-        """Rows for stages added to the registry after the book was imported."""
-        with self.db.transaction() as conn:
-            self._ensure_asset_rows(conn, book_id, list(self.registry.names()))
-
     def command_context(self, book_id: str, named: list[tuple[str, str]] | None, request_id: str) -> CommandContext:
         chapters = None if named is None else [c for c, _ in named]
         scene_ids = None if named is None else [sc for _, sc in named]

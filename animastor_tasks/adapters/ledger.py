@@ -8,7 +8,7 @@ reported as not changed.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -600,10 +600,6 @@ class Ledger:
             (book,),
         )
 
-    def settle_commands(self, book: str) -> None:
-        with self.db.transaction() as conn:
-            self._settle_commands(conn, book)
-
     # -- reconcile ------------------------------------------------------------------------------
     def generating_pairs(self) -> list[tuple[str, str, str, str, int, str | None]]:
         """(book, chapter, scene, stage, token, dispatch id) of every generating pair."""
@@ -681,7 +677,3 @@ class Ledger:
 def new_dispatch_id() -> str:
     """128 random bits: a dispatch id is never guessable nor reused."""
     return uuid.uuid4().hex
-
-
-def pairs_of(items: Iterable[InFlight]) -> list[Pair]:
-    return [(i.chapter, i.scene, i.stage) for i in items]

@@ -96,7 +96,3 @@ def authorize_scene(facts: BookFacts, chapter: str, scene: str, stages: Iterable
         else:
             denied[stage] = reason
     return SceneAuthorization(frozenset(allowed), denied)
-
-
-def describe_denied(denied: dict[str, Denial]) -> str:
-    return ",".join(f"{stage}:{reason}" for stage, reason in sorted(denied.items())) or "none"

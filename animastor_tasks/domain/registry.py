@@ -64,12 +64,6 @@ class MediaRegistry:
                 return spec
         raise KeyError(name)
 
-    def by_queue(self, queue: str) -> StageSpec | None:
-        for spec in self.stages:
-            if spec.queue == queue:
-                return spec
-        return None
-
     def __contains__(self, name: object) -> bool:
         return any(s.name == name for s in self.stages)
 

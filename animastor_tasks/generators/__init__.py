@@ -8,7 +8,6 @@ declares an entry point, not a change here. A factory is called as
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,7 +27,6 @@ __all__ = [
     "GenerationRequest",
     "Generator",
     "Media",
-    "generator_fingerprint",
     "known_generators",
     "load_generator",
     "number_param",
@@ -124,13 +122,3 @@ def number_param(
         kind = "an integer" if integer else "a number"
         raise GeneratorError(f"param {key!r} must be {kind} {bounds}, got {value!r}", retryable=False)
     return int(value) if integer else float(value)
-
-
-def generator_fingerprint(spec: StageSpec) -> str:
-    """A stable description of how a stage generates, for the input hash.
-
-    Changing the generator or any of its params changes the fingerprint, so media
-    made the old way is not mistaken for media made the new way.
-    """
-    params = json.dumps(dict(spec.params), sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
-    return f"{spec.generator}:{params}"

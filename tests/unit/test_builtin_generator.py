@@ -17,7 +17,6 @@ from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorErro
 from animastor_tasks.generators import (
     GenerationRequest,
     Generator,
-    generator_fingerprint,
     known_generators,
     load_generator,
 )
@@ -167,10 +166,10 @@ def test_load_generator_http_without_endpoint_is_a_config_error() -> None:
         load_generator(replace(AUDIO, generator="http"), Settings())
 
 
-def test_generator_fingerprint_is_stable_and_sensitive() -> None:
+def test_stage_fingerprint_is_stable_and_sensitive() -> None:
     a = replace(AUDIO, params={"steps": 4, "voice": "alto"})
     b = replace(AUDIO, params={"voice": "alto", "steps": 4})
-    assert generator_fingerprint(a) == generator_fingerprint(b)
-    assert generator_fingerprint(a) != generator_fingerprint(replace(a, params={"steps": 5, "voice": "alto"}))
-    assert generator_fingerprint(a) != generator_fingerprint(replace(a, generator="http"))
-    assert generator_fingerprint(a).startswith("builtin:")
+    assert a.fingerprint == b.fingerprint
+    assert a.fingerprint != replace(a, params={"steps": 5, "voice": "alto"}).fingerprint
+    assert a.fingerprint != replace(a, generator="http").fingerprint
+    assert '"builtin"' in a.fingerprint
