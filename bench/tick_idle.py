@@ -142,33 +142,20 @@ def run(ctx: Context) -> BenchResult:
     def flat(a: float, b: float) -> bool:
         return b <= max(2 * a, a + 1.0)
 
-    result.figure("tick_ms_idle_10k", small["tick_ms"], "ms", baseline=floor)
-    result.figure(
-        f"tick_ms_idle_{label}",
-        big["tick_ms"],
-        "ms",
-        baseline=f"10k: {small['tick_ms']:.2f} ms",
-        target="flat vs 10k",
-        ok=flat(small["tick_ms"], big["tick_ms"]),
-    )
-    result.figure("reconcile_ms_idle_10k", small["reconcile_ms"], "ms", baseline=floor)
-    result.figure(
-        f"reconcile_ms_idle_{label}",
-        big["reconcile_ms"],
-        "ms",
-        baseline=f"10k: {small['reconcile_ms']:.2f} ms",
-        target="flat vs 10k",
-        ok=flat(small["reconcile_ms"], big["reconcile_ms"]),
-    )
-    result.figure("gate_ms_idle_book_10k", small["gate_ms"], "ms", baseline=floor)
-    result.figure(
-        f"gate_ms_idle_book_{label}",
-        big["gate_ms"],
-        "ms",
-        baseline=f"10k: {small['gate_ms']:.2f} ms",
-        target="flat vs 10k",
-        ok=flat(small["gate_ms"], big["gate_ms"]),
-    )
+    for key, name in (
+        ("tick_ms", "tick_ms_idle"),
+        ("reconcile_ms", "reconcile_ms_idle"),
+        ("gate_ms", "gate_ms_idle_book"),
+    ):
+        result.figure(f"{name}_10k", small[key], "ms", baseline=floor)
+        result.figure(
+            f"{name}_{label}",
+            big[key],
+            "ms",
+            baseline=f"10k: {small[key]:.2f} ms",
+            target="flat vs 10k",
+            ok=flat(small[key], big[key]),
+        )
     result.notes["tick_idle"] = {"10k": small, label: big, "setup": __doc__.split("\n\n")[1].replace("\n", " ")}
     if not flat(small["reconcile_ms"], big["reconcile_ms"]):
         result.notes["tick_idle"]["reconcile_grows"] = (
