@@ -5,8 +5,8 @@ operators can read the effective configuration: `python -c "import celeryconfig,
 pprint.pprint(celeryconfig.CONFIG)"`. The rules live in `animastor_tasks/celery_config.py`.
 """
 
-from animastor_tasks.celery_config import build_config
 from animastor_tasks.config import Settings
+from animastor_tasks.worker.celery_config import build_config
 
 CONFIG = build_config(Settings.from_env())
 globals().update(CONFIG)

@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name in ("app", "celery"):
-        from animastor_tasks.celery_app import app
+        from animastor_tasks.worker.app import app
 
         return app
     raise AttributeError(name)

@@ -14,9 +14,9 @@ from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from kombu.exceptions import OperationalError
 
-from animastor_tasks.celery_config import CONTROL_QUEUE, result_backend_url
 from animastor_tasks.config import Settings
 from animastor_tasks.errors import AnimastorError, InvalidCommand, StoreUnavailable
+from animastor_tasks.worker.celery_config import CONTROL_QUEUE, result_backend_url
 
 _REMOTE_INVALID = ("InvalidCommand", "InvalidInput", "InvalidBook")
 

@@ -2,7 +2,7 @@
 
 Every benchmark runs against its own stores: the Postgres database `animastor_bench`
 and Redis db 13 under the key prefix `bench` (also the Celery broker). `configure_environment`
-must run before `animastor_tasks.tasks` is imported: the Celery app reads the environment
+must run before `animastor_tasks.worker.tasks` is imported: the Celery app reads the environment
 at import time.
 """
 
@@ -61,8 +61,8 @@ def stage_table(**limits: int) -> dict[str, Any]:
 
 def prepare_stores() -> None:
     """Create and migrate the bench database (idempotent)."""
-    from animastor_tasks import devstack
-    from animastor_tasks.adapters.postgres import Database, migrate
+    from animastor_tasks.adapters.postgres.pool import Database, migrate
+    from animastor_tasks.dev import stores as devstack
 
     devstack.ensure_database(DATABASE_URL)
     db = Database(DATABASE_URL)
@@ -101,7 +101,7 @@ def declare_broker_queues() -> None:
     A producer remembers what it declared, so without this a message published after a
     flush would find no binding and never reach its queue's list.
     """
-    from animastor_tasks.celery_app import app
+    from animastor_tasks.worker.app import app
 
     with app.connection_for_write() as conn:
         channel = conn.default_channel
@@ -117,7 +117,7 @@ def make_runtime(stages: dict[str, Any] | None = None, *, publisher: bool = True
     settings = Settings.from_env(bench_env(stages))
     pub = None
     if publisher:
-        from animastor_tasks.tasks import PUBLISHER
+        from animastor_tasks.worker.tasks import PUBLISHER
 
         pub = PUBLISHER
     return Runtime.build(settings, publisher=pub)

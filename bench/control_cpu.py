@@ -104,7 +104,7 @@ def dispatch_cpu(ctx: Context, jobs: int) -> dict[str, Any]:
         ctx.log(f"control_cpu: dispatched {dispatched} in {wall1 - wall0:.2f}s wall, {cpu1 - cpu0:.2f}s CPU")
 
         # Baseline: the same publisher, bare messages (what publishing alone costs per job).
-        from animastor_tasks.tasks import PUBLISHER
+        from animastor_tasks.worker.tasks import PUBLISHER
 
         spec = rt.settings.registry.get("audio")
         kwargs = {"book_id": "x", "chapter_id": "c", "scene_id": "s", "stage": "audio", "fencing_token": 1}

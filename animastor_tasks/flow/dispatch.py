@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from animastor_tasks.adapters.ledger import Claim, InFlight, new_dispatch_id
-from animastor_tasks.adapters.redis_store import Snapshot
+from animastor_tasks.adapters.redis.coordination import Snapshot
 from animastor_tasks.domain.gate import Pair
 from animastor_tasks.domain.outcomes import Outcome, deferral_bucket, deferral_seconds, no_worker_reason
 from animastor_tasks.domain.registry import StageSpec

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from animastor_tasks.adapters.broker import ConsumerCounter, Publisher
 from animastor_tasks.adapters.catalog import Catalog
 from animastor_tasks.adapters.ledger import Ledger
-from animastor_tasks.adapters.postgres import Database
-from animastor_tasks.adapters.redis_store import Coordination
+from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.adapters.redis.coordination import Coordination
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.keys import Keyspace
 from animastor_tasks.domain.outcomes import DeferralWindows

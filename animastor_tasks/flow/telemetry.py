@@ -59,7 +59,7 @@ def observe(rt: Runtime, name: str, seconds: float) -> None:
 
     Why in the counters hash: the flows run in many worker processes and the exporter must see one
     total. Buckets are stored non-cumulative and the sum in whole microseconds (HINCRBY stays an
-    integer); the exporter accumulates them (`animastor_tasks.metrics`).
+    integer); the exporter accumulates them (`animastor_tasks.operator.metrics`).
     """
     bound = next((f"{b:g}" for b in DURATION_BUCKETS if seconds <= b), "+Inf")
     key = rt.coord.keys.metrics()

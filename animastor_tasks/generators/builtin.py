@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from animastor_tasks.domain.media import render_png, synthesize_wav
 from animastor_tasks.errors import GenerationStopped, GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media, number_param
+from animastor_tasks.generators.media import render_png, synthesize_wav
 
 if TYPE_CHECKING:
     from animastor_tasks.config import Settings

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from animastor_tasks.adapters.redis_store import Coordination
-from animastor_tasks.celery_config import CONTROL_QUEUE
+from animastor_tasks.adapters.redis.coordination import Coordination
 from animastor_tasks.client import Client
 from animastor_tasks.config import Settings
 from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.worker.celery_config import CONTROL_QUEUE
 from tests.support import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -663,7 +663,7 @@ class GeneratingMonitor:
         self._thread.start()
 
     def _loop(self) -> None:
-        from animastor_tasks.adapters.postgres import Database
+        from animastor_tasks.adapters.postgres.pool import Database
 
         db = Database(self.stack.settings.database_url, max_size=1)
         try:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from animastor_tasks.samples import load_sample_book
+from animastor_tasks.dev.samples import load_sample_book
 
 from .harness import Stack
 

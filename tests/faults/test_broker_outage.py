@@ -53,7 +53,7 @@ def test_broker_down_fails_fast_and_workers_reconnect(make_stack, redis_down_ok,
 
     sent = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "animastor_tasks.cli", "regenerate", book.book_id, "--stage", "image"],
+        [sys.executable, "-m", "animastor_tasks.operator.cli", "regenerate", book.book_id, "--stage", "image"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -14,7 +14,7 @@ from .helpers import advertise, make_book
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "animastor_tasks.cli", *args],
+        [sys.executable, "-m", "animastor_tasks.operator.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,

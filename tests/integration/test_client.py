@@ -28,7 +28,7 @@ def test_cli_regenerate_with_broker_down_exits_3(settings) -> None:
     env = {**__import__("os").environ, "ANIMASTOR_BROKER_URL": "redis://:pw@127.0.0.1:1/0"}
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "animastor_tasks.cli", "regenerate", "b1", "--stage", "audio"],
+        [sys.executable, "-m", "animastor_tasks.operator.cli", "regenerate", "b1", "--stage", "audio"],
         capture_output=True,
         text=True,
         timeout=60,

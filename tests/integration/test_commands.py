@@ -147,7 +147,7 @@ def test_status_json_shape(rt, book) -> None:
 def test_gate_with_postgres_unreachable_authorizes_nothing_and_recovers(rt, book) -> None:
     """A registry that cannot be read proves no command: the pass fails closed, the process survives."""
     from animastor_tasks.adapters.ledger import Ledger
-    from animastor_tasks.adapters.postgres import Database
+    from animastor_tasks.adapters.postgres.pool import Database
 
     commands.regenerate(rt, book, ["audio"], [["ch1", "s1"]])
     rt.coord.activate(book, [("ch2", "s1")])

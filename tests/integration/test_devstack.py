@@ -26,7 +26,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from animastor_tasks.config import DEFAULT_DATABASE_URL, Settings
-from animastor_tasks.devstack import (
+from animastor_tasks.dev.stores import (
     BROKER_VAR,
     DATABASE_VAR,
     REDIS_VAR,
@@ -173,7 +173,7 @@ def test_starts_embedded_stores_when_the_configured_ones_are_unreachable(local_d
 
 
 def test_up_outlives_its_process_restarts_after_stale_state_and_down_stops(local_dir: Path) -> None:
-    cli = [sys.executable, "-m", "animastor_tasks.devstack", "--data-dir", str(local_dir)]
+    cli = [sys.executable, "-m", "animastor_tasks.dev.stores", "--data-dir", str(local_dir)]
     env = {key: value for key, value in os.environ.items() if key not in STORE_VARS} | CLOSED
 
     up = subprocess.run([*cli, "up"], env=env, capture_output=True, text=True, timeout=120, check=False)

@@ -291,8 +291,8 @@ def test_presence_registry_down_dispatches_nothing(rt) -> None:
 def test_a_third_stage_runs_through_the_same_path(rt) -> None:
     from celery import Celery
 
-    from animastor_tasks.celery_config import build_config
-    from animastor_tasks.tasks import CeleryPublisher
+    from animastor_tasks.worker.celery_config import build_config
+    from animastor_tasks.worker.tasks import CeleryPublisher
 
     video = StageSpec(name="video", queue="gpu.video", input_field="prompt", media_type="video/mp4")
     rt.settings = replace(rt.settings, registry=replace(rt.settings.registry, stages=(*rt.settings.stages, video)))

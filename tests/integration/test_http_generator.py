@@ -21,11 +21,11 @@ import requests
 
 import animastor_tasks
 from animastor_tasks.config import Settings
-from animastor_tasks.domain.media import png_size, wav_duration_seconds
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.http import HttpGenerator
+from animastor_tasks.generators.media import png_size, wav_duration_seconds
 
 PACKAGE_PARENT = str(Path(next(iter(animastor_tasks.__path__))).resolve().parent)
 SECRET = "s3cr3t-key-do-not-leak"
@@ -35,7 +35,7 @@ StartServer = Callable[..., str]
 
 @pytest.fixture(scope="module")
 def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartServer]:
-    """Start `python -m animastor_tasks.inference_server --port 0 ARGS...` and return its base URL."""
+    """Start `python -m animastor_tasks.dev.inference_server --port 0 ARGS...` and return its base URL."""
     procs: list[subprocess.Popen[str]] = []
     logs = tmp_path_factory.mktemp("inference-logs")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))}
@@ -44,7 +44,7 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartServ
         log_path = logs / f"server-{len(procs)}.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "animastor_tasks.inference_server", "--port", "0", *args],
+                [sys.executable, "-m", "animastor_tasks.dev.inference_server", "--port", "0", *args],
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from animastor_tasks.adapters.postgres import migrate
+from animastor_tasks.adapters.postgres.pool import migrate
 from animastor_tasks.domain.book import book_to_dict
 from animastor_tasks.errors import InvalidBook
 
@@ -55,7 +55,11 @@ def test_migrate_is_idempotent(rt) -> None:
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "animastor_tasks.cli", *args], input=stdin, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "animastor_tasks.operator.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -85,7 +89,7 @@ def test_cli_store_down_exits_3_without_password(rt, tmp_path) -> None:
     path.write_text(json.dumps(book_to_dict(make_book("x"))))
     env_url = "postgresql://postgres:s3cret@127.0.0.1:1/none"
     done = subprocess.run(
-        [sys.executable, "-m", "animastor_tasks.cli", "book", "import", str(path)],
+        [sys.executable, "-m", "animastor_tasks.operator.cli", "book", "import", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

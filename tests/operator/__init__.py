@@ -23,8 +23,8 @@ from typing import Any
 
 import redis
 
-from animastor_tasks import devstack
-from animastor_tasks.demo import Supervisor, celery_argv, free_port, group_members, marked_processes, worker_argv
+from animastor_tasks.dev import stores as devstack
+from animastor_tasks.dev.demo import Supervisor, celery_argv, free_port, group_members, marked_processes, worker_argv
 from tests.support import redis_server_executable, wait_for
 
 #: The builtin generator with no sleeping: jobs take milliseconds.
@@ -106,7 +106,7 @@ def operator_env(folder: Path, **extra: str) -> Iterator[dict[str, str]]:
     The database lives on the server `tests/conftest.py` configured (a local embedded one on a
     fresh machine) and is dropped on exit.
     """
-    from animastor_tasks.adapters.postgres import Database, migrate
+    from animastor_tasks.adapters.postgres.pool import Database, migrate
 
     with private_redis(folder / "redis") as redis_url:
         env = dict(os.environ)
@@ -150,7 +150,7 @@ class Stack:
         self.rt = Runtime.build(self.settings)
 
     def start_control(self) -> None:
-        from animastor_tasks.celery_config import CONTROL_QUEUE
+        from animastor_tasks.worker.celery_config import CONTROL_QUEUE
 
         self.supervisor.start("control", worker_argv(CONTROL_QUEUE, "control@%h", concurrency=2))
 

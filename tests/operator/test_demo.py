@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 
-from animastor_tasks.demo import free_port
+from animastor_tasks.dev.demo import free_port
 
 from . import groups_in, http_get, leftovers, operator_env, wait_for
 
@@ -34,7 +34,7 @@ class DemoRun:
         self.lines: list[str] = []
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "animastor_tasks.cli", "demo", "--run-dir", str(run_dir), *args],
+            [sys.executable, "-m", "animastor_tasks.operator.cli", "demo", "--run-dir", str(run_dir), *args],
             env={**env, "COLUMNS": "160"},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

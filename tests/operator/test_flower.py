@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from animastor_tasks.demo import free_port
+from animastor_tasks.dev.demo import free_port
 from tests.support import missing
 
 from . import Stack, http_get, make_book, operator_env, wait_for

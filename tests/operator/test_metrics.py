@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from animastor_tasks import metrics
-from animastor_tasks.demo import free_port
+from animastor_tasks.dev.demo import free_port
 from animastor_tasks.flow import telemetry
 from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.operator import metrics
 
 from . import Stack, http_get, make_book, operator_env, wait_for
 
@@ -81,7 +81,7 @@ def exporter_stack(tmp_path: Path) -> Iterator[tuple[Stack, str]]:
         try:
             port = free_port()
             stack.supervisor.start(
-                "metrics", [sys.executable, "-m", "animastor_tasks.cli", "metrics", "--port", str(port)]
+                "metrics", [sys.executable, "-m", "animastor_tasks.operator.cli", "metrics", "--port", str(port)]
             )
             stack.start_control()
             stack.start_gpu("audio")
@@ -163,7 +163,7 @@ def test_a_redis_outage_is_reported_not_fatal(tmp_path: Path) -> None:
         port = free_port()
         dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
         proc = subprocess.Popen(
-            [sys.executable, "-m", "animastor_tasks.cli", "metrics", "--port", str(port)],
+            [sys.executable, "-m", "animastor_tasks.operator.cli", "metrics", "--port", str(port)],
             env={**env, "ANIMASTOR_REDIS_URL": dead, "ANIMASTOR_BROKER_URL": dead},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from animastor_tasks.dev.samples import load_sample_book, sample_book_path
 from animastor_tasks.domain.book import (
     MAX_ID_CHARS,
     MAX_PROMPT_CHARS,
@@ -24,7 +25,6 @@ from animastor_tasks.domain.book import (
     validate_id,
 )
 from animastor_tasks.errors import InvalidBook, InvalidCommand, InvalidInput
-from animastor_tasks.samples import load_sample_book, sample_book_path
 
 
 def valid_doc() -> dict[str, Any]:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from animastor_tasks.config import Settings
-from animastor_tasks.domain.media import png_size, wav_duration_seconds
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError
 from animastor_tasks.generators import (
@@ -21,6 +20,7 @@ from animastor_tasks.generators import (
     load_generator,
 )
 from animastor_tasks.generators.builtin import BuiltinGenerator
+from animastor_tasks.generators.media import png_size, wav_duration_seconds
 
 AUDIO = StageSpec(name="audio", queue="gpu.audio", input_field="text", media_type="audio/wav")
 IMAGE = StageSpec(name="image", queue="gpu.image", input_field="prompt", media_type="image/png")

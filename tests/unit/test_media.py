@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from animastor_tasks.domain.media import png_size, render_png, synthesize_wav, wav_duration_seconds
+from animastor_tasks.generators.media import png_size, render_png, synthesize_wav, wav_duration_seconds
 
 
 def _pcm(data: bytes) -> tuple[Any, list[int]]:

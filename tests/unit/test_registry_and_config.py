@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from animastor_tasks.celery_config import build_config
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.outcomes import DeferralWindows, Outcome, compute_backoff, deferral_bucket, deferral_seconds
 from animastor_tasks.domain.registry import registry_from_table
 from animastor_tasks.errors import ConfigError
+from animastor_tasks.worker.celery_config import build_config
 
 
 def test_default_registry() -> None:
@@ -80,14 +80,14 @@ def test_backoff_is_capped_and_pure() -> None:
 
 
 def test_result_backend_speaks_celerys_socket_form() -> None:
-    from animastor_tasks.celery_config import result_backend_url
+    from animastor_tasks.worker.celery_config import result_backend_url
 
     assert result_backend_url("unix:///tmp/r/redis.sock?db=3") == "redis+socket:///tmp/r/redis.sock?virtual_host=3"
     assert result_backend_url("redis://127.0.0.1:6379/2") == "redis://127.0.0.1:6379/2"
 
 
 def test_each_pool_child_sees_one_gpu() -> None:
-    from animastor_tasks.celery_app import gpu_for_child
+    from animastor_tasks.worker.app import gpu_for_child
 
     assert [gpu_for_child("0,1", i) for i in range(4)] == ["0", "1", "0", "1"]
     assert gpu_for_child(" 3 , 5", 1) == "5"

@@ -145,7 +145,7 @@ def _histogram_families(fields: dict[str, str]) -> Iterator[Metric]:
 
 
 def _queue_families(rt: Runtime, up: dict[str, float]) -> Iterator[Metric]:
-    from animastor_tasks import views
+    from animastor_tasks.operator import render as views
 
     rows = views.queue_overview(rt)
     consumers = GaugeMetricFamily(

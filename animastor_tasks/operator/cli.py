@@ -57,7 +57,7 @@ def main() -> None:
 
 def _load_local_env() -> None:
     """After `animastor-tasks up` started local stores, later commands find them without a `source`."""
-    from animastor_tasks import devstack
+    from animastor_tasks.dev import stores as devstack
 
     for key, value in devstack.local_env().items():
         os.environ.setdefault(key, value)
@@ -79,7 +79,7 @@ def db() -> None:
 @db.command("migrate")
 def db_migrate() -> None:
     """Apply pending migrations (idempotent)."""
-    from animastor_tasks.adapters.postgres import migrate
+    from animastor_tasks.adapters.postgres.pool import migrate
 
     applied = migrate(_runtime().db)
     click.echo(f"applied: {', '.join(applied)}" if applied else "database is up to date")
@@ -88,8 +88,8 @@ def db_migrate() -> None:
 @main.command()
 def up() -> None:
     """Bring the stores up (configured ones when reachable, else local ones) and migrate."""
-    from animastor_tasks import devstack
-    from animastor_tasks.adapters.postgres import Database, migrate
+    from animastor_tasks.adapters.postgres.pool import Database, migrate
+    from animastor_tasks.dev import stores as devstack
 
     overrides, _ = devstack.ensure_stores(log=click.echo)
     os.environ.update(overrides)
@@ -113,7 +113,7 @@ def up() -> None:
 @main.command()
 def down() -> None:
     """Stop the local stores `up` started (if any)."""
-    from animastor_tasks import devstack
+    from animastor_tasks.dev import stores as devstack
 
     devstack.main(["down"])
 
@@ -250,8 +250,8 @@ def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> N
 @click.option("--interval", default=1.0, show_default=True)
 def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
     """Commands of a book with progress, and every scene's state."""
-    from animastor_tasks import views
     from animastor_tasks.flow import commands
+    from animastor_tasks.operator import render as views
 
     rt = _runtime()
     if as_json:
@@ -266,7 +266,7 @@ def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
     """Recent commands with status, reason, progress and age."""
-    from animastor_tasks import views
+    from animastor_tasks.operator import render as views
 
     rows = _runtime().ledger.commands(book=book_id, limit=limit)
     now = time.time()
@@ -289,7 +289,7 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def queues(as_json: bool) -> None:
     """GPU queues: consumers, depth, running, lane limit, breaker, deferrals."""
-    from animastor_tasks import views
+    from animastor_tasks.operator import render as views
 
     _emit(views.queue_overview(_runtime()), as_json, views.show_queues)
 
@@ -311,7 +311,7 @@ def reconcile_cmd(as_json: bool) -> None:
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 def worker(stage: str | None, gpus: str | None, hostname: str | None, celery_args: tuple[str, ...]) -> None:
     """Start a Celery worker: the control worker, or a GPU worker for one stage."""
-    from animastor_tasks.celery_config import CONTROL_QUEUE
+    from animastor_tasks.worker.celery_config import CONTROL_QUEUE
 
     settings = Settings.from_env()
     if stage is None:
@@ -353,7 +353,7 @@ def worker(stage: str | None, gpus: str | None, hostname: str | None, celery_arg
 @click.option("--api-key", default=None, envvar="ANIMASTOR_INFERENCE_API_KEY")
 def dev_inference_server(host: str, port: int, latency: float, failure_rate: float, api_key: str | None) -> None:
     """Run the reference inference server (real WAV and PNG output)."""
-    from animastor_tasks.inference_server import serve
+    from animastor_tasks.dev.inference_server import serve
 
     serve(host, port, latency=latency, failure_rate=failure_rate, api_key=api_key)
 
@@ -364,7 +364,7 @@ def dev_inference_server(host: str, port: int, latency: float, failure_rate: flo
 @click.option("--port", default=9808, show_default=True, envvar="ANIMASTOR_METRICS_PORT", type=click.IntRange(0, 65535))
 def metrics_cmd(address: str, port: int) -> None:
     """Serve Prometheus metrics on http://ADDRESS:PORT/metrics until Ctrl-C (see docs/operations.md)."""
-    from animastor_tasks import metrics
+    from animastor_tasks.operator import metrics
 
     try:
         metrics.serve(address, port)
@@ -382,7 +382,7 @@ def metrics_cmd(address: str, port: int) -> None:
 )
 def demo(keep_running: bool, run_dir: Path | None) -> None:
     """Start the whole stack, run a scripted story on the sample book, stop everything again."""
-    from animastor_tasks import demo as demo_module
+    from animastor_tasks.dev import demo as demo_module
 
     sys.exit(demo_module.main(keep_running=keep_running, run_dir=run_dir))
 

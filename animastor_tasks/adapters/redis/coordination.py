@@ -46,7 +46,7 @@ class Snapshot:
 
 
 def _script(name: str) -> str:
-    return (resources.files("animastor_tasks.adapters") / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+    return (resources.files("animastor_tasks.adapters.redis") / "lua" / f"{name}.lua").read_text(encoding="utf-8")
 
 
 class Coordination:

@@ -18,11 +18,11 @@ from typing import Any
 
 from celery import Celery, Task
 
-from animastor_tasks.celery_app import app, settings
-from animastor_tasks.celery_config import CONTROL_QUEUE
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.flow import commands, gate, maintenance, runtime
 from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.worker.app import app, settings
+from animastor_tasks.worker.celery_config import CONTROL_QUEUE
 
 
 class CeleryPublisher:

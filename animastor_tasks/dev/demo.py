@@ -414,7 +414,7 @@ class Demo:
     timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from animastor_tasks import devstack
+        from animastor_tasks.dev import stores as devstack
 
         self.started = time.monotonic()
         self.dir: Path = (self.run_dir or devstack.default_data_dir() / "demo").resolve()
@@ -468,9 +468,9 @@ class Demo:
         return 0
 
     def prepare_stores(self) -> None:
-        from animastor_tasks import devstack
-        from animastor_tasks.adapters.postgres import migrate
+        from animastor_tasks.adapters.postgres.pool import migrate
         from animastor_tasks.config import Settings
+        from animastor_tasks.dev import stores as devstack
         from animastor_tasks.flow.runtime import Runtime
 
         self.step("1. stores")
@@ -491,8 +491,8 @@ class Demo:
         self.say(f"migrations: {', '.join(applied) if applied else 'database is up to date'}")
 
     def start_stack(self) -> None:
-        from animastor_tasks.celery_config import CONTROL_QUEUE
         from animastor_tasks.client import Client
+        from animastor_tasks.worker.celery_config import CONTROL_QUEUE
 
         self.step("2. processes: control worker, one worker per GPU stage, beat, Flower, metrics")
         stages = self.settings.registry
@@ -521,7 +521,7 @@ class Demo:
         sup.start(FLOWER_NAME, celery_argv("flower", f"--conf={flower_config_path()}"), env=flower_env)
         sup.start(
             METRICS_NAME,
-            [sys.executable, "-m", "animastor_tasks.cli", "metrics", "--port", str(self.metrics_port)],
+            [sys.executable, "-m", "animastor_tasks.operator.cli", "metrics", "--port", str(self.metrics_port)],
         )
         names = list(sup.children)
         queues = [CONTROL_QUEUE, *stages.queues()]
@@ -544,8 +544,8 @@ class Demo:
         wait_until(ready, timeout, f"consumers on {', '.join(queues)}", lambda: self.supervisor.check(*names))
 
     def import_book(self) -> str:
+        from animastor_tasks.dev.samples import load_sample_book, sample_book_path
         from animastor_tasks.flow import commands
-        from animastor_tasks.samples import load_sample_book, sample_book_path
 
         self.step("3. import the sample book")
         book = load_sample_book()

@@ -9,10 +9,10 @@ from typing import Any
 
 from celery import Celery, signals
 
-from animastor_tasks.celery_config import CONTROL_QUEUE, build_config
 from animastor_tasks.config import Settings
 from animastor_tasks.errors import ConfigError, redact_url
-from animastor_tasks.worker_presence import PresenceStep
+from animastor_tasks.worker.celery_config import CONTROL_QUEUE, build_config
+from animastor_tasks.worker.presence import PresenceStep
 
 try:
     settings = Settings.from_env()
@@ -20,7 +20,7 @@ except ConfigError as err:  # a worker or beat with a bad setting stops here, wi
     sys.stderr.write(f"animastor-tasks: {err}\n")
     raise SystemExit(2) from err
 
-app = Celery("animastor_tasks", include=["animastor_tasks.tasks"])
+app = Celery("animastor_tasks", include=["animastor_tasks.worker.tasks"])
 app.conf.update(build_config(settings))
 app.steps["consumer"].add(PresenceStep)
 

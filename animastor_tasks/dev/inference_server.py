@@ -2,10 +2,10 @@
 
 It stands in for a GPU inference service in development and tests: it answers
 `POST /v1/generate/audio` with a WAV and `POST /v1/generate/image` with a PNG (from
-`animastor_tasks.domain.media`), and can be made slow (`latency`), flaky
+`animastor_tasks.generators.media`), and can be made slow (`latency`), flaky
 (`failure_rate`) or locked (`api_key`) to exercise the client's error handling.
 
-    python -m animastor_tasks.inference_server --port 0   # prints the bound URL first
+    python -m animastor_tasks.dev.inference_server --port 0   # prints the bound URL first
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from animastor_tasks.domain.media import render_png, synthesize_wav
+from animastor_tasks.generators.media import render_png, synthesize_wav
 
 GENERATE_PREFIX = "/v1/generate/"
 MAX_BODY_BYTES = 1024 * 1024
@@ -188,8 +188,8 @@ def serve(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command line: `python -m animastor_tasks.inference_server [--host --port --latency ...]`."""
-    parser = argparse.ArgumentParser(prog="animastor_tasks.inference_server", description=__doc__.splitlines()[0])
+    """Command line: `python -m animastor_tasks.dev.inference_server [--host --port --latency ...]`."""
+    parser = argparse.ArgumentParser(prog="animastor_tasks.dev.inference_server", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds to wait before answering a generate call")

@@ -7,9 +7,9 @@ do not, real servers are started from the optional PyPI packages `embedded-postg
 (default `<project root or cwd>/.animastor-local/`). The servers are daemons in their own sessions, so they outlive
 the command that started them; `state.json` in the data directory lets a later `down` find and stop them.
 
-    python -m animastor_tasks.devstack up     # ensure stores, write .animastor-local/env, print what was done
-    python -m animastor_tasks.devstack env    # print the `export` lines written by `up`
-    python -m animastor_tasks.devstack down   # stop the local servers and delete their data
+    python -m animastor_tasks.dev.stores up     # ensure stores, write .animastor-local/env, print what was done
+    python -m animastor_tasks.dev.stores env    # print the `export` lines written by `up`
+    python -m animastor_tasks.dev.stores down   # stop the local servers and delete their data
 """
 
 from __future__ import annotations
@@ -948,7 +948,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """`up` / `down` / `env`; see the module docstring."""
     parser = argparse.ArgumentParser(
-        prog="python -m animastor_tasks.devstack",
+        prog="python -m animastor_tasks.dev.stores",
         description="Use the configured PostgreSQL/Redis when reachable, else run embedded local ones.",
     )
     parser.add_argument("--data-dir", type=Path, default=None, help="where local servers keep their data")

@@ -21,7 +21,7 @@ def sample_book_path() -> Traversable:
     package (Python 3.11 fails on namespace packages under editable installs).
     """
     try:
-        resource = files("animastor_tasks") / "data" / SAMPLE_BOOK_NAME
+        resource = files("animastor_tasks.dev") / "data" / SAMPLE_BOOK_NAME
         if resource.is_file():
             return resource
     except (OSError, TypeError, ValueError, ModuleNotFoundError):

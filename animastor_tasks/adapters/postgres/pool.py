@@ -96,7 +96,7 @@ class Database:
 
 def migration_files() -> list[tuple[int, str, str]]:
     """(version, name, sql) for every migration shipped with the package, in order."""
-    folder = resources.files("animastor_tasks.adapters") / "sql"
+    folder = resources.files("animastor_tasks.adapters.postgres") / "sql"
     found = []
     for entry in folder.iterdir():
         name = entry.name
