@@ -1,12 +1,12 @@
 """Celery settings for animastor-tasks, built from the ANIMASTOR_* environment.
 
-The app loads these itself (`celery -A animastor_tasks ...`); this module exists so
-operators can read the effective configuration: `python -c "import celeryconfig, pprint;
-pprint.pprint(celeryconfig.CONFIG)"`. The rules live in `animastor_tasks/celery_config.py`.
+The app loads this module (`celery -A animastor_tasks ...`); it is installed as a
+top-level module so a deployment can replace it. The rules (queues, routes, beat
+schedule, delivery) live in `animastor_tasks/worker/celery_config.py`; the settings
+hold broker and backend URLs with their credentials, so never print or log them.
 """
 
 from animastor_tasks.config import Settings
 from animastor_tasks.worker.celery_config import build_config
 
-CONFIG = build_config(Settings.from_env())
-globals().update(CONFIG)
+globals().update(build_config(Settings.from_env()))

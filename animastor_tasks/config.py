@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from animastor_tasks.domain.deferral import DeferralWindows
 from animastor_tasks.domain.registry import MediaRegistry, StageSpec, registry_from_table
 from animastor_tasks.errors import ConfigError, redact_url
 
@@ -99,6 +100,10 @@ class Settings:
                 f"ANIMASTOR_VISIBILITY_TIMEOUT, got {self.job_soft_time_limit} < {self.job_time_limit} < "
                 f"{self.visibility_timeout}"
             )
+
+    @property
+    def deferral_windows(self) -> DeferralWindows:
+        return DeferralWindows(self.capacity_defer_seconds, self.idempotent_defer_seconds)
 
     @property
     def broker_is_amqp(self) -> bool:

@@ -5,7 +5,8 @@
      ├── InvalidInput         a caller sent something we refuse (nothing was written)
      │    ├── InvalidBook     a book file that cannot be imported
      │    └── InvalidCommand  a regenerate/cancel/layers call that cannot be carried out
-     ├── InvalidTransition    an asset state change the FSM does not allow
+     ├── DuplicateCommand     a command id that was already used (a resend: replayed, not redone)
+ ├── InvalidTransition    an asset state change the FSM does not allow
      ├── StoreUnavailable     Postgres, Redis or the broker cannot be reached
      └── GeneratorError       a generator failed to produce media
           └── GenerationStopped  the job was told to stop (cancel, lost lease)
@@ -44,6 +45,10 @@ class InvalidBook(InvalidInput):
 
 class InvalidCommand(InvalidInput):
     """A regenerate, cancel or layers request that cannot be carried out."""
+
+
+class DuplicateCommand(AnimastorError):
+    """A command id that a concurrent or earlier regenerate already used."""
 
 
 class InvalidTransition(AnimastorError):

@@ -6,7 +6,7 @@ book with live leases, so cancel also releases and revokes running jobs. A fake 
 advertised on both GPU queues (nothing consumes), and one gate pass runs first, so the
 pending pairs carry capacity deferrals exactly as on a live system.
 
-Then `flow.commands.cancel(rt, book)` is timed (real Celery publisher: the revoke is a real
+Then `flow.cancel_flow.cancel(rt.ports, book)` is timed (real Celery publisher: the revoke is a real
 broadcast). Afterwards a gate pass, a tick (with the gate tasks it enqueues run in-process)
 and a forced reconcile run; every `dispatch` / `job.started` event and every message
 published to a GPU queue after the cancel counts as a job started after cancel (must be 0);
@@ -65,7 +65,7 @@ def setup(rt: Any) -> dict[str, Any]:
             (BOOK,),
         ).fetchall()
     specs = {s.name: s for s in rt.settings.stages}
-    rt.coord.take_leases(
+    rt.ports.leases.take_leases(
         [
             (
                 (BOOK, c, s, st),
@@ -78,7 +78,7 @@ def setup(rt: Any) -> dict[str, Any]:
     )
     activate(rt, BOOK, keys)
     advertise_consumers(rt, QUEUES)
-    before = gate_pass(rt, BOOK)
+    before = gate_pass(rt.ports, BOOK)
     return {
         "pending": sum(1 for i in range(shape.scenes) for st in lane if i >= lane[st]),
         "generating": len(generating),
@@ -106,7 +106,9 @@ def baseline_release_ms() -> float:
 
 
 def once(rt: Any, ctx: Context) -> dict[str, Any]:
-    from animastor_tasks.flow import commands, maintenance
+    from animastor_tasks.flow import cancel as cancel_flow
+    from animastor_tasks.flow import gate
+    from animastor_tasks.flow import reconcile as reconcile_flow
     from animastor_tasks.flow.gate import gate_pass
     from animastor_tasks.flow.generate import Job, run_job
 
@@ -118,17 +120,17 @@ def once(rt: Any, ctx: Context) -> dict[str, Any]:
             mark = conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
         depth_before = queue_depth(client)
         with count_round_trips(rt) as trips:
-            seconds, answer = timed(lambda: commands.cancel(rt, BOOK))
-        after = gate_pass(rt, BOOK)
-        client.delete(rt.coord.keys.lock("tick"))
-        ticked = maintenance.tick(rt)
+            seconds, answer = timed(lambda: cancel_flow.cancel(rt.ports, BOOK))
+        after = gate_pass(rt.ports, BOOK)
+        client.delete(rt.redis.keys.lock("tick"))
+        ticked = gate.tick(rt.ports)
         for book in ticked:  # what the control worker would run for the gate tasks the tick enqueued
-            gate_pass(rt, book)
-        reconciled = maintenance.reconcile(rt, force=True)
-        again = gate_pass(rt, BOOK)
+            gate_pass(rt.ports, book)
+        reconciled = reconcile_flow.reconcile(rt.ports, force=True)
+        again = gate_pass(rt.ports, BOOK)
         # The running jobs' messages, delivered anyway (a revoke that lost the race): they must not start.
         late = [
-            run_job(rt, Job(BOOK, c, s, st, d, t), worker="bench@host")["outcome"] for c, s, st, d, t in info["running"]
+            run_job(rt.ports, Job(BOOK, c, s, st, d, t), worker="bench@host")["outcome"] for c, s, st, d, t in info["running"]
         ]
         with pg_connect() as conn:
             started_events = conn.execute(

@@ -79,7 +79,7 @@ def dispatch_cpu(ctx: Context, jobs: int) -> dict[str, Any]:
         _book(rt, "warm-book", 10)
         _book(rt, "cpu-book", jobs // 2)
         analyze()
-        warm = gate_pass(rt, "warm-book")  # connections, plans, imports, the broker channel
+        warm = gate_pass(rt.ports, "warm-book")  # connections, plans, imports, the broker channel
         assert len(warm.dispatched) == 20, warm.outcomes
 
         redis_before = redis_cpu_seconds()
@@ -89,7 +89,7 @@ def dispatch_cpu(ctx: Context, jobs: int) -> dict[str, Any]:
                 pids.add(conn.info.backend_pid)
             pg_before = {pid: proc_cpu_seconds(pid) or 0.0 for pid in pids}
             cpu0, wall0 = time.process_time(), time.perf_counter()
-            report = gate_pass(rt, "cpu-book")
+            report = gate_pass(rt.ports, "cpu-book")
             cpu1, wall1 = time.process_time(), time.perf_counter()
         redis_after = redis_cpu_seconds()
         pg_cpu = 0.0
@@ -104,21 +104,21 @@ def dispatch_cpu(ctx: Context, jobs: int) -> dict[str, Any]:
         ctx.log(f"control_cpu: dispatched {dispatched} in {wall1 - wall0:.2f}s wall, {cpu1 - cpu0:.2f}s CPU")
 
         # Baseline: the same publisher, bare messages (what publishing alone costs per job).
-        from animastor_tasks.worker.tasks import PUBLISHER
-
         spec = rt.settings.registry.get("audio")
         kwargs = {"book_id": "x", "chapter_id": "c", "scene_id": "s", "stage": "audio", "fencing_token": 1}
         ids = [uuid.uuid4().hex for _ in range(dispatched)]
         pub0 = time.process_time()
         for dispatch_id in ids:
-            PUBLISHER.publish_job(spec.task_name, spec.queue, dispatch_id, {**kwargs, "dispatch_id": dispatch_id})
+            rt.ports.publisher.publish_job(
+                spec.task_name, spec.queue, dispatch_id, {**kwargs, "dispatch_id": dispatch_id}
+            )
         pub1 = time.process_time()
 
         # Where the in-process CPU goes: a profiled pass over a smaller book.
         _book(rt, "profile-book", 200)
         profiler = cProfile.Profile()
         profiler.enable()
-        profiled = gate_pass(rt, "profile-book")
+        profiled = gate_pass(rt.ports, "profile-book")
         profiler.disable()
         stream = io.StringIO()
         pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(12)
@@ -175,7 +175,7 @@ def rss_child(book: str) -> dict[str, Any]:
     try:
         before = peak_rss_mb()
         started = time.perf_counter()
-        report = gate_pass(rt, book)
+        report = gate_pass(rt.ports, book)
         seconds = time.perf_counter() - started
     finally:
         rt.close()

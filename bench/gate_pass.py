@@ -62,8 +62,8 @@ def reference_pass(rt: Any, book: str) -> dict[str, Any]:
     from animastor_tasks.domain.gate import BookFacts, decide
     from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member
 
-    client = rt.coord.client
-    keys = rt.coord.keys
+    client = rt.redis.client
+    keys = rt.redis.keys
     now = time.time()
     authorized: list[tuple[str, str, str]] = []
     denied: dict[tuple[str, str, str], str] = {}
@@ -116,19 +116,19 @@ def measure(rt: Any, pairs: int, reps: int, *, reference: bool, warm: int, ctx: 
     load_s, _ = timed(lambda: setup(rt, pairs))
     ctx.log(f"gate_pass: loaded in {load_s:.1f}s; measuring")
     for _ in range(warm):  # pool connection, imports, and psycopg's server-side prepare (after 5 runs)
-        gate_pass(rt, BOOK)
+        gate_pass(rt.ports, BOOK)
     with count_round_trips(rt) as trips:
-        report = gate_pass(rt, BOOK)
+        report = gate_pass(rt.ports, BOOK)
     with count_round_trips(rt) as trips_nodispatch:
-        gate_pass(rt, BOOK, dispatch_work=False)
-    full = [timed(lambda: gate_pass(rt, BOOK))[0] for _ in range(reps)]
-    nodispatch = [timed(lambda: gate_pass(rt, BOOK, dispatch_work=False))[0] for _ in range(reps)]
+        gate_pass(rt.ports, BOOK, dispatch_work=False)
+    full = [timed(lambda: gate_pass(rt.ports, BOOK))[0] for _ in range(reps)]
+    nodispatch = [timed(lambda: gate_pass(rt.ports, BOOK, dispatch_work=False))[0] for _ in range(reps)]
     layered: list[float] = []
     if pairs == 10_000:  # the same pass once the book has a layer config (the JSON every book with layers has)
         with pg_connect() as conn:
             conn.execute("UPDATE books SET layer_config = %s WHERE book_id = %s", (LAYERS, BOOK))
-        gate_pass(rt, BOOK)
-        layered = [timed(lambda: gate_pass(rt, BOOK))[0] for _ in range(reps)]
+        gate_pass(rt.ports, BOOK)
+        layered = [timed(lambda: gate_pass(rt.ports, BOOK))[0] for _ in range(reps)]
         with pg_connect() as conn:
             conn.execute("UPDATE books SET layer_config = NULL WHERE book_id = %s", (BOOK,))
     out: dict[str, Any] = {

@@ -55,13 +55,13 @@ def one_tick(rt: Any) -> tuple[int, dict[str, int]]:
     """The tick and every gate pass it enqueues; (books passed, dispatch outcomes)."""
     from collections import Counter
 
-    from animastor_tasks.flow import gate, maintenance
+    from animastor_tasks.flow import gate
 
-    rt.coord.client.delete(rt.coord.keys.lock("tick"))
-    books = maintenance.tick(rt)
+    rt.redis.client.delete(rt.redis.keys.lock("tick"))
+    books = gate.tick(rt.ports)
     outcomes: Counter[str] = Counter()
     for book in books:
-        outcomes.update(gate.gate_pass(rt, book).outcomes)
+        outcomes.update(gate.gate_pass(rt.ports, book).outcomes)
     return len(books), dict(outcomes)
 
 
@@ -69,7 +69,7 @@ def round_trips_per_pass(rt: Any, book: str) -> int:
     from animastor_tasks.flow import gate
 
     with count_round_trips(rt) as trips:
-        gate.gate_pass(rt, book)
+        gate.gate_pass(rt.ports, book)
     return trips.total
 
 

@@ -5,8 +5,8 @@ COPY: 10k = 10 books x 500 scenes x 2 stages; 1M = 1,000 books x 500 scenes x 2 
 (quick mode: 100k = 100 books instead of 1M). The catalog is ANALYZEd after loading, as
 autovacuum would do on a live system.
 
-Timed: `maintenance.tick(rt)` (its singleton lock deleted before each call),
-`maintenance.reconcile(rt, force=True)` and `gate_pass` on one idle book. Baseline in the
+Timed: `gate.tick(rt.ports)` (its singleton lock deleted before each call),
+`reconcile_flow.reconcile(rt.ports, force=True)` and `gate_pass` on one idle book. Baseline in the
 same run: one Redis PING and one `SELECT 1` transaction through the same pool (the floor
 of a call that makes one round trip to each store). Reconcile's statements are timed one
 by one, and at the largest size every reconcile query is EXPLAIN ANALYZEd, so a query that
@@ -71,7 +71,8 @@ def explain_all() -> dict[str, dict[str, Any]]:
 
 
 def measure(rt: Any, books: int, ctx: Context, *, explain: bool) -> dict[str, Any]:
-    from animastor_tasks.flow import maintenance
+    from animastor_tasks.flow import gate
+    from animastor_tasks.flow import reconcile as reconcile_flow
     from animastor_tasks.flow.gate import gate_pass
 
     reset_stores()
@@ -82,11 +83,11 @@ def measure(rt: Any, books: int, ctx: Context, *, explain: bool) -> dict[str, An
     analyze_s, _ = timed(analyze)
     ctx.log(f"tick_idle: loaded in {load_s:.1f}s (+ANALYZE {analyze_s:.1f}s); measuring")
 
-    lock = rt.coord.keys.lock("tick")
+    lock = rt.redis.keys.lock("tick")
 
     def tick_once() -> float:
-        rt.coord.client.delete(lock)
-        seconds, books_ticked = timed(lambda: maintenance.tick(rt))
+        rt.redis.client.delete(lock)
+        seconds, books_ticked = timed(lambda: gate.tick(rt.ports))
         assert books_ticked == [], books_ticked
         return seconds
 
@@ -97,17 +98,17 @@ def measure(rt: Any, books: int, ctx: Context, *, explain: bool) -> dict[str, An
     for _ in range(15):  # the pool, the imports, and psycopg's server-side prepare (after 5 runs of a statement)
         tick_once()
         select_one()
-        rt.coord.ping()
-        gate_pass(rt, "idle-0000")
-        maintenance.reconcile(rt, force=True)
+        rt.redis.ping()
+        gate_pass(rt.ports, "idle-0000")
+        reconcile_flow.reconcile(rt.ports, force=True)
     ticks = [tick_once() for _ in range(30)]
-    pings = [timed(rt.coord.ping)[0] for _ in range(30)]
+    pings = [timed(rt.redis.ping)[0] for _ in range(30)]
     selects = [timed(select_one)[0] for _ in range(30)]
-    gates = [timed(lambda: gate_pass(rt, "idle-0000"))[0] for _ in range(20)]
+    gates = [timed(lambda: gate_pass(rt.ports, "idle-0000"))[0] for _ in range(20)]
     reconciles = []
     with count_round_trips(rt) as trips:
-        reconciles.append(timed(lambda: maintenance.reconcile(rt, force=True))[0])
-    reconciles += [timed(lambda: maintenance.reconcile(rt, force=True))[0] for _ in range(4)]
+        reconciles.append(timed(lambda: reconcile_flow.reconcile(rt.ports, force=True))[0])
+    reconciles += [timed(lambda: reconcile_flow.reconcile(rt.ports, force=True))[0] for _ in range(4)]
     slowest = sorted(trips.statement_seconds.items(), key=lambda kv: -kv[1])[:4]
     out: dict[str, Any] = {
         "pairs": pairs,

@@ -2,8 +2,10 @@
 
 A pair may be queued or dispatched only while (1) an active command of its stage
 targets its scene, (2) its stage's layer is enabled for the book and (3) the book
-is not cancelled. Facts are read once per pass (see `flow.gate`); the decision
-itself is pure. An unreadable registry proves no command: nothing is authorized.
+is not cancelled. Facts are read once per pass (see `flow.gate`) or once per job
+start (see `flow.generate`); the decisions themselves are pure, and the job-start
+decision is the pass decision plus the fencing check, so the two cannot drift.
+An unreadable registry proves no command: nothing is authorized.
 """
 
 from __future__ import annotations
@@ -14,21 +16,17 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 
-Pair = tuple[str, str, str]  # (chapter_id, scene_id, stage)
-
-
-class CommandStatus(StrEnum):
-    ACTIVE = "active"  # authorizes its targets
-    BLOCKED = "blocked"  # no consumer for its stage; only a new command retries
-    COMPLETED = "completed"  # every target reached a terminal state
-    CANCELLED = "cancelled"  # Stop All
-    FAILED = "failed"  # could not be carried out
+from animastor_tasks.domain.types import Pair
+from animastor_tasks.domain.vocabulary import AssetState
 
 
 class Denial(StrEnum):
-    CANCELLED = "cancelled"
-    NO_ACTIVE_TASK = "no_active_task"
-    LAYER_DISABLED = "layer_disabled"
+    CANCELLED = "cancelled"  # Stop All: the Redis flag or the Postgres tombstone
+    NO_ACTIVE_TASK = "no_active_task"  # no active command of the stage targets the scene
+    LAYER_DISABLED = "layer_disabled"  # the book has the stage's layer turned off
+    # Only at job start:
+    UNKNOWN_PAIR = "unknown_pair"  # the scene or the book is gone
+    STALE_TOKEN = "stale_token"  # the pair was re-dispatched, released or settled since this job was sent
 
 
 def parse_layers(raw: str | None) -> dict[str, bool]:
@@ -96,3 +94,25 @@ def authorize_scene(facts: BookFacts, chapter: str, scene: str, stages: Iterable
         else:
             denied[stage] = reason
     return SceneAuthorization(frozenset(allowed), denied)
+
+
+@dataclass(frozen=True)
+class JobStartFacts:
+    """What a GPU job knows at start, read under the pair's row lock (see `ports.Jobs.starting`)."""
+
+    book: BookFacts
+    found: bool  # the pair exists
+    state: str | None = None
+    token: int | None = None  # the pair's current fencing token
+    owner: str | None = None  # the dispatch id the pair is generating for
+
+
+def decide_job_start(facts: JobStartFacts, pair: Pair, token: int, dispatch_id: str) -> Denial | None:
+    """None when this job may start GPU work: the gate holds and the job still owns the pair."""
+    if facts.book.cancelled:
+        return Denial.CANCELLED
+    if not facts.found:
+        return Denial.UNKNOWN_PAIR
+    if facts.state != AssetState.GENERATING or facts.token != token or facts.owner != dispatch_id:
+        return Denial.STALE_TOKEN
+    return decide(facts.book, pair)

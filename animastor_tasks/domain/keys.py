@@ -33,11 +33,14 @@ widens to another book).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
+from animastor_tasks.domain.vocabulary import DeferralBucket
+
 SEP = ":"
-DEFER_BUCKETS = ("capacity", "idempotent", "fence")
+DEFER_BUCKETS: tuple[str, ...] = tuple(DeferralBucket)
 
 
 def encode(component: str) -> str:
@@ -136,3 +139,22 @@ def scene_member(chapter: str, scene: str) -> str:
 def parse_scene_member(member: str) -> tuple[str, str]:
     chapter, scene = member.split(SEP)
     return decode(chapter), decode(scene)
+
+
+# -- Postgres advisory-lock names ------------------------------------------------------
+# A claim takes its lanes (sorted), then its book; a completion takes its lane, then its book.
+# One order everywhere, so two transactions never wait on each other in a cycle.
+
+
+def lane_lock(queue: str) -> str:
+    """Serializes the capacity count of one queue lane with the claims and completions on it."""
+    return f"lane:{queue}"
+
+
+def book_lock(book: str) -> str:
+    """Serializes a book's quota and scene-window count (the window spans the book's stages)."""
+    return f"book:{book}"
+
+
+def claim_locks(queues: Iterable[str], book: str) -> list[str]:
+    return [*(lane_lock(q) for q in sorted(set(queues))), book_lock(book)]

@@ -22,6 +22,11 @@ DEFAULT_TABLE: dict[str, dict[str, Any]] = {
 }
 
 
+# The control plane's queue: regenerate, cancel, gate, tick and reconcile run there.
+CONTROL_QUEUE = "animastor.control"
+CONTROL_TASKS = ("regenerate", "cancel", "gate", "tick", "reconcile")
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """One stage: its queue, its guards and where its input comes from."""

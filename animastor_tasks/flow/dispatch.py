@@ -1,8 +1,9 @@
 """Dispatch: turn authorized `pending` pairs into GPU jobs, in the order the design fixes.
 
 deferred? -> no consumer? -> breaker -> already completed / already generating ->
-capacity (lane, book quota, scene window; counted under the lane lock) -> lease +
-fencing token + `pending -> generating` + journal (one transaction) -> publish.
+capacity (lane, book quota, scene window: counted under the lane and book locks, chosen by
+`domain.capacity`) -> lease + fencing token + `pending -> generating` + journal (one
+transaction) -> publish.
 
 A deferred pair is skipped before any side effect: its only cost is its share of the
 one deferral read the gate pass already made.
@@ -11,19 +12,19 @@ one deferral read the gate pass already made.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from animastor_tasks.adapters.ledger import Claim, InFlight, new_dispatch_id
-from animastor_tasks.adapters.redis.coordination import Snapshot
-from animastor_tasks.domain.gate import Pair
-from animastor_tasks.domain.outcomes import Outcome, deferral_bucket, deferral_seconds, no_worker_reason
+from animastor_tasks.domain import capacity
+from animastor_tasks.domain.deferral import deferral_bucket, deferral_seconds
 from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.domain.types import Pair
+from animastor_tasks.domain.vocabulary import Outcome, no_worker_reason
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import telemetry
-from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.ports import Claim, InFlight, Ports, Snapshot
 
 log = logging.getLogger("animastor.dispatch")
 
@@ -36,7 +37,7 @@ class DispatchResult:
 
 
 def dispatch_pending(
-    rt: Runtime,
+    ports: Ports,
     book: str,
     pending: Sequence[InFlight],
     snap: Snapshot,
@@ -52,19 +53,19 @@ def dispatch_pending(
         else:
             todo.append(item)
     if not todo:
-        telemetry.record_outcomes(rt, result.outcomes)
+        count_outcomes(ports, result.outcomes)
         return result
 
     force = snap.force
-    if now - snap.data_lost_at < rt.settings.force_ttl_seconds:
+    if now - snap.data_lost_at < ports.settings.force_ttl_seconds:
         # Redis lost its data (the force set with it) less than a force window ago: the commands in
         # Postgres still say which pairs were forced, so a forced pair is not settled as already completed.
-        force = force | {pair for pair, _ in rt.ledger.forced_in_flight(book, rt.settings.force_ttl_seconds)}
+        force = force | {pair for pair, _ in ports.commands.forced_in_flight(book, ports.settings.force_ttl_seconds)}
 
-    specs = {s: rt.settings.registry.get(s) for s in {i.stage for i in todo} if s in rt.settings.registry}
+    specs = {s: ports.settings.registry.get(s) for s in {i.stage for i in todo} if s in ports.settings.registry}
     todo = [i for i in todo if i.stage in specs]
     try:
-        consumers = rt.consumers.counts([spec.queue for spec in specs.values()], snap.consumers)
+        consumers = ports.presence.counts([spec.queue for spec in specs.values()], snap.consumers)
     except StoreUnavailable as err:
         log.warning("[DISPATCH] book=%r presence registry unreadable, dispatching nothing: %s", book, err)
         return result
@@ -72,7 +73,7 @@ def dispatch_pending(
         log.warning("[DISPATCH] book=%r consumer count unavailable, dispatching nothing: %s", book, err)
         return result
 
-    presence_unsure = now - snap.data_lost_at < rt.settings.presence_ttl_seconds
+    presence_unsure = now - snap.data_lost_at < ports.settings.presence_ttl_seconds
     unsure: set[str] = set()
     for stage, spec in specs.items():
         if consumers.get(spec.queue, 0) == 0:
@@ -82,7 +83,7 @@ def dispatch_pending(
                 unsure.add(stage)
                 log.warning("[DISPATCH] book=%r stage=%s presence not rebuilt after a Redis loss; waiting", book, stage)
                 continue
-            result.blocked[stage] = block_stage(rt, book, spec)
+            result.blocked[stage] = block_stage(ports, book, spec)
             result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
     todo = [i for i in todo if i.stage not in result.blocked and i.stage not in unsure]
 
@@ -91,7 +92,7 @@ def dispatch_pending(
     for stage in {i.stage for i in todo}:
         if snap.breaker_clean.get(specs[stage].queue, False):
             continue  # no failure on record: closed, nothing to ask
-        state = rt.coord.breaker_acquire(specs[stage].queue, rt.settings.breaker_cooldown_seconds)
+        state = ports.breaker.breaker_acquire(specs[stage].queue, ports.settings.breaker_cooldown_seconds)
         if state == "open":
             open_stages.add(stage)
             result.outcomes[Outcome.BREAKER_OPEN] += sum(1 for i in todo if i.stage == stage)
@@ -99,15 +100,15 @@ def dispatch_pending(
             permits[stage] = 1  # half-open: exactly one test dispatch
     todo = [i for i in todo if i.stage not in open_stages]
 
-    todo = _settle_idempotent(rt, book, todo, force, result, now)
+    todo = _settle_idempotent(ports, book, todo, force, result, now)
     if todo:
-        _claim_and_publish(rt, book, todo, specs, permits, snap.breaker_clean, result, now)
-    telemetry.record_outcomes(rt, result.outcomes)
+        _claim_and_publish(ports, book, todo, specs, permits, snap.breaker_clean, result, now)
+    count_outcomes(ports, result.outcomes)
     return result
 
 
 def _settle_idempotent(
-    rt: Runtime, book: str, todo: list[InFlight], force: set[Pair], result: DispatchResult, now: float
+    ports: Ports, book: str, todo: list[InFlight], force: set[Pair], result: DispatchResult, now: float
 ) -> list[InFlight]:
     """Already completed (same inputs, not forced) or already leased pairs are not dispatched."""
     done = [
@@ -116,13 +117,13 @@ def _settle_idempotent(
         if (i.chapter, i.scene, i.stage) not in force and i.has_artifact and i.ready_hash == i.current_hash
     ]
     if done:
-        completed = rt.ledger.mark_already_completed(book, done)
-        _defer(rt, book, Outcome.ALREADY_COMPLETED, completed, now)
+        completed = ports.assets.mark_already_completed(book, done)
+        _defer(ports, book, Outcome.ALREADY_COMPLETED, completed, now)
         result.outcomes[Outcome.ALREADY_COMPLETED] += len(completed)
     done_set = set(done)
     todo = [i for i in todo if (i.chapter, i.scene, i.stage) not in done_set]
 
-    holders = rt.coord.lease_holders([(book, i.chapter, i.scene, i.stage) for i in todo])
+    holders = ports.leases.lease_holders([(book, i.chapter, i.scene, i.stage) for i in todo])
     leased = [(i, holder) for i, holder in zip(todo, holders, strict=True) if holder is not None]
     if not leased:
         return todo
@@ -135,17 +136,17 @@ def _settle_idempotent(
             skip.add(pair)
         elif pair in force:
             # Force pre-clears the stale dispatch of exactly this pair (compare-and-delete on its id).
-            rt.coord.release_lease((book, *pair), holder)
+            ports.leases.release_lease((book, *pair), holder)
         else:
             busy.append(pair)
-    _defer(rt, book, Outcome.ALREADY_GENERATING, busy, now)
+    _defer(ports, book, Outcome.ALREADY_GENERATING, busy, now)
     result.outcomes[Outcome.ALREADY_GENERATING] += len(busy)
     skip.update(busy)
     return [i for i in todo if (i.chapter, i.scene, i.stage) not in skip]
 
 
 def _claim_and_publish(
-    rt: Runtime,
+    ports: Ports,
     book: str,
     todo: list[InFlight],
     specs: dict[str, StageSpec],
@@ -154,72 +155,26 @@ def _claim_and_publish(
     result: DispatchResult,
     now: float,
 ) -> None:
-    wanted = [((i.chapter, i.scene, i.stage), new_dispatch_id()) for i in todo]
-    capacity: dict[Outcome, list[Pair]] = {}
-
-    def choose(counts: dict[str, Any]) -> list[tuple[Pair, str]]:
-        capacity.clear()
-        lane = Counter({k: int(v) for k, v in counts["lane"].items()})
-        quota: Counter[str] = Counter(stage for _, _, stage in counts["book_generating"])
-        window_scenes = {(c, s) for c, s, _ in counts["book_generating"]}
-        chosen: list[tuple[Pair, str]] = []
-        for pair, dispatch_id in wanted:
-            chapter, scene, stage = pair
-            spec = specs[stage]
-            outcome: Outcome | None = None
-            if permits.get(stage, 1) <= 0:
-                continue  # half-open breaker: the one test permit is spent; wait, do not defer
-            if lane[stage] >= spec.lane_limit:
-                outcome = Outcome.LANE_FULL
-            elif quota[stage] >= spec.book_quota:
-                outcome = Outcome.QUOTA_EXHAUSTED
-            elif (chapter, scene) not in window_scenes and len(window_scenes) >= spec.window:
-                outcome = Outcome.WINDOW_FULL
-            if outcome is not None:
-                capacity.setdefault(outcome, []).append(pair)
-                continue
-            chosen.append((pair, dispatch_id))
-            lane[stage] += 1
-            quota[stage] += 1
-            window_scenes.add((chapter, scene))
-            if stage in permits:
-                permits[stage] -= 1
-        return chosen
-
-    def before_commit(claims: list[Claim]) -> None:
-        for outcome, pairs in capacity.items():
-            _defer(rt, book, outcome, pairs, now)
-        rt.coord.take_leases(
-            [
-                (
-                    (book, c.chapter, c.scene, c.stage),
-                    c.dispatch_id,
-                    specs[c.stage].lease_ttl,
-                    {
-                        "book": book,
-                        "chapter": c.chapter,
-                        "scene": c.scene,
-                        "stage": c.stage,
-                        "token": c.token,
-                        "queue": specs[c.stage].queue,
-                        "dispatched_at": now,
-                    },
-                )
-                for c in claims
-            ]
-        )
-
-    claims = rt.ledger.claim(book, wanted, {s: spec.queue for s, spec in specs.items()}, choose, before_commit)
-    for outcome, pairs in capacity.items():
+    wanted = [(i.pair, uuid.uuid4().hex) for i in todo]  # 128 random bits: never guessable nor reused
+    lanes = {stage: spec.queue for stage, spec in specs.items()}
+    with ports.assets.claiming(book, lanes) as session:
+        choice = capacity.choose(wanted, session.counts, specs, permits)
+        claims = session.claim(choice.chosen)
+        # Still under the lane and book locks: a completion takes them before it frees capacity,
+        # so these deferrals can never land after the completion that should clear them, and a
+        # claimed pair is never without its lease for reconcile to see.
+        for outcome, pairs in choice.refused.items():
+            _defer(ports, book, outcome, pairs, now)
+        ports.leases.take_leases([_lease(book, c, specs[c.stage], now) for c in claims])
+    for outcome, pairs in choice.refused.items():
         result.outcomes[outcome] += len(pairs)
     if not claims:
         return
-    publisher = rt.require_publisher()
     failed: list[Claim] = []
     for claim in claims:
         spec = specs[claim.stage]
         try:
-            publisher.publish_job(spec.task_name, spec.queue, claim.dispatch_id, job_kwargs(book, claim))
+            ports.publisher.publish_job(spec.task_name, spec.queue, claim.dispatch_id, job_kwargs(book, claim))
         except Exception as err:
             failed.append(claim)
             log.error(
@@ -231,8 +186,8 @@ def _claim_and_publish(
                 claim.dispatch_id,
                 err,
             )
-            rt.coord.breaker_record(
-                spec.queue, False, rt.settings.breaker_threshold, rt.settings.breaker_cooldown_seconds
+            ports.breaker.breaker_record(
+                spec.queue, False, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds
             )
             continue
         result.dispatched.append(claim.dispatch_id)
@@ -248,17 +203,30 @@ def _claim_and_publish(
             spec.queue,
         )
     # Bookkeeping after the jobs are on their way, so it never delays their start.
-    rt.coord.clear_deferrals(book, [(c.chapter, c.scene, c.stage) for c in claims])
+    ports.deferrals.clear_deferrals(book, [(c.chapter, c.scene, c.stage) for c in claims])
     for stage in {c.stage for c in claims if c not in failed}:
         if not breaker_clean.get(specs[stage].queue, False):
-            rt.coord.breaker_record(
-                specs[stage].queue, True, rt.settings.breaker_threshold, rt.settings.breaker_cooldown_seconds
+            ports.breaker.breaker_record(
+                specs[stage].queue, True, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds
             )
     if failed:
-        rt.ledger.unclaim(book, failed)
+        ports.assets.unclaim(book, failed)
         for claim in failed:
-            rt.coord.release_lease((book, claim.chapter, claim.scene, claim.stage), claim.dispatch_id)
+            ports.leases.release_lease((book, claim.chapter, claim.scene, claim.stage), claim.dispatch_id)
         result.outcomes[Outcome.PUBLISH_FAILED] += len(failed)
+
+
+def _lease(book: str, claim: Claim, spec: StageSpec, now: float) -> tuple[Any, str, int, dict[str, Any]]:
+    meta = {
+        "book": book,
+        "chapter": claim.chapter,
+        "scene": claim.scene,
+        "stage": claim.stage,
+        "token": claim.token,
+        "queue": spec.queue,
+        "dispatched_at": now,
+    }
+    return (book, *claim.pair), claim.dispatch_id, spec.lease_ttl, meta
 
 
 def job_kwargs(book: str, claim: Claim) -> dict[str, Any]:
@@ -272,23 +240,23 @@ def job_kwargs(book: str, claim: Claim) -> dict[str, Any]:
     }
 
 
-def _defer(rt: Runtime, book: str, outcome: Outcome, pairs: Sequence[Pair], now: float) -> None:
-    seconds = deferral_seconds(outcome, rt.windows)
+def _defer(ports: Ports, book: str, outcome: Outcome, pairs: Sequence[Pair], now: float) -> None:
+    seconds = deferral_seconds(outcome, ports.settings.deferral_windows)
     bucket = deferral_bucket(outcome)
     if pairs and seconds is not None and bucket is not None:
-        rt.coord.defer(book, bucket, pairs, seconds, now)
+        ports.deferrals.defer(book, bucket, pairs, seconds, now)
 
 
-def block_stage(rt: Runtime, book: str, spec: StageSpec) -> list[str]:
+def block_stage(ports: Ports, book: str, spec: StageSpec) -> list[str]:
     """No live consumer: the stage's commands are BLOCKED and their pairs released; no retry."""
     reason = no_worker_reason(spec.name)
-    blocked, released = rt.ledger.block_stage(book, spec.name, reason)
-    rt.coord.drop_leases([(book, *pair) for pair, _ in released])
-    rt.coord.clear_deferrals(book, [pair for pair, _ in released])
-    dispatch_ids = [d for pair, d in released if d]
-    if dispatch_ids and rt.publisher is not None:
-        rt.publisher.revoke(dispatch_ids)
-    telemetry.record_blocked(rt, spec.name, len(blocked))
+    blocked, released = ports.commands.block_stage(book, spec.name, reason)
+    ports.leases.drop_leases([(book, *pair) for pair, _ in released])
+    ports.deferrals.clear_deferrals(book, [pair for pair, _ in released])
+    dispatch_ids = [d for _, d in released if d]
+    if dispatch_ids:
+        ports.publisher.revoke(dispatch_ids)
+    ports.counters.add({f"blocked:{spec.name}": len(blocked)})
     log.warning(
         "[DISPATCH] BLOCKED book=%r stage=%s queue=%s reason=%s commands=%s released=%d: no live consumer;"
         " start a worker (animastor-tasks worker --stage %s) and send a new regenerate",
@@ -301,3 +269,9 @@ def block_stage(rt: Runtime, book: str, spec: StageSpec) -> list[str]:
         spec.name,
     )
     return blocked
+
+
+def count_outcomes(ports: Ports, outcomes: Mapping[str, int]) -> None:
+    """A deferred pair must cost no write, so deferrals are not counted (the exporter reads the
+    deferral sets themselves)."""
+    ports.counters.add({f"dispatch:{o}": n for o, n in outcomes.items() if o != Outcome.DEFERRED})

@@ -1,8 +1,9 @@
 """The gate pass: decide every active pair of one book, release what lost its authority,
 and hand what is authorized to dispatch.
 
-A pass reads Redis once (one pipeline) and Postgres in three queries, whatever the
+A pass reads Redis once (one pipeline) and Postgres once (one statement), whatever the
 number of scenes. Any read that fails authorizes nothing (fail-closed) and is logged.
+The beat's tick fans out one pass per book with active scenes.
 """
 
 from __future__ import annotations
@@ -12,15 +13,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import psycopg
-
-from animastor_tasks.adapters.ledger import InFlight
-from animastor_tasks.domain.fsm import AssetState
-from animastor_tasks.domain.gate import BookFacts, Denial, Pair, decide
-from animastor_tasks.domain.outcomes import Outcome
+from animastor_tasks.domain.gate import BookFacts, Denial, decide
+from animastor_tasks.domain.types import Pair
+from animastor_tasks.domain.vocabulary import AssetState, Outcome
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import dispatch, telemetry
-from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.flow import dispatch
+from animastor_tasks.ports import InFlight, Ports
 
 log = logging.getLogger("animastor.gate")
 
@@ -36,38 +34,38 @@ class PassReport:
     error: str | None = None
 
 
-def gate_pass(rt: Runtime, book: str, *, dispatch_work: bool = True) -> PassReport:
+def gate_pass(ports: Ports, book: str, *, dispatch_work: bool = True) -> PassReport:
     """One pass, timed into the `gate_pass_seconds` histogram when it changed something.
 
     Why only then: a pass over deferred pairs must stay free of writes; one that released or
     dispatched pairs writes anyway, and its duration is the one operators need to watch.
     """
     started = time.monotonic()
-    report = _gate_pass(rt, book, dispatch_work=dispatch_work)
+    report = _gate_pass(ports, book, dispatch_work=dispatch_work)
     if report.released or any(outcome != Outcome.DEFERRED for outcome in report.outcomes):
-        telemetry.observe(rt, "gate_pass_seconds", time.monotonic() - started)
+        ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
     return report
 
 
-def _gate_pass(rt: Runtime, book: str, *, dispatch_work: bool = True) -> PassReport:
+def _gate_pass(ports: Ports, book: str, *, dispatch_work: bool = True) -> PassReport:
     report = PassReport(book)
     now = time.time()
     try:
-        snap = rt.coord.book_snapshot(book, now, rt.settings.registry.queues())
+        snap = ports.book_state.book_snapshot(book, now, ports.settings.registry.queues())
     except StoreUnavailable as err:
         report.error = str(err)
         log.warning("[COMMAND-GATE] book=%r coordination unreadable, nothing authorized: %s", book, err)
         return report
     try:
-        rows = rt.ledger.gate_rows(book)
-    except (StoreUnavailable, psycopg.Error) as err:
+        rows = ports.assets.gate_rows(book)
+    except StoreUnavailable as err:
         report.error = str(err)
         log.warning("[COMMAND-GATE] book=%r registry unreadable, nothing authorized: %s", book, err)
         return report
     if rows is None:
         log.warning("[COMMAND-GATE] book=%r unknown; removed from the active index", book)
-        rt.coord.deactivate(book, snap.active)
-        rt.coord.drop_book_if_idle(book)
+        ports.book_state.deactivate(book, snap.active)
+        ports.book_state.drop_book_if_idle(book)
         return report
 
     facts = BookFacts(True, snap.cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
@@ -84,8 +82,10 @@ def _gate_pass(rt: Runtime, book: str, *, dispatch_work: bool = True) -> PassRep
     pending_pairs = {(i.chapter, i.scene, i.stage) for i in rows.in_flight if i.state == AssetState.PENDING}
     to_release = [p for p in report.denied if p in pending_pairs]
     if to_release:
-        report.released = rt.ledger.move_pairs(book, to_release, AssetState.PENDING, AssetState.DIRTY, "gate.released")
-        rt.coord.clear_deferrals(book, report.released)
+        report.released = ports.assets.move_pairs(
+            book, to_release, AssetState.PENDING, AssetState.DIRTY, "gate.released"
+        )
+        ports.deferrals.clear_deferrals(book, report.released)
         log.info(
             "[COMMAND-GATE] book=%r released %d pending pair(s) to dirty: %s",
             book,
@@ -97,15 +97,27 @@ def _gate_pass(rt: Runtime, book: str, *, dispatch_work: bool = True) -> PassRep
     busy = {(i.chapter, i.scene) for i in rows.in_flight if (i.chapter, i.scene, i.stage) not in released}
     idle = snap.active - busy
     if idle:
-        rt.coord.deactivate(book, idle)
+        ports.book_state.deactivate(book, idle)
         if not busy:
-            rt.coord.drop_book_if_idle(book)
+            ports.book_state.drop_book_if_idle(book)
 
     if dispatch_work and pending:
-        result = dispatch.dispatch_pending(rt, book, pending, snap, now=now)
+        result = dispatch.dispatch_pending(ports, book, pending, snap, now=now)
         report.outcomes = result.outcomes
         report.dispatched = result.dispatched
     return report
+
+
+def tick(ports: Ports) -> list[str]:
+    """Enqueue one gate task per book with active scenes; a second beat's tick is skipped."""
+    if not ports.locks.try_lock("tick", ports.settings.tick_seconds * 0.8):
+        return []
+    started = time.monotonic()
+    books = sorted(ports.book_state.active_books())
+    for book in books:
+        ports.publisher.enqueue_gate(book)
+    ports.counters.observe("tick_seconds", time.monotonic() - started)
+    return books
 
 
 def _describe(denied: dict[Pair, Denial], pairs: list[Pair]) -> str:

@@ -8,13 +8,13 @@ declares an entry point, not a change here. A factory is called as
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import lru_cache
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from animastor_tasks.errors import ConfigError, GeneratorError
+from animastor_tasks.ports import GenerationRequest, Generator, Media
 
 if TYPE_CHECKING:
     from animastor_tasks.config import Settings
@@ -31,45 +31,6 @@ __all__ = [
     "load_generator",
     "number_param",
 ]
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """Everything a generator may use: ids for tracing, the scene input and the stage params."""
-
-    book_id: str
-    chapter_id: str
-    scene_id: str
-    stage: str
-    input: str  # scene text (audio) or prompt (image)
-    params: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class Media:
-    """The bytes a generator produced and their MIME type."""
-
-    data: bytes
-    media_type: str
-
-
-@runtime_checkable
-class Generator(Protocol):
-    """A backend that turns one request into media.
-
-    `should_stop()` must be polled often; when it answers True the generator raises
-    `GenerationStopped` and produces nothing. `progress(fraction)` reports 0..1.
-    Failures are `GeneratorError(message, retryable=...)`.
-    """
-
-    name: str
-
-    def generate(
-        self,
-        request: GenerationRequest,
-        should_stop: Callable[[], bool],
-        progress: Callable[[float], None],
-    ) -> Media: ...
 
 
 @lru_cache(maxsize=1)
@@ -122,3 +83,13 @@ def number_param(
         kind = "an integer" if integer else "a number"
         raise GeneratorError(f"param {key!r} must be {kind} {bounds}, got {value!r}", retryable=False)
     return int(value) if integer else float(value)
+
+
+class EntryPointGenerators:
+    """The flows' `Generators`: a stage's generator, found by its entry point and built per job."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def load(self, spec: StageSpec) -> Generator:
+        return load_generator(spec, self.settings)

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote
 
 import click
@@ -20,13 +20,16 @@ import click
 from animastor_tasks.config import Settings
 from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
 
+if TYPE_CHECKING:
+    from animastor_tasks.worker.wiring import Wiring
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _runtime() -> Any:
-    from animastor_tasks.flow import runtime
+def _wired() -> Wiring:
+    from animastor_tasks.worker import wiring
 
-    return runtime.current()
+    return wiring.current()
 
 
 def _fail(message: str, code: int) -> None:
@@ -79,16 +82,17 @@ def db() -> None:
 @db.command("migrate")
 def db_migrate() -> None:
     """Apply pending migrations (idempotent)."""
-    from animastor_tasks.adapters.postgres.pool import migrate
+    from animastor_tasks.adapters.postgres.migrations import migrate
 
-    applied = migrate(_runtime().db)
+    applied = migrate(_wired().db)
     click.echo(f"applied: {', '.join(applied)}" if applied else "database is up to date")
 
 
 @main.command()
 def up() -> None:
     """Bring the stores up (configured ones when reachable, else local ones) and migrate."""
-    from animastor_tasks.adapters.postgres.pool import Database, migrate
+    from animastor_tasks.adapters.postgres.migrations import migrate
+    from animastor_tasks.adapters.postgres.pool import Database
     from animastor_tasks.dev import stores as devstack
 
     overrides, _ = devstack.ensure_stores(log=click.echo)
@@ -136,7 +140,7 @@ def book_import(path: Path, as_json: bool) -> None:
         raw = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
     except OSError as err:
         raise InvalidBook(f"cannot read {str(path)!r}: {err.strerror}") from err
-    summary = _runtime().catalog.import_book(parse_book_json(raw))
+    summary = _wired().catalog.import_book(parse_book_json(raw))
     data = summary.__dict__
     _emit(
         data,
@@ -159,9 +163,9 @@ def layers() -> None:
 @click.option("--disable", multiple=True, metavar="STAGE")
 @click.option("--json", "as_json", is_flag=True)
 def layers_set(book_id: str, enable: tuple[str, ...], disable: tuple[str, ...], as_json: bool) -> None:
-    from animastor_tasks.flow import commands
+    from animastor_tasks.flow import layers as layers_flow
 
-    result = commands.set_layers(_runtime(), book_id, list(enable), list(disable))
+    result = layers_flow.set_layers(_wired().ports, book_id, list(enable), list(disable))
     _emit(result, as_json, lambda d: click.echo(", ".join(f"{k}={'on' if v else 'off'}" for k, v in d.items())))
 
 
@@ -169,9 +173,9 @@ def layers_set(book_id: str, enable: tuple[str, ...], disable: tuple[str, ...], 
 @click.argument("book_id")
 @click.option("--json", "as_json", is_flag=True)
 def layers_show(book_id: str, as_json: bool) -> None:
-    from animastor_tasks.flow import commands
+    from animastor_tasks.flow import layers as layers_flow
 
-    result = commands.layers_of(_runtime(), book_id)
+    result = layers_flow.layers_of(_wired().ports, book_id)
     _emit(result, as_json, lambda d: click.echo(", ".join(f"{k}={'on' if v else 'off'}" for k, v in d.items())))
 
 
@@ -250,14 +254,14 @@ def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> N
 @click.option("--interval", default=1.0, show_default=True)
 def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
     """Commands of a book with progress, and every scene's state."""
-    from animastor_tasks.flow import commands
+    from animastor_tasks.flow import status as status_flow
     from animastor_tasks.operator import render as views
 
-    rt = _runtime()
+    ports = _wired().ports
     if as_json:
-        _emit(commands.status(rt, book_id), True, lambda _: None)
+        _emit(status_flow.status(ports, book_id), True, lambda _: None)
         return
-    views.show_status(lambda: commands.status(rt, book_id), watch=watch, interval=interval)
+    views.show_status(lambda: status_flow.status(ports, book_id), watch=watch, interval=interval)
 
 
 @main.command("commands")
@@ -268,7 +272,7 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
     """Recent commands with status, reason, progress and age."""
     from animastor_tasks.operator import render as views
 
-    rows = _runtime().ledger.commands(book=book_id, limit=limit)
+    rows = _wired().ports.commands.commands(book=book_id, limit=limit)
     now = time.time()
     data = [
         {
@@ -291,16 +295,16 @@ def queues(as_json: bool) -> None:
     """GPU queues: consumers, depth, running, lane limit, breaker, deferrals."""
     from animastor_tasks.operator import render as views
 
-    _emit(views.queue_overview(_runtime()), as_json, views.show_queues)
+    _emit(views.queue_overview(_wired()), as_json, views.show_queues)
 
 
 @main.command("reconcile")
 @click.option("--json", "as_json", is_flag=True)
 def reconcile_cmd(as_json: bool) -> None:
     """Run one reconcile pass now (it never creates work)."""
-    from animastor_tasks.flow import maintenance
+    from animastor_tasks.flow import reconcile
 
-    _emit(maintenance.reconcile(_runtime(), force=True), as_json, lambda d: click.echo(d))
+    _emit(reconcile.reconcile(_wired().ports, force=True), as_json, lambda d: click.echo(d))
 
 
 # -- processes ------------------------------------------------------------------------------
@@ -311,7 +315,7 @@ def reconcile_cmd(as_json: bool) -> None:
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 def worker(stage: str | None, gpus: str | None, hostname: str | None, celery_args: tuple[str, ...]) -> None:
     """Start a Celery worker: the control worker, or a GPU worker for one stage."""
-    from animastor_tasks.worker.celery_config import CONTROL_QUEUE
+    from animastor_tasks.domain.registry import CONTROL_QUEUE
 
     settings = Settings.from_env()
     if stage is None:

@@ -1,7 +1,7 @@
 """Prometheus metrics for operators: `animastor-tasks metrics --port 9808` (binds 127.0.0.1 by default).
 
 Why a collector and not counters in this process: the numbers live where the work happens.
-Every worker adds to one Redis hash (`flow.telemetry`), queues and presence are in Redis and
+Every worker adds to one Redis hash (`adapters/redis/counters.py`), queues and presence are in Redis and
 the broker, commands in Postgres; each scrape reads them fresh (a few round trips), so the
 exporter holds no state, can restart at will and any number of them agree.
 
@@ -23,15 +23,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from animastor_tasks.domain.outcomes import Outcome
-from animastor_tasks.flow import telemetry
-from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.adapters.redis.counters import DURATION_BUCKETS, histogram_field
+from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
+from animastor_tasks.worker.wiring import Wiring
 
 log = logging.getLogger("animastor.metrics")
 
-COMMAND_STATUSES = ("active", "blocked", "completed", "cancelled", "failed")
-JOB_EVENTS = ("started", "ready", "failed", "retry", "stopped", "duplicate_delivery")
-#: Histograms the flows record with `telemetry.observe`: name -> help text.
+# A refused job is counted as the dispatch outcome `fence_rejected`, not as a job event.
+JOB_EVENTS = ("started", "retry", *(str(o) for o in JobOutcome if o is not JobOutcome.FENCE_REJECTED))
+#: Histograms the flows record with `Counters.observe`: name -> help text.
 HISTOGRAMS = {
     "gate_pass_seconds": "Duration of gate passes that released or dispatched work (animastor.gate).",
     "tick_seconds": "Duration of the beat tick (enqueueing one gate task per active book).",
@@ -43,15 +43,14 @@ DEFAULT_ADDRESS = "127.0.0.1"
 class AnimastorCollector(Collector):
     """Reads counters, queues, presence and commands on every scrape."""
 
-    def __init__(self, runtime: Callable[[], Runtime]) -> None:
-        self._runtime = runtime
+    def __init__(self, wiring: Callable[[], Wiring]) -> None:
+        self._wiring = wiring
 
     def collect(self) -> Iterator[Metric]:
-        rt = self._runtime()
+        rt = self._wiring()
         up = {"redis": 1.0, "postgres": 1.0}  # "broker" is added when the queue depths were asked
         try:
-            raw = rt.coord.client.hgetall(rt.coord.keys.metrics())
-            fields = {_text(k): _text(v) for k, v in raw.items()}
+            fields = {_text(k): _text(v) for k, v in rt.counters.read().items()}
         except Exception as err:  # the exporter reports a store outage instead of failing the scrape
             log.warning("[METRICS] counters unreadable: %s", err)
             fields, up["redis"] = {}, 0.0
@@ -131,20 +130,20 @@ def _histogram_families(fields: dict[str, str]) -> Iterator[Metric]:
         family = HistogramMetricFamily(f"animastor_{name}", doc)
         buckets: list[tuple[str, float]] = []
         running = 0.0
-        for bound in [*telemetry.DURATION_BUCKETS, "+Inf"]:
+        for bound in [*DURATION_BUCKETS, "+Inf"]:
             stored = bound if isinstance(bound, str) else f"{bound:g}"  # the field name observe() wrote
-            running += _number(fields.get(telemetry.histogram_field(name, f"le={stored}"), "0"))
+            running += _number(fields.get(histogram_field(name, f"le={stored}"), "0"))
             buckets.append((stored if isinstance(bound, str) else floatToGoString(bound), running))
-        sum_us = _number(fields.get(telemetry.histogram_field(name, "sum_us"), "0"))
+        sum_us = _number(fields.get(histogram_field(name, "sum_us"), "0"))
         family.add_metric([], buckets, sum_value=sum_us / 1_000_000)
         yield family
-        stamp = fields.get(telemetry.histogram_field(name, "last"))
+        stamp = fields.get(histogram_field(name, "last"))
         if stamp is not None:
             last.add_metric([name], _number(stamp))
     yield last
 
 
-def _queue_families(rt: Runtime, up: dict[str, float]) -> Iterator[Metric]:
+def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
     from animastor_tasks.operator import render as views
 
     rows = views.queue_overview(rt)
@@ -175,35 +174,36 @@ def _queue_families(rt: Runtime, up: dict[str, float]) -> Iterator[Metric]:
         for state in ("closed", "open", "half-open"):
             breaker.add_metric([row["queue"], state], 1.0 if row["breaker"] == state else 0.0)
     # Every row carries the same totals (deferrals are counted across the active books).
-    totals = rows[0]["deferred"] if rows else rt.coord.deferral_counts(rt.coord.active_books(), time.time())
+    totals = (
+        rows[0]["deferred"] if rows else rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), time.time())
+    )
     for bucket, count in sorted(totals.items()):
         deferred.add_metric([bucket], float(count))
     yield from (consumers, depth, in_flight, lane, breaker, deferred)
 
 
-def _commands_family(rt: Runtime) -> Metric:
-    with rt.db.transaction() as conn:
-        rows = conn.execute("SELECT status, count(*) FROM commands GROUP BY status").fetchall()
-    counts = dict.fromkeys(COMMAND_STATUSES, 0)
-    counts.update({str(status): int(n) for status, n in rows})
+def _commands_family(rt: Wiring) -> Metric:
+    counts = {str(status): n for status, n in rt.reads.command_status_counts().items()}
     family = GaugeMetricFamily("animastor_commands", "Commands in the registry by status.", labels=["status"])
     for status, n in sorted(counts.items()):
         family.add_metric([status], float(n))
     return family
 
 
-def build_registry(runtime: Callable[[], Runtime]) -> CollectorRegistry:
+def build_registry(wiring: Callable[[], Wiring]) -> CollectorRegistry:
     """A registry holding only our collector (no process metrics of the exporter itself)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(AnimastorCollector(runtime))
+    registry.register(AnimastorCollector(wiring))
     return registry
 
 
 def serve(address: str = DEFAULT_ADDRESS, port: int = DEFAULT_PORT) -> None:
     """Serve `/metrics` until SIGINT or SIGTERM."""
-    from animastor_tasks.flow import runtime
+    from animastor_tasks.config import Settings
+    from animastor_tasks.worker.wiring import build
 
-    registry = build_registry(runtime.current)
+    wired = build(Settings.from_env())
+    registry = build_registry(lambda: wired)
     server, thread = start_http_server(port, addr=address, registry=registry)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -214,4 +214,4 @@ def serve(address: str = DEFAULT_ADDRESS, port: int = DEFAULT_PORT) -> None:
     server.shutdown()
     server.server_close()
     thread.join(timeout=5)
-    runtime.reset()
+    wired.close()

@@ -11,10 +11,13 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.domain.vocabulary import AssetState, CommandStatus
+from animastor_tasks.worker.wiring import Wiring
 
-TERMINAL_COMMANDS = {"completed", "cancelled", "failed", "blocked"}
-STATES = ("ready", "generating", "pending", "dirty", "failed")
+# A watch ends when no command is active any more.
+TERMINAL_COMMANDS = frozenset(CommandStatus) - {CommandStatus.ACTIVE}
+# Progress columns, most finished first.
+STATES = (AssetState.READY, AssetState.GENERATING, AssetState.PENDING, AssetState.DIRTY, AssetState.FAILED)
 
 
 def _status_renderable(data: dict[str, Any]) -> Group:
@@ -73,14 +76,14 @@ def show_commands(rows: list[dict[str, Any]]) -> None:
     Console().print(table)
 
 
-def queue_overview(rt: Runtime) -> list[dict[str, Any]]:
+def queue_overview(rt: Wiring) -> list[dict[str, Any]]:
     specs = rt.settings.stages
     now = time.time()
-    live = rt.coord.live_consumers([s.queue for s in specs], now)
-    amqp = rt.consumers.counts([s.queue for s in specs]) if rt.consumers.amqp_url else {}
-    running = rt.ledger.lane_usage()
+    live = rt.presence.live_consumers([s.queue for s in specs], now)
+    amqp = rt.presence.counts([s.queue for s in specs]) if rt.presence.amqp_url else {}
+    running = rt.reads.lane_usage()
     depth = _queue_depths(rt, [s.queue for s in specs])
-    deferred = rt.coord.deferral_counts(rt.coord.active_books(), now)
+    deferred = rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), now)
     return [
         {
             "queue": spec.queue,
@@ -93,7 +96,7 @@ def queue_overview(rt: Runtime) -> list[dict[str, Any]]:
             "depth": depth.get(spec.queue),
             "in_flight": running.get(spec.name, 0),
             "lane_limit": spec.lane_limit,
-            "breaker": rt.coord.breaker_state(spec.queue),
+            "breaker": rt.breaker.breaker_state(spec.queue),
             "deferred": deferred,
             "start_worker": f"animastor-tasks worker --stage {spec.name}",
         }
@@ -101,7 +104,7 @@ def queue_overview(rt: Runtime) -> list[dict[str, Any]]:
     ]
 
 
-def _queue_depths(rt: Runtime, queues: list[str]) -> dict[str, int | None]:
+def _queue_depths(rt: Wiring, queues: list[str]) -> dict[str, int | None]:
     """Messages waiting in each queue, asked of the broker (None when it cannot say)."""
     from kombu import Connection
 

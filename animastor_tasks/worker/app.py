@@ -1,4 +1,8 @@
-"""The Celery app, its worker start-up checks and per-process runtime."""
+"""The Celery app, its worker start-up checks and its per-process set-up.
+
+Its settings come from the top-level `celeryconfig` module (part of the deployment's
+shape), which builds them from the ANIMASTOR_* environment.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ from typing import Any
 from celery import Celery, signals
 
 from animastor_tasks.config import Settings
+from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ConfigError, redact_url
-from animastor_tasks.worker.celery_config import CONTROL_QUEUE, build_config
 from animastor_tasks.worker.presence import PresenceStep
 
 try:
@@ -21,7 +25,7 @@ except ConfigError as err:  # a worker or beat with a bad setting stops here, wi
     raise SystemExit(2) from err
 
 app = Celery("animastor_tasks", include=["animastor_tasks.worker.tasks"])
-app.conf.update(build_config(settings))
+app.config_from_object("celeryconfig", force=True)
 app.steps["consumer"].add(PresenceStep)
 
 log = logging.getLogger("animastor.worker")
@@ -65,15 +69,15 @@ def fresh_connections(**_: Any) -> None:
     """
     from billiard.process import current_process
 
-    from animastor_tasks.flow import runtime
+    from animastor_tasks.worker import wiring
 
-    runtime.reset()
+    wiring.reset()
     gpu = gpu_for_child(os.environ.get("ANIMASTOR_GPU_IDS", ""), getattr(current_process(), "index", 0) or 0)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     try:
         # Remember the Redis dataset from the start, so a later FLUSHALL or empty restart is noticed
-        # (see Coordination._seen_epoch) even by a child that had run no gate pass before it.
-        runtime.current().coord.data_lost_at()
+        # (see BookStateStore._seen_epoch) even by a child that had run no gate pass before it.
+        wiring.current().ports.book_state.data_lost_at()
     except Exception as err:  # Redis down at fork: noticed at the first gate pass instead
         log.warning("[WORKER] could not read the Redis epoch at start: %s", err)

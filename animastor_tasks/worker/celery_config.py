@@ -14,9 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 from kombu import Exchange, Queue
 
 from animastor_tasks.config import Settings
-
-CONTROL_QUEUE = "animastor.control"
-CONTROL_TASKS = ("regenerate", "cancel", "gate", "tick", "reconcile")
+from animastor_tasks.domain.registry import CONTROL_QUEUE, CONTROL_TASKS
 
 
 def result_backend_url(redis_url: str) -> str:

@@ -42,13 +42,13 @@ class PresenceStep(bootsteps.StartStopStep):
     shutdown = stop
 
     def _loop(self, parent: Any) -> None:
-        from animastor_tasks.flow import runtime
+        from animastor_tasks.worker import wiring
 
-        ttl = runtime.current().settings.presence_ttl_seconds
+        ttl = wiring.current().settings.presence_ttl_seconds
         while True:
             try:
                 queues = {q.name for q in (parent.task_consumer.queues if parent.task_consumer else [])}
-                runtime.current().coord.heartbeat(parent.hostname, queues, ttl, gone=self._advertised - queues)
+                wiring.current().presence.heartbeat(parent.hostname, queues, ttl, gone=self._advertised - queues)
                 self._advertised = queues
             except StoreUnavailable as err:
                 log.warning("[PRESENCE] heartbeat failed: %s", err)
@@ -60,10 +60,10 @@ class PresenceStep(bootsteps.StartStopStep):
     def _withdraw(self, parent: Any) -> None:
         if not self._advertised:
             return
-        from animastor_tasks.flow import runtime
+        from animastor_tasks.worker import wiring
 
         try:
-            runtime.current().coord.heartbeat(parent.hostname, (), 0, gone=self._advertised)
+            wiring.current().presence.heartbeat(parent.hostname, (), 0, gone=self._advertised)
             self._advertised = set()
         except StoreUnavailable as err:
             log.warning("[PRESENCE] could not withdraw %s: %s", parent.hostname, err)

@@ -13,50 +13,23 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
-from celery import Celery, Task
+from celery import Task
 
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.flow import commands, gate, maintenance, runtime
+from animastor_tasks.flow import cancel as cancel_flow
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import reconcile as reconcile_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.ports import Ports
+from animastor_tasks.worker import wiring
 from animastor_tasks.worker.app import app, settings
-from animastor_tasks.worker.celery_config import CONTROL_QUEUE
 
 
-class CeleryPublisher:
-    """The flows' `Publisher`, backed by a Celery app (this package's by default)."""
-
-    def __init__(self, celery_app: Celery = app) -> None:
-        self.app = celery_app
-
-    def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None:
-        self.app.send_task(
-            task_name,
-            kwargs=kwargs,
-            queue=queue,
-            task_id=dispatch_id,
-            retry=True,
-            retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
-        )
-
-    def revoke(self, dispatch_ids: Sequence[str]) -> None:
-        try:
-            self.app.control.revoke(list(dispatch_ids))
-        except Exception as err:  # the start-of-job check is what guarantees safety; revoke only saves work
-            runtime.current().coord.client.hincrby(runtime.current().coord.keys.metrics(), "revoke:failed", 1)
-            app.log.get_default_logger().warning("[DISPATCH] revoke broadcast failed: %s", err)
-
-    def enqueue_gate(self, book_id: str) -> None:
-        self.app.send_task("animastor.gate", kwargs={"book_id": book_id}, queue=CONTROL_QUEUE)
-
-
-PUBLISHER = CeleryPublisher()
-
-
-def rt() -> runtime.Runtime:
-    return runtime.current(PUBLISHER)
+def ports() -> Ports:
+    return wiring.current().ports
 
 
 @app.task(name="animastor.regenerate")
@@ -67,17 +40,17 @@ def regenerate(
     command_id: str | None = None,
     force: bool = True,
 ) -> dict[str, Any]:
-    return commands.regenerate(rt(), book_id, stages, scenes, command_id, force)
+    return regenerate_flow.regenerate(ports(), book_id, stages, scenes, command_id, force)
 
 
 @app.task(name="animastor.cancel")
 def cancel(book_id: str, reason: str | None = None) -> dict[str, Any]:
-    return commands.cancel(rt(), book_id, reason)
+    return cancel_flow.cancel(ports(), book_id, reason)
 
 
 @app.task(name="animastor.gate")
 def gate_task(book_id: str) -> dict[str, Any]:
-    report = gate.gate_pass(rt(), book_id)
+    report = gate.gate_pass(ports(), book_id)
     return {
         "book_id": book_id,
         "authorized": len(report.authorized),
@@ -89,12 +62,12 @@ def gate_task(book_id: str) -> dict[str, Any]:
 
 @app.task(name="animastor.tick", ignore_result=True)
 def tick() -> list[str]:
-    return maintenance.tick(rt())
+    return gate.tick(ports())
 
 
 @app.task(name="animastor.reconcile", ignore_result=True)
 def reconcile() -> dict[str, Any]:
-    return maintenance.reconcile(rt())
+    return reconcile_flow.reconcile(ports())
 
 
 def _register_generate(spec: StageSpec) -> None:
@@ -126,7 +99,7 @@ def _register_generate(spec: StageSpec) -> None:
                 self.send_event("task-progress", **meta)
 
         job = Job(book_id, chapter_id, scene_id, stage, dispatch_id, int(fencing_token))
-        return run_job(rt(), job, worker=self.request.hostname or "unknown", progress=progress)
+        return run_job(ports(), job, worker=self.request.hostname or "unknown", progress=progress)
 
 
 for _spec in settings.stages:

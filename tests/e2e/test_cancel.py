@@ -59,7 +59,7 @@ def test_cancel_mid_run_stops_running_jobs_and_starts_none(make_stack, figure) -
         assert "'outcome': 'stopped'" in done[0][1], done
 
     # Jobs still queued in the broker are delivered and refused; none starts.
-    broker = stack.rt.coord.client
+    broker = stack.rt.redis.client
     wait_for(lambda: broker.llen("gpu.audio") == 0 and broker.llen("gpu.image") == 0, 15, what="queues drained")
     time.sleep(stack.settings.tick_seconds * 2 + stack.settings.reconcile_seconds)
 
@@ -71,7 +71,7 @@ def test_cancel_mid_run_stops_running_jobs_and_starts_none(make_stack, figure) -
     ready = {pair for pair, state in states.items() if state == "ready"}
     stack.check_artifacts(book.book_id, ready)
     assert {r.status for r in stack.commands(book.book_id).values()} == {"cancelled"}
-    assert stack.rt.coord.active_books() == set()
+    assert stack.rt.ports.book_state.active_books() == set()
     dispatched = len(stack.events("dispatch", book.book_id))
     refused = sum(
         1

@@ -21,7 +21,7 @@ def test_worker_on_an_unknown_queue_exits_2_naming_it(make_stack, figure) -> Non
     assert done.returncode == 2, output
     assert "refusing to consume unknown queue(s) gpu.nope" in done.stderr, done.stderr
     assert "ready." not in output
-    assert stack.rt.coord.live_consumers(["gpu.nope"]) == {"gpu.nope": {}}
+    assert stack.rt.presence.live_consumers(["gpu.nope"]) == {"gpu.nope": {}}
     last = [line for line in done.stderr.strip().splitlines() if "gpu.nope" in line][-1]
     figure(f"exit code {done.returncode} after {took:.1f}s; stderr: {last.strip()[:160]}")
 
@@ -29,7 +29,7 @@ def test_worker_on_an_unknown_queue_exits_2_naming_it(make_stack, figure) -> Non
 def test_presence_follows_worker_lifecycle_and_add_consumer(make_stack, figure) -> None:
     stack = make_stack()
     cluster, ttl = stack.cluster, stack.settings.presence_ttl_seconds
-    coord = stack.rt.coord
+    coord = stack.rt
     first = cluster.gpu("audio", wait=False)
     second = cluster.gpu("audio", wait=False)
 
@@ -39,7 +39,7 @@ def test_presence_follows_worker_lifecycle_and_add_consumer(make_stack, figure) 
     first.wait_log(" ready.", timeout=5)
     cluster.wait_ready(second)
     other = second.hostname
-    assert set(coord.live_consumers(["gpu.audio"])["gpu.audio"]) == {host, other}
+    assert set(coord.presence.live_consumers(["gpu.audio"])["gpu.audio"]) == {host, other}
 
     # add_consumer at runtime: the audio worker shows up under gpu.image at its next heartbeat.
     sent = time.monotonic()
@@ -56,17 +56,19 @@ def test_presence_follows_worker_lifecycle_and_add_consumer(make_stack, figure) 
     assert cluster.stop(first) == 0, first.tail()
     stop_took = time.monotonic() - stopped
     for queue in ("gpu.audio", "gpu.image"):
-        assert coord.client.zscore(coord.keys.consumers(queue), host) is None, queue
-    assert set(coord.live_consumers(["gpu.audio"])["gpu.audio"]) == {other}
+        assert coord.redis.client.zscore(coord.redis.keys.consumers(queue), host) is None, queue
+    assert set(coord.presence.live_consumers(["gpu.audio"])["gpu.audio"]) == {other}
 
     # SIGKILL: nothing withdraws the entry; it stops counting within one TTL.
     cluster.kill(second, signal.SIGKILL)
     killed = time.monotonic()
-    wait_for(lambda: other not in coord.live_consumers(["gpu.audio"])["gpu.audio"], ttl + 0.5, what="expired")
+    wait_for(lambda: other not in coord.presence.live_consumers(["gpu.audio"])["gpu.audio"], ttl + 0.5, what="expired")
     gone = time.monotonic() - killed
     assert gone <= ttl + 0.5
-    assert coord.client.zscore(coord.keys.consumers("gpu.audio"), other) is not None  # expired, not withdrawn
-    assert stack.rt.consumers.counts(["gpu.audio", "gpu.image"]) == {"gpu.audio": 0, "gpu.image": 0}
+    assert (
+        coord.redis.client.zscore(coord.redis.keys.consumers("gpu.audio"), other) is not None
+    )  # expired, not withdrawn
+    assert stack.rt.presence.counts(["gpu.audio", "gpu.image"]) == {"gpu.audio": 0, "gpu.image": 0}
     figure(
         f"advertised {appear:.2f}s after the process started; add_consumer -> under gpu.image in {added:.2f}s; "
         f"SIGTERM stop {stop_took:.2f}s, entries withdrawn; SIGKILL -> gone after {gone:.2f}s (TTL {ttl:.0f}s)"

@@ -122,10 +122,10 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
         result = stack.client.app.AsyncResult(ids[label])
         assert wait_for(lambda r=result: r.state == "FAILURE", 10, what=f"{label}: stored as a failure"), label
         result.forget()
-    broker = stack.rt.coord.client
+    broker = stack.rt.redis.client
     wait_for(lambda: broker.llen(CONTROL_QUEUE) == 0, 10, what="control queue drained")
     assert control.alive(), control.tail()
-    assert stack.rt.ledger.commands(book=book.book_id) == [], "a rejected message wrote a command"
+    assert stack.rt.ports.commands.commands(book=book.book_id) == [], "a rejected message wrote a command"
     assert stack.query("SELECT count(*) FROM commands")[0][0] == 0
 
     # The same worker process keeps serving: a regenerate completes.

@@ -42,7 +42,7 @@ def test_cancel_while_the_only_stage_worker_is_down_then_start_it(make_stack, fi
         presence_ttl_seconds=60,
     )
     cluster = stack.cluster
-    broker = stack.rt.coord.client  # the private Redis: broker and coordination store are the same server
+    broker = stack.rt.redis.client  # the private Redis: broker and coordination store are the same server
     image = cluster.gpu("image", wait=False, args=["--without-mingle"])
     cluster.wait_ready(cluster.control(wait=False), image, cluster.beat(wait=False))
     book = make_book("cancel-worker-down", chapters=1, scenes=6)

@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 
 from animastor_tasks.domain.book import Book, parse_book
 from animastor_tasks.errors import InvalidBook, InvalidCommand
-from animastor_tasks.flow import commands
-from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.flow import cancel as cancel_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.worker.wiring import Wiring
 from tests.conftest import TABLES
 
 from .scale import current as current_scale
@@ -88,21 +89,21 @@ def first_refusal(doc: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def reset(rt: Runtime) -> None:
+def reset(rt: Wiring) -> None:
     """Clean stores between hypothesis examples (the `rt` fixture cleans only once per test)."""
     with rt.db.transaction() as conn:
         conn.execute(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE")
-    rt.coord.client.flushdb()
-    rt.coord.heartbeat("w@h", QUEUES, 60)
+    rt.redis.client.flushdb()
+    rt.presence.heartbeat("w@h", QUEUES, 60)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reading every key back, with our own parser.
 
 
-def scan_keys(rt: Runtime) -> dict[str, Any]:
+def scan_keys(rt: Wiring) -> dict[str, Any]:
     """{key: its content} for every key under our prefix (Celery's broker keys have no prefix)."""
-    client = rt.coord.client
+    client = rt.redis.client
     found: dict[str, Any] = {}
     for key in client.scan_iter(match=f"{rt.settings.key_prefix}:*", count=1000):
         kind = client.type(key)
@@ -119,7 +120,7 @@ def scan_keys(rt: Runtime) -> dict[str, Any]:
     return found
 
 
-def book_of(rt: Runtime, key: str) -> str | None:
+def book_of(rt: Wiring, key: str) -> str | None:
     """The decoded book a per-book key names (None for keys that are not per book)."""
     head, _, rest = key.partition(":")
     assert head == rt.settings.key_prefix, key
@@ -134,7 +135,7 @@ def book_of(rt: Runtime, key: str) -> str | None:
     return unquote(parts[0])
 
 
-def check_keys(rt: Runtime, books: dict[str, Book]) -> dict[str, Any]:
+def check_keys(rt: Wiring, books: dict[str, Book]) -> dict[str, Any]:
     """Every key belongs to a known book, and everything inside it to that same book."""
     keys = scan_keys(rt)
     stages = ("audio", "image")
@@ -172,7 +173,7 @@ def check_keys(rt: Runtime, books: dict[str, Book]) -> dict[str, Any]:
     return keys
 
 
-def _journaled(rt: Runtime, book: str, pair: tuple[str, str, str], dispatch_id: str) -> bool:
+def _journaled(rt: Wiring, book: str, pair: tuple[str, str, str], dispatch_id: str) -> bool:
     with rt.db.read() as conn:
         row = conn.execute(
             "SELECT 1 FROM events WHERE kind = 'dispatch' AND book_id = %s AND chapter_id = %s AND scene_id = %s"
@@ -182,7 +183,7 @@ def _journaled(rt: Runtime, book: str, pair: tuple[str, str, str], dispatch_id: 
     return row is not None
 
 
-def _asset(rt: Runtime, book: str, pair: tuple[str, str, str]) -> tuple[str, str] | None:
+def _asset(rt: Wiring, book: str, pair: tuple[str, str, str]) -> tuple[str, str] | None:
     with rt.db.read() as conn:
         row = conn.execute(
             "SELECT state, dispatch_id FROM asset_states WHERE book_id = %s AND chapter_id = %s AND scene_id = %s"
@@ -192,7 +193,7 @@ def _asset(rt: Runtime, book: str, pair: tuple[str, str, str]) -> tuple[str, str
     return None if row is None else (row[0], row[1])
 
 
-def pg_states(rt: Runtime, books: Iterable[str]) -> dict[str, list[tuple[Any, ...]]]:
+def pg_states(rt: Wiring, books: Iterable[str]) -> dict[str, list[tuple[Any, ...]]]:
     out = {}
     with rt.db.read() as conn:
         for book in books:
@@ -214,11 +215,11 @@ def pg_states(rt: Runtime, books: Iterable[str]) -> dict[str, list[tuple[Any, ..
     return out
 
 
-def cancel_touches_no_other_book(rt: Runtime, books: dict[str, Book], victim: str) -> None:
+def cancel_touches_no_other_book(rt: Wiring, books: dict[str, Book], victim: str) -> None:
     before = check_keys(rt, books)
     others = [b for b in books if b != victim]
     pg_before = pg_states(rt, others)
-    answer = commands.cancel(rt, victim, reason="hostile")
+    answer = cancel_flow.cancel(rt.ports, victim, reason="hostile")
     assert answer["book_id"] == victim
     after = check_keys(rt, books)
     for key in set(before) | set(after):
@@ -229,7 +230,7 @@ def cancel_touches_no_other_book(rt: Runtime, books: dict[str, Book], victim: st
     left = {key for key in after if book_of(rt, key) == victim}
     kinds = {key.split(":", 2)[1] for key in left}
     assert kinds <= {"cancel", "layers"}, f"{victim!r} still has {sorted(left)} after its cancel"
-    assert rt.coord.cancel_flag_set(victim) and victim not in rt.coord.active_books()
+    assert rt.ports.book_state.cancel_flag_set(victim) and victim not in rt.ports.book_state.active_books()
     with rt.db.read() as conn:
         busy = conn.execute(
             "SELECT count(*) FROM asset_states WHERE book_id = %s AND state IN ('pending', 'generating')", (victim,)
@@ -279,17 +280,17 @@ def test_hostile_ids_through_import_regenerate_and_cancel(rt, shapes, data) -> N
         accepted[book.book_id] = book
 
     for book in accepted.values():
-        result = commands.regenerate(rt, book.book_id, ["all"])
+        result = regenerate_flow.regenerate(rt.ports, book.book_id, ["all"])
         assert {c["stage"] for c in result["commands"]} == {"audio", "image"}
         # A refused scene id names its field; nothing is written for it.
         bad = data.draw(refused_id, label="refused scene id")
         with pytest.raises(InvalidCommand, match=r"^scenes\[0\]\[1\]: "):
-            commands.regenerate(rt, book.book_id, ["audio"], [[book.scenes[0].chapter_id, bad]])
+            regenerate_flow.regenerate(rt.ports, book.book_id, ["audio"], [[book.scenes[0].chapter_id, bad]])
         # A hostile id of a book that does not exist (a glob that would match this one) is unknown.
         for ghost in (book.book_id + "*", book.book_id[:-1] + "?", f"[{book.book_id}]"):
             if ghost not in accepted and id_refusal(ghost) is None:
                 with pytest.raises(InvalidCommand, match=r"^book_id: unknown book"):
-                    commands.regenerate(rt, ghost, ["audio"])
+                    regenerate_flow.regenerate(rt.ports, ghost, ["audio"])
     check_keys(rt, accepted)
     if accepted:
         victim = data.draw(st.sampled_from(sorted(accepted)), label="cancelled book")
@@ -310,15 +311,15 @@ def test_cancel_of_a_glob_book_touches_no_other_book(rt, figure) -> None:
         book = parse_book(book_doc(book_id, chapters))
         rt.catalog.import_book(book)
         books[book_id] = book
-        commands.regenerate(rt, book_id, ["all"])
+        regenerate_flow.regenerate(rt.ports, book_id, ["all"])
     keys = check_keys(rt, books)
     per_book = {b: sum(1 for k in keys if book_of(rt, k) == b) for b in books}
     assert all(n >= 3 for n in per_book.values()), per_book  # force set, active scenes, leases at least
-    client: redis.Redis = rt.coord.client
-    match = rt.coord.keys.book_pattern("lease", "a*")
+    client: redis.Redis = rt.redis.client
+    match = rt.redis.keys.book_pattern("lease", "a*")
     assert {unquote(k.split(":")[2]) for k in client.scan_iter(match=match)} == {"a*"}
     cancel_touches_no_other_book(rt, books, "a*")
-    commands.cancel(rt, "a*", reason="again")  # idempotent, still scoped
+    cancel_flow.cancel(rt.ports, "a*", reason="again")  # idempotent, still scoped
     cancel_touches_no_other_book(rt, books, "a")
     figure(
         f"trials {len(GLOB_FAMILY)} books {GLOB_FAMILY}: {sum(per_book.values())} per-book keys checked; cancel "

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from animastor_tasks.adapters.postgres.pool import Database, migrate
+from animastor_tasks.adapters.postgres.migrations import migrate
+from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.client import Client
 from animastor_tasks.dev.stores import LocalStores
 from animastor_tasks.errors import StoreUnavailable
@@ -128,7 +129,7 @@ def test_postgres_outage_during_a_run(private_postgres, make_stack, figure, scal
     first_dispatch = (min(after) - _wall(restarting_wall)).total_seconds()
 
     # The regenerate sent during the outage was either refused (nothing written) or carried out after it.
-    late_rows = stack.rt.ledger.commands(book=late.book_id)
+    late_rows = stack.rt.ports.commands.commands(book=late.book_id)
     if answer is None:
         assert late_rows == [], f"a refused regenerate wrote commands: {late_rows}"
         assert set(stack.states(late.book_id).values()) <= {"dirty"}

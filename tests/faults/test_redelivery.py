@@ -35,7 +35,7 @@ def test_job_longer_than_the_visibility_timeout_is_not_committed_twice(make_stac
     cluster.wait_ready(cluster.control(wait=False), first, cluster.beat(wait=False))
     book = make_book("redelivered", chapters=1, scenes=trials)
     stack.rt.catalog.import_book(book)
-    coord = stack.rt.coord
+    coord = stack.rt
     short = {
         "ANIMASTOR_VISIBILITY_TIMEOUT": str(VISIBILITY),
         "ANIMASTOR_JOB_SOFT_TIME_LIMIT": "1",
@@ -80,7 +80,7 @@ def test_job_longer_than_the_visibility_timeout_is_not_committed_twice(make_stac
         assert stack.asset_rows(book.book_id)[pair]["token"] == 1  # no re-dispatch: one token ever
 
     stack.check_artifacts(book.book_id, {p for p in stack.states(book.book_id) if p[2] == "image"})
-    metric = int(coord.client.hget(coord.keys.metrics(), "job:duplicate_delivery") or 0)
+    metric = int(coord.redis.client.hget(coord.redis.keys.metrics(), "job:duplicate_delivery") or 0)
     assert metric == trials, metric
     figure(
         f"trials {trials}: job of {LONG_JOB['steps'] * LONG_JOB['step_seconds']:.0f}s, visibility timeout "

@@ -14,7 +14,7 @@ import time
 import pytest
 import redis
 
-from animastor_tasks.flow import commands
+from animastor_tasks.flow import layers as layers_flow
 from tests.e2e.harness import audio_stage, image_stage, stage_table, wait_for
 from tests.integration.helpers import make_book
 
@@ -40,7 +40,7 @@ def test_redis_loss_with_jobs_queued_and_running(make_stack, redis_down_ok, figu
     for b in (book, stopped):
         stack.rt.catalog.import_book(b)
     stack.client.cancel(stopped.book_id, reason="tombstone to rebuild")
-    commands.set_layers(stack.rt, book.book_id, ["audio", "image"], [])
+    layers_flow.set_layers(stack.rt.ports, book.book_id, ["audio", "image"], [])
     assert stack.rt.catalog.layers(book.book_id) == LAYERS
     pairs = set(stack.states(book.book_id))
 
@@ -76,14 +76,14 @@ def test_redis_loss_with_jobs_queued_and_running(make_stack, redis_down_ok, figu
             redis_down_ok.restart()
         fault = time.monotonic()
         # The force set is written only by a regenerate (reconcile never rebuilds it): gone means wiped.
-        assert coord.client.exists(coord.keys.force_set(book.book_id)) == 0, "the fault did not wipe Redis"
+        assert coord.redis.client.exists(coord.redis.keys.force_set(book.book_id)) == 0, "the fault did not wipe Redis"
 
         # Rebuilt from Postgres: the tombstone's cancel flag, the layer mirror, the active index.
         def rebuilt() -> bool:
-            flag = coord.cancel_flag_set(stopped.book_id)
-            layers = coord.client.get(coord.keys.layers(book.book_id)) == LAYERS
+            flag = coord.ports.book_state.cancel_flag_set(stopped.book_id)
+            layers = coord.redis.client.get(coord.redis.keys.layers(book.book_id)) == LAYERS
             in_flight = any(s in ("pending", "generating") for s in stack.states(book.book_id).values())
-            active = book.book_id in coord.active_books() or not in_flight
+            active = book.book_id in coord.ports.book_state.active_books() or not in_flight
             return flag and layers and active
 
         wait_for(rebuilt, bound + 5, interval=0.05, what="Redis rebuilt from Postgres")
@@ -97,12 +97,12 @@ def test_redis_loss_with_jobs_queued_and_running(make_stack, redis_down_ok, figu
         )
 
     # Nothing lost: every command is in Postgres and completed; every pair ready with one artifact.
-    rows = stack.rt.ledger.commands(book=book.book_id)
+    rows = stack.rt.ports.commands.commands(book=book.book_id)
     assert len(rows) == 2 * trials and {r.status for r in rows} == {"completed"}, [(r.stage, r.status) for r in rows]
     assert set(stack.states(book.book_id).values()) == {"ready"}
     check_runs(stack, book.book_id, pairs, trials)  # each pair committed once per trial: none lost or doubled
     assert unauthorized_dispatches(stack) == []
-    assert coord.cancel_flag_set(stopped.book_id)
+    assert coord.ports.book_state.cancel_flag_set(stopped.book_id)
     expired = len(stack.events("lease.expired", book.book_id))
     dispatches = len(stack.events("dispatch", book.book_id))
     figure(

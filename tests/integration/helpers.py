@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import redis
 
+from animastor_tasks.adapters.artifacts import LocalArtifactStore
+from animastor_tasks.config import Settings
 from animastor_tasks.domain.book import Book, parse_book
-from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.generators import EntryPointGenerators
+from animastor_tasks.worker.wiring import Wiring
 
 
 def make_book(book_id: str = "b1", chapters: int = 2, scenes: int = 3, text: str = "Once upon a time") -> Book:
@@ -30,12 +34,12 @@ def make_book(book_id: str = "b1", chapters: int = 2, scenes: int = 3, text: str
     )
 
 
-def advertise(rt: Runtime, *queues: str, host: str = "test-worker@local", ttl: float = 60.0) -> None:
+def advertise(rt: Wiring, *queues: str, host: str = "test-worker@local", ttl: float = 60.0) -> None:
     """Announce a consumer the way a worker's heartbeat does (for tests without GPU workers)."""
-    rt.coord.heartbeat(host, queues, ttl)
+    rt.presence.heartbeat(host, queues, ttl)
 
 
-def queued_messages(rt: Runtime, queue: str) -> int:
+def queued_messages(rt: Wiring, queue: str) -> int:
     """Messages waiting in a queue of the real Redis broker."""
     client = redis.Redis.from_url(rt.settings.broker_url)
     try:
@@ -44,8 +48,8 @@ def queued_messages(rt: Runtime, queue: str) -> int:
         client.close()
 
 
-def states(rt: Runtime, book: str) -> dict[tuple[str, str, str], str]:
-    return {(c, s, st): state for c, s, st, state, _ in rt.ledger.scene_states(book)}
+def states(rt: Wiring, book: str) -> dict[tuple[str, str, str], str]:
+    return {(c, s, st): state for c, s, st, state, _ in rt.ports.assets.scene_states(book)}
 
 
 def fake_artifact(sha: str) -> dict[str, Any]:
@@ -58,3 +62,14 @@ def fake_artifact(sha: str) -> dict[str, Any]:
         "duration_ms": 1,
         "path": "-",
     }
+
+
+def use_settings(rt: Wiring, settings: Settings) -> None:
+    """Point the flows at changed settings; the adapters built from settings follow."""
+    rt.catalog.registry = settings.registry
+    rt.ports = replace(
+        rt.ports,
+        settings=settings,
+        artifacts=LocalArtifactStore(settings.artifact_root),
+        generators=EntryPointGenerators(settings),
+    )

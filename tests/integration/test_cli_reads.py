@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from animastor_tasks.flow import commands
+from animastor_tasks.flow import regenerate as regenerate_flow
 
 from .helpers import advertise, make_book
 
@@ -25,7 +25,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_read_commands_speak_json(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
     advertise(rt, "gpu.audio", host="audio@box")
-    commands.regenerate(rt, "b", ["all"])  # audio runs, image is BLOCKED (no consumer)
+    regenerate_flow.regenerate(rt.ports, "b", ["all"])  # audio runs, image is BLOCKED (no consumer)
 
     status = json.loads(cli("status", "b", "--json").stdout)
     assert {c["stage"]: c["status"] for c in status["commands"]} == {"audio": "active", "image": "blocked"}

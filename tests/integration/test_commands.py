@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 
 import pytest
 
 from animastor_tasks.errors import InvalidCommand
-from animastor_tasks.flow import commands, gate
+from animastor_tasks.flow import cancel as cancel_flow
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import layers as layers_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow import status as status_flow
 
 from .helpers import advertise, make_book, queued_messages, states
 
@@ -21,7 +26,7 @@ def book(rt):  # type: ignore[no-untyped-def]
 
 
 def test_regenerate_creates_commands_and_dispatches_through_the_gate(rt, book) -> None:
-    result = commands.regenerate(rt, book, ["all"])
+    result = regenerate_flow.regenerate(rt.ports, book, ["all"])
     assert [c["stage"] for c in result["commands"]] == ["audio", "image"]
     assert all(c["status"] == "active" and len(c["targets"]) == 6 for c in result["commands"])
     found = states(rt, book)
@@ -34,21 +39,21 @@ def test_regenerate_creates_commands_and_dispatches_through_the_gate(rt, book) -
 
 
 def test_force_set_holds_exactly_the_named_pairs(rt, book) -> None:
-    commands.regenerate(rt, book, ["audio"], [["ch1", "s2"]])
-    members = rt.coord.client.smembers(rt.coord.keys.force_set(book))
+    regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s2"]])
+    members = rt.redis.client.smembers(rt.redis.keys.force_set(book))
     assert members == {"ch1:s2:audio"}
-    assert 0 < rt.coord.client.ttl(rt.coord.keys.force_set(book)) <= 120
+    assert 0 < rt.redis.client.ttl(rt.redis.keys.force_set(book)) <= 120
     found = states(rt, book)
     assert [p for p, s in found.items() if s != "dirty"] == [("ch1", "s2", "audio")]
 
 
 def test_resending_a_command_id_is_a_no_op(rt, book) -> None:
     cid = str(uuid.uuid4())
-    first = commands.regenerate(rt, book, ["audio"], [["ch1", "s1"]], command_id=cid)
-    again = commands.regenerate(rt, book, ["audio"], [["ch1", "s1"]], command_id=cid)
+    first = regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]], command_id=cid)
+    again = regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]], command_id=cid)
     assert first["commands"][0]["command_id"] == cid == again["commands"][0]["command_id"]
     assert again.get("replayed") is True
-    assert len(rt.ledger.commands(book=book)) == 1
+    assert len(rt.ports.commands.commands(book=book)) == 1
     assert queued_messages(rt, "gpu.audio") == 1
 
 
@@ -69,52 +74,52 @@ def test_resending_a_command_id_is_a_no_op(rt, book) -> None:
 )
 def test_bad_calls_are_refused_and_write_nothing(rt, book, kwargs, needle) -> None:
     with pytest.raises(InvalidCommand) as info:
-        commands.regenerate(rt, **kwargs)
+        regenerate_flow.regenerate(rt.ports, **kwargs)
     assert needle in str(info.value)
-    assert rt.ledger.commands(book=book) == []
+    assert rt.ports.commands.commands(book=book) == []
     assert set(states(rt, book).values()) == {"dirty"}
     assert queued_messages(rt, "gpu.audio") == 0
 
 
 def test_disabled_layer_is_skipped_and_reported(rt, book) -> None:
-    commands.set_layers(rt, book, [], ["image"])
-    result = commands.regenerate(rt, book, ["all"])
+    layers_flow.set_layers(rt.ports, book, [], ["image"])
+    result = regenerate_flow.regenerate(rt.ports, book, ["all"])
     assert [c["stage"] for c in result["commands"]] == ["audio"]
     assert result["skipped"] == [{"stage": "image", "reason": "layer_disabled"}]
-    assert json.loads(rt.coord.client.get(rt.coord.keys.layers(book))) == {
+    assert json.loads(rt.redis.client.get(rt.redis.keys.layers(book))) == {
         "audio_enabled": True,
         "image_enabled": False,
     }
 
 
 def test_disabling_a_layer_releases_its_pending_pairs(rt, book) -> None:
-    rt.coord.heartbeat("test-worker@local", (), 1, gone=["gpu.image"])  # no image consumer...
+    rt.presence.heartbeat("test-worker@local", (), 1, gone=["gpu.image"])  # no image consumer...
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, book, ["audio"])
+    regenerate_flow.regenerate(rt.ports, book, ["audio"])
     assert "pending" in states(rt, book).values()
-    commands.set_layers(rt, book, [], ["audio"])
+    layers_flow.set_layers(rt.ports, book, [], ["audio"])
     found = states(rt, book)
     assert "pending" not in found.values()  # never pending without authority
 
 
 def test_cancel_is_final_until_a_new_regenerate(rt, book) -> None:
-    commands.regenerate(rt, book, ["all"])
-    out = commands.cancel(rt, book, "reader pressed stop")
+    regenerate_flow.regenerate(rt.ports, book, ["all"])
+    out = cancel_flow.cancel(rt.ports, book, "reader pressed stop")
     assert out["released"] == 12 and len(out["cancelled_commands"]) == 2
     found = states(rt, book)
     assert set(found.values()) == {"dirty"}
-    assert rt.coord.client.exists(rt.coord.keys.cancel_flag(book)) == 1
-    assert rt.ledger.is_tombstoned(book)
-    assert rt.coord.client.exists(rt.coord.keys.force_set(book), rt.coord.keys.active_scenes(book)) == 0
-    assert book not in rt.coord.active_books()
-    assert {c.status for c in rt.ledger.commands(book=book)} == {"cancelled"}
+    assert rt.redis.client.exists(rt.redis.keys.cancel_flag(book)) == 1
+    assert rt.ports.commands.is_tombstoned(book)
+    assert rt.redis.client.exists(rt.redis.keys.force_set(book), rt.redis.keys.active_scenes(book)) == 0
+    assert book not in rt.ports.book_state.active_books()
+    assert {c.status for c in rt.ports.commands.commands(book=book)} == {"cancelled"}
     # No pair is authorized afterwards, whatever a gate pass sees.
-    report = gate.gate_pass(rt, book)
+    report = gate.gate_pass(rt.ports, book)
     assert report.authorized == [] and report.dispatched == []
-    assert commands.cancel(rt, book)["released"] == 0  # idempotent
+    assert cancel_flow.cancel(rt.ports, book)["released"] == 0  # idempotent
     # A new regenerate lifts the cancel.
-    commands.regenerate(rt, book, ["audio"], [["ch1", "s1"]])
-    assert not rt.ledger.is_tombstoned(book) and not rt.coord.cancel_flag_set(book)
+    regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]])
+    assert not rt.ports.commands.is_tombstoned(book) and not rt.ports.book_state.cancel_flag_set(book)
     assert states(rt, book)[("ch1", "s1", "audio")] == "generating"
 
 
@@ -123,19 +128,19 @@ def test_cancel_of_one_book_never_touches_another(rt) -> None:
         rt.catalog.import_book(make_book(b))
     advertise(rt, "gpu.audio", "gpu.image")
     for b in ("a*", "abc", "a"):
-        commands.regenerate(rt, b, ["audio"])
-    commands.cancel(rt, "a*")
+        regenerate_flow.regenerate(rt.ports, b, ["audio"])
+    cancel_flow.cancel(rt.ports, "a*")
     assert set(states(rt, "a*").values()) == {"dirty"}
     for other in ("abc", "a"):
         audio = {st for (_, _, stage), st in states(rt, other).items() if stage == "audio"}
         assert audio <= {"pending", "generating"} and audio  # still in flight (lane: 4 + 4 of 8 taken)
-        assert not rt.coord.cancel_flag_set(other)
-        assert other in rt.coord.active_books()
+        assert not rt.ports.book_state.cancel_flag_set(other)
+        assert other in rt.ports.book_state.active_books()
 
 
 def test_status_json_shape(rt, book) -> None:
-    commands.regenerate(rt, book, ["audio"])
-    data = commands.status(rt, book)
+    regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    data = status_flow.status(rt.ports, book)
     assert set(data) == {"book_id", "cancelled", "commands", "scenes"}
     command = data["commands"][0]
     assert set(command["progress"]) == {"total", "dirty", "pending", "generating", "ready", "failed"}
@@ -146,18 +151,16 @@ def test_status_json_shape(rt, book) -> None:
 
 def test_gate_with_postgres_unreachable_authorizes_nothing_and_recovers(rt, book) -> None:
     """A registry that cannot be read proves no command: the pass fails closed, the process survives."""
-    from animastor_tasks.adapters.ledger import Ledger
+    from animastor_tasks.adapters.postgres.assets import AssetStore
     from animastor_tasks.adapters.postgres.pool import Database
 
-    commands.regenerate(rt, book, ["audio"], [["ch1", "s1"]])
-    rt.coord.activate(book, [("ch2", "s1")])
-    good = rt.ledger
-    rt.ledger = Ledger(Database("postgresql://postgres@127.0.0.1:1/none", timeout=1))
+    regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]])
+    rt.ports.book_state.activate(book, [("ch2", "s1")])
+    unreachable = Database("postgresql://postgres@127.0.0.1:1/none", timeout=1)
     try:
-        report = gate.gate_pass(rt, book)
+        report = gate.gate_pass(replace(rt.ports, assets=AssetStore(unreachable)), book)
         assert report.error and "postgres unavailable" in report.error
         assert report.authorized == [] and report.dispatched == []
     finally:
-        rt.ledger.db.close()
-        rt.ledger = good
-    assert gate.gate_pass(rt, book).error is None
+        unreachable.close()
+    assert gate.gate_pass(rt.ports, book).error is None

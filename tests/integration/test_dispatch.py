@@ -8,12 +8,16 @@ from dataclasses import replace
 
 import pytest
 
-from animastor_tasks.domain.outcomes import Outcome
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.flow import commands, gate, maintenance
-from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.domain.vocabulary import Outcome
+from animastor_tasks.flow import cancel as cancel_flow
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import layers as layers_flow
+from animastor_tasks.flow import reconcile as reconcile_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, fake_artifact, make_book, queued_messages, states
+from .helpers import advertise, fake_artifact, make_book, queued_messages, states, use_settings
 
 WRITE_COMMANDS = {
     "SET",
@@ -39,10 +43,10 @@ WRITE_COMMANDS = {
 class CommandLog:
     """Counts the Redis commands this process sends (pipelines included)."""
 
-    def __init__(self, rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, rt: Wiring, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: Counter[str] = Counter()
         self.round_trips = 0
-        client = rt.coord.client
+        client = rt.redis.client
         original = client.execute_command
         original_pipeline = client.pipeline
 
@@ -71,7 +75,7 @@ class CommandLog:
         return sum(n for name, n in self.calls.items() if name in WRITE_COMMANDS)
 
 
-def pg_snapshot(rt: Runtime) -> tuple[int, list[tuple]]:
+def pg_snapshot(rt: Wiring) -> tuple[int, list[tuple]]:
     with rt.db.transaction() as conn:
         events = conn.execute("SELECT count(*) FROM events").fetchone()[0]
         rows = conn.execute(
@@ -85,17 +89,17 @@ def test_deferred_pairs_cost_one_read_and_no_write(rt, monkeypatch) -> None:
     """1,000 deferred pairs over 10 passes: 0 writes, <= 1 Redis read per pair per pass."""
     rt.catalog.import_book(make_book("big", chapters=10, scenes=50))
     advertise(rt, "gpu.audio", "gpu.image")
-    commands.regenerate(rt, "big", ["all"])
+    regenerate_flow.regenerate(rt.ports, "big", ["all"])
     # Everything beyond the first dispatches is now deferred (quota/window/lane: capacity bucket).
     with rt.db.transaction() as conn:
         conn.execute("UPDATE asset_states SET state = 'pending' WHERE book_id = 'big' AND state = 'generating'")
     pending = [(c, s, st) for (c, s, st), state in states(rt, "big").items() if state == "pending"]
-    rt.coord.defer("big", "capacity", pending, 60, time.time())
+    rt.deferrals.defer("big", "capacity", pending, 60, time.time())
     assert len(pending) == 1000
     before = pg_snapshot(rt)
     log = CommandLog(rt, monkeypatch)
     for _ in range(10):
-        report = gate.gate_pass(rt, "big")
+        report = gate.gate_pass(rt.ports, "big")
         assert report.outcomes == Counter({Outcome.DEFERRED: 1000})
     assert log.writes() == 0, log.calls
     assert log.round_trips <= 10 * 1000  # far below: one pipeline per pass
@@ -106,11 +110,11 @@ def test_deferred_pairs_cost_one_read_and_no_write(rt, monkeypatch) -> None:
 def test_capacity_outcomes_defer_sixty_seconds_and_completion_frees_them(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     found = states(rt, "b")
     assert sum(1 for v in found.values() if v == "generating") == 4  # book quota
-    key = rt.coord.keys.deferrals("b", "capacity")
-    deferred = rt.coord.client.zrange(key, 0, -1, withscores=True)
+    key = rt.redis.keys.deferrals("b", "capacity")
+    deferred = rt.redis.client.zrange(key, 0, -1, withscores=True)
     assert {m for m, _ in deferred} == {"ch1:s5:audio", "ch1:s6:audio"}
     assert all(55 < score - time.time() <= 60 for _, score in deferred)
 
@@ -118,42 +122,42 @@ def test_capacity_outcomes_defer_sixty_seconds_and_completion_frees_them(rt) -> 
 def test_already_completed_is_idempotent_without_force(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"], [["ch1", "s1"]])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s1"]])
     with rt.db.transaction() as conn:
         token, dispatch_id = conn.execute(
             "SELECT fencing_token, dispatch_id FROM asset_states WHERE book_id = 'b' AND chapter_id = 'ch1'"
             " AND scene_id = 's1' AND stage = 'audio'"
         ).fetchone()
     artifact = fake_artifact("a")
-    assert rt.ledger.commit_job("b", ("ch1", "s1", "audio"), token, dispatch_id, artifact, "gpu.audio")
+    assert rt.ports.jobs.commit_job("b", ("ch1", "s1", "audio"), token, dispatch_id, artifact, "gpu.audio")
     published = queued_messages(rt, "gpu.audio")
-    report = commands.regenerate(rt, "b", ["audio"], [["ch1", "s1"]], force=False)
+    report = regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s1"]], force=False)
     assert report["commands"][0]["status"] in {"completed", "active"}
     assert states(rt, "b")[("ch1", "s1", "audio")] == "ready"
     assert queued_messages(rt, "gpu.audio") == published  # nothing new published
-    idem = rt.coord.client.zscore(rt.coord.keys.deferrals("b", "idempotent"), "ch1:s1:audio")
+    idem = rt.redis.client.zscore(rt.redis.keys.deferrals("b", "idempotent"), "ch1:s1:audio")
     assert idem is not None and 890 < idem - time.time() <= 900
     # With force (the default) the same pair is generated again.
-    commands.regenerate(rt, "b", ["audio"], [["ch1", "s1"]])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s1"]])
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
 
 
 def test_no_consumer_blocks_the_command_and_publishes_nothing(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
     advertise(rt, "gpu.audio")  # no image consumer
-    result = commands.regenerate(rt, "b", ["all"])
+    result = regenerate_flow.regenerate(rt.ports, "b", ["all"])
     assert len(result["commands"]) == 2
-    by_stage = {c.stage: c for c in rt.ledger.commands(book="b")}
+    by_stage = {c.stage: c for c in rt.ports.commands.commands(book="b")}
     assert by_stage["image"].status == "blocked" and by_stage["image"].reason == "no_worker:image"
     assert by_stage["audio"].status == "active"
     assert queued_messages(rt, "gpu.image") == 0 and queued_messages(rt, "gpu.audio") == 3
     assert {st for (_, _, stage), st in states(rt, "b").items() if stage == "image"} == {"dirty"}
     # No retry: later passes leave the blocked command alone.
-    gate.gate_pass(rt, "b")
+    gate.gate_pass(rt.ports, "b")
     assert queued_messages(rt, "gpu.image") == 0
     # A worker appears and a new command runs.
     advertise(rt, "gpu.image", host="image@local")
-    commands.regenerate(rt, "b", ["image"])
+    regenerate_flow.regenerate(rt.ports, "b", ["image"])
     assert queued_messages(rt, "gpu.image") == 3
 
 
@@ -161,15 +165,15 @@ def test_expired_presence_counts_as_no_consumer(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio", ttl=0.2)
     time.sleep(0.3)
-    commands.regenerate(rt, "b", ["audio"])
-    assert rt.ledger.commands(book="b")[0].status == "blocked"
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert rt.ports.commands.commands(book="b")[0].status == "blocked"
 
 
 def test_circuit_breaker_opens_gives_one_permit_and_closes(rt, monkeypatch) -> None:
-    rt.settings = replace(rt.settings, breaker_threshold=2, breaker_cooldown_seconds=0.5)
+    use_settings(rt, replace(rt.settings, breaker_threshold=2, breaker_cooldown_seconds=0.5))
     rt.catalog.import_book(make_book("b", chapters=1, scenes=4))
     advertise(rt, "gpu.audio")
-    publisher = rt.publisher
+    publisher = rt.ports.publisher
     calls: list[str] = []
 
     def failing(task_name, queue, dispatch_id, kwargs):  # type: ignore[no-untyped-def]
@@ -177,19 +181,19 @@ def test_circuit_breaker_opens_gives_one_permit_and_closes(rt, monkeypatch) -> N
         raise ConnectionError("broker refused")
 
     monkeypatch.setattr(publisher, "publish_job", failing)
-    commands.regenerate(rt, "b", ["audio"])
-    assert rt.coord.breaker_state("gpu.audio") == "open"
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert rt.breaker.breaker_state("gpu.audio") == "open"
     assert set(states(rt, "b").values()) >= {"pending"} and "generating" not in states(rt, "b").values()
     failed_attempts = len(calls)
-    report = gate.gate_pass(rt, "b")
+    report = gate.gate_pass(rt.ports, "b")
     assert report.outcomes[Outcome.BREAKER_OPEN] == 4 and len(calls) == failed_attempts  # refused while open
     time.sleep(0.6)
     monkeypatch.undo()
     advertise(rt, "gpu.audio")
-    report = gate.gate_pass(rt, "b")
+    report = gate.gate_pass(rt.ports, "b")
     assert report.outcomes[Outcome.DISPATCHED] == 1  # exactly one test permit when half-open
-    assert rt.coord.breaker_state("gpu.audio") == "closed"
-    report = gate.gate_pass(rt, "b")
+    assert rt.breaker.breaker_state("gpu.audio") == "closed"
+    report = gate.gate_pass(rt.ports, "b")
     assert report.outcomes[Outcome.DISPATCHED] == 3
 
 
@@ -197,23 +201,26 @@ def test_two_books_share_a_lane_without_waiting_for_each_other(rt) -> None:
     for b in ("first", "second"):
         rt.catalog.import_book(make_book(b, chapters=2, scenes=10))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "first", ["audio"])
-    commands.regenerate(rt, "second", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "first", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "second", ["audio"])
     running = Counter(b for b in ("first", "second") for v in states(rt, b).values() if v == "generating")
     assert running == {"first": 4, "second": 4}  # lane 8, quota 4 each: neither book starves
 
 
 def test_lane_limit_holds_under_concurrent_passes(rt) -> None:
     spec = rt.settings.registry.get("audio")
-    rt.settings = replace(
-        rt.settings,
-        registry=replace(rt.settings.registry, stages=(replace(spec, lane_limit=3, book_quota=3, window=10),)),
+    use_settings(
+        rt,
+        replace(
+            rt.settings,
+            registry=replace(rt.settings.registry, stages=(replace(spec, lane_limit=3, book_quota=3, window=10),)),
+        ),
     )
     for b in ("x", "y", "z"):
         rt.catalog.import_book(make_book(b, chapters=1, scenes=5))
     advertise(rt, "gpu.audio")
     for b in ("x", "y", "z"):
-        commands.regenerate(rt, b, ["audio"])
+        regenerate_flow.regenerate(rt.ports, b, ["audio"])
     total = sum(1 for b in ("x", "y", "z") for v in states(rt, b).values() if v == "generating")
     assert total == 3
 
@@ -222,53 +229,53 @@ def test_cancel_sweeps_only_its_own_book(rt) -> None:
     for b in ("mine", "theirs"):
         rt.catalog.import_book(make_book(b, chapters=1, scenes=2))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "mine", ["audio"])
-    commands.regenerate(rt, "theirs", ["audio"])
-    leases_before = {b: rt.coord.lease_holders([(b, "ch1", "s1", "audio")])[0] for b in ("mine", "theirs")}
-    out = commands.cancel(rt, "mine")
+    regenerate_flow.regenerate(rt.ports, "mine", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "theirs", ["audio"])
+    leases_before = {b: rt.ports.leases.lease_holders([(b, "ch1", "s1", "audio")])[0] for b in ("mine", "theirs")}
+    out = cancel_flow.cancel(rt.ports, "mine")
     assert out["revoked"] == 2
-    assert rt.coord.lease_holders([("mine", "ch1", "s1", "audio")]) == [None]
-    assert rt.coord.lease_holders([("theirs", "ch1", "s1", "audio")]) == [leases_before["theirs"]]
+    assert rt.ports.leases.lease_holders([("mine", "ch1", "s1", "audio")]) == [None]
+    assert rt.ports.leases.lease_holders([("theirs", "ch1", "s1", "audio")]) == [leases_before["theirs"]]
     assert set(states(rt, "theirs").values()) == {"generating", "dirty"}
 
 
 def test_reconcile_returns_a_dead_lease_to_pending_once_and_fences_the_stale_job(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     with rt.db.transaction() as conn:
         token, dispatch_id = conn.execute(
             "SELECT fencing_token, dispatch_id FROM asset_states WHERE book_id = 'b' AND stage = 'audio'"
         ).fetchone()
-    rt.coord.client.delete("gpu.audio")  # a worker took the job and died with it
-    rt.coord.drop_leases([("b", "ch1", "s1", "audio")])
-    report = maintenance.reconcile(rt, force=True)
+    rt.redis.client.delete("gpu.audio")  # a worker took the job and died with it
+    rt.ports.leases.drop_leases([("b", "ch1", "s1", "audio")])
+    report = reconcile_flow.reconcile(rt.ports, force=True)
     assert report["expired"] == 1
-    assert maintenance.reconcile(rt, force=True)["expired"] == 0  # once
+    assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 0  # once
     assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
-    gate.gate_pass(rt, "b")  # re-dispatched with a new token
+    gate.gate_pass(rt.ports, "b")  # re-dispatched with a new token
     artifact = fake_artifact("b")
-    assert not rt.ledger.commit_job("b", ("ch1", "s1", "audio"), token, dispatch_id, artifact, "gpu.audio")
+    assert not rt.ports.jobs.commit_job("b", ("ch1", "s1", "audio"), token, dispatch_id, artifact, "gpu.audio")
 
 
 def test_reconcile_rebuilds_redis_after_flushall_without_unauthorized_work(rt) -> None:
     for b in ("live", "stopped", "idle"):
         rt.catalog.import_book(make_book(b, chapters=1, scenes=2))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "live", ["audio"])
-    commands.regenerate(rt, "stopped", ["audio"])
-    commands.cancel(rt, "stopped")
-    commands.set_layers(rt, "live", [], ["image"])
-    rt.coord.client.flushall()
+    regenerate_flow.regenerate(rt.ports, "live", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "stopped", ["audio"])
+    cancel_flow.cancel(rt.ports, "stopped")
+    layers_flow.set_layers(rt.ports, "live", [], ["image"])
+    rt.redis.client.flushall()
     advertise(rt, "gpu.audio")
-    maintenance.reconcile(rt, force=True)
-    assert rt.coord.active_books() == {"live"}
-    assert rt.coord.cancel_flag_set("stopped") and not rt.coord.cancel_flag_set("live")
-    assert rt.coord.client.get(rt.coord.keys.layers("live")) is not None
+    reconcile_flow.reconcile(rt.ports, force=True)
+    assert rt.ports.book_state.active_books() == {"live"}
+    assert rt.ports.book_state.cancel_flag_set("stopped") and not rt.ports.book_state.cancel_flag_set("live")
+    assert rt.redis.client.get(rt.redis.keys.layers("live")) is not None
     # The leases died with Redis: the pairs are pending again (still authorized), then dispatched anew.
     assert set(v for (_, _, st), v in states(rt, "live").items() if st == "audio") == {"pending"}
-    for book in sorted(rt.coord.active_books()):
-        gate.gate_pass(rt, book)
+    for book in sorted(rt.ports.book_state.active_books()):
+        gate.gate_pass(rt.ports, book)
     assert set(v for (_, _, st), v in states(rt, "live").items() if st == "audio") == {"generating"}
     assert set(states(rt, "stopped").values()) == {"dirty"} and set(states(rt, "idle").values()) == {"dirty"}
 
@@ -282,8 +289,8 @@ def test_presence_registry_down_dispatches_nothing(rt) -> None:
 
         raise StoreUnavailable("redis", "redis://127.0.0.1:1/0", "connection refused")
 
-    rt.consumers.counts = unreadable  # type: ignore[method-assign]
-    commands.regenerate(rt, "b", ["audio"])
+    rt.presence.counts = unreadable  # type: ignore[method-assign]
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
     assert queued_messages(rt, "gpu.audio") == 0
 
@@ -291,34 +298,34 @@ def test_presence_registry_down_dispatches_nothing(rt) -> None:
 def test_a_third_stage_runs_through_the_same_path(rt) -> None:
     from celery import Celery
 
+    from animastor_tasks.adapters.celery_publisher import CeleryPublisher
     from animastor_tasks.worker.celery_config import build_config
-    from animastor_tasks.worker.tasks import CeleryPublisher
 
     video = StageSpec(name="video", queue="gpu.video", input_field="prompt", media_type="video/mp4")
-    rt.settings = replace(rt.settings, registry=replace(rt.settings.registry, stages=(*rt.settings.stages, video)))
-    rt.catalog.registry = rt.settings.registry
+    settings = replace(rt.settings, registry=replace(rt.settings.registry, stages=(*rt.settings.stages, video)))
+    rt.catalog.registry = settings.registry
     app = Celery("video-test")
-    app.conf.update(build_config(rt.settings))
-    rt.publisher = CeleryPublisher(app)
+    app.conf.update(build_config(settings))
+    ports = replace(rt.ports, settings=settings, publisher=CeleryPublisher(app, rt.counters))
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     advertise(rt, "gpu.video")
-    commands.regenerate(rt, "b", ["video"])
+    regenerate_flow.regenerate(ports, "b", ["video"])
     assert queued_messages(rt, "gpu.video") == 2
 
 
 def test_a_pending_pair_still_leased_is_already_generating_unless_forced(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"], force=False)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)
     # Both pairs were dispatched; put them back to pending while their leases live on (a stale dispatch).
     with rt.db.transaction() as conn:
         conn.execute("UPDATE asset_states SET state = 'pending' WHERE book_id = 'b' AND stage = 'audio'")
-    report = gate.gate_pass(rt, "b")
+    report = gate.gate_pass(rt.ports, "b")
     assert report.outcomes[Outcome.ALREADY_GENERATING] == 2 and report.dispatched == []
-    idem = rt.coord.client.zrange(rt.coord.keys.deferrals("b", "idempotent"), 0, -1)
+    idem = rt.redis.client.zrange(rt.redis.keys.deferrals("b", "idempotent"), 0, -1)
     assert sorted(idem) == ["ch1:s1:audio", "ch1:s2:audio"]
     # A forced pair pre-clears exactly its own stale lease and is dispatched again.
-    commands.regenerate(rt, "b", ["audio"], [["ch1", "s1"]])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s1"]])
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
     assert states(rt, "b")[("ch1", "s2", "audio")] == "pending"
 
@@ -326,29 +333,29 @@ def test_a_pending_pair_still_leased_is_already_generating_unless_forced(rt) -> 
 def test_a_lease_taken_by_a_concurrent_claim_is_skipped_without_a_write(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"], force=False)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)
     with rt.db.transaction() as conn:
         conn.execute("UPDATE asset_states SET state = 'pending' WHERE book_id = 'b' AND stage = 'audio'")
-    rt.coord.client.set(rt.coord.keys.lease("b", "ch1", "s1", "audio"), "someone-else")
-    report = gate.gate_pass(rt, "b")
+    rt.redis.client.set(rt.redis.keys.lease("b", "ch1", "s1", "audio"), "someone-else")
+    report = gate.gate_pass(rt.ports, "b")
     assert report.outcomes[Outcome.ALREADY_GENERATING] == 0 and report.dispatched == []
-    assert rt.coord.client.zcard(rt.coord.keys.deferrals("b", "idempotent")) == 0
+    assert rt.redis.client.zcard(rt.redis.keys.deferrals("b", "idempotent")) == 0
 
 
 def test_a_job_still_queued_keeps_its_pair_past_the_lease(rt) -> None:
     """Waiting in the broker queue is live evidence: reconcile restores the lease, it does not re-dispatch."""
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     assert queued_messages(rt, "gpu.audio") == 1
-    rt.coord.drop_leases([("b", "ch1", "s1", "audio")])
-    assert maintenance.reconcile(rt, force=True)["expired"] == 0
+    rt.ports.leases.drop_leases([("b", "ch1", "s1", "audio")])
+    assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 0
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
-    assert rt.coord.lease_holders([("b", "ch1", "s1", "audio")]) != [None]
+    assert rt.ports.leases.lease_holders([("b", "ch1", "s1", "audio")]) != [None]
     # Once the message is gone (lost with a broker flush), the pair goes back to pending.
-    rt.coord.client.delete("gpu.audio")
-    rt.coord.drop_leases([("b", "ch1", "s1", "audio")])
-    assert maintenance.reconcile(rt, force=True)["expired"] == 1
+    rt.redis.client.delete("gpu.audio")
+    rt.ports.leases.drop_leases([("b", "ch1", "s1", "audio")])
+    assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 1
     assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
 
 
@@ -357,7 +364,7 @@ def test_reconcile_blocks_jobs_queued_on_a_queue_that_lost_every_consumer(rt) ->
 
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     advertise(rt, "gpu.image", ttl=0.3)
-    commands.regenerate(rt, "b", ["image"])
+    regenerate_flow.regenerate(rt.ports, "b", ["image"])
     assert queued_messages(rt, "gpu.image") == 2
     with rt.db.transaction() as conn:
         jobs = conn.execute(
@@ -365,11 +372,11 @@ def test_reconcile_blocks_jobs_queued_on_a_queue_that_lost_every_consumer(rt) ->
             " WHERE state = 'generating'"
         ).fetchall()
     time.sleep(0.4)  # the only consumer's heartbeat expires
-    report = maintenance.reconcile(rt, force=True)
+    report = reconcile_flow.reconcile(rt.ports, force=True)
     assert report["blocked"] == 1
-    [command] = rt.ledger.commands(book="b")
+    [command] = rt.ports.commands.commands(book="b")
     assert (command.status, command.reason) == ("blocked", "no_worker:image")
     assert set(states(rt, "b").values()) == {"dirty"}
     # The messages still in the queue are harmless: a worker that picks one up later refuses it.
     for c, s, st, d, t in jobs:
-        assert run_job(rt, Job("b", c, s, st, d, t), worker="late")["outcome"] == "fence_rejected"
+        assert run_job(rt.ports, Job("b", c, s, st, d, t), worker="late")["outcome"] == "fence_rejected"

@@ -10,25 +10,29 @@ from dataclasses import replace
 from pathlib import Path
 
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.flow import commands
+from animastor_tasks.flow import cancel as cancel_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import Job, run_job
-from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, states
+from .helpers import advertise, make_book, states, use_settings
 from .test_http_generator import start_server  # noqa: F401  (fixture: the real reference server)
 
 
-def with_stage(rt: Runtime, spec: StageSpec, tmp_path: Path, **settings: object) -> None:
+def with_stage(rt: Wiring, spec: StageSpec, tmp_path: Path, **settings: object) -> None:
     stages = tuple(spec if s.name == spec.name else s for s in rt.settings.stages)
-    rt.settings = replace(
-        rt.settings,
-        registry=replace(rt.settings.registry, stages=stages),
-        artifact_root=tmp_path / "artifacts",
-        **settings,  # type: ignore[arg-type]
+    use_settings(
+        rt,
+        replace(
+            rt.settings,
+            registry=replace(rt.settings.registry, stages=stages),
+            artifact_root=tmp_path / "artifacts",
+            **settings,  # type: ignore[arg-type]
+        ),
     )
 
 
-def dispatched_jobs(rt: Runtime, book: str) -> list[Job]:
+def dispatched_jobs(rt: Wiring, book: str) -> list[Job]:
     with rt.db.transaction() as conn:
         rows = conn.execute(
             "SELECT chapter_id, scene_id, stage, dispatch_id, fencing_token FROM asset_states"
@@ -38,7 +42,7 @@ def dispatched_jobs(rt: Runtime, book: str) -> list[Job]:
     return [Job(book, c, s, st, d, t) for c, s, st, d, t in rows]
 
 
-def drain(rt: Runtime, book: str) -> list[dict]:
+def drain(rt: Wiring, book: str) -> list[dict]:
     """Run every dispatched job, pass after pass, as GPU workers would."""
     from animastor_tasks.flow import gate
 
@@ -46,12 +50,12 @@ def drain(rt: Runtime, book: str) -> list[dict]:
     for _ in range(50):
         jobs = dispatched_jobs(rt, book)
         if not jobs:
-            rt.coord.client.delete(rt.coord.keys.deferrals(book, "capacity"))
-            gate.gate_pass(rt, book)
+            rt.redis.client.delete(rt.redis.keys.deferrals(book, "capacity"))
+            gate.gate_pass(rt.ports, book)
             jobs = dispatched_jobs(rt, book)
             if not jobs:
                 return results
-        results += [run_job(rt, job, worker="test") for job in jobs]
+        results += [run_job(rt.ports, job, worker="test") for job in jobs]
     raise AssertionError("jobs never drained")
 
 
@@ -61,7 +65,7 @@ def test_http_generator_with_injected_5xx_ends_ready_or_failed(rt, tmp_path, sta
     with_stage(rt, spec, tmp_path, retry_backoff_base=0.01, retry_backoff_max=0.05, generate_max_retries=3)
     rt.catalog.import_book(make_book("b", chapters=4, scenes=5))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     results = drain(rt, "b")
     outcomes = [r["outcome"] for r in results]
     retries = sum(r.get("attempts", 1) - 1 for r in results)
@@ -75,7 +79,7 @@ def test_http_generator_with_injected_5xx_ends_ready_or_failed(rt, tmp_path, sta
     for sha, path, size in rows:
         data = Path(path).read_bytes()
         assert hashlib.sha256(data).hexdigest() == sha and len(data) == size and data[:4] == b"RIFF"
-    status = {c.stage: c for c in rt.ledger.commands(book="b")}["audio"]
+    status = {c.stage: c for c in rt.ports.commands.commands(book="b")}["audio"]
     assert status.status in {"completed", "failed"}
 
 
@@ -84,13 +88,13 @@ def test_cancel_stops_a_running_job_within_two_seconds(rt, tmp_path) -> None:
     with_stage(rt, slow, tmp_path)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     [job] = dispatched_jobs(rt, "b")
     outcome: dict = {}
-    worker = threading.Thread(target=lambda: outcome.update(run_job(rt, job, worker="test")))
+    worker = threading.Thread(target=lambda: outcome.update(run_job(rt.ports, job, worker="test")))
     worker.start()
     time.sleep(0.6)
-    commands.cancel(rt, "b")
+    cancel_flow.cancel(rt.ports, "b")
     cancelled_at = time.monotonic()
     worker.join(timeout=5)
     stopped_after = time.monotonic() - cancelled_at
@@ -105,10 +109,10 @@ def test_a_job_that_lost_its_token_never_calls_the_generator(rt, tmp_path) -> No
     with_stage(rt, replace(rt.settings.registry.get("audio"), params={"fail_rate": 1.0}), tmp_path)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     [job] = dispatched_jobs(rt, "b")
     stale = replace(job, fencing_token=job.fencing_token - 1)
-    result = run_job(rt, stale, worker="test")
+    result = run_job(rt.ports, stale, worker="test")
     assert result == {**result, "outcome": "fence_rejected", "reason": "stale_token"}
     with rt.db.transaction() as conn:
         started = conn.execute("SELECT count(*) FROM events WHERE kind = 'job.started'").fetchone()[0]
@@ -119,10 +123,10 @@ def test_cancelled_book_job_is_rejected_at_start(rt, tmp_path) -> None:
     with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     [job] = dispatched_jobs(rt, "b")
-    commands.cancel(rt, "b")
-    assert run_job(rt, job, worker="late-worker")["outcome"] == "fence_rejected"
+    cancel_flow.cancel(rt.ports, "b")
+    assert run_job(rt.ports, job, worker="late-worker")["outcome"] == "fence_rejected"
 
 
 def test_a_duplicate_delivery_runs_once(rt, tmp_path) -> None:
@@ -130,13 +134,13 @@ def test_a_duplicate_delivery_runs_once(rt, tmp_path) -> None:
     with_stage(rt, slow, tmp_path)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     [job] = dispatched_jobs(rt, "b")
     first: dict = {}
-    thread = threading.Thread(target=lambda: first.update(run_job(rt, job, worker="w1")))
+    thread = threading.Thread(target=lambda: first.update(run_job(rt.ports, job, worker="w1")))
     thread.start()
     time.sleep(0.2)
-    second = run_job(rt, job, worker="w2")
+    second = run_job(rt.ports, job, worker="w2")
     thread.join(timeout=10)
     assert second["outcome"] == "duplicate_delivery" and first["outcome"] == "ready"
     with rt.db.transaction() as conn:
@@ -148,14 +152,14 @@ def test_generator_errors_are_retried_then_failed_with_the_message(rt, tmp_path)
     with_stage(rt, failing, tmp_path, retry_backoff_base=0.01, generate_max_retries=2)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.image")
-    commands.regenerate(rt, "b", ["image"])
+    regenerate_flow.regenerate(rt.ports, "b", ["image"])
     [job] = dispatched_jobs(rt, "b")
-    result = run_job(rt, job, worker="test")
+    result = run_job(rt.ports, job, worker="test")
     assert result["outcome"] == "failed" and result["attempts"] == 3
     with rt.db.transaction() as conn:
         error = conn.execute("SELECT error FROM asset_states WHERE state = 'failed'").fetchone()[0]
     assert error and "fail" in error.lower()
-    [command] = rt.ledger.commands(book="b")
+    [command] = rt.ports.commands.commands(book="b")
     assert command.status == "failed" and command.reason == "1 of 1 targets failed"
 
 
@@ -163,9 +167,9 @@ def test_an_unloadable_generator_fails_the_pair_once_with_the_reason(rt, tmp_pat
     with_stage(rt, replace(rt.settings.registry.get("audio"), generator="no-such-backend"), tmp_path)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     [job] = dispatched_jobs(rt, "b")
-    result = run_job(rt, job, worker="test")
+    result = run_job(rt.ports, job, worker="test")
     assert result["outcome"] == "failed" and result["attempts"] == 1
     assert "no-such-backend" in result["error"]
     assert states(rt, "b")[("ch1", "s1", "audio")] == "failed"  # not left generating to be re-dispatched
@@ -175,8 +179,8 @@ def test_a_generator_bug_fails_the_pair_instead_of_looping(rt, tmp_path) -> None
     with_stage(rt, replace(rt.settings.registry.get("audio"), params={"steps": "many"}), tmp_path)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
-    commands.regenerate(rt, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     [job] = dispatched_jobs(rt, "b")
-    result = run_job(rt, job, worker="test")
+    result = run_job(rt.ports, job, worker="test")
     assert result["outcome"] == "failed" and "steps" in result["error"]
     assert states(rt, "b")[("ch1", "s1", "audio")] == "failed"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from animastor_tasks.adapters.postgres.pool import migrate
+from animastor_tasks.adapters.postgres.migrations import migrate
 from animastor_tasks.domain.book import book_to_dict
 from animastor_tasks.errors import InvalidBook
 
@@ -18,7 +18,7 @@ def test_import_creates_every_pair_dirty_and_queues_nothing(rt) -> None:
     assert summary.created and summary.scenes_added == 6
     found = states(rt, "b1")
     assert len(found) == 12 and set(found.values()) == {"dirty"}
-    assert queued_messages(rt, "gpu.audio") == 0 and rt.coord.active_books() == set()
+    assert queued_messages(rt, "gpu.audio") == 0 and rt.ports.book_state.active_books() == set()
 
 
 def test_reimport_dirties_only_ready_audio_of_changed_text(rt) -> None:
@@ -108,15 +108,15 @@ def test_invalid_book_from_python_writes_nothing(rt) -> None:
 
 
 def test_persisted_transitions_are_compare_and_set(rt) -> None:
-    from animastor_tasks.domain.fsm import AssetState
+    from animastor_tasks.domain.vocabulary import AssetState
     from animastor_tasks.errors import InvalidTransition
 
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     pairs = [("ch1", "s1", "audio"), ("ch1", "s2", "audio")]
     # Both rows are dirty: a move that expects `pending` changes nothing and says so.
-    assert rt.ledger.move_pairs("b", pairs, AssetState.PENDING, AssetState.DIRTY, "test") == []
+    assert rt.ports.assets.move_pairs("b", pairs, AssetState.PENDING, AssetState.DIRTY, "test") == []
     assert set(states(rt, "b").values()) == {"dirty"}
     # An edge the FSM does not have is refused before any SQL runs.
     with pytest.raises(InvalidTransition, match=r"'dirty'.*'ready'"):
-        rt.ledger.move_pairs("b", pairs, AssetState.DIRTY, AssetState.READY, "test")
-    assert not rt.ledger.expire_generating("b", pairs[0], 0, AssetState.PENDING)
+        rt.ports.assets.move_pairs("b", pairs, AssetState.DIRTY, AssetState.READY, "test")
+    assert not rt.ports.assets.expire_generating("b", pairs[0], 0, AssetState.PENDING)

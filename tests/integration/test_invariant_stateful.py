@@ -11,7 +11,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from animastor_tasks.domain.gate import layer_enabled, parse_layers
-from animastor_tasks.flow import commands, gate, maintenance
+from animastor_tasks.flow import cancel as cancel_flow
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import layers as layers_flow
+from animastor_tasks.flow import reconcile as reconcile_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
 
 from .helpers import advertise, fake_artifact, make_book
 
@@ -33,7 +37,7 @@ def authority(rt) -> set[tuple[str, str, str]]:  # type: ignore[no-untyped-def]
                 (BOOK,),
             )
         }
-    if tomb or rt.coord.client.exists(rt.coord.keys.cancel_flag(BOOK)):
+    if tomb or rt.redis.client.exists(rt.redis.keys.cancel_flag(BOOK)):
         return set()
     layers = parse_layers(raw)
     return {p for p in commanded if layer_enabled(layers, p[2])}
@@ -48,7 +52,7 @@ class CommandOnly(RuleBasedStateMachine):
         with rt.db.transaction() as conn:
             conn.execute("DELETE FROM books WHERE book_id = %s", (BOOK,))
             conn.execute("DELETE FROM artifacts WHERE book_id = %s", (BOOK,))
-        rt.coord.client.flushdb()
+        rt.redis.client.flushdb()
         rt.catalog.import_book(make_book(BOOK, chapters=2, scenes=2))
         advertise(rt, "gpu.audio", "gpu.image")
         self.dispatch_seen = self._dispatch_events()
@@ -63,26 +67,26 @@ class CommandOnly(RuleBasedStateMachine):
     )
     def regenerate(self, stages, scenes) -> None:  # type: ignore[no-untyped-def]
         before = self._dispatch_events()
-        commands.regenerate(self.rt, BOOK, stages, [list(s) for s in scenes] if scenes else None)
+        regenerate_flow.regenerate(self.rt.ports, BOOK, stages, [list(s) for s in scenes] if scenes else None)
         self._check_new_dispatches(before)
 
     @rule(reason=st.none() | st.just("stop"))
     def cancel(self, reason) -> None:  # type: ignore[no-untyped-def]
-        commands.cancel(self.rt, BOOK, reason)
+        cancel_flow.cancel(self.rt.ports, BOOK, reason)
 
     @rule()
     def cancel_flag_only(self) -> None:
         """A Stop All whose Postgres half failed: the Redis flag alone must stop everything."""
-        self.rt.coord.set_cancel_flag(BOOK)
+        self.rt.ports.book_state.set_cancel_flag(BOOK)
 
     @rule(stage=st.sampled_from(STAGES), on=st.booleans())
     def toggle_layer(self, stage: str, on: bool) -> None:
-        commands.set_layers(self.rt, BOOK, [stage] if on else [], [] if on else [stage])
+        layers_flow.set_layers(self.rt.ports, BOOK, [stage] if on else [], [] if on else [stage])
 
     @rule()
     def gate_pass(self) -> None:
         before = self._dispatch_events()
-        report = gate.gate_pass(self.rt, BOOK)
+        report = gate.gate_pass(self.rt.ports, BOOK)
         allowed = authority(self.rt)
         assert set(report.authorized) <= allowed, (report.authorized, allowed)
         self._check_new_dispatches(before)
@@ -99,13 +103,13 @@ class CommandOnly(RuleBasedStateMachine):
             return
         c, s, stage, token, dispatch_id = data.draw(st.sampled_from(rows))
         artifact = fake_artifact(dispatch_id)
-        self.rt.ledger.commit_job(BOOK, (c, s, stage), token, dispatch_id, artifact, f"gpu.{stage}")
+        self.rt.ports.jobs.commit_job(BOOK, (c, s, stage), token, dispatch_id, artifact, f"gpu.{stage}")
 
     @rule()
     def lose_every_lease(self) -> None:
-        for key in self.rt.coord.client.scan_iter(match=f"{self.rt.coord.keys.prefix}:lease:*"):
-            self.rt.coord.client.delete(key)
-        maintenance.reconcile(self.rt, force=True)
+        for key in self.rt.redis.client.scan_iter(match=f"{self.rt.redis.keys.prefix}:lease:*"):
+            self.rt.redis.client.delete(key)
+        reconcile_flow.reconcile(self.rt.ports, force=True)
 
     def _check_new_dispatches(self, before: int) -> None:
         allowed = authority(self.rt)
@@ -120,7 +124,7 @@ class CommandOnly(RuleBasedStateMachine):
 
     @invariant()
     def never_pending_without_authority_after_a_pass(self) -> None:
-        gate.gate_pass(self.rt, BOOK, dispatch_work=False)
+        gate.gate_pass(self.rt.ports, BOOK, dispatch_work=False)
         allowed = authority(self.rt)
         with self.rt.db.transaction() as conn:
             pending = {

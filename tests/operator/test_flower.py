@@ -133,7 +133,7 @@ def run_book(stack: Stack) -> None:
         client.close()
 
     def completed() -> bool:
-        rows = stack.rt.ledger.commands(command_ids=ids)
+        rows = stack.rt.ports.commands.commands(command_ids=ids)
         return len(rows) == 2 and all(r.status == "completed" for r in rows)
 
     wait_for(completed, 60, "both commands completed")

@@ -13,9 +13,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from animastor_tasks.dev.demo import free_port
-from animastor_tasks.flow import telemetry
-from animastor_tasks.flow.runtime import Runtime
+from animastor_tasks.flow import dispatch
 from animastor_tasks.operator import metrics
+from animastor_tasks.worker.wiring import Wiring
 
 from . import Stack, http_get, make_book, operator_env, wait_for
 
@@ -36,9 +36,9 @@ def value(samples: Samples, metric: str, **labels: str) -> float:
     return samples[key]
 
 
-def test_observations_become_a_cumulative_histogram(rt: Runtime) -> None:
+def test_observations_become_a_cumulative_histogram(rt: Wiring) -> None:
     for seconds in (0.003, 0.2, 0.2, 20.0):
-        telemetry.observe(rt, "gate_pass_seconds", seconds)
+        rt.counters.observe("gate_pass_seconds", seconds)
     samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
     bucket = "animastor_gate_pass_seconds_bucket"
     assert value(samples, bucket, le="0.005") == 1
@@ -53,10 +53,10 @@ def test_observations_become_a_cumulative_histogram(rt: Runtime) -> None:
     assert value(samples, "animastor_store_up", store="redis") == 1
 
 
-def test_counters_of_the_hash_are_exported_by_kind(rt: Runtime) -> None:
-    telemetry.record_outcomes(rt, {"dispatched": 3, "fence_rejected": 2, "deferred_capacity": 7})
-    telemetry.record_blocked(rt, "image", 1)
-    telemetry.record(rt, "job:ready", 5)
+def test_counters_of_the_hash_are_exported_by_kind(rt: Wiring) -> None:
+    dispatch.count_outcomes(rt.ports, {"dispatched": 3, "fence_rejected": 2, "deferred_capacity": 7})
+    rt.counters.add({"blocked:image": 1})
+    rt.counters.add({"job:ready": 5})
     samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
     assert value(samples, "animastor_dispatch_outcomes_total", outcome="dispatched") == 3
     assert value(samples, "animastor_dispatch_outcomes_total", outcome="lane_full") == 0  # known labels start at 0
@@ -114,7 +114,7 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
         ids = [c["command_id"] for c in client.regenerate(book, ["all"])["commands"]]
 
         def completed() -> bool:
-            rows = stack.rt.ledger.commands(command_ids=ids)
+            rows = stack.rt.ports.commands.commands(command_ids=ids)
             return len(rows) == 2 and all(r.status == "completed" for r in rows)
 
         wait_for(completed, 60, "both commands completed")
@@ -146,7 +146,9 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
         )
         blocked_id = client.regenerate(book, ["image"])["commands"][0]["command_id"]
         wait_for(
-            lambda: stack.rt.ledger.commands(command_ids=[blocked_id])[0].status == "blocked", 30, "command BLOCKED"
+            lambda: stack.rt.ports.commands.commands(command_ids=[blocked_id])[0].status == "blocked",
+            30,
+            "command BLOCKED",
         )
         blocked = scrape(url)
     finally:

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from animastor_tasks.domain.fsm import TRANSITIONS, AssetState, can_transition, sources_of, transition
+from animastor_tasks.domain.vocabulary import TRANSITIONS, AssetState, can_transition, sources_of, transition
 from animastor_tasks.errors import InvalidTransition
 
 ALLOWED = {

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from animastor_tasks.domain.gate import BookFacts, CommandStatus, Denial, authorize_scene, decide, parse_layers
+from animastor_tasks.domain.gate import BookFacts, Denial, authorize_scene, decide, parse_layers
+from animastor_tasks.domain.vocabulary import CommandStatus
 
 PAIR = ("ch1", "s1", "audio")
 COMMANDS = ["none", "active_this_stage", "active_other_stage", "blocked", "cancelled", "completed"]

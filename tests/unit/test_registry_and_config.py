@@ -5,8 +5,9 @@ import json
 import pytest
 
 from animastor_tasks.config import Settings
-from animastor_tasks.domain.outcomes import DeferralWindows, Outcome, compute_backoff, deferral_bucket, deferral_seconds
+from animastor_tasks.domain.deferral import DeferralWindows, compute_backoff, deferral_bucket, deferral_seconds
 from animastor_tasks.domain.registry import registry_from_table
+from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import ConfigError
 from animastor_tasks.worker.celery_config import build_config
 

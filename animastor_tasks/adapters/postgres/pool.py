@@ -1,4 +1,4 @@
-"""Postgres connection pool and versioned migrations.
+"""The Postgres connection pool of one process.
 
 A pool belongs to one process: after a fork (Celery prefork children) the child
 builds its own on first use, so no connection ever crosses a fork. Driver errors
@@ -7,21 +7,15 @@ become `StoreUnavailable` here, at the edge.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import resources
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from animastor_tasks.errors import StoreUnavailable
-
-log = logging.getLogger("animastor.postgres")
-
-_MIGRATIONS_LOCK_ID = 0x616E696D  # advisory lock taken while migrating
 
 
 def _is_store_error(err: BaseException) -> bool:
@@ -92,34 +86,3 @@ class Database:
     def ping(self) -> None:
         with self.transaction() as conn:
             conn.execute("SELECT 1")
-
-
-def migration_files() -> list[tuple[int, str, str]]:
-    """(version, name, sql) for every migration shipped with the package, in order."""
-    folder = resources.files("animastor_tasks.adapters.postgres") / "sql"
-    found = []
-    for entry in folder.iterdir():
-        name = entry.name
-        if name.endswith(".sql") and name[:4].isdigit():
-            found.append((int(name[:4]), name, entry.read_text(encoding="utf-8")))
-    return sorted(found)
-
-
-def migrate(db: Database) -> list[str]:
-    """Apply the migrations a database lacks; safe to run again and concurrently."""
-    applied: list[str] = []
-    with db.transaction() as conn:
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATIONS_LOCK_ID,))
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations ("
-            " version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        done = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}
-        for version, name, sql in migration_files():
-            if version in done:
-                continue
-            conn.execute(sql.encode())
-            conn.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", (version, name))
-            applied.append(name)
-            log.info("[DB] applied migration %s", name)
-    return applied

@@ -8,9 +8,12 @@ from dataclasses import dataclass
 import psycopg
 from psycopg.types.json import Jsonb
 
+from animastor_tasks.adapters.postgres import journal
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.book import Book, input_hash
 from animastor_tasks.domain.registry import MediaRegistry, StageSpec
+from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.ports import CommandContext
 
 
 @dataclass(frozen=True)
@@ -29,16 +32,6 @@ def scene_input(spec: StageSpec, text: str, prompt: str) -> str:
 
 def scene_hashes(registry: MediaRegistry, text: str, prompt: str) -> dict[str, str]:
     return {s.name: input_hash(scene_input(s, text, prompt), s.fingerprint) for s in registry.stages}
-
-
-@dataclass(frozen=True)
-class CommandContext:
-    """What a regenerate must know before it writes anything."""
-
-    exists: bool
-    scenes: list[tuple[str, str]]  # the named scenes that exist, or every scene, in reading order
-    layers_raw: str | None
-    replay_of: list[str]  # commands already created for this request id
 
 
 class Catalog:
@@ -102,11 +95,11 @@ class Catalog:
                 )
             self._ensure_asset_rows(conn, book.book_id, stages)
             dirtied = conn.execute(
-                "UPDATE asset_states a SET state = 'dirty', updated_at = now() FROM scenes s"
+                "UPDATE asset_states a SET state = %s, updated_at = now() FROM scenes s"
                 " WHERE a.book_id = %s AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-                " AND s.scene_id = a.scene_id AND a.state = 'ready'"
+                " AND s.scene_id = a.scene_id AND a.state = %s"
                 " AND a.input_hash IS DISTINCT FROM s.input_hashes ->> a.stage",
-                (book.book_id,),
+                (AssetState.DIRTY, book.book_id, AssetState.READY),
             ).rowcount
             changed = sum(
                 1
@@ -114,9 +107,8 @@ class Catalog:
                 if (s.chapter_id, s.scene_id) in old and old[s.chapter_id, s.scene_id] != (s.text, s.prompt)
             )
             added = sum(1 for s in book.scenes if (s.chapter_id, s.scene_id) not in old)
-            conn.execute(
-                "INSERT INTO events (kind, book_id, detail) VALUES ('book.imported', %s, %s)",
-                (book.book_id, Jsonb({"added": added, "changed": changed, "removed": len(removed)})),
+            journal.record(
+                conn, "book.imported", book.book_id, {"added": added, "changed": changed, "removed": len(removed)}
             )
         return ImportSummary(book.book_id, bool(created), added, changed, len(removed), dirtied)
 

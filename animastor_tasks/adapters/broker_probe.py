@@ -1,49 +1,14 @@
-"""The broker side: publishing jobs, revoking them, and counting live consumers."""
+"""What the broker itself can tell: consumers per queue (AMQP) and the jobs still waiting (Redis)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Collection, Sequence
 from urllib.parse import urlsplit
 
-from animastor_tasks.adapters.redis.coordination import Coordination
 from animastor_tasks.errors import StoreUnavailable
 
 log = logging.getLogger("animastor.broker")
-
-
-class Publisher(Protocol):
-    """What the flows need from Celery; `tasks.CeleryPublisher` is the real one."""
-
-    def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None: ...
-
-    def revoke(self, dispatch_ids: Sequence[str]) -> None: ...
-
-    def enqueue_gate(self, book_id: str) -> None: ...
-
-
-class ConsumerCounter:
-    """Live consumers per queue: worker heartbeats in Redis, and the broker's own count on AMQP.
-
-    On AMQP the broker knows at once when a consumer's connection dies, so its count
-    wins when it says zero; heartbeats alone may lag a SIGKILL by one TTL.
-    """
-
-    def __init__(self, coord: Coordination, amqp_url: str | None = None) -> None:
-        self.coord = coord
-        self.amqp_url = amqp_url
-
-    def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]:
-        """`heartbeats`: live heartbeat counts already read (a gate pass reads them in its snapshot)."""
-        if heartbeats is None:
-            live = self.coord.live_consumers(queues)
-            heartbeats = {q: len(live.get(q, {})) for q in queues}
-        counts = {q: heartbeats.get(q, 0) for q in queues}
-        if self.amqp_url:
-            broker_counts = amqp_consumer_counts(self.amqp_url, queues)
-            counts = {q: (counts[q] if broker_counts.get(q, 0) > 0 else 0) or broker_counts.get(q, 0) for q in queues}
-        return counts
 
 
 def amqp_consumer_counts(url: str, queues: Sequence[str]) -> dict[str, int]:
@@ -68,7 +33,17 @@ def amqp_consumer_counts(url: str, queues: Sequence[str]) -> dict[str, int]:
     return counts
 
 
-def queued_dispatch_ids(broker_url: str, queues: Sequence[str], limit: int = 10_000) -> set[str] | None:
+class BrokerProbe:
+    """The flows' `QueueProbe` for one broker URL."""
+
+    def __init__(self, broker_url: str) -> None:
+        self.broker_url = broker_url
+
+    def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None:
+        return queued_dispatch_ids(self.broker_url, queues)
+
+
+def queued_dispatch_ids(broker_url: str, queues: Collection[str], limit: int = 10_000) -> set[str] | None:
     """Task ids of the messages waiting in Redis-broker queues: live evidence for a queued job.
 
     A job that waits in its queue longer than its lease TTL has not started renewing its

@@ -1,0 +1,234 @@
+"""Asset states of scene x stage pairs: the gate's facts, compare-and-set moves, the claim.
+
+Every change is compare-and-set: the `WHERE` names the state (and for a job, the
+fencing token) the change expects; a row that moved on is left alone and reported as
+not changed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+
+from animastor_tasks.adapters.postgres import journal
+from animastor_tasks.adapters.postgres.commands import settle_commands
+from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.domain.capacity import CapacityCounts
+from animastor_tasks.domain.keys import claim_locks
+from animastor_tasks.domain.types import Pair
+from animastor_tasks.domain.vocabulary import IN_FLIGHT, AssetState, CommandStatus, transition, values
+from animastor_tasks.ports import Claim, GateRows, GeneratingRow, InFlight
+
+_PAIRS_CTE = "WITH p(chapter_id, scene_id, stage) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
+
+
+def _columns(pairs: Sequence[Pair]) -> tuple[list[str], list[str], list[str]]:
+    return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs]
+
+
+def new_dispatch_id() -> str:
+    """128 random bits: a dispatch id is never guessable nor reused."""
+    return uuid.uuid4().hex
+
+
+class ClaimTransaction:
+    """The open claim transaction of `AssetStore.claiming`: counts read, locks held."""
+
+    def __init__(self, conn: psycopg.Connection[Any], book: str, counts: CapacityCounts) -> None:
+        self._conn, self._book, self.counts = conn, book, counts
+
+    def claim(self, chosen: Sequence[tuple[Pair, str]]) -> list[Claim]:
+        """`pending -> generating` with the next token and the given dispatch ids, journalled, in one statement."""
+        if not chosen:
+            return []
+        chapters, scenes, stages = _columns([pair for pair, _ in chosen])
+        rows = self._conn.execute(
+            "WITH p(chapter_id, scene_id, stage, dispatch_id) AS"
+            " (SELECT * FROM unnest(%(chapters)s::text[], %(scenes)s::text[], %(stages)s::text[], %(ids)s::text[])),"
+            " changed AS (UPDATE asset_states a SET state = %(generating)s, fencing_token = a.fencing_token + 1,"
+            "  dispatch_id = p.dispatch_id, updated_at = now() FROM p"
+            "  WHERE a.book_id = %(book)s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
+            "  AND a.stage = p.stage AND a.state = %(pending)s"
+            "  RETURNING a.chapter_id, a.scene_id, a.stage, a.fencing_token, a.dispatch_id),"
+            + journal.EVENTS_FROM_CHANGED
+            + " SELECT chapter_id, scene_id, stage, fencing_token, dispatch_id FROM changed",
+            {
+                "chapters": chapters,
+                "scenes": scenes,
+                "stages": stages,
+                "ids": [d for _, d in chosen],
+                "generating": AssetState.GENERATING,
+                "pending": AssetState.PENDING,
+                "book": self._book,
+                "kind": "dispatch",
+            },
+        ).fetchall()
+        return [Claim(*row) for row in rows]
+
+
+class AssetStore:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def gate_rows(self, book: str) -> GateRows | None:
+        """Everything a gate pass needs from Postgres, in one statement; None for an unknown book.
+
+        Only in-flight pairs are read, each flagged with whether an active command targets it:
+        idle pairs and the targets of finished work cost nothing.
+        """
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "WITH active AS (SELECT DISTINCT t.chapter_id, t.scene_id, t.stage FROM commands c"
+                "  JOIN command_targets t ON t.command_id = c.command_id"
+                "  WHERE c.book_id = %(book)s AND c.status = %(active)s),"
+                " flight AS (SELECT a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position,"
+                "  a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
+                "  a.artifact_sha256 IS NOT NULL AS has_artifact, act.stage IS NOT NULL AS commanded"
+                "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+                "   AND s.scene_id = a.scene_id"
+                "  LEFT JOIN active act ON act.chapter_id = a.chapter_id AND act.scene_id = a.scene_id"
+                "   AND act.stage = a.stage"
+                "  WHERE a.book_id = %(book)s AND a.state = ANY(%(flight)s))"
+                # The book's own row comes first (position -1) and carries the layers and the tombstone.
+                " SELECT NULL, NULL, NULL, NULL, 0, -1, b.layer_config, NULL, NULL, false,"
+                "  EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id)"
+                " FROM books b WHERE b.book_id = %(book)s"
+                " UNION ALL SELECT * FROM flight ORDER BY 6",
+                {"book": book, "active": CommandStatus.ACTIVE, "flight": values(IN_FLIGHT)},
+            ).fetchall()
+        if not rows or rows[0][5] != -1:
+            return None
+        head, body = rows[0], rows[1:]
+        in_flight = tuple(InFlight(*row) for row in body)
+        commanded = frozenset(i.pair for i in in_flight if i.commanded)
+        return GateRows(head[6], bool(head[10]), commanded, in_flight)
+
+    def move_pairs(
+        self, book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str
+    ) -> list[Pair]:
+        """Compare-and-set many pairs `source -> target`; the pairs that really moved.
+
+        The edge is checked against the state machine first (`InvalidTransition`); a pair no
+        longer in `source` is left alone and simply missing from the answer.
+        """
+        transition(source, target)
+        if not pairs:
+            return []
+        with self.db.transaction() as conn:
+            rows = conn.execute(
+                _PAIRS_CTE + " UPDATE asset_states a SET state = %s, updated_at = now() FROM p"
+                " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
+                " AND a.stage = p.stage AND a.state = %s RETURNING a.chapter_id, a.scene_id, a.stage",
+                (*_columns(pairs), str(target), book, str(source)),
+            ).fetchall()
+            moved: list[Pair] = [tuple(r) for r in rows]
+            if moved:
+                journal.record(conn, event, book, {"pairs": len(moved), "from": source, "to": target})
+        return moved
+
+    @contextmanager
+    def claiming(self, book: str, lanes: Mapping[str, str]) -> Iterator[ClaimTransaction]:
+        """Open a claim: the lanes of `lanes` (stage -> queue) and the book locked, capacity counted.
+
+        The caller chooses from the counts (`domain.capacity`), claims, and writes its leases
+        and deferrals before the block ends: a completion takes the same locks before it frees
+        capacity, so a deferral can never land after the completion that should clear it.
+        """
+        stages = sorted(lanes)
+        with self.db.transaction() as conn, conn.pipeline():
+            # Pipeline mode: BEGIN, the locks and the counts reach the server in one round trip.
+            conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtext(k)) FROM unnest(%s::text[]) WITH ORDINALITY AS l(k, n)"
+                " ORDER BY n",
+                (claim_locks(lanes.values(), book),),
+            )
+            rows = conn.execute(
+                "SELECT stage, NULL, NULL, count(*) FROM asset_states WHERE state = %(generating)s"
+                " AND stage = ANY(%(stages)s) GROUP BY stage"
+                " UNION ALL SELECT stage, chapter_id, scene_id, NULL FROM asset_states"
+                " WHERE book_id = %(book)s AND state = %(generating)s",
+                {"generating": AssetState.GENERATING, "stages": stages, "book": book},
+            ).fetchall()
+            counts = CapacityCounts(
+                lane={stage: int(n) for stage, chapter, _, n in rows if chapter is None},
+                book_generating=[(chapter, scene, stage) for stage, chapter, scene, _ in rows if chapter is not None],
+            )
+            yield ClaimTransaction(conn, book, counts)
+
+    def unclaim(self, book: str, claims: Sequence[Claim]) -> int:
+        """Undo claims whose job could not be published: `generating -> pending` if the token is still ours."""
+        if not claims:
+            return 0
+        with self.db.transaction() as conn:
+            return conn.execute(
+                "UPDATE asset_states a SET state = %s, dispatch_id = NULL, updated_at = now()"
+                " FROM unnest(%s::text[], %s::text[], %s::text[], %s::bigint[]) AS u(c, s, st, t)"
+                " WHERE a.book_id = %s AND a.chapter_id = u.c AND a.scene_id = u.s AND a.stage = u.st"
+                " AND a.state = %s AND a.fencing_token = u.t",
+                (
+                    AssetState.PENDING,
+                    *_columns([c.pair for c in claims]),
+                    [c.token for c in claims],
+                    book,
+                    AssetState.GENERATING,
+                ),
+            ).rowcount
+
+    def mark_already_completed(self, book: str, pairs: Sequence[Pair]) -> list[Pair]:
+        """`pending -> ready` for pairs whose committed artifact already has the current inputs."""
+        if not pairs:
+            return []
+        with self.db.transaction() as conn:
+            rows = conn.execute(
+                _PAIRS_CTE + " UPDATE asset_states a SET state = %s, updated_at = now() FROM p, scenes s"
+                " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
+                " AND a.stage = p.stage AND a.state = %s AND a.artifact_sha256 IS NOT NULL"
+                " AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
+                " AND a.input_hash = s.input_hashes ->> a.stage RETURNING a.chapter_id, a.scene_id, a.stage",
+                (*_columns(pairs), AssetState.READY, book, AssetState.PENDING),
+            ).fetchall()
+            settle_commands(conn, book)
+        return [tuple(r) for r in rows]
+
+    def generating_pairs(self) -> list[GeneratingRow]:
+        with self.db.read() as conn:
+            return [
+                GeneratingRow(*r)
+                for r in conn.execute(
+                    "SELECT book_id, chapter_id, scene_id, stage, fencing_token, dispatch_id FROM asset_states"
+                    " WHERE state = %s",
+                    (AssetState.GENERATING,),
+                )
+            ]
+
+    def expire_generating(self, book: str, pair: Pair, token: int, target: AssetState) -> bool:
+        """A generating pair whose lease is gone goes back (`pending` or `dirty`) if its token is unchanged."""
+        transition(AssetState.GENERATING, target)
+        chapter, scene, stage = pair
+        with self.db.transaction() as conn:
+            done = conn.execute(
+                "UPDATE asset_states SET state = %s, dispatch_id = NULL, updated_at = now()"
+                " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s"
+                " AND state = %s AND fencing_token = %s",
+                (str(target), book, chapter, scene, stage, AssetState.GENERATING, token),
+            ).rowcount
+            if done:
+                journal.record(conn, "lease.expired", book, {"token": token, "to": str(target)}, pair=pair)
+        return bool(done)
+
+    def scene_states(self, book: str) -> list[tuple[str, str, str, str, str | None]]:
+        """(chapter, scene, stage, state, artifact sha256) for every pair, in reading order."""
+        with self.db.read() as conn:
+            return [
+                tuple(r)
+                for r in conn.execute(
+                    "SELECT a.chapter_id, a.scene_id, a.stage, a.state, a.artifact_sha256 FROM asset_states a"
+                    " JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+                    "  AND s.scene_id = a.scene_id WHERE a.book_id = %s ORDER BY s.position, a.stage",
+                    (book,),
+                )
+            ]

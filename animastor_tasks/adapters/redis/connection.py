@@ -1,0 +1,53 @@
+"""One process's Redis connection: the client, the keyspace and the Lua scripts.
+
+The role stores in this package share it. Driver errors become `StoreUnavailable` here,
+at the edge, so no caller sees a redis traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from importlib import resources
+from typing import TypeVar
+
+import redis
+
+from animastor_tasks.domain.keys import Keyspace
+from animastor_tasks.errors import StoreUnavailable
+
+T = TypeVar("T")
+
+
+def _script(name: str) -> str:
+    return (resources.files("animastor_tasks.adapters.redis") / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+
+
+class RedisConnection:
+    def __init__(self, url: str, keys: Keyspace, *, socket_timeout: float = 5.0) -> None:
+        self.url = url
+        self.keys = keys
+        self.client: redis.Redis = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
+        )
+        self.renew_script = self.client.register_script(_script("renew_lease"))
+        self.release_script = self.client.register_script(_script("release_lease"))
+        self.breaker_acquire_script = self.client.register_script(_script("breaker_acquire"))
+        self.breaker_record_script = self.client.register_script(_script("breaker_record"))
+
+    @contextmanager
+    def errors(self) -> Iterator[None]:
+        try:
+            yield
+        except redis.RedisError as err:
+            raise StoreUnavailable("redis", self.url, str(err) or type(err).__name__) from err
+
+    def run(self, fn: Callable[[], T]) -> T:
+        with self.errors():
+            return fn()
+
+    def ping(self) -> None:
+        self.run(self.client.ping)
+
+    def close(self) -> None:
+        self.client.close()

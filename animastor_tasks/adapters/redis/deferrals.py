@@ -1,0 +1,58 @@
+"""Deferrals: pairs kept out of gate passes until a time, one sorted set per book and bucket.
+
+A deferred pair costs a gate pass nothing but its share of the one snapshot read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from animastor_tasks.adapters.redis.connection import RedisConnection
+from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member
+from animastor_tasks.domain.types import Pair
+
+
+class DeferralStore:
+    def __init__(self, conn: RedisConnection) -> None:
+        self.conn = conn
+
+    def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:
+        mapping = {pair_member(*p): now + seconds for p in pairs}
+        if mapping:
+            self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.deferrals(book, bucket), mapping))
+
+    def clear_deferrals(self, book: str, pairs: Iterable[Pair], buckets: Sequence[str] = DEFER_BUCKETS) -> None:
+        members = [pair_member(*p) for p in pairs]
+        if not members:
+            return
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for bucket in buckets:
+                pipe.zrem(self.conn.keys.deferrals(book, bucket), *members)
+            pipe.execute()
+
+    def clear_bucket(self, book: str, bucket: str) -> None:
+        """Every deferral of one bucket for a book (capacity freed: all its waiters may try again)."""
+        self.conn.run(lambda: self.conn.client.delete(self.conn.keys.deferrals(book, bucket)))
+
+    def deferral_counts(self, books: Iterable[str], now: float) -> dict[str, int]:
+        """Live deferred pairs per bucket across the given books (for operators)."""
+        books = list(books)
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for book in books:
+                for bucket in DEFER_BUCKETS:
+                    pipe.zcount(self.conn.keys.deferrals(book, bucket), f"({now}", "+inf")
+            counts = pipe.execute()
+        totals = dict.fromkeys(DEFER_BUCKETS, 0)
+        for i, count in enumerate(counts):
+            totals[DEFER_BUCKETS[i % len(DEFER_BUCKETS)]] += int(count)
+        return totals
+
+    def prune_deferrals(self, books: Iterable[str], now: float) -> None:
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for book in books:
+                for bucket in DEFER_BUCKETS:
+                    pipe.zremrangebyscore(self.conn.keys.deferrals(book, bucket), "-inf", now)
+            pipe.execute()

@@ -1,0 +1,53 @@
+"""Consumer presence: each worker's heartbeat per queue, with a TTL, and the live count a
+dispatch trusts.
+
+A heartbeat writes `hostname -> expiry` into one sorted set per queue; a clean stop
+removes it, a SIGKILLed worker's entry expires within one TTL. On AMQP the broker knows
+at once when a consumer's connection dies, so its count wins when it says zero.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+from animastor_tasks.adapters.broker_probe import amqp_consumer_counts
+from animastor_tasks.adapters.redis.connection import RedisConnection
+
+
+class PresenceStore:
+    def __init__(self, conn: RedisConnection, amqp_url: str | None = None) -> None:
+        self.conn = conn
+        self.amqp_url = amqp_url
+
+    def heartbeat(self, hostname: str, queues: Iterable[str], ttl: float, gone: Iterable[str] = ()) -> None:
+        expires = time.time() + ttl
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for queue in queues:
+                pipe.zadd(self.conn.keys.consumers(queue), {hostname: expires})
+            for queue in gone:
+                pipe.zrem(self.conn.keys.consumers(queue), hostname)
+            pipe.execute()
+
+    def live_consumers(self, queues: Sequence[str], now: float | None = None) -> dict[str, dict[str, float]]:
+        """{queue: {hostname: heartbeat expiry}} for consumers whose heartbeat is still live."""
+        now = time.time() if now is None else now
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for queue in queues:
+                pipe.zrangebyscore(self.conn.keys.consumers(queue), f"({now}", "+inf", withscores=True)
+            answers = pipe.execute()
+        return {queue: dict(members) for queue, members in zip(queues, answers, strict=False)}
+
+    def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]:
+        """Live consumers per queue; `heartbeats`: live heartbeat counts already read (a gate pass
+        reads them in its snapshot)."""
+        if heartbeats is None:
+            live = self.live_consumers(queues)
+            heartbeats = {q: len(live.get(q, {})) for q in queues}
+        counts = {q: heartbeats.get(q, 0) for q in queues}
+        if self.amqp_url:
+            broker_counts = amqp_consumer_counts(self.amqp_url, queues)
+            counts = {q: (counts[q] if broker_counts.get(q, 0) > 0 else 0) or broker_counts.get(q, 0) for q in queues}
+        return counts

@@ -1,0 +1,97 @@
+"""Regenerate: the only way work begins.
+
+One command per enabled stage for the named scenes (or the whole book); the targets move
+to `pending`, the Redis side (force set, deferrals cleared, active index) follows, and a
+gate pass starts at once so the first job never waits for the next tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from animastor_tasks.domain.book import show_value, validate_id
+from animastor_tasks.domain.gate import layer_enabled, parse_layers
+from animastor_tasks.errors import DuplicateCommand, InvalidCommand
+from animastor_tasks.flow import gate, validate
+from animastor_tasks.ports import CommandRow, Ports
+
+log = logging.getLogger("animastor.commands")
+
+
+def _describe(rows: list[CommandRow], targets: dict[str, list[tuple[str, str]]] | None = None) -> list[dict[str, Any]]:
+    return [
+        {
+            "command_id": row.command_id,
+            "stage": row.stage,
+            "targets": [list(t) for t in targets[row.stage]] if targets else row.targets,
+            "status": row.status,
+        }
+        for row in rows
+    ]
+
+
+def regenerate(
+    ports: Ports,
+    book_id: object,
+    stages: object,
+    scenes: object = None,
+    command_id: object = None,
+    force: object = True,
+) -> dict[str, Any]:
+    """Create one command per stage for the named scenes and start a gate pass at once."""
+    if not isinstance(force, bool):
+        raise InvalidCommand(f"force: must be true or false, got {show_value(force)}")
+    request_id = validate.request_id(command_id)
+    book = validate_id("book_id", book_id, error=InvalidCommand)
+    wanted = validate.stage_names(ports, stages)
+    named = validate.scene_ids(scenes)
+    # Every check that needs the store, in one transaction.
+    context = ports.catalog.command_context(book, named, request_id)
+    if not context.exists:
+        raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
+    if context.replay_of:
+        return _replay(book, request_id, ports.commands.commands(command_ids=context.replay_of))
+    if named is not None:
+        missing = [i for i, pair in enumerate(named) if pair not in context.scenes]
+        if missing:
+            i = missing[0]
+            raise InvalidCommand(f"scenes[{i}]: scene {show_value(list(named[i]))} is not in book {show_value(book)}")
+    targets = named if named is not None else context.scenes
+
+    layers = parse_layers(context.layers_raw)
+    skipped = [{"stage": s, "reason": "layer_disabled"} for s in wanted if not layer_enabled(layers, s)]
+    enabled = [s for s in wanted if layer_enabled(layers, s)]
+    if not enabled:
+        return {"commands": [], "skipped": skipped}
+
+    per_stage = {
+        stage: (request_id if len(enabled) == 1 else str(uuid.uuid5(uuid.UUID(request_id), stage)), targets)
+        for stage in enabled
+    }
+    # A new explicit intent lifts the cancel; Redis first, so a Redis outage writes nothing.
+    ports.book_state.clear_cancel_flag(book)
+    try:
+        ports.commands.create_commands(book, request_id, per_stage, force)
+    except DuplicateCommand:
+        return _replay(book, request_id, ports.commands.commands_for_request(request_id))
+    pairs = [(c, s, stage) for stage in enabled for c, s in targets]
+    ports.book_state.start_work(book, pairs, targets, force_ttl=ports.settings.force_ttl_seconds if force else None)
+    log.info(
+        "[COMMAND] book=%r regenerate stages=%s scenes=%d request=%s skipped=%s",
+        book,
+        ",".join(enabled),
+        len(targets),
+        request_id,
+        ",".join(s["stage"] for s in skipped) or "none",
+    )
+    gate.gate_pass(ports, book)
+    rows = ports.commands.commands(book=book, command_ids=[cid for cid, _ in per_stage.values()])
+    return {"commands": _describe(rows, {s: t for s, (_, t) in per_stage.items()}), "skipped": skipped}
+
+
+def _replay(book: str, request_id: str, rows: list[CommandRow]) -> dict[str, Any]:
+    if rows and rows[0].book_id != book:
+        raise InvalidCommand(f"command_id: {request_id} was already used for another book")
+    return {"commands": _describe(rows), "skipped": [], "replayed": True}

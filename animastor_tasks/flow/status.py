@@ -1,0 +1,34 @@
+"""A book's status as the operator's `status` command and `status --json` show it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from animastor_tasks.flow import validate
+from animastor_tasks.ports import Ports
+
+
+def status(ports: Ports, book_id: object) -> dict[str, Any]:
+    book = validate.known_book(ports, book_id)
+    commands = ports.commands.commands(book=book)
+    scenes: dict[tuple[str, str], dict[str, Any]] = {}
+    for chapter, scene, stage, state, artifact in ports.assets.scene_states(book):
+        entry = scenes.setdefault((chapter, scene), {"chapter_id": chapter, "scene_id": scene, "stages": {}})
+        entry["stages"][stage] = {"state": state, "artifact": artifact}
+    cancelled = ports.commands.is_tombstoned(book) or ports.book_state.cancel_flag_set(book)
+    return {
+        "book_id": book,
+        "cancelled": cancelled,
+        "commands": [
+            {
+                "command_id": c.command_id,
+                "stage": c.stage,
+                "status": c.status,
+                "reason": c.reason,
+                "created_at": c.created_at,
+                "progress": {"total": c.targets, **c.progress},
+            }
+            for c in commands
+        ],
+        "scenes": list(scenes.values()),
+    }

@@ -1,0 +1,65 @@
+"""Every input of an explicit intent, checked before anything is written.
+
+A bad value raises `InvalidCommand` naming the field and showing the value.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from animastor_tasks.domain.book import show_value, validate_id
+from animastor_tasks.errors import InvalidCommand
+from animastor_tasks.ports import Ports
+
+
+def known_book(ports: Ports, book_id: object) -> str:
+    book = validate_id("book_id", book_id, error=InvalidCommand)
+    if not ports.catalog.book_exists(book):
+        raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
+    return book
+
+
+def stage_names(ports: Ports, stages: object) -> list[str]:
+    if isinstance(stages, str) or not isinstance(stages, list | tuple) or not stages:
+        raise InvalidCommand(f"stages: must be a non-empty list of stage names or ['all'], got {show_value(stages)}")
+    known = ports.settings.registry.names()
+    wanted: list[str] = []
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, str):
+            raise InvalidCommand(f"stages[{i}]: must be a string, got {show_value(stage)}")
+        if stage == "all":
+            wanted.extend(known)
+        elif stage in known:
+            wanted.append(stage)
+        else:
+            raise InvalidCommand(f"stages[{i}]: unknown stage {show_value(stage)} (known: {', '.join(known)}, all)")
+    return list(dict.fromkeys(wanted))
+
+
+def scene_ids(scenes: object) -> list[tuple[str, str]] | None:
+    """The named scenes, validated for shape and id rules (their existence is checked later)."""
+    if scenes is None:
+        return None
+    if isinstance(scenes, str) or not isinstance(scenes, list | tuple) or not scenes:
+        raise InvalidCommand(
+            f"scenes: must be null or a non-empty list of [chapter_id, scene_id], got {show_value(scenes)}"
+        )
+    picked: list[tuple[str, str]] = []
+    for i, item in enumerate(scenes):
+        if not isinstance(item, list | tuple) or len(item) != 2:
+            raise InvalidCommand(f"scenes[{i}]: must be [chapter_id, scene_id], got {show_value(item)}")
+        chapter = validate_id(f"scenes[{i}][0]", item[0], error=InvalidCommand)
+        scene = validate_id(f"scenes[{i}][1]", item[1], error=InvalidCommand)
+        picked.append((chapter, scene))
+    return list(dict.fromkeys(picked))
+
+
+def request_id(command_id: object) -> str:
+    if command_id is None:
+        return str(uuid.uuid4())
+    if not isinstance(command_id, str):
+        raise InvalidCommand(f"command_id: must be a UUID string or null, got {show_value(command_id)}")
+    try:
+        return str(uuid.UUID(command_id))
+    except ValueError as err:
+        raise InvalidCommand(f"command_id: not a UUID, got {show_value(command_id)}") from err

@@ -1,0 +1,351 @@
+"""The seams between the flows and the outside world: one Protocol per I/O role, and the
+records that cross them.
+
+The flows (`flow/`) see only these; Postgres, Redis, Celery, the broker, the artifact
+store and the generators live behind them in `adapters/` and `generators/`, and
+`worker/wiring.py` builds the real ones once per process. A port method does one
+thing a flow needs; it never hands out a driver's client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from animastor_tasks.config import Settings
+from animastor_tasks.domain.capacity import CapacityCounts
+from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.domain.types import BookPair, Pair, Scene
+from animastor_tasks.domain.vocabulary import AssetState
+
+# -- records -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommandContext:
+    """What a regenerate must know before it writes anything."""
+
+    exists: bool
+    scenes: list[Scene]  # the named scenes that exist, or every scene, in reading order
+    layers_raw: str | None
+    replay_of: list[str]  # commands already created for this request id
+
+
+@dataclass(frozen=True)
+class CommandRow:
+    command_id: str
+    book_id: str
+    stage: str
+    status: str
+    reason: str | None
+    targets: int
+    created_at: float
+    progress: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A pending or generating pair as a gate pass sees it."""
+
+    chapter: str
+    scene: str
+    stage: str
+    state: str
+    token: int
+    position: int
+    dispatch_id: str | None
+    ready_hash: str | None  # hash of the inputs of the last committed artifact
+    current_hash: str | None  # hash of the scene's current inputs
+    has_artifact: bool
+    commanded: bool  # an active command of this stage targets the scene
+
+    @property
+    def pair(self) -> Pair:
+        return (self.chapter, self.scene, self.stage)
+
+
+@dataclass(frozen=True)
+class GateRows:
+    layers_raw: str | None
+    tombstone: bool
+    commanded: frozenset[Pair]  # in-flight pairs an active command targets
+    in_flight: tuple[InFlight, ...]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A pair moved pending -> generating under a new token and dispatch id."""
+
+    chapter: str
+    scene: str
+    stage: str
+    token: int
+    dispatch_id: str
+
+    @property
+    def pair(self) -> Pair:
+        return (self.chapter, self.scene, self.stage)
+
+
+@dataclass(frozen=True)
+class GeneratingRow:
+    book: str
+    chapter: str
+    scene: str
+    stage: str
+    token: int
+    dispatch_id: str | None
+
+    @property
+    def pair(self) -> Pair:
+        return (self.chapter, self.scene, self.stage)
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """A pair's row as a starting job reads it (under its row lock)."""
+
+    state: str
+    token: int
+    owner: str | None  # the dispatch id the pair is generating for
+    text: str
+    prompt: str
+    tombstone: bool
+    commanded: bool  # an active command of the stage targets the scene
+    layers_raw: str | None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything Redis knows that a gate pass needs, read in one round trip."""
+
+    cancel_flag: bool
+    force: set[Pair]
+    deferred: dict[str, set[Pair]]  # live deferrals by bucket
+    active: set[Scene]  # the book's scenes in the active index
+    consumers: dict[str, int]  # live heartbeats per queue asked for
+    breaker_clean: dict[str, bool]  # no failure recorded: publishing needs no breaker call
+    # When this process noticed that Redis lost its data (FLUSHALL, a restart without persistence);
+    # -inf if never. Until every live worker has heartbeated again, "no consumer" is not evidence.
+    data_lost_at: float = float("-inf")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Everything a generator may use: ids for tracing, the scene input and the stage params."""
+
+    book_id: str
+    chapter_id: str
+    scene_id: str
+    stage: str
+    input: str  # scene text (audio) or prompt (image)
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Media:
+    """The bytes a generator produced and their MIME type."""
+
+    data: bytes
+    media_type: str
+
+
+# -- Postgres: the durable truth ----------------------------------------------------------
+
+
+class Catalog(Protocol):
+    def command_context(self, book_id: str, named: list[Scene] | None, request_id: str) -> CommandContext: ...
+    def book_exists(self, book_id: str) -> bool: ...
+    def layers(self, book_id: str) -> str | None: ...
+    def set_layers(self, book_id: str, raw: str | None) -> bool: ...
+    def all_layers(self, book_ids: Iterable[str]) -> dict[str, str | None]: ...
+
+
+class Commands(Protocol):
+    def create_commands(
+        self, book: str, request_id: str, per_stage: dict[str, tuple[str, list[Scene]]], force: bool
+    ) -> list[str]: ...
+    def commands_for_request(self, request_id: str) -> list[CommandRow]: ...
+    def commands(
+        self, *, book: str | None = None, command_ids: Sequence[str] | None = None, limit: int = 200
+    ) -> list[CommandRow]: ...
+    def block_stage(self, book: str, stage: str, reason: str) -> tuple[list[str], list[tuple[Pair, str | None]]]: ...
+    def cancel_book(self, book: str, reason: str | None) -> tuple[list[str], int, list[tuple[Pair, str]]]: ...
+    def forced_in_flight(self, book: str, force_ttl: float) -> list[tuple[Pair, float]]: ...
+    def tombstoned_books(self) -> list[str]: ...
+    def is_tombstoned(self, book: str) -> bool: ...
+    def books_with_work(self) -> list[str]: ...
+
+
+class ClaimSession(Protocol):
+    """An open claim transaction: the lane and book locks are held until it ends."""
+
+    counts: CapacityCounts
+
+    def claim(self, chosen: Sequence[tuple[Pair, str]]) -> list[Claim]: ...
+
+
+class Assets(Protocol):
+    def gate_rows(self, book: str) -> GateRows | None: ...
+    def move_pairs(
+        self, book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str
+    ) -> list[Pair]: ...
+    def claiming(self, book: str, lanes: Mapping[str, str]) -> AbstractContextManager[ClaimSession]: ...
+    def unclaim(self, book: str, claims: Sequence[Claim]) -> int: ...
+    def mark_already_completed(self, book: str, pairs: Sequence[Pair]) -> list[Pair]: ...
+    def generating_pairs(self) -> list[GeneratingRow]: ...
+    def expire_generating(self, book: str, pair: Pair, token: int, target: AssetState) -> bool: ...
+    def scene_states(self, book: str) -> list[tuple[str, str, str, str, str | None]]: ...
+
+
+class JobStart(Protocol):
+    """An open job-start transaction holding the pair's row lock."""
+
+    row: JobRow | None
+
+    def record_start(self, token: int, dispatch_id: str) -> None: ...
+
+
+class Jobs(Protocol):
+    def starting(self, book: str, pair: Pair) -> AbstractContextManager[JobStart]: ...
+    def commit_job(
+        self, book: str, pair: Pair, token: int, dispatch_id: str, artifact: dict[str, Any], lane: str
+    ) -> bool: ...
+    def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool: ...
+    def token_is_current(self, book: str, pair: Pair, token: int, dispatch_id: str) -> bool: ...
+
+
+class Journal(Protocol):
+    def prune_journal(self, retention_days: float, max_rows: int) -> int: ...
+
+
+# -- Redis: coordination, rebuildable from Postgres ---------------------------------------
+
+
+class BookState(Protocol):
+    """Cancel flags, the layers mirror, the force set and the active index."""
+
+    def book_snapshot(self, book: str, now: float, queues: Sequence[str] = ()) -> Snapshot: ...
+    def data_lost_at(self, now: float | None = None) -> float: ...
+    def cancel_flag_set(self, book: str) -> bool: ...
+    def clear_cancel_flag(self, book: str) -> None: ...
+    def set_cancel_flags(self, books: Iterable[str]) -> None: ...
+    def stop_book(self, book: str) -> None: ...
+    def mirror_layers(self, book: str, raw: str | None) -> None: ...
+    def mirror_layers_many(self, layers: dict[str, str | None]) -> None: ...
+    def start_work(
+        self, book: str, pairs: Sequence[Pair], scenes: Sequence[Scene], *, force_ttl: int | None
+    ) -> None: ...
+    def activate(self, book: str, scenes: Iterable[Scene]) -> None: ...
+    def deactivate(self, book: str, scenes: Iterable[Scene]) -> None: ...
+    def drop_book_if_idle(self, book: str) -> None: ...
+    def active_books(self) -> set[str]: ...
+
+
+class Deferrals(Protocol):
+    def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None: ...
+    def clear_deferrals(self, book: str, pairs: Iterable[Pair]) -> None: ...
+    def clear_bucket(self, book: str, bucket: str) -> None: ...
+    def prune_deferrals(self, books: Iterable[str], now: float) -> None: ...
+
+
+class Leases(Protocol):
+    def take_leases(self, leases: Sequence[tuple[BookPair, str, int, dict[str, Any]]]) -> None: ...
+    def lease_holders(self, pairs: Sequence[BookPair]) -> list[str | None]: ...
+    def renew_lease(self, pair: BookPair, dispatch_id: str, ttl: float) -> bool: ...
+    def release_lease(self, pair: BookPair, dispatch_id: str) -> bool: ...
+    def drop_leases(self, pairs: Sequence[BookPair]) -> None: ...
+    def claim_delivery(self, dispatch_id: str, worker: str, ttl: int, book: str) -> tuple[bool, bool]: ...
+    def touch_delivery(self, dispatch_id: str, ttl: int) -> None: ...
+    def end_delivery(self, dispatch_id: str) -> None: ...
+
+
+class Breaker(Protocol):
+    def breaker_acquire(self, queue: str, permit_seconds: float) -> str: ...
+    def breaker_record(self, queue: str, ok: bool, threshold: int, cooldown: float) -> str: ...
+
+
+class Presence(Protocol):
+    """Live consumers per queue: worker heartbeats, and the broker's own count where it has one."""
+
+    def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]: ...
+
+
+class Counters(Protocol):
+    """Best-effort totals for the metrics exporter; a lost update never fails the work."""
+
+    def add(self, counts: Mapping[str, int]) -> None: ...
+    def observe(self, name: str, seconds: float) -> None: ...
+
+
+class Locks(Protocol):
+    def try_lock(self, name: str, seconds: float) -> bool: ...
+
+
+# -- the broker, the artifact store, the generators ---------------------------------------
+
+
+class Publisher(Protocol):
+    def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None: ...
+    def revoke(self, dispatch_ids: Sequence[str]) -> None: ...
+    def enqueue_gate(self, book_id: str) -> None: ...
+
+
+class QueueProbe(Protocol):
+    def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None:
+        """Ids of the jobs still waiting in the broker's queues; None where the broker cannot tell."""
+        ...
+
+
+class ArtifactStore(Protocol):
+    def put(self, data: bytes, media_type: str) -> dict[str, Any]:
+        """Store content-addressed bytes; the record (sha256, size, media_type, path) a commit keeps."""
+        ...
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """A backend that turns one request into media.
+
+    `should_stop()` must be polled often; when it answers True the generator raises
+    `GenerationStopped` and produces nothing. `progress(fraction)` reports 0..1.
+    Failures are `GeneratorError(message, retryable=...)`.
+    """
+
+    name: str
+
+    def generate(
+        self,
+        request: GenerationRequest,
+        should_stop: Callable[[], bool],
+        progress: Callable[[float], None],
+    ) -> Media: ...
+
+
+class Generators(Protocol):
+    def load(self, spec: StageSpec) -> Generator: ...
+
+
+@dataclass(frozen=True)
+class Ports:
+    """The ports one process's flows work through, built by `worker.wiring`."""
+
+    settings: Settings
+    catalog: Catalog
+    commands: Commands
+    assets: Assets
+    jobs: Jobs
+    journal: Journal
+    book_state: BookState
+    deferrals: Deferrals
+    leases: Leases
+    breaker: Breaker
+    presence: Presence
+    counters: Counters
+    locks: Locks
+    publisher: Publisher
+    queue_probe: QueueProbe
+    artifacts: ArtifactStore
+    generators: Generators
