@@ -14,10 +14,9 @@ from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from kombu.exceptions import OperationalError
 
-from animastor_tasks.config import Settings
+from animastor_tasks.config import Settings, result_backend_url
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import AnimastorError, InvalidCommand, StoreUnavailable
-from animastor_tasks.worker.celery_config import result_backend_url
 
 _REMOTE_INVALID = ("InvalidCommand", "InvalidInput", "InvalidBook")
 

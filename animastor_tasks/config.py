@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from animastor_tasks.domain.deferral import DeferralWindows
 from animastor_tasks.domain.registry import MediaRegistry, StageSpec, registry_from_table
@@ -166,3 +166,12 @@ def _registry(env: Mapping[str, str]) -> MediaRegistry:
         return registry_from_table(table)
     except ValueError as err:
         raise ConfigError(f"ANIMASTOR_STAGES={raw!r}: {err}") from err
+
+
+def result_backend_url(redis_url: str) -> str:
+    """Celery's spelling of a Redis URL: a redis-py `unix://` socket becomes `redis+socket://`."""
+    parts = urlsplit(redis_url)
+    if parts.scheme != "unix":
+        return redis_url
+    db = parse_qs(parts.query).get("db", ["0"])[0]
+    return f"redis+socket://{parts.path}?virtual_host={db}"

@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.capacity import CapacityCounts
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.domain.types import BookPair, Pair, Scene
+from animastor_tasks.domain.types import BookPair, Pair, SceneKey
 from animastor_tasks.domain.vocabulary import AssetState
 
 # -- records -------------------------------------------------------------------------------
@@ -28,7 +28,7 @@ class CommandContext:
     """What a regenerate must know before it writes anything."""
 
     exists: bool
-    scenes: list[Scene]  # the named scenes that exist, or every scene, in reading order
+    scenes: list[SceneKey]  # the named scenes that exist, or every scene, in reading order
     layers_raw: str | None
     replay_of: list[str]  # commands already created for this request id
 
@@ -124,7 +124,7 @@ class Snapshot:
     cancel_flag: bool
     force: set[Pair]
     deferred: dict[str, set[Pair]]  # live deferrals by bucket
-    active: set[Scene]  # the book's scenes in the active index
+    active: set[SceneKey]  # the book's scenes in the active index
     consumers: dict[str, int]  # live heartbeats per queue asked for
     breaker_clean: dict[str, bool]  # no failure recorded: publishing needs no breaker call
     # When this process noticed that Redis lost its data (FLUSHALL, a restart without persistence);
@@ -156,7 +156,7 @@ class Media:
 
 
 class Catalog(Protocol):
-    def command_context(self, book_id: str, named: list[Scene] | None, request_id: str) -> CommandContext: ...
+    def command_context(self, book_id: str, named: list[SceneKey] | None, request_id: str) -> CommandContext: ...
     def book_exists(self, book_id: str) -> bool: ...
     def layers(self, book_id: str) -> str | None: ...
     def set_layers(self, book_id: str, raw: str | None) -> bool: ...
@@ -165,7 +165,7 @@ class Catalog(Protocol):
 
 class Commands(Protocol):
     def create_commands(
-        self, book: str, request_id: str, per_stage: dict[str, tuple[str, list[Scene]]], force: bool
+        self, book: str, request_id: str, per_stage: dict[str, tuple[str, list[SceneKey]]], force: bool
     ) -> list[str]: ...
     def commands_for_request(self, request_id: str) -> list[CommandRow]: ...
     def commands(
@@ -236,10 +236,10 @@ class BookState(Protocol):
     def mirror_layers(self, book: str, raw: str | None) -> None: ...
     def mirror_layers_many(self, layers: dict[str, str | None]) -> None: ...
     def start_work(
-        self, book: str, pairs: Sequence[Pair], scenes: Sequence[Scene], *, force_ttl: int | None
+        self, book: str, pairs: Sequence[Pair], scenes: Sequence[SceneKey], *, force_ttl: int | None
     ) -> None: ...
-    def activate(self, book: str, scenes: Iterable[Scene]) -> None: ...
-    def deactivate(self, book: str, scenes: Iterable[Scene]) -> None: ...
+    def activate(self, book: str, scenes: Iterable[SceneKey]) -> None: ...
+    def deactivate(self, book: str, scenes: Iterable[SceneKey]) -> None: ...
     def drop_book_if_idle(self, book: str) -> None: ...
     def active_books(self) -> set[str]: ...
 

@@ -1,6 +1,6 @@
 """The book: what a reader imports, validated once at the edge.
 
-Everything downstream (stores, planner, workers) trusts a `Book` because
+Everything downstream (stores, dispatch, workers) trusts a `Book` because
 `parse_book` refused anything it could not store, key, hash or show safely.
 Pure: standard library only, no I/O.
 
@@ -15,7 +15,6 @@ See docs/book-format.md for the format and every limit.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import reprlib
@@ -32,7 +31,6 @@ MAX_TEXT_CHARS = 100_000
 MAX_PROMPT_CHARS = 10_000
 SHOWN_VALUE_CHARS = 80
 ROOT_PATH = "book"
-INPUT_HASH_VERSION = "animastor.input.v1"
 
 # Invisible characters that reorder or hide text ("Trojan Source"): an id that
 # renders like another id must not be a different key. Zero-width (non-)joiners
@@ -50,7 +48,7 @@ class Scene:
     """One unit of generation: its text feeds the audio stage, its prompt the image stage.
 
     `position` is the 0-based index in reading order across the whole book, so
-    the planner can work front to back without re-walking chapters.
+    dispatch can take scenes in reading order without re-walking chapters.
     """
 
     chapter_id: str
@@ -394,17 +392,3 @@ def book_to_dict(book: Book) -> dict[str, Any]:
             for chapter in book.chapters
         ],
     }
-
-
-def input_hash(stage_input: str, fingerprint: str) -> str:
-    """sha256 hex of the (input, generator fingerprint) pair.
-
-    Stored next to a ready asset so a re-import can tell whether what produced it
-    changed. The pair is encoded as a versioned JSON array with ASCII escapes, so
-    no two different pairs share an encoding (no separator ambiguity) and lone
-    surrogates cannot make encoding fail.
-    """
-    if not isinstance(stage_input, str) or not isinstance(fingerprint, str):
-        raise TypeError("input_hash takes two strings")
-    canonical = json.dumps([INPUT_HASH_VERSION, stage_input, fingerprint], ensure_ascii=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("ascii")).hexdigest()

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-Scene = tuple[str, str]  # (chapter_id, scene_id)
+SceneKey = tuple[str, str]  # (chapter_id, scene_id)
 Pair = tuple[str, str, str]  # (chapter_id, scene_id, stage): one unit of generated media
 BookPair = tuple[str, str, str, str]  # (book_id, chapter_id, scene_id, stage): a pair named across books

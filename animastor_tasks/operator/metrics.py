@@ -23,8 +23,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.adapters.redis.counters import DURATION_BUCKETS, histogram_field
+from animastor_tasks.config import Settings
+from animastor_tasks.domain.keys import Keyspace
 from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.worker.wiring import Wiring
 
 log = logging.getLogger("animastor.metrics")
@@ -197,9 +201,25 @@ def build_registry(wiring: Callable[[], Wiring]) -> CollectorRegistry:
     return registry
 
 
+def last_tick_age(settings: Settings | None = None, *, now: float | None = None) -> float | None:
+    """Seconds since the beat's last tick was recorded; None when none was or Redis cannot tell.
+
+    A recent tick proves beat, the broker and the control worker are all up: the compose
+    healthcheck of beat asks this. It opens one short-lived Redis client and no Postgres pool.
+    """
+    settings = settings or Settings.from_env()
+    conn = RedisConnection(settings.redis_url, Keyspace(settings.key_prefix), socket_timeout=3.0)
+    try:
+        raw = conn.run(lambda: conn.client.hget(conn.keys.metrics(), histogram_field("tick_seconds", "last")))
+        return (time.time() if now is None else now) - float(raw) if raw is not None else None
+    except (StoreUnavailable, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
 def serve(address: str = DEFAULT_ADDRESS, port: int = DEFAULT_PORT) -> None:
     """Serve `/metrics` until SIGINT or SIGTERM."""
-    from animastor_tasks.config import Settings
     from animastor_tasks.worker.wiring import build
 
     wired = build(Settings.from_env())

@@ -70,7 +70,7 @@ def show_commands(rows: list[dict[str, Any]]) -> None:
             r["stage"],
             r["status"],
             r["reason"] or "",
-            f"{p.get('ready', 0)}/{p['total']}",
+            f"{p.get(AssetState.READY, 0)}/{p['total']}",
             f"{r['age_seconds']:.0f}s",
         )
     Console().print(table)

@@ -9,21 +9,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from kombu import Exchange, Queue
 
-from animastor_tasks.config import Settings
+from animastor_tasks.config import Settings, result_backend_url
 from animastor_tasks.domain.registry import CONTROL_QUEUE, CONTROL_TASKS
-
-
-def result_backend_url(redis_url: str) -> str:
-    """Celery's spelling of a Redis URL: a redis-py `unix://` socket becomes `redis+socket://`."""
-    parts = urlsplit(redis_url)
-    if parts.scheme != "unix":
-        return redis_url
-    db = parse_qs(parts.query).get("db", ["0"])[0]
-    return f"redis+socket://{parts.path}?virtual_host={db}"
 
 
 def build_config(settings: Settings) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,12 +13,14 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from animastor_tasks.dev.demo import free_port
+from animastor_tasks.dev.net import free_port
 from animastor_tasks.flow import dispatch
 from animastor_tasks.operator import metrics
 from animastor_tasks.worker.wiring import Wiring
+from tests.support import wait_for
+from tests.support.stack import Stack
 
-from . import Stack, http_get, make_book, operator_env, wait_for
+from . import http_get, make_book, operator_env
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -51,6 +54,20 @@ def test_observations_become_a_cumulative_histogram(rt: Wiring) -> None:
     assert value(samples, "animastor_tick_seconds_count") == 0
     assert value(samples, "animastor_last_observation_timestamp_seconds", name="gate_pass_seconds") > 0
     assert value(samples, "animastor_store_up", store="redis") == 1
+
+
+def test_last_tick_age_follows_the_beat_tick(rt: Wiring) -> None:
+    """What the compose healthcheck of beat asks: no tick yet, a fresh tick, then Redis unreachable."""
+    from dataclasses import replace
+
+    from animastor_tasks.flow import gate
+
+    assert metrics.last_tick_age(rt.settings) is None
+    gate.tick(rt.ports)
+    age = metrics.last_tick_age(rt.settings)
+    assert age is not None and 0 <= age < 5
+    assert metrics.last_tick_age(rt.settings, now=time.time() + 60) == pytest.approx(age + 60, abs=1)
+    assert metrics.last_tick_age(replace(rt.settings, redis_url="redis://127.0.0.1:1/0")) is None
 
 
 def test_counters_of_the_hash_are_exported_by_kind(rt: Wiring) -> None:

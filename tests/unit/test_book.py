@@ -19,11 +19,11 @@ from animastor_tasks.domain.book import (
     Chapter,
     Scene,
     book_to_dict,
-    input_hash,
     parse_book,
     parse_book_json,
     validate_id,
 )
+from animastor_tasks.domain.inputs import input_hash
 from animastor_tasks.errors import InvalidBook, InvalidCommand, InvalidInput
 
 

@@ -6,7 +6,15 @@ import itertools
 
 import pytest
 
-from animastor_tasks.domain.gate import BookFacts, Denial, authorize_scene, decide, parse_layers
+from animastor_tasks.domain.gate import (
+    BookFacts,
+    Denial,
+    JobStartFacts,
+    authorize_scene,
+    decide,
+    decide_job_start,
+    parse_layers,
+)
 from animastor_tasks.domain.vocabulary import CommandStatus
 
 PAIR = ("ch1", "s1", "audio")
@@ -64,3 +72,38 @@ def test_scene_authorization_lists_each_denied_stage() -> None:
 @pytest.mark.parametrize("raw", [None, "", "[]", "42", "{bad", '"x"', '{"audio_enabled": "no"}'])
 def test_unusable_layer_config_enables_everything(raw: str | None) -> None:
     assert parse_layers(raw).get("audio_enabled") is not False
+
+
+OWNED = {"state": "generating", "token": 7, "owner": "d-7"}
+NOT_OWNED = {
+    "re-dispatched": {"state": "generating", "token": 8, "owner": "d-8"},
+    "released": {"state": "dirty", "token": 7, "owner": "d-7"},
+    "settled": {"state": "ready", "token": 7, "owner": "d-7"},
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "layer", "cancel"),
+    list(itertools.product(COMMANDS, LAYERS, CANCELS)),
+)
+def test_job_start_agrees_with_the_gate_pass(command: str, layer: str, cancel: str) -> None:
+    """The same facts, fed to the pass decision and to the job-start decision of a job that still owns its
+    pair, give the same answer: the invariant is decided in one place at dispatch and at job start."""
+    flag, tombstone = CANCELS[cancel]
+    book = BookFacts(True, flag, tombstone, LAYERS[layer], commanded_for(command))
+    start = JobStartFacts(book, found=True, **OWNED)  # type: ignore[arg-type]
+    assert decide_job_start(start, PAIR, 7, "d-7") == decide(book, PAIR)
+
+
+@pytest.mark.parametrize("why", sorted(NOT_OWNED))
+def test_a_job_that_no_longer_owns_its_pair_never_starts(why: str) -> None:
+    book = BookFacts(True, commanded=frozenset({PAIR}))
+    assert decide(book, PAIR) is None  # the pair itself is still authorized
+    start = JobStartFacts(book, found=True, **NOT_OWNED[why])  # type: ignore[arg-type]
+    assert decide_job_start(start, PAIR, 7, "d-7") == Denial.STALE_TOKEN
+
+
+def test_job_start_refuses_a_cancelled_book_before_anything_else() -> None:
+    book = BookFacts(True, cancel_flag=True, commanded=frozenset({PAIR}))
+    assert decide_job_start(JobStartFacts(book, found=False), PAIR, 7, "d-7") == Denial.CANCELLED
+    assert decide_job_start(JobStartFacts(BookFacts(True), found=False), PAIR, 7, "d-7") == Denial.UNKNOWN_PAIR

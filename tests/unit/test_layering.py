@@ -1,9 +1,16 @@
-"""The domain layer stays pure: no driver, no Celery, no I/O imports under domain/."""
+"""The layers hold: domain/ imports no I/O, flows reach the world only through ports (the
+import-linter contracts in pyproject.toml), and no module grows past a few hundred lines."""
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import animastor_tasks
 
@@ -27,3 +34,44 @@ def test_domain_imports_nothing_with_io() -> None:
                 ):
                     offenders.append(f"{path.name}: {name}")
     assert offenders == []
+
+
+ROOT = Path(animastor_tasks.__file__).parent
+MAX_MODULE_LINES = 400
+
+
+def _lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
+    """Run the project's import contracts (pyproject.toml) over the package found in `tree`."""
+    tool = Path(sys.executable).with_name("lint-imports")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run(
+        [str(tool), "--config", str(ROOT.parent / "pyproject.toml"), "--no-cache"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_import_contracts_hold() -> None:
+    run = _lint_imports(ROOT.parent)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 kept, 0 broken" in run.stdout
+
+
+@pytest.mark.parametrize("driver", ["redis", "psycopg", "celery"])
+def test_a_flow_that_imports_a_driver_breaks_the_contract(tmp_path: Path, driver: str) -> None:
+    """The contract can fail: the same package, with one flow module reaching for a driver, is refused."""
+    shutil.copytree(ROOT, tmp_path / "animastor_tasks", ignore=shutil.ignore_patterns("__pycache__"))
+    gate = tmp_path / "animastor_tasks" / "flow" / "gate.py"
+    gate.write_text(gate.read_text().replace("import logging\n", f"import logging\n\nimport {driver}\n", 1))
+    run = _lint_imports(tmp_path)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"animastor_tasks.flow.gate -> {driver}" in run.stdout
+    assert "1 kept, 1 broken" in run.stdout
+
+
+def test_no_module_outgrows_what_a_newcomer_can_hold() -> None:
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES} == {}

@@ -81,7 +81,7 @@ def test_backoff_is_capped_and_pure() -> None:
 
 
 def test_result_backend_speaks_celerys_socket_form() -> None:
-    from animastor_tasks.worker.celery_config import result_backend_url
+    from animastor_tasks.config import result_backend_url
 
     assert result_backend_url("unix:///tmp/r/redis.sock?db=3") == "redis+socket:///tmp/r/redis.sock?virtual_host=3"
     assert result_backend_url("redis://127.0.0.1:6379/2") == "redis://127.0.0.1:6379/2"

@@ -10,8 +10,9 @@ from psycopg.types.json import Jsonb
 
 from animastor_tasks.adapters.postgres import journal
 from animastor_tasks.adapters.postgres.pool import Database
-from animastor_tasks.domain.book import Book, input_hash
-from animastor_tasks.domain.registry import MediaRegistry, StageSpec
+from animastor_tasks.domain.book import Book
+from animastor_tasks.domain.inputs import scene_hashes
+from animastor_tasks.domain.registry import MediaRegistry
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.ports import CommandContext
 
@@ -24,14 +25,6 @@ class ImportSummary:
     scenes_changed: int
     scenes_removed: int
     assets_dirtied: int
-
-
-def scene_input(spec: StageSpec, text: str, prompt: str) -> str:
-    return text if spec.input_field == "text" else prompt
-
-
-def scene_hashes(registry: MediaRegistry, text: str, prompt: str) -> dict[str, str]:
-    return {s.name: input_hash(scene_input(s, text, prompt), s.fingerprint) for s in registry.stages}
 
 
 class Catalog:

@@ -14,7 +14,7 @@ import psycopg
 
 from animastor_tasks.adapters.postgres import journal
 from animastor_tasks.adapters.postgres.pool import Database
-from animastor_tasks.domain.types import Pair, Scene
+from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import (
     CANCELLABLE,
     IN_FLIGHT,
@@ -35,7 +35,7 @@ class CommandStore:
         self.db = db
 
     def create_commands(
-        self, book: str, request_id: str, per_stage: dict[str, tuple[str, list[Scene]]], force: bool
+        self, book: str, request_id: str, per_stage: dict[str, tuple[str, list[SceneKey]]], force: bool
     ) -> list[str]:
         """Commands (active) + targets + targets to `pending`, in one transaction.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member, parse_pair_member, parse_scene_member, scene_member
-from animastor_tasks.domain.types import Pair, Scene
+from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.ports import Snapshot
 
 
@@ -107,7 +107,9 @@ class BookStateStore:
     def cancel_flag_set(self, book: str) -> bool:
         return bool(self.conn.run(lambda: self.conn.client.exists(self.conn.keys.cancel_flag(book))))
 
-    def start_work(self, book: str, pairs: Sequence[Pair], scenes: Sequence[Scene], *, force_ttl: int | None) -> None:
+    def start_work(
+        self, book: str, pairs: Sequence[Pair], scenes: Sequence[SceneKey], *, force_ttl: int | None
+    ) -> None:
         """A regenerate's Redis side in one round trip: force set (or un-force), deferrals cleared,
         scenes in the active index."""
         members = [pair_member(*p) for p in pairs]
@@ -128,7 +130,7 @@ class BookStateStore:
             pipe.execute()
 
     # -- active index --------------------------------------------------------------
-    def activate(self, book: str, scenes: Iterable[Scene]) -> None:
+    def activate(self, book: str, scenes: Iterable[SceneKey]) -> None:
         members = [scene_member(c, s) for c, s in scenes]
         if not members:
             return
@@ -138,7 +140,7 @@ class BookStateStore:
             pipe.sadd(self.conn.keys.active_books(), book)
             pipe.execute()
 
-    def deactivate(self, book: str, scenes: Iterable[Scene]) -> None:
+    def deactivate(self, book: str, scenes: Iterable[SceneKey]) -> None:
         members = [scene_member(c, s) for c, s in scenes]
         if members:
             self.conn.run(lambda: self.conn.client.srem(self.conn.keys.active_scenes(book), *members))
