@@ -136,14 +136,6 @@ class Catalog:
         with self.db.read() as conn:
             return conn.execute("SELECT 1 FROM books WHERE book_id = %s", (book_id,)).fetchone() is not None
 
-    def scene_input(self, book_id: str, chapter_id: str, scene_id: str) -> tuple[str, str] | None:
-        with self.db.read() as conn:
-            row = conn.execute(
-                "SELECT text, prompt FROM scenes WHERE book_id = %s AND chapter_id = %s AND scene_id = %s",
-                (book_id, chapter_id, scene_id),
-            ).fetchone()
-        return None if row is None else (row[0], row[1])
-
     def set_layers(self, book_id: str, raw: str | None) -> bool:
         with self.db.transaction() as conn:
             updated = conn.execute(
