@@ -30,7 +30,7 @@ test: install
 	$(BIN)/pytest -q
 
 test-fast: install
-	$(BIN)/pytest -q tests/unit tests/integration
+	$(BIN)/pytest -q tests/unit tests/integration tests/dev
 
 lint: install
 	$(BIN)/ruff check .

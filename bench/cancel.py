@@ -6,7 +6,7 @@ book with live leases, so cancel also releases and revokes running jobs. A fake 
 advertised on both GPU queues (nothing consumes), and one gate pass runs first, so the
 pending pairs carry capacity deferrals exactly as on a live system.
 
-Then `flow.cancel_flow.cancel(rt.ports, book)` is timed (real Celery publisher: the revoke is a real
+Then `flow.cancel.cancel(rt.ports, book)` is timed (real Celery publisher: the revoke is a real
 broadcast). Afterwards a gate pass, a tick (with the gate tasks it enqueues run in-process)
 and a forced reconcile run; every `dispatch` / `job.started` event and every message
 published to a GPU queue after the cancel counts as a job started after cancel (must be 0);
@@ -130,7 +130,8 @@ def once(rt: Any, ctx: Context) -> dict[str, Any]:
         again = gate_pass(rt.ports, BOOK)
         # The running jobs' messages, delivered anyway (a revoke that lost the race): they must not start.
         late = [
-            run_job(rt.ports, Job(BOOK, c, s, st, d, t), worker="bench@host")["outcome"] for c, s, st, d, t in info["running"]
+            run_job(rt.ports, Job(BOOK, c, s, st, d, t), worker="bench@host")["outcome"]
+            for c, s, st, d, t in info["running"]
         ]
         with pg_connect() as conn:
             started_events = conn.execute(

@@ -61,10 +61,11 @@ def stage_table(**limits: int) -> dict[str, Any]:
 
 def prepare_stores() -> None:
     """Create and migrate the bench database (idempotent)."""
-    from animastor_tasks.adapters.postgres.pool import Database, migrate
-    from animastor_tasks.dev import stores as devstack
+    from animastor_tasks.adapters.postgres.migrations import migrate
+    from animastor_tasks.adapters.postgres.pool import Database
+    from animastor_tasks.dev.probes import ensure_database
 
-    devstack.ensure_database(DATABASE_URL)
+    ensure_database(DATABASE_URL)
     db = Database(DATABASE_URL)
     try:
         migrate(db)
@@ -109,18 +110,12 @@ def declare_broker_queues() -> None:
             queue.bind(channel).declare()
 
 
-def make_runtime(stages: dict[str, Any] | None = None, *, publisher: bool = True) -> Any:
-    """A `Runtime` on the bench stores; with the real Celery publisher unless told otherwise."""
+def make_runtime(stages: dict[str, Any] | None = None) -> Any:
+    """The wiring on the bench stores, publishing real Celery messages to the bench broker."""
     from animastor_tasks.config import Settings
-    from animastor_tasks.flow.runtime import Runtime
+    from animastor_tasks.worker.wiring import build
 
-    settings = Settings.from_env(bench_env(stages))
-    pub = None
-    if publisher:
-        from animastor_tasks.worker.tasks import PUBLISHER
-
-        pub = PUBLISHER
-    return Runtime.build(settings, publisher=pub)
+    return build(Settings.from_env(bench_env(stages)))
 
 
 def pg_connect(autocommit: bool = True) -> Any:
@@ -280,17 +275,17 @@ def add_deferrals(rt: Any, book: str, pairs: Sequence[tuple[str, str, str]], buc
     """Deferrals for `pairs` in one bucket, in batches of 10k members."""
     now = time.time()
     for start in range(0, len(pairs), 10_000):
-        rt.coord.defer(book, bucket, pairs[start : start + 10_000], seconds, now)
+        rt.deferrals.defer(book, bucket, pairs[start : start + 10_000], seconds, now)
 
 
 def activate(rt: Any, book: str, scenes: Sequence[tuple[str, str]]) -> None:
     for start in range(0, len(scenes), 10_000):
-        rt.coord.activate(book, scenes[start : start + 10_000])
+        rt.ports.book_state.activate(book, scenes[start : start + 10_000])
 
 
 def advertise_consumers(rt: Any, queues: Sequence[str], ttl: float = 600.0) -> None:
     """A fake live consumer on each queue, so dispatch is not BLOCKED (nothing consumes for real)."""
-    rt.coord.heartbeat("bench@host", list(queues), ttl)
+    rt.presence.heartbeat("bench@host", list(queues), ttl)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -390,7 +385,7 @@ class _CountingConnection:
 
 @contextmanager
 def count_round_trips(rt: Any) -> Iterator[RoundTrips]:
-    """Count what goes through `rt.coord.client`, `rt.db.transaction()` and `rt.db.read()` while the block runs.
+    """Count what goes through `rt.redis.client`, `rt.db.transaction()` and `rt.db.read()` while the block runs.
 
     Redis: every `execute_command` (scripts included) and every pipeline `execute`.
     Postgres: every `conn.execute` / cursor execute inside a `Database.transaction()` or `read()`,
@@ -398,7 +393,7 @@ def count_round_trips(rt: Any) -> Iterator[RoundTrips]:
     and the pool's connection check, not included in `pg_statements`).
     """
     counter = RoundTrips()
-    client = rt.coord.client
+    client = rt.redis.client
     original_execute = client.execute_command
     original_pipeline = client.pipeline
 

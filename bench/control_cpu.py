@@ -207,7 +207,7 @@ def run_child(book: str) -> dict[str, Any]:
 
 def rss(ctx: Context, pairs: int) -> dict[str, Any]:
     reset_stores()
-    rt = make_runtime(publisher=False)
+    rt = make_runtime()
     try:
         keys = _book(rt, RSS_BOOK, pairs // 2)
         _book(rt, RSS_TINY, 1)

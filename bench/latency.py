@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
+from animastor_tasks.dev.celery_commands import celery_argv
+from animastor_tasks.dev.supervisor import Supervisor, wait_until
 from bench.common import (
     ROOT,
     BenchResult,
@@ -58,50 +58,20 @@ CREATE OR REPLACE TRIGGER bench_notify AFTER INSERT ON events FOR EACH ROW
 _DROP_TRIGGER_SQL = "DROP TRIGGER IF EXISTS bench_notify ON events; DROP FUNCTION IF EXISTS bench_notify_event();"
 
 
-class Workers:
-    """Celery worker subprocesses, stopped by their own pids only."""
+def start_worker(workers: Supervisor, name: str, app: str, queue: str) -> None:
+    """One solo-pool worker (a single process, no pool child) of `app` on `queue`."""
+    workers.start(
+        name,
+        celery_argv("worker", "-Q", queue, "-c", "1", "-P", "solo", "-n", f"{name}@%h", "-l", "warning", app=app),
+    )
 
-    def __init__(self) -> None:
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.logdir = tempfile.mkdtemp(prefix="animastor-bench-workers-")
 
-    def start(self, name: str, app: str, queue: str) -> None:
-        celery = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "celery")
-        env = {**os.environ, **bench_env(), "PYTHONPATH": ROOT}
-        env.pop("ANIMASTOR_STAGES", None)
-        log = open(os.path.join(self.logdir, f"{name}.log"), "wb")  # noqa: SIM115 - closed with the process
-        self.procs[name] = subprocess.Popen(
-            [celery, "-A", app, "worker", "-Q", queue, "-c", "1", "-P", "solo", "-n", f"{name}@%h", "-l", "warning"],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-
-    def check(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"worker {name} exited with {proc.returncode}: {self.tail(name)}")
-
-    def tail(self, name: str, lines: int = 15) -> str:
-        try:
-            with open(os.path.join(self.logdir, f"{name}.log"), errors="replace") as handle:
-                return "".join(handle.readlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+def worker_supervisor() -> Supervisor:
+    """Workers on the bench stores (the default stage table), logs in a directory of their own."""
+    env = {**os.environ, **bench_env(), "PYTHONPATH": ROOT}
+    env.pop("ANIMASTOR_STAGES", None)
+    logs = Path(tempfile.mkdtemp(prefix="animastor-bench-workers-"))
+    return Supervisor(env, logs, say=lambda _: None, cwd=Path(ROOT))
 
 
 class EventWaiter:
@@ -152,15 +122,6 @@ class EventWaiter:
         self.query.close()
 
 
-def wait_until(check: Any, timeout: float, what: str, workers: Workers) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        workers.check()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def raw_hop(app: Any, client: Any, timeout: float = 10.0, *, product: bool = False) -> float | None:
     """Seconds from `send_task` to the no-op task's first line, or None on timeout."""
     from bench import rawhop
@@ -174,11 +135,11 @@ def raw_hop(app: Any, client: Any, timeout: float = 10.0, *, product: bool = Fal
 
 
 def regenerate_round_trips(rt: Any, waiter: EventWaiter, key: tuple[str, str]) -> dict[str, Any]:
-    """Round trips of one `commands.regenerate` run in this process (it dispatches to the live GPU worker)."""
-    from animastor_tasks.flow import commands
+    """Round trips of one regenerate run in this process (it dispatches to the live GPU worker)."""
+    from animastor_tasks.flow import regenerate as regenerate_flow
 
     with count_round_trips(rt) as trips:
-        commands.regenerate(rt, BOOK, ["audio"], [list(key)])
+        regenerate_flow.regenerate(rt.ports, BOOK, ["audio"], [list(key)])
     waiter.wait("job.ready", key[1], 20.0)
     slowest = sorted(trips.statement_seconds.items(), key=lambda kv: -kv[1])[:5]
     return {
@@ -229,7 +190,7 @@ def run(ctx: Context) -> BenchResult:
         conn.execute(_TRIGGER_SQL)
 
     rt = make_runtime()
-    workers = Workers()
+    workers = worker_supervisor()
     waiter = EventWaiter()
     client = Client(Settings.from_env(bench_env()))
     rclient = redis_client()
@@ -243,22 +204,22 @@ def run(ctx: Context) -> BenchResult:
     trips: dict[str, Any] | None = None
     try:
         started = time.perf_counter()
-        workers.start("control", "animastor_tasks", "animastor.control")
-        workers.start("gpu-audio", "animastor_tasks", "gpu.audio")
-        workers.start("raw", "bench.rawhop", rawhop.QUEUE)
-        workers.start("raw-product", "bench.rawhop:product_app", rawhop.PRODUCT_QUEUE)
+        start_worker(workers, "control", "animastor_tasks", "animastor.control")
+        start_worker(workers, "gpu-audio", "animastor_tasks", "gpu.audio")
+        start_worker(workers, "raw", "bench.rawhop", rawhop.QUEUE)
+        start_worker(workers, "raw-product", "bench.rawhop:product_app", rawhop.PRODUCT_QUEUE)
         wait_until(
-            lambda: all(rt.coord.live_consumers([q])[q] for q in ("animastor.control", "gpu.audio")),
+            lambda: all(rt.presence.live_consumers([q])[q] for q in ("animastor.control", "gpu.audio")),
             90,
             "worker presence",
-            workers,
+            workers.check,
         )
-        wait_until(lambda: raw_hop(rawhop.app, rclient, 2.0) is not None, 90, "the raw-hop worker", workers)
+        wait_until(lambda: raw_hop(rawhop.app, rclient, 2.0) is not None, 90, "the raw-hop worker", workers.check)
         wait_until(
             lambda: raw_hop(product_client, rclient, 2.0, product=True) is not None,
             90,
             "the product-config raw-hop worker",
-            workers,
+            workers.check,
         )
         ctx.log(f"latency: workers up in {time.perf_counter() - started:.1f}s; {samples} samples")
 
@@ -275,8 +236,8 @@ def run(ctx: Context) -> BenchResult:
                 consecutive += 1
                 if consecutive >= 3:
                     raise RuntimeError(
-                        f"3 samples in a row never started; control log: {workers.tail('control')}"
-                        f" gpu log: {workers.tail('gpu-audio')}"
+                        f"3 samples in a row never started; control log: {workers.children['control'].tail()}"
+                        f" gpu log: {workers.children['gpu-audio'].tail()}"
                     )
                 continue
             consecutive = 0
@@ -295,9 +256,9 @@ def run(ctx: Context) -> BenchResult:
                 ctx.log(f"latency: {i + 1 - warmup}/{samples} samples")
         trips = regenerate_round_trips(rt, waiter, scene_key(warmup + samples, shape.scenes_per_chapter))
     finally:
-        workers.stop()
+        workers.stop_all()
         if not failures and trips is not None:
-            shutil.rmtree(workers.logdir, ignore_errors=True)
+            shutil.rmtree(workers.log_dir, ignore_errors=True)
         waiter.close()
         client.close()
         rclient.close()
@@ -349,6 +310,6 @@ def run(ctx: Context) -> BenchResult:
         " just before Client().regenerate(wait=False); 2 Celery hops (client->control, control->gpu) + regenerate"
         " + gate pass + claim + start check",
         "regenerate_round_trips_in_process": trips,
-        "worker_logs": workers.logdir if failures or trips is None else "(removed: no failure)",
+        "worker_logs": str(workers.log_dir) if failures or trips is None else "(removed: no failure)",
     }
     return result

@@ -6,7 +6,7 @@ COPY: 10k = 10 books x 500 scenes x 2 stages; 1M = 1,000 books x 500 scenes x 2 
 autovacuum would do on a live system.
 
 Timed: `gate.tick(rt.ports)` (its singleton lock deleted before each call),
-`reconcile_flow.reconcile(rt.ports, force=True)` and `gate_pass` on one idle book. Baseline in the
+`flow.reconcile.reconcile(rt.ports, force=True)` and `gate_pass` on one idle book. Baseline in the
 same run: one Redis PING and one `SELECT 1` transaction through the same pool (the floor
 of a call that makes one round trip to each store). Reconcile's statements are timed one
 by one, and at the largest size every reconcile query is EXPLAIN ANALYZEd, so a query that

@@ -68,6 +68,8 @@ class CommandStatus(StrEnum):
     FAILED = "failed"  # every target is terminal and at least one failed
 
 
+# Commands that authorize nothing any more: only a new command brings work back.
+NO_LONGER_ACTIVE: frozenset[CommandStatus] = frozenset(CommandStatus) - {CommandStatus.ACTIVE}
 # Commands a Stop All ends (a blocked command is still the reader's open intent).
 CANCELLABLE: frozenset[CommandStatus] = frozenset({CommandStatus.ACTIVE, CommandStatus.BLOCKED})
 

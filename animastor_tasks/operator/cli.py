@@ -6,6 +6,7 @@ URL and the password hidden), 1 anything else. Read commands take `--json`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -26,10 +27,12 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+@functools.cache
 def _wired() -> Wiring:
-    from animastor_tasks.worker import wiring
+    """This command's adapters, built once from the environment."""
+    from animastor_tasks.worker.wiring import build
 
-    return wiring.current()
+    return build(Settings.from_env())
 
 
 def _fail(message: str, code: int) -> None:

@@ -11,11 +11,9 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from animastor_tasks.domain.vocabulary import AssetState, CommandStatus
+from animastor_tasks.domain.vocabulary import NO_LONGER_ACTIVE, AssetState
 from animastor_tasks.worker.wiring import Wiring
 
-# A watch ends when no command is active any more.
-TERMINAL_COMMANDS = frozenset(CommandStatus) - {CommandStatus.ACTIVE}
 # Progress columns, most finished first.
 STATES = (AssetState.READY, AssetState.GENERATING, AssetState.PENDING, AssetState.DIRTY, AssetState.FAILED)
 
@@ -54,7 +52,7 @@ def show_status(fetch: Callable[[], dict[str, Any]], *, watch: bool, interval: f
         console.print(_status_renderable(data))
         return
     with Live(_status_renderable(data), console=console, refresh_per_second=4) as live:
-        while any(c["status"] not in TERMINAL_COMMANDS for c in data["commands"]):
+        while any(c["status"] not in NO_LONGER_ACTIVE for c in data["commands"]):
             time.sleep(interval)
             data = fetch()
             live.update(_status_renderable(data))

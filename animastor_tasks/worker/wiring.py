@@ -34,6 +34,7 @@ from animastor_tasks.config import Settings
 from animastor_tasks.domain.keys import Keyspace
 from animastor_tasks.generators import EntryPointGenerators
 from animastor_tasks.ports import Ports
+from animastor_tasks.worker.celery_config import build_config
 
 
 @dataclass
@@ -60,9 +61,11 @@ class Wiring:
 
 
 def build(settings: Settings, app: Celery | None = None) -> Wiring:
-    """Every adapter for `settings`; jobs are published through `app` (this package's by default)."""
+    """Every adapter for `settings`; jobs are published through `app`, else through a Celery app
+    configured from the same settings (a CLI or a test stack publishes to its own broker)."""
     if app is None:
-        from animastor_tasks.worker.app import app
+        app = Celery("animastor_tasks", set_as_current=False)
+        app.conf.update(build_config(settings))
     db = Database(settings.database_url, max_size=settings.db_pool_max)
     conn = RedisConnection(settings.redis_url, Keyspace(settings.key_prefix))
     catalog = Catalog(db, settings.registry)
@@ -100,7 +103,9 @@ def current() -> Wiring:
     """This worker or beat process's wiring; rebuilt in a forked child so nothing crosses a fork."""
     global _current, _current_pid
     if _current is None or _current_pid != os.getpid():
-        _current = build(Settings.from_env())
+        from animastor_tasks.worker.app import app
+
+        _current = build(Settings.from_env(), app)
         _current_pid = os.getpid()
     return _current
 

@@ -23,9 +23,11 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support import Figures, missing, redis_server_executable
+from tests.support import Figures, missing
+from tests.support.private_redis import PrivateRedis
+from tests.support.stack import Stack
 
-from .harness import Cluster, RedisServer, Stack, audio_stage, image_stage, stage_table
+from .harness import audio_stage, image_stage, stage_table
 
 FIGURES = Figures()
 E2E_TABLES = "events, artifacts, cancel_tombstones, command_targets, commands, asset_states, scenes, chapters, books"
@@ -50,16 +52,14 @@ def figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
     """The session's private redis-server; a test that stops it must start it again (see tests/faults)."""
-    server = RedisServer(tmp_path_factory.mktemp("redis"), redis_server_executable())
-    server.start()
-    yield server
-    server.stop()
+    with PrivateRedis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
-def private_redis(redis_server: RedisServer) -> str:
+def private_redis(redis_server: PrivateRedis) -> str:
     return redis_server.url
 
 
@@ -121,13 +121,9 @@ def make_stack(
 ) -> Iterator[Callable[..., Stack]]:
     """Build the stack for one test: clean stores, env, observer runtime, client, cluster.
 
-    `make_stack(stages=..., broker_url=..., **ANIMASTOR_overrides)`; the cluster is
+    `make_stack(stages=..., broker_url=..., **ANIMASTOR_overrides)`; the stack is
     always closed at teardown, and the logs' tails are printed when the test failed.
     """
-    from animastor_tasks.client import Client
-    from animastor_tasks.config import Settings
-    from animastor_tasks.flow.runtime import Runtime
-
     stacks: list[Stack] = []
 
     def build(*, stages: str | None = None, broker_url: str | None = None, **overrides: Any) -> Stack:
@@ -152,10 +148,7 @@ def make_stack(
             "ANIMASTOR_STAGES": stages or stage_table(audio=audio_stage(), image=image_stage()),
         }
         env.update({f"ANIMASTOR_{k.upper()}": str(v) for k, v in overrides.items()})
-        settings = Settings.from_env(env)
-        rt = Runtime.build(settings)
-        cluster = Cluster(tmp_path / f"procs{len(stacks)}", env, rt.coord)
-        stack = Stack(env, settings, rt, Client(settings, timeout=30), cluster, artifacts)
+        stack = Stack(env, tmp_path / f"stack{len(stacks)}")
         stacks.append(stack)
         return stack
 

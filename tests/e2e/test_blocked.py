@@ -8,8 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from tests.integration.helpers import make_book
+from tests.support.stack import Stack
 
-from .harness import RedisQueueTap, Stack, wait_for
+from .harness import RedisQueueTap, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -7,8 +7,7 @@ import time
 import pytest
 
 from animastor_tasks.dev.samples import load_sample_book
-
-from .harness import Stack
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from tests.e2e.harness import Stack
+from tests.support.stack import Stack
 
 # Every `dispatch` event must be for a pair that, when it was dispatched, had a command of its stage
 # targeting it that was created before and not yet over (no cancel of the book, no BLOCK of the stage, not

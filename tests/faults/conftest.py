@@ -22,8 +22,8 @@ from tests.e2e.conftest import (  # noqa: F401  (fixtures and the report hook, r
     pytest_runtest_makereport,
     redis_server,
 )
-from tests.e2e.harness import RedisServer
 from tests.support import Figures
+from tests.support.private_redis import PrivateRedis
 
 from .scale import Scale
 from .scale import current as current_scale
@@ -50,7 +50,7 @@ def figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
 
 
 @pytest.fixture
-def redis_down_ok(redis_server: RedisServer) -> Iterator[RedisServer]:  # noqa: F811 (the fixture)
+def redis_down_ok(redis_server: PrivateRedis) -> Iterator[PrivateRedis]:  # noqa: F811 (the fixture)
     """The private redis-server, for a test that stops, kills or restarts it: running again afterwards."""
     yield redis_server
     if not redis_server.running():

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from kombu import Connection, Exchange, Producer, Queue
 
-from animastor_tasks.worker.celery_config import CONTROL_QUEUE
+from animastor_tasks.domain.registry import CONTROL_QUEUE
 from tests.e2e.harness import wait_for
 from tests.integration.helpers import make_book
 

@@ -18,8 +18,9 @@ import pytest
 
 from animastor_tasks.client import Client
 from animastor_tasks.errors import StoreUnavailable
-from tests.e2e.harness import REPO_ROOT, audio_stage, image_stage, stage_table, wait_for
+from tests.e2e.harness import audio_stage, image_stage, stage_table, wait_for
 from tests.integration.helpers import make_book
+from tests.support.cluster import REPO_ROOT
 
 from .checks import unauthorized_dispatches
 

@@ -19,8 +19,9 @@ import time
 
 import pytest
 
-from tests.e2e.harness import Proc, audio_stage, image_stage, running_dispatch, stage_table, wait_for
+from tests.e2e.harness import audio_stage, image_stage, running_dispatch, stage_table, wait_for
 from tests.integration.helpers import make_book
+from tests.support.cluster import Proc
 
 from .checks import unauthorized_dispatches
 

@@ -20,7 +20,7 @@ import pytest
 from animastor_tasks.adapters.postgres.migrations import migrate
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.client import Client
-from animastor_tasks.dev.stores import LocalStores
+from animastor_tasks.dev.local_stores import LocalStores
 from animastor_tasks.errors import StoreUnavailable
 from tests.e2e.harness import RedisQueueTap, audio_stage, image_stage, stage_table, wait_for
 from tests.integration.helpers import make_book

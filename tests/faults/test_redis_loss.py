@@ -31,7 +31,7 @@ def test_redis_loss_with_jobs_queued_and_running(make_stack, redis_down_ok, figu
     stack = make_stack(
         stages=stage_table(audio=audio_stage(params=JOB, lease_ttl=3), image=image_stage(params=JOB, lease_ttl=3))
     )
-    cluster, settings, coord = stack.cluster, stack.settings, stack.rt.coord
+    cluster, settings, coord = stack.cluster, stack.settings, stack.rt
     procs = [cluster.control(wait=False), cluster.gpu("audio", wait=False), cluster.gpu("image", wait=False)]
     cluster.wait_ready(*procs, cluster.beat(wait=False))
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from animastor_tasks.dev.demo import free_port
-from tests.support import missing
+from animastor_tasks.dev.net import free_port
+from tests.support import missing, wait_for
+from tests.support.stack import Stack
 
-from . import Stack, http_get, make_book, operator_env, wait_for
+from . import http_get, make_book, operator_env
 
 ROOT = Path(__file__).resolve().parents[2]
 FLOWER_CONF = ROOT / "flowerconfig.py"

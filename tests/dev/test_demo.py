@@ -19,9 +19,10 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 
-from animastor_tasks.dev.demo import free_port
-
-from . import groups_in, http_get, leftovers, operator_env, wait_for
+from animastor_tasks.dev.net import free_port
+from animastor_tasks.dev.processes import leftovers
+from tests.operator import http_get, operator_env
+from tests.support import wait_for
 
 DEMO_DEADLINE = 60.0  # the issue asks for a demo under about a minute
 
@@ -96,6 +97,11 @@ class DemoRun:
         for pid in leftovers(found.group(1) if found else "-", groups_in(self.output)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def groups_in(output: str) -> list[int]:
+    """Process groups the demo announced (`... (process group N) ...`)."""
+    return [int(n) for n in re.findall(r"process group (\d+)", output)]
 
 
 def _cmdline(pid: int) -> str:

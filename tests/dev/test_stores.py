@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,16 +25,10 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from animastor_tasks.config import DEFAULT_DATABASE_URL, Settings
-from animastor_tasks.dev.stores import (
-    BROKER_VAR,
-    DATABASE_VAR,
-    REDIS_VAR,
-    ensure_database,
-    ensure_stores,
-    probe_postgres,
-    probe_redis,
-    stop_local,
-)
+from animastor_tasks.dev.local_stores import BROKER_VAR, DATABASE_VAR, REDIS_VAR
+from animastor_tasks.dev.probes import ensure_database, probe_postgres, probe_redis
+from animastor_tasks.dev.processes import pid_alive, wait_dead
+from animastor_tasks.dev.stores import ensure_stores, stop_local
 
 CLOSED = {
     DATABASE_VAR: "postgresql://postgres@127.0.0.1:1/animastor_devstack",
@@ -47,28 +40,6 @@ STORE_VARS = (DATABASE_VAR, REDIS_VAR, BROKER_VAR)
 def _configured() -> dict[str, str]:
     """The store URLs this test run is configured with (defaults when unset)."""
     return {name: os.environ[name] for name in STORE_VARS if os.environ.get(name, "").strip()}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
-def _wait_dead(pid: int, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _pid_alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _parse_exports(text: str) -> dict[str, str]:
@@ -167,7 +138,7 @@ def test_starts_embedded_stores_when_the_configured_ones_are_unreachable(local_d
 
     assert any("stopped embedded PostgreSQL" in line for line in stop_lines)
     assert any("stopped embedded Redis" in line for line in stop_lines)
-    assert not _pid_alive(pg_pid) and not _pid_alive(redis_pid)
+    assert not pid_alive(pg_pid) and not pid_alive(redis_pid)
     assert not any(sock.exists() for sock in sockets)
     assert not local_dir.exists()
 
@@ -195,7 +166,7 @@ def test_up_outlives_its_process_restarts_after_stale_state_and_down_stops(local
     old_pg, old_redis = state["postgres"]["pid"], state["redis"]["pid"]
     os.kill(old_pg, signal.SIGINT)
     os.kill(old_redis, signal.SIGTERM)
-    assert _wait_dead(old_pg) and _wait_dead(old_redis)
+    assert wait_dead(old_pg, 15.0) and wait_dead(old_redis, 15.0)
     stale = subprocess.run([*cli, "env"], env=env, capture_output=True, text=True, timeout=60, check=False)
     assert stale.returncode == 1 and "not running" in stale.stderr
 
@@ -211,5 +182,5 @@ def test_up_outlives_its_process_restarts_after_stale_state_and_down_stops(local
 
     down = subprocess.run([*cli, "down"], env=env, capture_output=True, text=True, timeout=120, check=False)
     assert down.returncode == 0, down.stderr
-    assert not _pid_alive(new_pg) and not _pid_alive(new_redis)
+    assert not pid_alive(new_pg) and not pid_alive(new_redis)
     assert not local_dir.exists()
