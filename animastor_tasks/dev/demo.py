@@ -30,7 +30,7 @@ from rich.table import Table
 
 from animastor_tasks.dev.demo_progress import render_progress
 from animastor_tasks.dev.demo_stack import DEMO_STAGES, DemoError, DemoStack, worker_name
-from animastor_tasks.dev.local_stores import default_data_dir
+from animastor_tasks.dev.local_dir import default_data_dir
 from animastor_tasks.dev.supervisor import Interrupted, SupervisorError, wait_until
 from animastor_tasks.domain.vocabulary import IN_FLIGHT, NO_LONGER_ACTIVE, AssetState, CommandStatus
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from animastor_tasks.dev.local_dir import default_data_dir
 from animastor_tasks.dev.local_postgres import DEFAULT_DATABASE, LocalPostgres, postgres_url
 from animastor_tasks.dev.local_redis import LocalRedis, broker_url, redis_url
 from animastor_tasks.dev.probes import ensure_database
@@ -23,20 +24,8 @@ from animastor_tasks.dev.probes import ensure_database
 DATABASE_VAR = "ANIMASTOR_DATABASE_URL"
 REDIS_VAR = "ANIMASTOR_REDIS_URL"
 BROKER_VAR = "ANIMASTOR_BROKER_URL"
-LOCAL_DIR_VAR = "ANIMASTOR_LOCAL_DIR"
 
 _STATE_VERSION = 1
-
-
-def default_data_dir() -> Path:
-    """`$ANIMASTOR_LOCAL_DIR`, else `.animastor-local/` in the source checkout, else in the current directory."""
-    override = os.environ.get(LOCAL_DIR_VAR, "").strip()
-    if override:
-        return Path(override).expanduser()
-    root = Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").is_file():
-        return root / ".animastor-local"
-    return Path.cwd() / ".animastor-local"
 
 
 class LocalStores:

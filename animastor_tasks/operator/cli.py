@@ -20,6 +20,7 @@ import click
 
 from animastor_tasks.config import Settings
 from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
+from animastor_tasks.operator import process_commands
 
 if TYPE_CHECKING:
     from animastor_tasks.worker.wiring import Wiring
@@ -63,6 +64,10 @@ def main() -> None:
 
 def _load_local_env() -> None:
     """After `animastor-tasks up` started local stores, later commands find them without a `source`."""
+    from animastor_tasks.dev.local_dir import default_data_dir
+
+    if not default_data_dir().exists():
+        return
     from animastor_tasks.dev import stores as devstack
 
     for key, value in devstack.local_env().items():
@@ -89,40 +94,6 @@ def db_migrate() -> None:
 
     applied = migrate(_wired().db)
     click.echo(f"applied: {', '.join(applied)}" if applied else "database is up to date")
-
-
-@main.command()
-def up() -> None:
-    """Bring the stores up (configured ones when reachable, else local ones) and migrate."""
-    from animastor_tasks.adapters.postgres.migrations import migrate
-    from animastor_tasks.adapters.postgres.pool import Database
-    from animastor_tasks.dev import stores as devstack
-
-    overrides, _ = devstack.ensure_stores(log=click.echo)
-    os.environ.update(overrides)
-    stores = devstack.LocalStores()
-    if overrides:
-        stores.data_dir.mkdir(parents=True, exist_ok=True)
-        stores.env_path.write_text(devstack.render_env(overrides))
-        click.echo(f"local stores: settings in {stores.env_path} (animastor-tasks commands load them by themselves)")
-    settings = Settings.from_env()
-    db = Database(settings.database_url)
-    try:
-        applied = migrate(db)
-    finally:
-        db.close()
-    click.echo(f"postgres: migrations applied: {', '.join(applied)}" if applied else "postgres: schema up to date")
-    click.echo(
-        "ready: start workers with `animastor-tasks worker` (control) and `animastor-tasks worker --stage audio`"
-    )
-
-
-@main.command()
-def down() -> None:
-    """Stop the local stores `up` started (if any)."""
-    from animastor_tasks.dev import stores as devstack
-
-    devstack.main(["down"])
 
 
 # -- books and layers ------------------------------------------------------------------------
@@ -310,88 +281,8 @@ def reconcile_cmd(as_json: bool) -> None:
     _emit(reconcile.reconcile(_wired().ports, force=True), as_json, lambda d: click.echo(d))
 
 
-# -- processes ------------------------------------------------------------------------------
-@main.command(context_settings={"ignore_unknown_options": True})
-@click.option("--stage", default=None, help="Run a GPU worker for this stage (default: the control worker).")
-@click.option("--gpus", default=None, help="Comma-separated GPU ids; one pool process per GPU.")
-@click.option("--hostname", "-n", default=None)
-@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
-def worker(stage: str | None, gpus: str | None, hostname: str | None, celery_args: tuple[str, ...]) -> None:
-    """Start a Celery worker: the control worker, or a GPU worker for one stage."""
-    from animastor_tasks.domain.registry import CONTROL_QUEUE
-
-    settings = Settings.from_env()
-    if stage is None:
-        queue, concurrency, name = CONTROL_QUEUE, "2", hostname or "control@%h"
-    else:
-        if stage not in settings.registry:
-            raise ConfigError(
-                f"--stage {stage!r} is not a registered stage (known: {', '.join(settings.registry.names())})"
-            )
-        queue, name = settings.registry.get(stage).queue, hostname or f"{stage}@%h"
-        gpu_ids = [g.strip() for g in gpus.split(",")] if gpus else []
-        concurrency = str(len(gpu_ids) or 1)
-        if gpu_ids:
-            os.environ["ANIMASTOR_GPU_IDS"] = ",".join(gpu_ids)
-    argv = [
-        "celery",
-        "-A",
-        "animastor_tasks",
-        "worker",
-        "-Q",
-        queue,
-        "-c",
-        concurrency,
-        "--prefetch-multiplier",
-        "1",
-        "-n",
-        name,
-        "-E",
-        *celery_args,
-    ]
-    os.execvp(argv[0], argv)
-
-
-@main.command("dev-inference-server")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8765, show_default=True)
-@click.option("--latency", default=0.0, show_default=True, help="Seconds added to every request.")
-@click.option("--failure-rate", default=0.0, show_default=True, help="Share of requests answered 503.")
-@click.option("--api-key", default=None, envvar="ANIMASTOR_INFERENCE_API_KEY")
-def dev_inference_server(host: str, port: int, latency: float, failure_rate: float, api_key: str | None) -> None:
-    """Run the reference inference server (real WAV and PNG output)."""
-    from animastor_tasks.dev.inference_server import serve
-
-    serve(host, port, latency=latency, failure_rate=failure_rate, api_key=api_key)
-
-
-# -- operations -----------------------------------------------------------------------------
-@main.command("metrics")
-@click.option("--address", default="127.0.0.1", show_default=True, envvar="ANIMASTOR_METRICS_ADDRESS")
-@click.option("--port", default=9808, show_default=True, envvar="ANIMASTOR_METRICS_PORT", type=click.IntRange(0, 65535))
-def metrics_cmd(address: str, port: int) -> None:
-    """Serve Prometheus metrics on http://ADDRESS:PORT/metrics until Ctrl-C (see docs/operations.md)."""
-    from animastor_tasks.operator import metrics
-
-    try:
-        metrics.serve(address, port)
-    except OSError as err:
-        raise ConfigError(f"cannot listen on {address}:{port}: {err.strerror or err}") from err
-
-
-@main.command()
-@click.option("--keep-running", is_flag=True, help="Leave the stack up after the story, until Ctrl-C.")
-@click.option(
-    "--run-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Logs, beat schedule and generated Flower credentials (default: .animastor-local/demo).",
-)
-def demo(keep_running: bool, run_dir: Path | None) -> None:
-    """Start the whole stack, run a scripted story on the sample book, stop everything again."""
-    from animastor_tasks.dev import demo as demo_module
-
-    sys.exit(demo_module.main(keep_running=keep_running, run_dir=run_dir))
+for _command in process_commands.COMMANDS:
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,16 @@ def test_a_flow_that_imports_a_driver_breaks_the_contract(tmp_path: Path, driver
 def test_no_module_outgrows_what_a_newcomer_can_hold() -> None:
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
+def test_a_cli_call_does_not_load_the_dev_tooling(tmp_path: Path) -> None:
+    """Only `up`, `down` and `demo` need the embedded servers; every other command stays light."""
+    probe = (
+        "import sys; from animastor_tasks.operator import cli;"
+        " cli.main(['layers', '--help'], standalone_mode=False);"
+        " print(sorted(m for m in sys.modules if m.startswith('animastor_tasks.dev')))"
+    )
+    env = {**os.environ, "ANIMASTOR_LOCAL_DIR": str(tmp_path / "none")}
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "['animastor_tasks.dev', 'animastor_tasks.dev.local_dir']"
