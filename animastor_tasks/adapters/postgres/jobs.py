@@ -65,26 +65,15 @@ class JobStore:
         self, book: str, pair: Pair, token: int, dispatch_id: str, artifact: dict[str, Any], lane: str
     ) -> bool:
         """`generating -> ready` + the artifact row, only if the token is still current."""
-        chapter, scene, stage = pair
+        owned = _owned(book, pair, token, dispatch_id)
         with self.db.transaction() as conn:
             _lock_capacity(conn, lane, book)
             done = conn.execute(
-                "UPDATE asset_states a SET state = %s, artifact_sha256 = %s,"
+                "UPDATE asset_states a SET state = %(ready)s, artifact_sha256 = %(sha256)s,"
                 " input_hash = s.input_hashes ->> a.stage, error = NULL, updated_at = now() FROM scenes s"
-                " WHERE a.book_id = %s AND a.chapter_id = %s AND a.scene_id = %s AND a.stage = %s"
-                " AND a.state = %s AND a.fencing_token = %s AND a.dispatch_id = %s"
-                " AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id",
-                (
-                    AssetState.READY,
-                    artifact["sha256"],
-                    book,
-                    chapter,
-                    scene,
-                    stage,
-                    AssetState.GENERATING,
-                    token,
-                    dispatch_id,
-                ),
+                f" WHERE {_OWNED} AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+                " AND s.scene_id = a.scene_id",
+                {**owned, "ready": AssetState.READY, "sha256": artifact["sha256"]},
             ).rowcount
             if not done:
                 return False
@@ -93,15 +82,7 @@ class JobStore:
                 " fencing_token, dispatch_id, generator, duration_ms, path)"
                 " VALUES (%(sha256)s, %(size)s, %(media_type)s, %(book)s, %(chapter)s, %(scene)s, %(stage)s,"
                 " %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s)",
-                {
-                    **artifact,
-                    "book": book,
-                    "chapter": chapter,
-                    "scene": scene,
-                    "stage": stage,
-                    "token": token,
-                    "dispatch_id": dispatch_id,
-                },
+                {**owned, **artifact},
             )
             detail = {"token": token, "sha256": artifact["sha256"]}
             journal.record(conn, "job.ready", book, detail, pair=pair, dispatch_id=dispatch_id)
@@ -110,24 +91,11 @@ class JobStore:
 
     def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool:
         """`generating -> failed` with the error, only if the token is still current."""
-        chapter, scene, stage = pair
         with self.db.transaction() as conn:
             _lock_capacity(conn, lane, book)
             done = conn.execute(
-                "UPDATE asset_states SET state = %s, error = %s, updated_at = now()"
-                " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s"
-                " AND state = %s AND fencing_token = %s AND dispatch_id = %s",
-                (
-                    AssetState.FAILED,
-                    error[:4000],
-                    book,
-                    chapter,
-                    scene,
-                    stage,
-                    AssetState.GENERATING,
-                    token,
-                    dispatch_id,
-                ),
+                f"UPDATE asset_states a SET state = %(failed)s, error = %(error)s, updated_at = now() WHERE {_OWNED}",
+                {**_owned(book, pair, token, dispatch_id), "failed": AssetState.FAILED, "error": error[:4000]},
             ).rowcount
             if done:
                 journal.record(conn, "job.failed", book, {"error": error[:1000]}, pair=pair, dispatch_id=dispatch_id)
@@ -135,14 +103,31 @@ class JobStore:
         return bool(done)
 
     def token_is_current(self, book: str, pair: Pair, token: int, dispatch_id: str) -> bool:
-        chapter, scene, stage = pair
         with self.db.read() as conn:
             row = conn.execute(
-                "SELECT 1 FROM asset_states WHERE book_id = %s AND chapter_id = %s AND scene_id = %s"
-                " AND stage = %s AND state = %s AND fencing_token = %s AND dispatch_id = %s",
-                (book, chapter, scene, stage, AssetState.GENERATING, token, dispatch_id),
+                f"SELECT 1 FROM asset_states a WHERE {_OWNED}", _owned(book, pair, token, dispatch_id)
             ).fetchone()
         return row is not None
+
+
+# The pair is still this job's: generating under its token and dispatch id.
+_OWNED = (
+    "a.book_id = %(book)s AND a.chapter_id = %(chapter)s AND a.scene_id = %(scene)s AND a.stage = %(stage)s"
+    " AND a.state = %(generating)s AND a.fencing_token = %(token)s AND a.dispatch_id = %(dispatch_id)s"
+)
+
+
+def _owned(book: str, pair: Pair, token: int, dispatch_id: str) -> dict[str, Any]:
+    chapter, scene, stage = pair
+    return {
+        "book": book,
+        "chapter": chapter,
+        "scene": scene,
+        "stage": stage,
+        "generating": AssetState.GENERATING,
+        "token": token,
+        "dispatch_id": dispatch_id,
+    }
 
 
 def _lock_capacity(conn: psycopg.Connection[Any], lane: str, book: str) -> None:
