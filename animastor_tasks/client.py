@@ -88,16 +88,19 @@ class Client:
         *,
         command_id: str | None = None,
         force: bool = True,
+        priority: str | None = None,
         wait: bool = True,
     ) -> dict[str, Any]:
         """One command per stage; `command_id` makes a resend a no-op (one is made if omitted)."""
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "book_id": book_id,
             "stages": list(stages),
             "scenes": None if scenes is None else [list(s) for s in scenes],
             "command_id": command_id or str(uuid.uuid4()),
             "force": force,
         }
+        if priority is not None:  # sent only when asked for, so older control workers still accept the call
+            kwargs["priority"] = priority
         return dict(self._call("animastor.regenerate", kwargs, wait))
 
     def cancel(self, book_id: str, reason: str | None = None, *, wait: bool = True) -> dict[str, Any]:

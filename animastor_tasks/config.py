@@ -50,6 +50,7 @@ class Settings:
     generate_max_retries: int = 3
     retry_backoff_base: float = 1.0
     retry_backoff_max: float = 30.0
+    worker_lost_limit: int = 3
     inference_api_key: str = ""
     db_pool_max: int = 8
 
@@ -86,6 +87,7 @@ class Settings:
             generate_max_retries=int(_number(env, "ANIMASTOR_GENERATE_MAX_RETRIES", 3, minimum=0)),
             retry_backoff_base=_number(env, "ANIMASTOR_RETRY_BACKOFF_BASE", 1.0, minimum=0.0),
             retry_backoff_max=_number(env, "ANIMASTOR_RETRY_BACKOFF_MAX", 30.0, minimum=0.0),
+            worker_lost_limit=_integer(env, "ANIMASTOR_WORKER_LOST_LIMIT", 3, minimum=1),
             inference_api_key=env.get("ANIMASTOR_INFERENCE_API_KEY", ""),
             db_pool_max=int(_number(env, "ANIMASTOR_DB_POOL_MAX", 8, minimum=1)),
         )
@@ -145,6 +147,14 @@ def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float
     if not value >= minimum:
         raise ConfigError(f"{name}={raw!r} must be at least {minimum}")
     return value
+
+
+def _integer(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
+    """A whole number: `2.5` is refused rather than silently truncated."""
+    value = _number(env, name, default, minimum=minimum)
+    if not value.is_integer():
+        raise ConfigError(f"{name}={env.get(name)!r} must be a whole number")
+    return int(value)
 
 
 def _prefix(env: Mapping[str, str]) -> str:

@@ -18,7 +18,7 @@ from animastor_tasks.config import Settings
 from animastor_tasks.domain.capacity import CapacityCounts
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import BookPair, Pair, SceneKey
-from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.domain.vocabulary import AssetState, Priority
 
 # -- records -------------------------------------------------------------------------------
 
@@ -43,6 +43,16 @@ class CommandRow:
     targets: int
     created_at: float
     progress: dict[str, int] = field(default_factory=dict)
+    released: dict[str, int] = field(default_factory=dict)  # targets released to dirty, by reason
+
+
+@dataclass(frozen=True)
+class NewCommands:
+    """What `Commands.create_commands` wrote: the command ids, and the generating pairs a forced command
+    fenced off, each with the dispatch id of the job that still runs it (to be stopped)."""
+
+    command_ids: list[str]
+    superseded: list[tuple[Pair, str | None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +70,8 @@ class InFlight:
     current_hash: str | None  # hash of the scene's current inputs
     has_artifact: bool
     commanded: bool  # an active command of this stage targets the scene
+    rank: int = 1  # `priority_rank` of the most urgent active command targeting it (0 first)
+    since: float | None = None  # when the oldest active command targeting it was created
 
     @property
     def pair(self) -> Pair:
@@ -115,6 +127,8 @@ class JobRow:
     tombstone: bool
     commanded: bool  # an active command of the stage targets the scene
     layers_raw: str | None
+    open_start: str | None = None  # the dispatch whose start of this pair never ended (its worker died?)
+    lost_starts: int = 0  # worker-lost starts in a row before that one
 
 
 @dataclass(frozen=True)
@@ -165,8 +179,13 @@ class Catalog(Protocol):
 
 class Commands(Protocol):
     def create_commands(
-        self, book: str, request_id: str, per_stage: dict[str, tuple[str, list[SceneKey]]], force: bool
-    ) -> list[str]: ...
+        self,
+        book: str,
+        request_id: str,
+        per_stage: dict[str, tuple[str, list[SceneKey]]],
+        force: bool,
+        priority: Priority = Priority.NORMAL,
+    ) -> NewCommands: ...
     def commands_for_request(self, request_id: str) -> list[CommandRow]: ...
     def commands(
         self, *, book: str | None = None, command_ids: Sequence[str] | None = None, limit: int = 200
@@ -205,7 +224,7 @@ class JobStart(Protocol):
 
     row: JobRow | None
 
-    def record_start(self, token: int, dispatch_id: str) -> None: ...
+    def record_start(self, token: int, dispatch_id: str, lost_starts: int) -> None: ...
 
 
 class Jobs(Protocol):
@@ -214,6 +233,8 @@ class Jobs(Protocol):
         self, book: str, pair: Pair, token: int, dispatch_id: str, artifact: dict[str, Any], lane: str
     ) -> bool: ...
     def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool: ...
+    def give_back(self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str) -> bool: ...
+    def end_start(self, book: str, pair: Pair, dispatch_id: str) -> None: ...
     def token_is_current(self, book: str, pair: Pair, token: int, dispatch_id: str) -> bool: ...
 
 
@@ -249,11 +270,15 @@ class Deferrals(Protocol):
     def clear_deferrals(self, book: str, pairs: Iterable[Pair]) -> None: ...
     def clear_bucket(self, book: str, bucket: str) -> None: ...
     def prune_deferrals(self, books: Iterable[str], now: float) -> None: ...
+    def wait_for_lane(self, queue: str, book: str, score: float, *, move_up: bool = True) -> None: ...
+    def next_waiters(self, queue: str, count: int, *, exclude: str | None = None) -> list[str]: ...
 
 
 class Leases(Protocol):
     def take_leases(self, leases: Sequence[tuple[BookPair, str, int, dict[str, Any]]]) -> None: ...
     def lease_holders(self, pairs: Sequence[BookPair]) -> list[str | None]: ...
+    def undelivered(self, dispatch_ids: Sequence[str]) -> list[float | None]: ...
+    def restore_leases(self, leases: Sequence[tuple[BookPair, str, float]]) -> None: ...
     def renew_lease(self, pair: BookPair, dispatch_id: str, ttl: float) -> bool: ...
     def release_lease(self, pair: BookPair, dispatch_id: str) -> bool: ...
     def drop_leases(self, pairs: Sequence[BookPair]) -> None: ...
@@ -265,6 +290,7 @@ class Leases(Protocol):
 class Breaker(Protocol):
     def breaker_acquire(self, queue: str, permit_seconds: float) -> str: ...
     def breaker_record(self, queue: str, ok: bool, threshold: int, cooldown: float) -> str: ...
+    def breaker_release(self, queue: str) -> bool: ...
 
 
 class Presence(Protocol):
@@ -290,12 +316,18 @@ class Locks(Protocol):
 class Publisher(Protocol):
     def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None: ...
     def revoke(self, dispatch_ids: Sequence[str]) -> None: ...
-    def enqueue_gate(self, book_id: str) -> None: ...
+    def enqueue_gate(self, book_id: str, lane: str | None = None) -> None:
+        """A gate pass for the book; `lane`: the queue whose free slot the book is being handed."""
+        ...
 
 
 class QueueProbe(Protocol):
     def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None:
         """Ids of the jobs still waiting in the broker's queues; None where the broker cannot tell."""
+        ...
+
+    def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None:
+        """Messages ready (waiting, not taken by a worker) per queue; None where the broker cannot tell."""
         ...
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.common import ROOT, BenchResult, Context, configure_environment, prepare_stores, reset_stores
 
-BENCHES = ("gate_pass", "latency", "cancel", "tick_idle", "tick_active", "control_cpu")
+BENCHES = ("gate_pass", "latency", "cancel", "tick_idle", "tick_active", "control_cpu", "lane_busy")
 RESULTS = os.path.join(ROOT, "bench", "results.json")
 
 

@@ -1,4 +1,5 @@
-"""What the broker itself can tell: consumers per queue (AMQP) and the jobs still waiting (Redis)."""
+"""What the broker itself can tell: consumers per queue (AMQP), the jobs still waiting (Redis) and how
+many messages wait per queue (both)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,31 @@ log = logging.getLogger("animastor.broker")
 
 def amqp_consumer_counts(url: str, queues: Sequence[str]) -> dict[str, int]:
     """Passive queue declare: the broker's consumer count (0 for a queue that does not exist)."""
+    return {queue: consumers for queue, (_, consumers) in _amqp_declare(url, queues).items()}
+
+
+def amqp_message_counts(url: str, queues: Collection[str]) -> dict[str, int]:
+    """Passive queue declare: messages ready in each queue (not those a worker holds; 0 when missing)."""
+    return {queue: ready for queue, (ready, _) in _amqp_declare(url, queues).items()}
+
+
+def _amqp_declare(url: str, queues: Collection[str]) -> dict[str, tuple[int, int]]:
+    """(ready messages, consumers) per queue; (0, 0) for a queue that does not exist.
+
+    A connection failure raises (the callers treat it as "the broker cannot tell").
+    """
     from kombu import Connection
 
-    counts: dict[str, int] = {}
+    counts: dict[str, tuple[int, int]] = {}
     with Connection(url, connect_timeout=3) as conn:
         for queue in queues:
             channel = conn.channel()
             try:
-                _, _, consumers = channel.queue_declare(queue=queue, passive=True)
-                counts[queue] = int(consumers)
+                _, ready, consumers = channel.queue_declare(queue=queue, passive=True)
+                counts[queue] = (int(ready), int(consumers))
             except Exception as err:  # a missing queue closes the channel with 404
                 log.debug("[PRESENCE] passive declare of %s failed: %s", queue, err)
-                counts[queue] = 0
+                counts[queue] = (0, 0)
             finally:
                 try:
                     channel.close()
@@ -41,6 +55,15 @@ class BrokerProbe:
 
     def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None:
         return queued_dispatch_ids(self.broker_url, queues)
+
+    def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None:
+        """Ready messages per queue on AMQP; None elsewhere (a Redis broker lists its jobs by id instead)."""
+        if urlsplit(self.broker_url).scheme not in ("amqp", "amqps", "pyamqp"):
+            return None
+        try:
+            return amqp_message_counts(self.broker_url, queues)
+        except Exception as err:  # unreachable broker: no evidence, reconcile falls back to leases alone
+            raise StoreUnavailable("broker", self.broker_url, str(err)) from err
 
 
 def queued_dispatch_ids(broker_url: str, queues: Collection[str], limit: int = 10_000) -> set[str] | None:

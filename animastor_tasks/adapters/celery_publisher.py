@@ -36,5 +36,6 @@ class CeleryPublisher:
             self.counters.add({"revoke:failed": 1})
             log.warning("[DISPATCH] revoke broadcast failed: %s", err)
 
-    def enqueue_gate(self, book_id: str) -> None:
-        self.app.send_task("animastor.gate", kwargs={"book_id": book_id}, queue=CONTROL_QUEUE)
+    def enqueue_gate(self, book_id: str, lane: str | None = None) -> None:
+        kwargs = {"book_id": book_id} if lane is None else {"book_id": book_id, "lane": lane}
+        self.app.send_task("animastor.gate", kwargs=kwargs, queue=CONTROL_QUEUE)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from animastor_tasks.domain.vocabulary import CAPACITY, FENCE, IDEMPOTENT, DeferralBucket, Outcome
+from animastor_tasks.domain.vocabulary import CAPACITY, IDEMPOTENT, DeferralBucket, Outcome
 
 
 @dataclass(frozen=True)
@@ -14,18 +14,20 @@ class DeferralWindows:
 
 
 def deferral_bucket(outcome: Outcome) -> DeferralBucket | None:
-    """The deferral bucket of an outcome, or None when the outcome is not deferred."""
+    """The deferral bucket of an outcome, or None when the outcome is not deferred.
+
+    `fence_rejected` is not deferred: the refused job was a stale dispatch, and its pair already
+    belongs to newer work (or to nobody) that a deferral would only hold back.
+    """
     if outcome in CAPACITY:
         return DeferralBucket.CAPACITY
     if outcome in IDEMPOTENT:
         return DeferralBucket.IDEMPOTENT
-    if outcome in FENCE:
-        return DeferralBucket.FENCE
     return None
 
 
 def deferral_seconds(outcome: Outcome, windows: DeferralWindows) -> int | None:
-    """A capacity gap retries within a minute; done or fenced work waits the long window."""
+    """A capacity gap retries within a minute; done or running work waits the long window."""
     bucket = deferral_bucket(outcome)
     if bucket is None:
         return None
@@ -37,3 +39,9 @@ def compute_backoff(attempt: int, *, base: float, maximum: float) -> float:
     if attempt < 1:
         return 0.0
     return float(min(maximum, base * (2 ** (attempt - 1))))
+
+
+def wait_score(rank: int, since: float) -> float:
+    """A book's place on a lane's waiting list: the most urgent priority first, then who waited
+    longest (`since`, unix seconds; 0 puts the book at the head of its priority)."""
+    return rank * 1e10 + since

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 
-from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.domain.types import Pair, SceneKey
+from animastor_tasks.domain.vocabulary import AUTHORIZING, AssetState
 
 
 class Denial(StrEnum):
@@ -47,6 +47,27 @@ def layer_enabled(layers: dict[str, bool], stage: str) -> bool:
 
 
 @dataclass(frozen=True)
+class CommandFact:
+    """One command of a book as the registry holds it: its status, its stage and the scenes it targets."""
+
+    status: str
+    stage: str
+    targets: frozenset[SceneKey]
+
+
+def commanded_pairs(commands: Iterable[CommandFact]) -> frozenset[Pair]:
+    """The pairs the commands authorize: only a command whose status authorizes (`AUTHORIZING`: active),
+    for its own stage, on the scenes it targets. A blocked, cancelled, completed or failed command
+    authorizes nothing. The gate's SQL (`adapters/postgres/assets.py`) filters on the same statuses."""
+    return frozenset(
+        (chapter, scene, command.stage)
+        for command in commands
+        if command.status in AUTHORIZING
+        for chapter, scene in command.targets
+    )
+
+
+@dataclass(frozen=True)
 class BookFacts:
     """Everything one gate pass needs to know about one book, read in one go."""
 
@@ -54,7 +75,7 @@ class BookFacts:
     cancel_flag: bool = False
     tombstone: bool = False
     layers_raw: str | None = None
-    commanded: frozenset[Pair] = frozenset()  # pairs targeted by an ACTIVE command
+    commanded: frozenset[Pair] = frozenset()  # pairs targeted by an ACTIVE command (`commanded_pairs`)
 
     @property
     def cancelled(self) -> bool:

@@ -19,8 +19,12 @@ widens to another book).
 | ``P:lease:B:C:S:STAGE``                       | string | the stage's lease TTL, renewed by the job |
 | ``P:dispatch:ID``                             | hash   | 4 x lease TTL; dispatch metadata          |
 | ``P:running:ID``                              | string | lease TTL while a delivery of ID runs     |
+| ``P:queued:ID`` (value: dispatch time)        | string | from dispatch to its first delivery       |
+|                                               |        | (at most 24 h; see domain/liveness.py)    |
 | ``P:consumers:QUEUE`` (members hostname,      | zset   | heartbeat TTL per member (a few seconds)  |
 |   score = heartbeat expiry)                   |        |                                           |
+| ``P:lane-waiters:QUEUE`` (members ``B``,      | zset   | until the book is handed a free slot of   |
+|   score = when B first waited for the lane)  |        | the lane (oldest first: round robin)      |
 | ``P:breaker:QUEUE``                           | hash   | until closed again                        |
 | ``P:lock:NAME``                               | string | short singleton locks (tick, reconcile)   |
 | ``P:metrics``                                 | hash   | counters for the exporter; no expiry      |
@@ -101,9 +105,16 @@ class Keyspace:
     def running(self, dispatch_id: str) -> str:
         return self._key("running", dispatch_id)
 
+    def queued(self, dispatch_id: str) -> str:
+        """The undelivered marker of a dispatch: set with its lease, removed by its first delivery."""
+        return self._key("queued", dispatch_id)
+
     # -- per queue ------------------------------------------------------------
     def consumers(self, queue: str) -> str:
         return self._key("consumers", queue)
+
+    def lane_waiters(self, queue: str) -> str:
+        return self._key("lane-waiters", queue)
 
     def breaker(self, queue: str) -> str:
         return self._key("breaker", queue)

@@ -70,6 +70,8 @@ class CommandStatus(StrEnum):
 
 # Commands that authorize nothing any more: only a new command brings work back.
 NO_LONGER_ACTIVE: frozenset[CommandStatus] = frozenset(CommandStatus) - {CommandStatus.ACTIVE}
+# The statuses whose commands authorize their targets (domain/gate.py `commanded_pairs`; the gate SQL).
+AUTHORIZING: frozenset[CommandStatus] = frozenset(CommandStatus) - NO_LONGER_ACTIVE
 # Commands a Stop All ends (a blocked command is still the reader's open intent).
 CANCELLABLE: frozenset[CommandStatus] = frozenset({CommandStatus.ACTIVE, CommandStatus.BLOCKED})
 
@@ -79,10 +81,24 @@ def no_worker_reason(stage: str) -> str:
     return f"no_worker:{stage}"
 
 
+class Priority(StrEnum):
+    """Who waits for a free GPU slot first. Running jobs are never preempted."""
+
+    INTERACTIVE = "interactive"  # a reader waits for this scene now
+    NORMAL = "normal"  # the default
+    BULK = "bulk"  # whole books or libraries: whenever slots are free
+
+
+def priority_rank(priority: Priority | str) -> int:
+    """0 is served first; the order the members are listed in."""
+    return list(Priority).index(Priority(priority))
+
+
 class DeferralBucket(StrEnum):
     CAPACITY = "capacity"  # a slot may free up soon: retry within a minute
     IDEMPOTENT = "idempotent"  # done or running already: wait the long window
-    FENCE = "fence"  # superseded work: wait the long window
+    # No fence bucket: a fence rejection concerns a stale dispatch, not its pair, which has moved on
+    # already (a newer dispatch, or released); deferring the pair would hold back its current work.
 
 
 class Outcome(StrEnum):
@@ -95,7 +111,7 @@ class Outcome(StrEnum):
     WINDOW_FULL = "window_full"
     ALREADY_COMPLETED = "already_completed"
     ALREADY_GENERATING = "already_generating"
-    FENCE_REJECTED = "fence_rejected"
+    FENCE_REJECTED = "fence_rejected"  # counted, never deferred (see DeferralBucket)
     BLOCKED = "blocked"  # no consumer on the stage's queue
     BREAKER_OPEN = "breaker_open"
     PUBLISH_FAILED = "publish_failed"
@@ -103,7 +119,6 @@ class Outcome(StrEnum):
 
 CAPACITY = frozenset({Outcome.LANE_FULL, Outcome.QUOTA_EXHAUSTED, Outcome.WINDOW_FULL})
 IDEMPOTENT = frozenset({Outcome.ALREADY_COMPLETED, Outcome.ALREADY_GENERATING})
-FENCE = frozenset({Outcome.FENCE_REJECTED})
 ERRORS = frozenset({Outcome.PUBLISH_FAILED, Outcome.BREAKER_OPEN})
 
 
@@ -115,3 +130,4 @@ class JobOutcome(StrEnum):
     STOPPED = "stopped"  # cancel or a lost lease stopped it mid-run; nothing committed
     FENCE_REJECTED = "fence_rejected"  # refused at start or at commit: no longer this job's pair
     DUPLICATE_DELIVERY = "duplicate_delivery"  # another copy of the same dispatch is running
+    GIVEN_BACK = "given_back"  # a store blip or an open breaker: the pair went back to pending, not failed

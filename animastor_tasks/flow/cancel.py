@@ -7,11 +7,12 @@ denies at once), then the Postgres tombstone, the commands and the in-flight pai
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 from animastor_tasks.domain.book import show_value
 from animastor_tasks.errors import InvalidCommand
-from animastor_tasks.flow import validate
+from animastor_tasks.flow import dispatch, validate
 from animastor_tasks.ports import Ports
 
 log = logging.getLogger("animastor.commands")
@@ -29,6 +30,11 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
     dispatch_ids = [d for _, d in dispatched]
     if dispatch_ids:
         ports.publisher.revoke(dispatch_ids)
+    # The book's slots are free for the books waiting for them (their jobs stop within a poll).
+    registry = ports.settings.registry
+    for stage, slots in Counter(stage for (_, _, stage), _ in dispatched).items():
+        if stage in registry:
+            dispatch.hand_over(ports, registry.get(stage).queue, slots, exclude=book)
     log.info(
         "[COMMAND] book=%r cancelled commands=%d released=%d revoked=%d reason=%r",
         book,

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from animastor_tasks.domain import capacity
-from animastor_tasks.domain.deferral import deferral_bucket, deferral_seconds
+from animastor_tasks.domain.deferral import deferral_bucket, deferral_seconds, wait_score
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import Outcome, no_worker_reason
+from animastor_tasks.domain.vocabulary import DeferralBucket, Outcome, no_worker_reason
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.ports import Claim, InFlight, Ports, Snapshot
 
@@ -34,6 +34,8 @@ class DispatchResult:
     outcomes: Counter[str] = field(default_factory=Counter)
     dispatched: list[str] = field(default_factory=list)
     blocked: dict[str, list[str]] = field(default_factory=dict)
+    claimed_lanes: set[str] = field(default_factory=set)  # queues whose capacity this pass counted
+    claimed_stages: set[str] = field(default_factory=set)  # stages of which this pass claimed a pair
 
 
 def dispatch_pending(
@@ -43,6 +45,7 @@ def dispatch_pending(
     snap: Snapshot,
     *,
     now: float,
+    handed_lane: str | None = None,
 ) -> DispatchResult:
     result = DispatchResult()
     deferred_pairs = set().union(*snap.deferred.values())
@@ -102,7 +105,10 @@ def dispatch_pending(
 
     todo = _settle_idempotent(ports, book, todo, force, result, now)
     if todo:
-        _claim_and_publish(ports, book, todo, specs, permits, snap.breaker_clean, result, now)
+        _claim_and_publish(ports, book, todo, specs, permits, snap.breaker_clean, result, now, handed_lane)
+    for stage in permits.keys() - result.claimed_stages:
+        # The test permit found nothing to test (done already, or no room): give it back for the next pass.
+        ports.breaker.breaker_release(specs[stage].queue)
     count_outcomes(ports, result.outcomes)
     return result
 
@@ -154,6 +160,7 @@ def _claim_and_publish(
     breaker_clean: dict[str, bool],
     result: DispatchResult,
     now: float,
+    handed_lane: str | None,
 ) -> None:
     wanted = [(i.pair, uuid.uuid4().hex) for i in todo]  # 128 random bits: never guessable nor reused
     lanes = {stage: spec.queue for stage, spec in specs.items()}
@@ -165,11 +172,35 @@ def _claim_and_publish(
         # claimed pair is never without its lease for reconcile to see.
         for outcome, pairs in choice.refused.items():
             _defer(ports, book, outcome, pairs, now)
+        ranks = {i.pair: i.rank for i in todo}
+        for pair in choice.refused.get(Outcome.LANE_FULL, []):
+            # Handed a slot that another pass took first: back to the head of its priority, not the end.
+            queue = specs[pair[2]].queue
+            since = 0.0 if queue == handed_lane else now
+            ports.deferrals.wait_for_lane(queue, book, wait_score(ranks[pair], since))
         ports.leases.take_leases([_lease(book, c, specs[c.stage], now) for c in claims])
+        taken = Counter(c.stage for c in claims)
+        spare = {spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] for s, spec in specs.items()}
+    result.claimed_lanes.update(lanes.values())
+    result.claimed_stages.update(c.stage for c in claims)
     for outcome, pairs in choice.refused.items():
         result.outcomes[outcome] += len(pairs)
-    if not claims:
-        return
+    if claims:
+        _publish(ports, book, claims, specs, breaker_clean, result)
+    for queue, slots in spare.items():
+        # Slots this book cannot use (its quota, its window, nothing more pending) go to the books
+        # waiting for the lane at once: a free slot never waits for a deferral to expire.
+        hand_over(ports, queue, slots, exclude=book)
+
+
+def _publish(
+    ports: Ports,
+    book: str,
+    claims: list[Claim],
+    specs: dict[str, StageSpec],
+    breaker_clean: dict[str, bool],
+    result: DispatchResult,
+) -> None:
     failed: list[Claim] = []
     for claim in claims:
         spec = specs[claim.stage]
@@ -275,3 +306,16 @@ def count_outcomes(ports: Ports, outcomes: Mapping[str, int]) -> None:
     """A deferred pair must cost no write, so deferrals are not counted (the exporter reads the
     deferral sets themselves)."""
     ports.counters.add({f"dispatch:{o}": n for o, n in outcomes.items() if o != Outcome.DEFERRED})
+
+
+def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = None) -> list[str]:
+    """Free slots of a lane go to the books that have waited longest for it, each with a gate pass
+    told which lane it is handed; a book served this way waits at the back again when the lane is
+    full (round robin). Returns the books served."""
+    if slots <= 0:
+        return []
+    books = ports.deferrals.next_waiters(queue, slots, exclude=exclude)
+    for waiter in books:
+        ports.deferrals.clear_bucket(waiter, DeferralBucket.CAPACITY)
+        ports.publisher.enqueue_gate(waiter, lane=queue)
+    return books

@@ -31,23 +31,30 @@ class PassReport:
     released: list[Pair] = field(default_factory=list)
     outcomes: Counter[str] = field(default_factory=Counter)
     dispatched: list[str] = field(default_factory=list)
+    claimed_lanes: set[str] = field(default_factory=set)
     error: str | None = None
 
 
-def gate_pass(ports: Ports, book: str, *, dispatch_work: bool = True) -> PassReport:
+def gate_pass(ports: Ports, book: str, *, dispatch_work: bool = True, handed_lane: str | None = None) -> PassReport:
     """One pass, timed into the `gate_pass_seconds` histogram when it changed something.
 
     Why only then: a pass over deferred pairs must stay free of writes; one that released or
     dispatched pairs writes anyway, and its duration is the one operators need to watch.
     """
     started = time.monotonic()
-    report = _gate_pass(ports, book, dispatch_work=dispatch_work)
+    report = _gate_pass(ports, book, dispatch_work=dispatch_work, handed_lane=handed_lane)
     if report.released or any(outcome != Outcome.DEFERRED for outcome in report.outcomes):
         ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
+    if handed_lane is not None and handed_lane not in report.claimed_lanes:
+        # Handed a free slot it had no use for: pass it on rather than leave it idle.
+        try:
+            dispatch.hand_over(ports, handed_lane, 1, exclude=book)
+        except StoreUnavailable as err:
+            log.warning("[COMMAND-GATE] book=%r could not pass on a free slot of %s: %s", book, handed_lane, err)
     return report
 
 
-def _gate_pass(ports: Ports, book: str, *, dispatch_work: bool = True) -> PassReport:
+def _gate_pass(ports: Ports, book: str, *, dispatch_work: bool, handed_lane: str | None) -> PassReport:
     report = PassReport(book)
     now = time.time()
     try:
@@ -102,9 +109,10 @@ def _gate_pass(ports: Ports, book: str, *, dispatch_work: bool = True) -> PassRe
             ports.book_state.drop_book_if_idle(book)
 
     if dispatch_work and pending:
-        result = dispatch.dispatch_pending(ports, book, pending, snap, now=now)
+        result = dispatch.dispatch_pending(ports, book, pending, snap, now=now, handed_lane=handed_lane)
         report.outcomes = result.outcomes
         report.dispatched = result.dispatched
+        report.claimed_lanes = result.claimed_lanes
     return report
 
 

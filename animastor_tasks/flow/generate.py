@@ -18,12 +18,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from animastor_tasks.domain.deferral import compute_backoff
+from animastor_tasks.domain.deferral import compute_backoff, wait_score
 from animastor_tasks.domain.gate import BookFacts, Denial, JobStartFacts, decide_job_start
+from animastor_tasks.domain.job_rules import (
+    ErrorKind,
+    Verdict,
+    breaker_feed,
+    classify_error,
+    lost_starts,
+    verdict,
+    worker_lost_reason,
+)
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import BookPair, Pair
-from animastor_tasks.domain.vocabulary import DeferralBucket, JobOutcome, Outcome
-from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, StoreUnavailable
+from animastor_tasks.domain.vocabulary import DeferralBucket, JobOutcome, Outcome, Priority, priority_rank
+from animastor_tasks.errors import ConfigError, GeneratorError, StoreUnavailable
+from animastor_tasks.flow import dispatch
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
 
 log = logging.getLogger("animastor.generate")
@@ -104,9 +114,9 @@ def run_job(
         ports.counters.add({"job:duplicate_delivery": 1})
         return {**result, "outcome": JobOutcome.DUPLICATE_DELIVERY}
     try:
-        return _run_owned(ports, job, spec, worker, progress, result, cancel_flag=cancelled)
+        return _run_owned(ports, job, spec, worker, _guarded(progress, job), result, cancel_flag=cancelled)
     finally:
-        ports.leases.end_delivery(job.dispatch_id)
+        _quietly("end delivery", ports.leases.end_delivery, job.dispatch_id)
 
 
 def _reject(ports: Ports, job: Job, why: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -115,9 +125,10 @@ def _reject(ports: Ports, job: Job, why: str, result: dict[str, Any]) -> dict[st
     return {**result, "outcome": JobOutcome.FENCE_REJECTED, "reason": why}
 
 
-def _start(ports: Ports, job: Job, cancel_flag: bool) -> tuple[Denial | None, JobRow | None]:
+def _start(ports: Ports, job: Job, cancel_flag: bool) -> tuple[Denial | None, JobRow | None, str | None]:
     """The gate and the fencing token judged over facts read under the pair's row lock; the start
-    is journalled in the same transaction when the job may go."""
+    is journalled (and kept open until the job ends) in the same transaction when the job may go.
+    The third value is the reason to fail the pair without GPU work: too many starts lost their worker."""
     with ports.jobs.starting(job.book_id, job.pair) as start:
         row = start.row
         book = BookFacts(
@@ -135,9 +146,13 @@ def _start(ports: Ports, job: Job, cancel_flag: bool) -> tuple[Denial | None, Jo
             owner=None if row is None else row.owner,
         )
         denial = decide_job_start(facts, job.pair, job.fencing_token, job.dispatch_id)
-        if denial is None:
-            start.record_start(job.fencing_token, job.dispatch_id)
-        return denial, row
+        if denial is not None or row is None:
+            return denial, row, None
+        lost = lost_starts(row.lost_starts, row.open_start)
+        gave_up = worker_lost_reason(lost, ports.settings.worker_lost_limit)
+        if gave_up is None:
+            start.record_start(job.fencing_token, job.dispatch_id, lost)
+        return None, row, gave_up
 
 
 def _run_owned(
@@ -150,9 +165,11 @@ def _run_owned(
     *,
     cancel_flag: bool,
 ) -> dict[str, Any]:
-    denial, row = _start(ports, job, cancel_flag)
+    denial, row, worker_lost = _start(ports, job, cancel_flag)
     if denial is not None or row is None:
         return _reject(ports, job, denial or Denial.UNKNOWN_PAIR, result)
+    if worker_lost is not None:
+        return _give_up(ports, job, spec, worker_lost, result)
     log.info("[GENERATE] %s started on %s", job.describe(), worker)
     ports.counters.add({"job:started": 1})
 
@@ -173,34 +190,39 @@ def _run_owned(
             row.text if spec.input_field == "text" else row.prompt,
             dict(spec.params),
         )
-        media, error, attempts = _generate_with_retries(ports, job, generator, request, watcher, progress)
+        media, error, attempts, kind = _generate_with_retries(ports, job, generator, request, watcher, progress)
         if watcher.should_stop():
+            _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             ports.counters.add({"job:stopped": 1})
             return {**result, "outcome": JobOutcome.STOPPED, "reason": watcher.why}
         if media is None:
-            if not ports.jobs.fail_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, error, spec.queue):
-                return _reject(ports, job, Denial.STALE_TOKEN, result)
-            ports.counters.add({"job:failed": 1})
-            log.error("[GENERATE] %s failed after %d attempt(s): %s", job.describe(), attempts, error)
-            _free_capacity(ports, job)
-            return {**result, "outcome": JobOutcome.FAILED, "error": error, "attempts": attempts}
+            return _unsuccessful(ports, job, spec, kind or ErrorKind.BUG, error, attempts, result)
+        _record_breaker(ports, spec.queue, breaker_feed(None))
         artifact = ports.artifacts.put(media.data, media.media_type)
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         if not ports.jobs.commit_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, artifact, spec.queue):
+            _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)
     finally:
         watcher.done.set()
         watcher.join(timeout=2)
-        ports.leases.release_lease(job.lease_pair, job.dispatch_id)
-    ports.deferrals.clear_deferrals(job.book_id, [job.pair])
-    _free_capacity(ports, job)
+        _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
+    _quietly("clear deferrals", ports.deferrals.clear_deferrals, job.book_id, [job.pair])
+    _quietly("free capacity", _free_capacity, ports, job, spec)
     ports.counters.add({"job:ready": 1})
     log.info("[GENERATE] %s ready sha256=%s attempts=%d", job.describe(), artifact["sha256"], attempts)
     return {**result, "outcome": JobOutcome.READY, "sha256": artifact["sha256"], "attempts": attempts}
 
 
-def _free_capacity(ports: Ports, job: Job) -> None:
-    """The job's slot is free: the book's pairs waiting for capacity may go now, not in a minute."""
+def _free_capacity(ports: Ports, job: Job, spec: StageSpec) -> None:
+    """The job's slot is free, now: the book that waited longest for the lane gets it, and this
+    book queues behind the waiters; with nobody waiting, this book's own pairs waiting for
+    capacity go at once."""
+    if dispatch.hand_over(ports, spec.queue, 1, exclude=job.book_id):
+        # At the back of the normal priority, unless the book already waits with a place of its own.
+        score = wait_score(priority_rank(Priority.NORMAL), time.time())
+        ports.deferrals.wait_for_lane(spec.queue, job.book_id, score, move_up=False)
+        return
     # Every stage: the scene window is shared by the book's stages, so a finished audio job
     # can free the slot an image pair was deferred for (window_full).
     ports.deferrals.clear_bucket(job.book_id, DeferralBucket.CAPACITY)
@@ -214,34 +236,123 @@ def _generate_with_retries(
     request: GenerationRequest,
     watcher: Watcher,
     progress: Callable[[float], None],
-) -> tuple[Media | None, str, int]:
-    """(media, last error, attempts); each retry waits a capped backoff and re-checks the gate."""
+) -> tuple[Media | None, str, int, ErrorKind | None]:
+    """(media, last error, attempts, what kind of error it was); each retry of a backend failure
+    waits a capped backoff and re-checks the token. Which errors end the run is `classify_error`'s."""
     attempt = 0
     while True:
         attempt += 1
         try:
-            return generator.generate(request, watcher.should_stop, progress), "", attempt
-        except GenerationStopped:
-            watcher.stop.set()
-            return None, "stopped", attempt
-        except GeneratorError as err:
-            message = str(err)
-            if not err.retryable or attempt > ports.settings.generate_max_retries:
-                return None, message, attempt
-        except Exception as err:  # a generator bug or a time limit: fail the pair, never loop on it
-            log.exception("[GENERATE] %s generator raised", job.describe())
-            return None, f"{type(err).__name__}: {err}", attempt
+            return generator.generate(request, watcher.should_stop, progress), "", attempt, None
+        except Exception as err:  # a bug or a time limit too: classified, never looped on
+            kind = classify_error(err)
+            if kind is ErrorKind.STOPPED:
+                watcher.stop.set()
+                return None, "stopped", attempt, kind
+            message = str(err) if isinstance(err, GeneratorError) else f"{type(err).__name__}: {err}"
+            if kind is ErrorKind.BUG:
+                log.exception("[GENERATE] %s generator raised", job.describe())
+            if kind is not ErrorKind.BACKEND or attempt > ports.settings.generate_max_retries:
+                return None, message, attempt, kind
         delay = compute_backoff(
             attempt, base=ports.settings.retry_backoff_base, maximum=ports.settings.retry_backoff_max
         )
         log.warning("[GENERATE] %s attempt %d failed (%s); retry in %.1fs", job.describe(), attempt, message, delay)
-        ports.counters.add({"job:retry": 1})
+        _quietly("count retry", ports.counters.add, {"job:retry": 1})
         if watcher.stop.wait(delay):
-            return None, "stopped", attempt
-        if not ports.jobs.token_is_current(job.book_id, job.pair, job.fencing_token, job.dispatch_id):
+            return None, "stopped", attempt, ErrorKind.STOPPED
+        try:
+            current = ports.jobs.token_is_current(job.book_id, job.pair, job.fencing_token, job.dispatch_id)
+        except StoreUnavailable as err:
+            return None, f"{type(err).__name__}: {err}", attempt, ErrorKind.STORE
+        if not current:
             watcher.why = "superseded during retry"
             watcher.stop.set()
-            return None, "stopped", attempt
+            return None, "stopped", attempt, ErrorKind.STOPPED
+
+
+def _unsuccessful(
+    ports: Ports, job: Job, spec: StageSpec, kind: ErrorKind, error: str, attempts: int, result: dict[str, Any]
+) -> dict[str, Any]:
+    """The run produced nothing: a backend failure feeds the queue's breaker, then `domain.job_rules.verdict`
+    says whether the pair fails or goes back to `pending` (a store blip, the backend down)."""
+    state = _record_breaker(ports, spec.queue, breaker_feed(kind))
+    done = {**result, "error": error, "attempts": attempts}
+    if verdict(kind, state) is Verdict.GIVE_BACK:
+        why = f"breaker {state}" if kind is ErrorKind.BACKEND else f"{kind} error"
+        try:
+            back = ports.jobs.give_back(job.book_id, job.pair, job.fencing_token, job.dispatch_id, error, spec.queue)
+        except StoreUnavailable as err:
+            # Its lease is released (or lapses): reconcile gives it back under the lease rules.
+            log.warning("[GENERATE] %s cannot give the pair back now (%s); reconcile will", job.describe(), err)
+            return {**done, "outcome": JobOutcome.GIVEN_BACK}
+        if not back:
+            return _reject(ports, job, Denial.STALE_TOKEN, result)
+        _quietly("count", ports.counters.add, {"job:given_back": 1})
+        log.warning(
+            "[GENERATE] %s given back to pending (%s) after %d attempt(s): %s", job.describe(), why, attempts, error
+        )
+        _quietly("free capacity", _free_capacity, ports, job, spec)
+        return {**done, "outcome": JobOutcome.GIVEN_BACK}
+    if not ports.jobs.fail_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, error, spec.queue):
+        return _reject(ports, job, Denial.STALE_TOKEN, result)
+    _quietly("count", ports.counters.add, {"job:failed": 1})
+    log.error("[GENERATE] %s failed after %d attempt(s): %s", job.describe(), attempts, error)
+    _quietly("free capacity", _free_capacity, ports, job, spec)
+    return {**done, "outcome": JobOutcome.FAILED}
+
+
+def _give_up(ports: Ports, job: Job, spec: StageSpec, reason: str, result: dict[str, Any]) -> dict[str, Any]:
+    """Too many starts of this pair lost their worker (a poison scene): fail it without GPU work."""
+    try:
+        failed = ports.jobs.fail_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, reason, spec.queue)
+    finally:
+        _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
+    if not failed:
+        return _reject(ports, job, Denial.STALE_TOKEN, result)
+    _quietly("count", ports.counters.add, {"job:failed": 1, "job:worker_lost": 1})
+    log.error("[GENERATE] %s failed without GPU work: %s", job.describe(), reason)
+    _quietly("free capacity", _free_capacity, ports, job, spec)
+    return {**result, "outcome": JobOutcome.FAILED, "error": reason, "attempts": 0}
+
+
+def _record_breaker(ports: Ports, queue: str, ok: bool | None) -> str | None:
+    """Feed the queue's breaker with a run's result (None: nothing to record); its state after, or None."""
+    if ok is None:
+        return None
+    try:
+        return ports.breaker.breaker_record(
+            queue, ok, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds
+        )
+    except StoreUnavailable as err:
+        log.warning("[GENERATE] breaker of %s not updated: %s", queue, err)
+        return None
+
+
+def _quietly(what: str, fn: Callable[..., object], *args: Any) -> None:
+    """Bookkeeping around a verdict (leases, deferrals, counters, gate passes): a store that cannot be
+    reached here is logged and left to reconcile; it never changes what the job did to its pair."""
+    try:
+        fn(*args)
+    except Exception as err:
+        log.warning("[GENERATE] %s skipped: %s: %s", what, type(err).__name__, err)
+
+
+def _guarded(progress: Callable[[float], None], job: Job) -> Callable[[float], None]:
+    """Progress is for Flower only: a result backend or broker that cannot be reached while the
+    generator reports it is logged once, never raised into the generator (it would fail the pair)."""
+    warned = False
+
+    def report(fraction: float) -> None:
+        nonlocal warned
+        try:
+            progress(fraction)
+        except Exception as err:
+            if not warned:
+                warned = True
+                log.warning("[GENERATE] %s progress not reported: %s: %s", job.describe(), type(err).__name__, err)
+
+    return report
 
 
 class _Unavailable:

@@ -11,15 +11,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
+from animastor_tasks.domain import liveness
 from animastor_tasks.domain.gate import BookFacts, decide
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import dispatch, gate
-from animastor_tasks.ports import Ports
+from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.reconcile")
+RECOUNT_PAUSE_SECONDS = 0.5
 
 
 def reconcile(ports: Ports, *, force: bool = False) -> dict[str, Any]:
@@ -59,12 +62,22 @@ def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:
     holders = ports.leases.lease_holders([(g.book, *g.pair) for g in generating])
     dead = [row for row, holder in zip(generating, holders, strict=True) if holder is None]
     registry = ports.settings.registry
-    if dead:
-        # A job still waiting in its queue has not started renewing its lease: it is alive.
-        queued = ports.queue_probe.queued_dispatch_ids(registry.queues()) or set()
-        waiting = [g for g in dead if g.dispatch_id is not None and g.dispatch_id in queued and g.stage in registry]
-        ports.leases.take_leases(
-            [((g.book, *g.pair), g.dispatch_id, registry.get(g.stage).lease_ttl, {}) for g in waiting if g.dispatch_id]
+    if generating:
+        # A job still waiting in its queue has not started renewing its lease: it is alive, and
+        # reconcile keeps its lease until it starts (domain/liveness.py).
+        queued = _still_queued(ports, generating, holders)
+        if queued is None:
+            return  # the broker cannot be read: no evidence either way, the next pass decides
+        ports.leases.restore_leases(
+            [
+                (
+                    (g.book, *g.pair),
+                    g.dispatch_id,
+                    liveness.queued_lease_ttl(registry.get(g.stage).lease_ttl, ports.settings.reconcile_seconds),
+                )
+                for g in generating
+                if g.dispatch_id is not None and g.dispatch_id in queued and g.stage in registry
+            ]
         )
         dead = [g for g in dead if g.dispatch_id not in queued]
     facts_by_book: dict[str, BookFacts | None] = {}
@@ -85,6 +98,46 @@ def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:
                 g.token,
                 target,
             )
+
+
+def _still_queued(ports: Ports, generating: Sequence[GeneratingRow], holders: Sequence[str | None]) -> set[str] | None:
+    """The dispatch ids of `generating` pairs still waiting in their queue (domain/liveness.py); None when
+    the broker cannot be read."""
+    registry = ports.settings.registry
+    rows = [(g, h) for g, h in zip(generating, holders, strict=True) if g.dispatch_id and g.stage in registry]
+    if not rows:
+        return set()
+    queues = {registry.get(g.stage).queue for g, _ in rows}
+
+    def look() -> tuple[set[str], set[str]]:
+        """(waiting in their queue, lease-less dispatches the count says are gone although never delivered)."""
+        listed = ports.queue_probe.queued_dispatch_ids(registry.queues())
+        # The counts first, the markers after: a job taken in between is still counted, never missed.
+        depths = None if listed is not None else ports.queue_probe.queue_depths(queues)
+        marks = ports.leases.undelivered([g.dispatch_id or "" for g, _ in rows]) if depths is not None else []
+        dispatches = [
+            liveness.Dispatched(g.dispatch_id or "", registry.get(g.stage).queue, m)
+            for (g, _), m in zip(rows, marks or [None] * len(rows), strict=True)
+        ]
+        queued = liveness.still_queued(dispatches, listed, depths)
+        missing = {
+            d.dispatch_id
+            for d, (_, h) in zip(dispatches, rows, strict=True)
+            if h is None and d.dispatched_at is not None and d.dispatch_id not in queued
+        }
+        return queued, missing
+
+    try:
+        queued, missing = look()
+        if missing:
+            # A job a worker took a moment ago is neither ready in its queue nor marked delivered yet:
+            # look once more before taking a counted job for lost.
+            time.sleep(RECOUNT_PAUSE_SECONDS)
+            queued |= look()[0]
+    except StoreUnavailable as err:
+        log.warning("[RECONCILE] broker unreadable, no lease-less job expired this pass: %s", err)
+        return None
+    return queued
 
 
 def _facts(ports: Ports, book: str) -> BookFacts | None:

@@ -3,6 +3,11 @@
 One command per enabled stage for the named scenes (or the whole book); the targets move
 to `pending`, the Redis side (force set, deferrals cleared, active index) follows, and a
 gate pass starts at once so the first job never waits for the next tick.
+
+A target whose job is running is not taken from it (`domain.targets.regenerate_take`): without
+force that job's commit serves the new command; with force the job is fenced off in Postgres and
+told to stop through its lease, its pair stays `generating` (its slot counts) until it has
+stopped, and reconcile then hands the pair back to `pending` for a fresh run.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from typing import Any
 
 from animastor_tasks.domain.book import show_value, validate_id
 from animastor_tasks.domain.gate import layer_enabled, parse_layers
+from animastor_tasks.domain.targets import stop_marker
+from animastor_tasks.domain.types import Pair
 from animastor_tasks.errors import DuplicateCommand, InvalidCommand
 from animastor_tasks.flow import gate, validate
 from animastor_tasks.ports import CommandRow, Ports
@@ -39,11 +46,18 @@ def regenerate(
     scenes: object = None,
     command_id: object = None,
     force: object = True,
+    priority: object = None,
 ) -> dict[str, Any]:
-    """Create one command per stage for the named scenes and start a gate pass at once."""
+    """Create one command per stage for the named scenes and start a gate pass at once.
+
+    A scene whose job is running: with `force=False` the running job completes it for this command;
+    with `force=True` that job is stopped (its output, if it still commits, is refused) and a fresh run
+    is dispatched once it has stopped, within one lease TTL plus one reconcile period.
+    """
     if not isinstance(force, bool):
         raise InvalidCommand(f"force: must be true or false, got {show_value(force)}")
     request_id = validate.request_id(command_id)
+    rank = validate.priority(priority)
     book = validate_id("book_id", book_id, error=InvalidCommand)
     wanted = validate.stage_names(ports, stages)
     named = validate.scene_ids(scenes)
@@ -73,11 +87,13 @@ def regenerate(
     # A new explicit intent lifts the cancel; Redis first, so a Redis outage writes nothing.
     ports.book_state.clear_cancel_flag(book)
     try:
-        ports.commands.create_commands(book, request_id, per_stage, force)
+        created = ports.commands.create_commands(book, request_id, per_stage, force, rank)
     except DuplicateCommand:
         return _replay(book, request_id, ports.commands.commands_for_request(request_id))
     pairs = [(c, s, stage) for stage in enabled for c, s in targets]
     ports.book_state.start_work(book, pairs, targets, force_ttl=ports.settings.force_ttl_seconds if force else None)
+    if created.superseded:
+        _stop_superseded(ports, book, created.superseded)
     log.info(
         "[COMMAND] book=%r regenerate stages=%s scenes=%d request=%s skipped=%s",
         book,
@@ -89,6 +105,27 @@ def regenerate(
     gate.gate_pass(ports, book)
     rows = ports.commands.commands(book=book, command_ids=[cid for cid, _ in per_stage.values()])
     return {"commands": _describe(rows, {s: t for s, (_, t) in per_stage.items()}), "skipped": skipped}
+
+
+def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str | None]]) -> None:
+    """Running jobs a forced command fenced off (their token moved on in Postgres already): each lease
+    still held by its job is swapped for a stop marker, so the job's next renewal fails and it stops,
+    while the pair reads as held (reconcile leaves it `generating`, its slot counted) until one lease
+    TTL has passed; a copy still queued is revoked. Should Redis fail here the job runs on, fenced off,
+    and its pair comes back when its lease ends."""
+    holders = ports.leases.lease_holders([(book, *pair) for pair, _ in superseded])
+    registry = ports.settings.registry
+    ports.leases.take_leases(
+        [
+            ((book, *pair), stop_marker(dispatch_id), registry.get(pair[2]).lease_ttl, {})
+            for (pair, dispatch_id), holder in zip(superseded, holders, strict=True)
+            if dispatch_id is not None and holder == dispatch_id and pair[2] in registry
+        ]
+    )
+    dispatch_ids = [d for _, d in superseded if d]
+    if dispatch_ids:
+        ports.publisher.revoke(dispatch_ids)
+    log.info("[COMMAND] book=%r forced over %d running job(s): fenced off, told to stop", book, len(superseded))
 
 
 def _replay(book: str, request_id: str, rows: list[CommandRow]) -> dict[str, Any]:

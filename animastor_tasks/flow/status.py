@@ -5,7 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from animastor_tasks.flow import validate
-from animastor_tasks.ports import Ports
+from animastor_tasks.ports import CommandRow, Ports
+
+
+def progress(row: CommandRow) -> dict[str, Any]:
+    """A command's progress: `total`, its targets by their pair's state now, and `released` (how many
+    targets were released to dirty while it was active) with `released_reasons` ({reason: count}). A
+    released target is also counted under its pair's state, so `released` overlaps those counts."""
+    return {
+        "total": row.targets,
+        **row.progress,
+        "released": sum(row.released.values()),
+        "released_reasons": dict(sorted(row.released.items())),
+    }
 
 
 def status(ports: Ports, book_id: object) -> dict[str, Any]:
@@ -26,7 +38,7 @@ def status(ports: Ports, book_id: object) -> dict[str, Any]:
                 "status": c.status,
                 "reason": c.reason,
                 "created_at": c.created_at,
-                "progress": {"total": c.targets, **c.progress},
+                "progress": progress(c),
             }
             for c in commands
         ],

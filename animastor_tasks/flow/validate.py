@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 
 from animastor_tasks.domain.book import show_value, validate_id
+from animastor_tasks.domain.vocabulary import Priority
 from animastor_tasks.errors import InvalidCommand
 from animastor_tasks.ports import Ports
 
@@ -63,3 +64,12 @@ def request_id(command_id: object) -> str:
         return str(uuid.UUID(command_id))
     except ValueError as err:
         raise InvalidCommand(f"command_id: not a UUID, got {show_value(command_id)}") from err
+
+
+def priority(value: object) -> Priority:
+    if value is None:
+        return Priority.NORMAL
+    if not isinstance(value, str) or value not in set(Priority):
+        known = ", ".join(Priority)
+        raise InvalidCommand(f"priority: must be one of {known} (or null), got {show_value(value)}")
+    return Priority(value)

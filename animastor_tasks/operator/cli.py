@@ -19,6 +19,7 @@ from urllib.parse import unquote
 import click
 
 from animastor_tasks.config import Settings
+from animastor_tasks.domain.vocabulary import Priority
 from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
 from animastor_tasks.operator import process_commands
 
@@ -167,6 +168,12 @@ def _scene_arg(value: str) -> tuple[str, str]:
 @click.option("--scene", "scenes", multiple=True, metavar="CH/SC", help="Only these scenes (default: whole book).")
 @click.option("--command-id", default=None, help="A UUID; resending it is a no-op.")
 @click.option("--no-force", is_flag=True, help="Skip scenes whose ready output has the same inputs.")
+@click.option(
+    "--priority",
+    type=click.Choice([str(p) for p in Priority]),
+    default=None,
+    help="Who gets a free GPU slot first (default: normal).",
+)
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the control worker.")
 @click.option("--json", "as_json", is_flag=True)
 def regenerate(
@@ -175,6 +182,7 @@ def regenerate(
     scenes: tuple[str, ...],
     command_id: str | None,
     no_force: bool,
+    priority: str | None,
     timeout: float,
     as_json: bool,
 ) -> None:
@@ -184,7 +192,9 @@ def regenerate(
     picked = [_scene_arg(s) for s in scenes] or None
     client = Client(timeout=timeout)
     try:
-        result = client.regenerate(book_id, list(stages), picked, command_id=command_id, force=not no_force)
+        result = client.regenerate(
+            book_id, list(stages), picked, command_id=command_id, force=not no_force, priority=priority
+        )
     finally:
         client.close()
 
@@ -244,6 +254,7 @@ def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
     """Recent commands with status, reason, progress and age."""
+    from animastor_tasks.flow.status import progress
     from animastor_tasks.operator import render as views
 
     rows = _wired().ports.commands.commands(book=book_id, limit=limit)
@@ -255,7 +266,7 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
             "stage": r.stage,
             "status": r.status,
             "reason": r.reason,
-            "progress": {"total": r.targets, **r.progress},
+            "progress": progress(r),
             "age_seconds": round(now - r.created_at, 1),
         }
         for r in rows

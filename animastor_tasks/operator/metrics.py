@@ -67,10 +67,12 @@ class AnimastorCollector(Collector):
                 log.warning("[METRICS] queues unreadable: %s", err)
                 up["redis"] = 0.0
         try:
-            yield _commands_family(rt)
+            families = [_commands_family(rt), _pending_family(rt)]
         except Exception as err:
             log.warning("[METRICS] commands unreadable: %s", err)
             up["postgres"] = 0.0
+        else:
+            yield from families
         store_up = GaugeMetricFamily("animastor_store_up", "1 when the store answered this scrape.", labels=["store"])
         for store, value in up.items():
             store_up.add_metric([store], value)
@@ -191,6 +193,19 @@ def _commands_family(rt: Wiring) -> Metric:
     family = GaugeMetricFamily("animastor_commands", "Commands in the registry by status.", labels=["status"])
     for status, n in sorted(counts.items()):
         family.add_metric([status], float(n))
+    return family
+
+
+def _pending_family(rt: Wiring) -> Metric:
+    """The backlog: pairs an active command asked for that no job was dispatched for yet (deferred, waiting
+    for a lane, a quota or a scene window slot). Every registered stage is present, zero when idle."""
+    counts = dict.fromkeys(rt.settings.registry.names(), 0)
+    counts.update(rt.reads.pending_by_stage())
+    family = GaugeMetricFamily(
+        "animastor_pending_pairs", "Pairs pending (authorized, not dispatched yet) per stage.", labels=["stage"]
+    )
+    for stage, n in sorted(counts.items()):
+        family.add_metric([stage], float(n))
     return family
 
 

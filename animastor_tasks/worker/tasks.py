@@ -1,13 +1,15 @@
 """Thin Celery tasks: the public, versioned contract. Each calls one flow.
 
-| task                        | queue               | kwargs                                                  |
-| --------------------------- | ------------------- | ------------------------------------------------------- |
-| animastor.regenerate        | animastor.control   | book_id, stages, scenes=None, command_id=None, force=True |
-| animastor.cancel            | animastor.control   | book_id, reason=None                                    |
-| animastor.gate              | animastor.control   | book_id                                                 |
-| animastor.tick              | animastor.control   | (none; beat)                                            |
-| animastor.reconcile         | animastor.control   | (none; beat)                                            |
-| animastor.generate.<stage>  | the stage's queue   | book_id, chapter_id, scene_id, stage, dispatch_id, fencing_token |
+| task                        | queue               | kwargs                                                      |
+| --------------------------- | ------------------- | ----------------------------------------------------------- |
+| animastor.regenerate        | animastor.control   | book_id, stages, scenes=None, command_id=None, force=True,  |
+|                             |                     | priority=None (interactive, normal or bulk)                 |
+| animastor.cancel            | animastor.control   | book_id, reason=None                                        |
+| animastor.gate              | animastor.control   | book_id, lane=None (the queue whose free slot it is handed) |
+| animastor.tick              | animastor.control   | (none; beat)                                                |
+| animastor.reconcile         | animastor.control   | (none; beat)                                                |
+| animastor.generate.<stage>  | the stage's queue   | book_id, chapter_id, scene_id, stage, dispatch_id,          |
+|                             |                     | fencing_token                                               |
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ def regenerate(
     scenes: list[list[str]] | None = None,
     command_id: str | None = None,
     force: bool = True,
+    priority: str | None = None,
 ) -> dict[str, Any]:
-    return regenerate_flow.regenerate(ports(), book_id, stages, scenes, command_id, force)
+    return regenerate_flow.regenerate(ports(), book_id, stages, scenes, command_id, force, priority)
 
 
 @app.task(name="animastor.cancel")
@@ -49,8 +52,8 @@ def cancel(book_id: str, reason: str | None = None) -> dict[str, Any]:
 
 
 @app.task(name="animastor.gate")
-def gate_task(book_id: str) -> dict[str, Any]:
-    report = gate.gate_pass(ports(), book_id)
+def gate_task(book_id: str, lane: str | None = None) -> dict[str, Any]:
+    report = gate.gate_pass(ports(), book_id, handed_lane=lane)
     return {
         "book_id": book_id,
         "authorized": len(report.authorized),

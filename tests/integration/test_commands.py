@@ -143,8 +143,18 @@ def test_status_json_shape(rt, book) -> None:
     data = status_flow.status(rt.ports, book)
     assert set(data) == {"book_id", "cancelled", "commands", "scenes"}
     command = data["commands"][0]
-    assert set(command["progress"]) == {"total", "dirty", "pending", "generating", "ready", "failed"}
+    assert set(command["progress"]) == {
+        "total",
+        "dirty",
+        "pending",
+        "generating",
+        "ready",
+        "failed",
+        "released",
+        "released_reasons",
+    }
     assert command["progress"]["total"] == 6
+    assert command["progress"]["released"] == 0 and command["progress"]["released_reasons"] == {}
     assert data["scenes"][0]["stages"]["audio"]["state"] in {"pending", "generating"}
     assert data["scenes"][0]["stages"]["image"] == {"state": "dirty", "artifact": None}
 

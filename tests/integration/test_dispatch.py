@@ -169,6 +169,32 @@ def test_expired_presence_counts_as_no_consumer(rt) -> None:
     assert rt.ports.commands.commands(book="b")[0].status == "blocked"
 
 
+def test_an_unused_half_open_permit_is_given_back_within_the_pass(rt) -> None:
+    """The test permit of a half-open breaker whose pass had no room to use it is released at once,
+    not held for its lease: the next pass can test the queue."""
+    spec = rt.settings.registry.get("audio")
+    use_settings(
+        rt,
+        replace(
+            rt.settings,
+            breaker_threshold=1,
+            breaker_cooldown_seconds=30,
+            registry=replace(rt.settings.registry, stages=(replace(spec, lane_limit=1),)),
+        ),
+    )
+    for book in ("a", "b"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])  # takes the lane's only slot
+    assert states(rt, "a")[("ch1", "s1", "audio")] == "generating"
+    rt.breaker.breaker_record("gpu.audio", False, 1, 0.2)  # open, cool-down 0.2 s
+    time.sleep(0.3)
+    report = regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # half-open: a permit, but no room
+    assert report["commands"][0]["status"] == "active"
+    assert Counter(states(rt, "b").values()) == {"pending": 1}
+    assert rt.breaker.breaker_acquire("gpu.audio", 30) == "permit"  # given back, not held for 30 s
+
+
 def test_circuit_breaker_opens_gives_one_permit_and_closes(rt, monkeypatch) -> None:
     use_settings(rt, replace(rt.settings, breaker_threshold=2, breaker_cooldown_seconds=0.5))
     rt.catalog.import_book(make_book("b", chapters=1, scenes=4))
@@ -380,3 +406,13 @@ def test_reconcile_blocks_jobs_queued_on_a_queue_that_lost_every_consumer(rt) ->
     # The messages still in the queue are harmless: a worker that picks one up later refuses it.
     for c, s, st, d, t in jobs:
         assert run_job(rt.ports, Job("b", c, s, st, d, t), worker="late")["outcome"] == "fence_rejected"
+
+
+def test_lane_waiters_are_served_oldest_first_and_each_once(rt) -> None:
+    waiters = rt.deferrals
+    for i, book in enumerate(["x", "y", "z"]):
+        waiters.wait_for_lane("gpu.audio", book, 100 + i)
+    waiters.wait_for_lane("gpu.audio", "x", 999)  # already waiting: keeps its place
+    assert waiters.next_waiters("gpu.audio", 2, exclude="y") == ["x", "z"]
+    assert waiters.next_waiters("gpu.audio", 5) == ["y"]
+    assert waiters.next_waiters("gpu.audio", 5) == []

@@ -84,6 +84,22 @@ def test_counters_of_the_hash_are_exported_by_kind(rt: Wiring) -> None:
     assert value(samples, "animastor_commands", status="active") == 0
 
 
+def test_pending_backlog_is_exported_per_stage(rt: Wiring) -> None:
+    from animastor_tasks.flow import regenerate
+    from tests.integration.helpers import advertise
+
+    samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
+    assert value(samples, "animastor_pending_pairs", stage="audio") == 0  # every stage, from the first scrape
+    assert value(samples, "animastor_pending_pairs", stage="image") == 0
+    rt.catalog.import_book(make_book("backlog", scenes=6))
+    advertise(rt, "gpu.audio")
+    regenerate.regenerate(rt.ports, "backlog", ["audio"])  # book quota 4: four dispatched, two wait
+    samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
+    assert value(samples, "animastor_pending_pairs", stage="audio") == 2
+    assert value(samples, "animastor_pending_pairs", stage="image") == 0
+    assert value(samples, "animastor_store_up", store="postgres") == 1
+
+
 def scrape(url: str) -> Samples:
     status, body = http_get(url)
     assert status == 200, body

@@ -8,9 +8,11 @@ import pytest
 
 from animastor_tasks.domain.gate import (
     BookFacts,
+    CommandFact,
     Denial,
     JobStartFacts,
     authorize_scene,
+    commanded_pairs,
     decide,
     decide_job_start,
     parse_layers,
@@ -18,22 +20,52 @@ from animastor_tasks.domain.gate import (
 from animastor_tasks.domain.vocabulary import CommandStatus
 
 PAIR = ("ch1", "s1", "audio")
-COMMANDS = ["none", "active_this_stage", "active_other_stage", "blocked", "cancelled", "completed"]
+COMMANDS = [
+    "none",
+    "active_this_stage",
+    "active_other_stage",
+    "active_other_scene",
+    "blocked",
+    "cancelled",
+    "completed",
+    "failed",
+    "finished_and_active_other_stage",
+]
 LAYERS = {"on": '{"audio_enabled": true}', "off": '{"audio_enabled": false}', "missing": None, "broken": "{not json"}
 CANCELS = {"none": (False, False), "flag": (True, False), "tombstone": (False, True), "both": (True, True)}
 
 
-def commanded_for(command: str) -> frozenset[tuple[str, str, str]]:
-    """Only an ACTIVE command of this stage that targets the scene authorizes it."""
-    commands = {
+def command_rows(command: str) -> list[CommandFact]:
+    """The book's commands as the registry holds them, statuses and all: nothing is filtered here."""
+    here, elsewhere = frozenset({("ch1", "s1")}), frozenset({("ch1", "s2"), ("ch2", "s1")})
+    return {
         "none": [],
-        "active_this_stage": [(CommandStatus.ACTIVE, "audio")],
-        "active_other_stage": [(CommandStatus.ACTIVE, "image")],
-        "blocked": [(CommandStatus.BLOCKED, "audio")],
-        "cancelled": [(CommandStatus.CANCELLED, "audio")],
-        "completed": [(CommandStatus.COMPLETED, "audio")],
+        "active_this_stage": [CommandFact(CommandStatus.ACTIVE, "audio", here | elsewhere)],
+        "active_other_stage": [CommandFact(CommandStatus.ACTIVE, "image", here)],
+        "active_other_scene": [CommandFact(CommandStatus.ACTIVE, "audio", elsewhere)],
+        "blocked": [CommandFact(CommandStatus.BLOCKED, "audio", here)],
+        "cancelled": [CommandFact(CommandStatus.CANCELLED, "audio", here)],
+        "completed": [CommandFact(CommandStatus.COMPLETED, "audio", here)],
+        "failed": [CommandFact(CommandStatus.FAILED, "audio", here)],
+        "finished_and_active_other_stage": [
+            CommandFact(CommandStatus.COMPLETED, "audio", here),
+            CommandFact(CommandStatus.CANCELLED, "audio", here),
+            CommandFact(CommandStatus.ACTIVE, "image", here),
+        ],
     }[command]
-    return frozenset(("ch1", "s1", stage) for status, stage in commands if status == CommandStatus.ACTIVE)
+
+
+def commanded_for(command: str) -> frozenset[tuple[str, str, str]]:
+    """Only an ACTIVE command of this stage that targets the scene authorizes it: the domain's rule
+    (`commanded_pairs`, the statuses the gate SQL filters on too) applied to the raw rows."""
+    return commanded_pairs(command_rows(command))
+
+
+@pytest.mark.parametrize("status", list(CommandStatus))
+def test_only_an_active_command_authorizes_its_targets(status: CommandStatus) -> None:
+    rows = [CommandFact(status, "audio", frozenset({("ch1", "s1"), ("ch1", "s2")}))]
+    expected_pairs = {("ch1", "s1", "audio"), ("ch1", "s2", "audio")} if status == CommandStatus.ACTIVE else set()
+    assert commanded_pairs(rows) == expected_pairs
 
 
 def expected(command: str, layer: str, cancel: str, readable: bool) -> Denial | None:

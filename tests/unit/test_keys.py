@@ -70,3 +70,5 @@ def test_parse_rejects_foreign_keys() -> None:
 def test_unknown_deferral_bucket_is_refused() -> None:
     with pytest.raises(ValueError, match="bucket"):
         keys.deferrals("b", "nope")
+    with pytest.raises(ValueError, match="bucket"):
+        keys.deferrals("b", "fence")  # no flow defers a fence rejection (domain/deferral.py)

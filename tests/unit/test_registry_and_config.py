@@ -72,7 +72,8 @@ def test_taxonomy_windows() -> None:
     w = DeferralWindows(60, 900)
     assert {deferral_seconds(o, w) for o in (Outcome.LANE_FULL, Outcome.QUOTA_EXHAUSTED, Outcome.WINDOW_FULL)} == {60}
     assert {deferral_seconds(o, w) for o in (Outcome.ALREADY_COMPLETED, Outcome.ALREADY_GENERATING)} == {900}
-    assert deferral_seconds(Outcome.FENCE_REJECTED, w) == 900
+    # A fence rejection is a stale dispatch's, not its pair's: nothing is deferred for it.
+    assert deferral_bucket(Outcome.FENCE_REJECTED) is None and deferral_seconds(Outcome.FENCE_REJECTED, w) is None
     assert deferral_bucket(Outcome.BLOCKED) is None and deferral_seconds(Outcome.PUBLISH_FAILED, w) is None
 
 

@@ -15,12 +15,20 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import journal
-from animastor_tasks.adapters.postgres.commands import settle_commands
+from animastor_tasks.adapters.postgres.commands import lock_book, release_targets, settle_commands
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.capacity import CapacityCounts
 from animastor_tasks.domain.keys import claim_locks
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import IN_FLIGHT, AssetState, CommandStatus, transition, values
+from animastor_tasks.domain.vocabulary import (
+    AUTHORIZING,
+    IN_FLIGHT,
+    AssetState,
+    Priority,
+    priority_rank,
+    transition,
+    values,
+)
 from animastor_tasks.ports import Claim, GateRows, GeneratingRow, InFlight
 
 _PAIRS_CTE = "WITH p(chapter_id, scene_id, stage) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
@@ -82,23 +90,34 @@ class AssetStore:
         """
         with self.db.read() as conn:
             rows = conn.execute(
-                "WITH active AS (SELECT DISTINCT t.chapter_id, t.scene_id, t.stage FROM commands c"
+                "WITH active AS (SELECT t.chapter_id, t.scene_id, t.stage,"
+                "  min(array_position(%(priorities)s::text[], c.priority)) - 1 AS rank,"
+                "  extract(epoch FROM min(c.created_at)) AS since FROM commands c"
                 "  JOIN command_targets t ON t.command_id = c.command_id"
-                "  WHERE c.book_id = %(book)s AND c.status = %(active)s),"
+                "  WHERE c.book_id = %(book)s AND c.status = ANY(%(authorizing)s) GROUP BY 1, 2, 3),"
                 " flight AS (SELECT a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position,"
                 "  a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
-                "  a.artifact_sha256 IS NOT NULL AS has_artifact, act.stage IS NOT NULL AS commanded"
+                "  a.artifact_sha256 IS NOT NULL AS has_artifact, act.stage IS NOT NULL AS commanded,"
+                "  coalesce(act.rank, %(normal)s) AS rank, act.since"
                 "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
                 "   AND s.scene_id = a.scene_id"
                 "  LEFT JOIN active act ON act.chapter_id = a.chapter_id AND act.scene_id = a.scene_id"
                 "   AND act.stage = a.stage"
                 "  WHERE a.book_id = %(book)s AND a.state = ANY(%(flight)s))"
-                # The book's own row comes first (position -1) and carries the layers and the tombstone.
+                # The book's own row comes first (rank and position -1) and carries the layers and the
+                # tombstone; then the pairs in the order they should get slots: the highest priority
+                # first, the oldest command first within it, reading order within that.
                 " SELECT NULL, NULL, NULL, NULL, 0, -1, b.layer_config, NULL, NULL, false,"
-                "  EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id)"
+                "  EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id), -1, NULL"
                 " FROM books b WHERE b.book_id = %(book)s"
-                " UNION ALL SELECT * FROM flight ORDER BY 6",
-                {"book": book, "active": CommandStatus.ACTIVE, "flight": values(IN_FLIGHT)},
+                " UNION ALL SELECT * FROM flight ORDER BY 12, 13 NULLS LAST, 6",
+                {
+                    "book": book,
+                    "authorizing": values(AUTHORIZING),
+                    "flight": values(IN_FLIGHT),
+                    "priorities": [str(p) for p in Priority],
+                    "normal": priority_rank(Priority.NORMAL),
+                },
             ).fetchall()
         if not rows or rows[0][5] != -1:
             return None
@@ -113,12 +132,15 @@ class AssetStore:
         """Compare-and-set many pairs `source -> target`; the pairs that really moved.
 
         The edge is checked against the state machine first (`InvalidTransition`); a pair no
-        longer in `source` is left alone and simply missing from the answer.
+        longer in `source` is left alone and simply missing from the answer. A release to `dirty`
+        marks the targets it cuts off and settles their commands (`commands.release_targets`).
         """
         transition(source, target)
         if not pairs:
             return []
         with self.db.transaction() as conn:
+            if target == AssetState.DIRTY:
+                lock_book(conn, book)
             rows = conn.execute(
                 _PAIRS_CTE + " UPDATE asset_states a SET state = %s, updated_at = now() FROM p"
                 " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
@@ -128,6 +150,8 @@ class AssetStore:
             moved: list[Pair] = [tuple(r) for r in rows]
             if moved:
                 journal.record(conn, event, book, {"pairs": len(moved), "from": source, "to": target})
+            if target == AssetState.DIRTY:
+                release_targets(conn, book, moved)
         return moved
 
     @contextmanager
@@ -210,6 +234,8 @@ class AssetStore:
         transition(AssetState.GENERATING, target)
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
+            if target == AssetState.DIRTY:
+                lock_book(conn, book)
             done = conn.execute(
                 "UPDATE asset_states SET state = %s, dispatch_id = NULL, updated_at = now()"
                 " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s"
@@ -218,6 +244,8 @@ class AssetStore:
             ).rowcount
             if done:
                 journal.record(conn, "lease.expired", book, {"token": token, "to": str(target)}, pair=pair)
+                if target == AssetState.DIRTY:
+                    release_targets(conn, book, [pair])
         return bool(done)
 
     def scene_states(self, book: str) -> list[tuple[str, str, str, str, str | None]]:

@@ -1,12 +1,14 @@
 """Commands, their targets and cancel tombstones in Postgres.
 
 A command is a reader's explicit intent; its targets move to `pending` in the same
-transaction that creates it, and it settles (completed or failed) in the transaction
-that makes its last target terminal.
+transaction that creates it (`domain.targets.regenerate_take` says which), and it settles
+(completed or failed, `domain.targets.settle`) in the transaction that makes its last target
+terminal or releases it.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,18 +16,20 @@ import psycopg
 
 from animastor_tasks.adapters.postgres import journal
 from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.domain.gate import BookFacts
+from animastor_tasks.domain.keys import book_lock
+from animastor_tasks.domain.targets import Take, TargetCounts, release_reason, settle, states_taking
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import (
     CANCELLABLE,
     IN_FLIGHT,
-    TERMINAL,
     AssetState,
     CommandStatus,
-    sources_of,
+    Priority,
     values,
 )
 from animastor_tasks.errors import DuplicateCommand
-from animastor_tasks.ports import CommandRow
+from animastor_tasks.ports import CommandRow, NewCommands
 
 ACTIVE = str(CommandStatus.ACTIVE)
 
@@ -35,14 +39,24 @@ class CommandStore:
         self.db = db
 
     def create_commands(
-        self, book: str, request_id: str, per_stage: dict[str, tuple[str, list[SceneKey]]], force: bool
-    ) -> list[str]:
-        """Commands (active) + targets + targets to `pending`, in one transaction.
+        self,
+        book: str,
+        request_id: str,
+        per_stage: dict[str, tuple[str, list[SceneKey]]],
+        force: bool,
+        priority: Priority = Priority.NORMAL,
+    ) -> NewCommands:
+        """Commands (active) + targets, and each target taken as `domain.targets.regenerate_take` says, in
+        one transaction: dirty/ready/failed -> `pending`; pending, and generating without force, stay (the
+        queued or running work serves the new command); generating with force stays `generating` but is
+        fenced off: its token moves on (the running job can neither commit nor fail it) and its input hash
+        is cleared (the fresh run cannot be settled as already completed).
 
         `per_stage` maps stage -> (command_id, [(chapter, scene)]). `DuplicateCommand` when
         the request id was used already (the caller replays the first answer).
         """
         created: list[str] = []
+        superseded: list[tuple[Pair, str | None]] = []
         try:
             # Pipeline mode: the statements need no answer from each other, so they travel together.
             with self.db.transaction() as conn, conn.pipeline():
@@ -51,9 +65,9 @@ class CommandStore:
                     chapters = [c for c, _ in scenes]
                     scene_ids = [s for _, s in scenes]
                     conn.execute(
-                        "INSERT INTO commands (command_id, book_id, stage, status, force, request_id)"
-                        " VALUES (%s, %s, %s, %s, %s, %s)",
-                        (command_id, book, stage, ACTIVE, force, request_id),
+                        "INSERT INTO commands (command_id, book_id, stage, status, force, request_id, priority)"
+                        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                        (command_id, book, stage, ACTIVE, force, request_id, priority),
                     )
                     conn.execute(
                         "INSERT INTO command_targets (command_id, book_id, chapter_id, scene_id, stage)"
@@ -65,19 +79,34 @@ class CommandStore:
                         " SELECT %s, c, s, %s FROM unnest(%s::text[], %s::text[]) AS t(c, s) ON CONFLICT DO NOTHING",
                         (book, stage, chapters, scene_ids),
                     )
+                    queue = values(states_taking(Take.QUEUE, force))
                     conn.execute(
                         "UPDATE asset_states a SET state = %s, error = NULL, updated_at = now()"
                         " FROM unnest(%s::text[], %s::text[]) AS t(c, s)"
                         " WHERE a.book_id = %s AND a.stage = %s AND a.chapter_id = t.c AND a.scene_id = t.s"
                         " AND a.state = ANY(%s)",
-                        (AssetState.PENDING, chapters, scene_ids, book, stage, values(sources_of(AssetState.PENDING))),
+                        (AssetState.PENDING, chapters, scene_ids, book, stage, queue),
                     )
-                    detail = {"command_id": command_id, "targets": len(scenes), "force": force}
+                    fenced: list[tuple[Pair, str | None]] = []
+                    rerun = states_taking(Take.RERUN, force)
+                    if rerun:
+                        fenced = [
+                            ((c, s, stage), d)
+                            for c, s, d in conn.execute(
+                                "UPDATE asset_states a SET fencing_token = a.fencing_token + 1, input_hash = NULL,"
+                                " updated_at = now() FROM unnest(%s::text[], %s::text[]) AS t(c, s)"
+                                " WHERE a.book_id = %s AND a.stage = %s AND a.chapter_id = t.c AND a.scene_id = t.s"
+                                " AND a.state = ANY(%s) RETURNING a.chapter_id, a.scene_id, a.dispatch_id",
+                                (chapters, scene_ids, book, stage, values(rerun)),
+                            ).fetchall()
+                        ]
+                    detail = {"command_id": command_id, "targets": len(scenes), "force": force, "rerun": len(fenced)}
                     journal.record(conn, "command.created", book, detail, stage=stage)
                     created.append(command_id)
+                    superseded += fenced
         except psycopg.errors.UniqueViolation as err:
             raise DuplicateCommand(f"command id {request_id} was already used") from err
-        return created
+        return NewCommands(created, superseded)
 
     def commands_for_request(self, request_id: str) -> list[CommandRow]:
         with self.db.read() as conn:
@@ -96,17 +125,17 @@ class CommandStore:
         with self.db.read() as conn:
             rows = conn.execute(
                 "SELECT c.command_id, c.book_id, c.stage, c.status, c.reason, extract(epoch FROM c.created_at),"
-                " a.state, count(*) FROM commands c"
+                " a.state, t.released, count(*) FROM commands c"
                 " JOIN command_targets t ON t.command_id = c.command_id"
                 " LEFT JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
                 "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
                 f" WHERE {where} AND c.command_id IN (SELECT command_id FROM commands c WHERE {where}"
                 "  ORDER BY created_at DESC LIMIT %s)"
-                " GROUP BY 1, 2, 3, 4, 5, 6, 7 ORDER BY 6 DESC, 3",
+                " GROUP BY 1, 2, 3, 4, 5, 6, 7, 8 ORDER BY 6 DESC, 3",
                 [*params, *params, limit],
             ).fetchall()
         found: dict[str, dict[str, Any]] = {}
-        for cid, book_id, stage, status, reason, created, state, count in rows:
+        for cid, book_id, stage, status, reason, created, state, released, count in rows:
             entry = found.setdefault(
                 str(cid),
                 {
@@ -116,9 +145,12 @@ class CommandStore:
                     "reason": reason,
                     "created": float(created),
                     "progress": dict.fromkeys([s.value for s in AssetState], 0),
+                    "released": {},
                 },
             )
             entry["progress"][state or AssetState.DIRTY] += int(count)
+            if released is not None:
+                entry["released"][released] = entry["released"].get(released, 0) + int(count)
         return [
             CommandRow(
                 cid,
@@ -129,16 +161,20 @@ class CommandStore:
                 sum(e["progress"].values()),
                 e["created"],
                 e["progress"],
+                e["released"],
             )
             for cid, e in found.items()
         ]
 
     def block_stage(self, book: str, stage: str, reason: str) -> tuple[list[str], list[tuple[Pair, str | None]]]:
-        """Active commands of the stage -> blocked; their in-flight pairs -> dirty.
+        """Active commands of the stage -> blocked; their in-flight pairs -> dirty, and the targets
+        released so marked with the reason (also those of a command created meanwhile, which then
+        settles: it can no longer progress either).
 
         Returns (blocked command ids, released pairs with their dispatch ids).
         """
         with self.db.transaction() as conn:
+            lock_book(conn, book)
             blocked = [
                 str(r[0])
                 for r in conn.execute(
@@ -159,6 +195,7 @@ class CommandStore:
                     {"dirty": AssetState.DIRTY, "book": book, "stage": stage, "flight": values(IN_FLIGHT)},
                 )
             ]
+            release_targets(conn, book, [pair for pair, _ in released], reason, also=blocked)
             if blocked:
                 journal.record(conn, "command.blocked", book, {"reason": reason, "commands": blocked}, stage=stage)
         return blocked, released
@@ -234,27 +271,94 @@ class CommandStore:
             ]
 
 
-def settle_commands(conn: psycopg.Connection[Any], book: str) -> None:
-    """Active commands whose targets are all terminal become completed (or failed), in the caller's
-    transaction: the one that made the last target terminal."""
-    conn.execute(
-        "UPDATE commands c SET status = CASE WHEN x.failed > 0 THEN %(failed_status)s ELSE %(completed)s END,"
-        " reason = CASE WHEN x.failed > 0 THEN x.failed || ' of ' || x.total || ' targets failed' END,"
-        " updated_at = now()"
-        " FROM (SELECT t.command_id, count(*) AS total,"
-        "  count(*) FILTER (WHERE a.state = %(failed_state)s) AS failed,"
-        "  count(*) FILTER (WHERE a.state IS NULL OR NOT a.state = ANY(%(terminal)s)) AS open"
-        "  FROM commands c2 JOIN command_targets t ON t.command_id = c2.command_id"
-        "  LEFT JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
-        "   AND a.scene_id = t.scene_id AND a.stage = t.stage"
-        "  WHERE c2.book_id = %(book)s AND c2.status = %(active)s GROUP BY t.command_id) x"
-        " WHERE c.command_id = x.command_id AND x.open = 0",
-        {
-            "failed_status": CommandStatus.FAILED,
-            "completed": CommandStatus.COMPLETED,
-            "failed_state": AssetState.FAILED,
-            "terminal": values(TERMINAL),
-            "book": book,
-            "active": ACTIVE,
-        },
-    )
+def lock_book(conn: psycopg.Connection[Any], book: str) -> None:
+    """The book's advisory lock, taken before any row: a release settles commands under the lock a
+    completion settles them under (`jobs._lock_capacity`), so the two never miss each other's last target."""
+    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (book_lock(book),))
+
+
+def release_targets(
+    conn: psycopg.Connection[Any],
+    book: str,
+    pairs: Sequence[Pair],
+    reason: str | None = None,
+    *,
+    also: Sequence[str] = (),
+) -> dict[str, int]:
+    """Pairs just released to `dirty`, in the caller's transaction (holding `lock_book`): the targets
+    active commands (and the commands `also` names) have on them are marked released, then the book's
+    commands are settled. Returns the marked targets by reason.
+
+    Without `reason` it is judged per pair from the book's Postgres facts (`domain.targets.release_reason`):
+    a release the facts do not explain (the Redis cancel flag) or a tombstoned book marks nothing, since
+    Stop All ends its commands itself.
+    """
+    if not pairs:
+        return {}
+    by_reason: dict[str, list[Pair]] = defaultdict(list)
+    if reason is not None:
+        by_reason[reason] = list(pairs)
+    else:
+        row = conn.execute(
+            "SELECT b.layer_config, EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id)"
+            " FROM books b WHERE b.book_id = %s",
+            (book,),
+        ).fetchone()
+        if row is None:
+            return {}
+        facts = BookFacts(True, False, bool(row[1]), row[0], frozenset(pairs))
+        for pair in pairs:
+            why = release_reason(facts, pair)
+            if why is not None:
+                by_reason[why].append(pair)
+    marked: dict[str, int] = {}
+    for why, group in by_reason.items():
+        chapters, scenes, stages = [p[0] for p in group], [p[1] for p in group], [p[2] for p in group]
+        marked[why] = conn.execute(
+            "UPDATE command_targets t SET released = %s FROM commands c,"
+            " unnest(%s::text[], %s::text[], %s::text[]) AS p(c, s, st)"
+            " WHERE c.command_id = t.command_id AND c.book_id = %s"
+            " AND (c.status = %s OR c.command_id = ANY(%s::uuid[]))"
+            " AND t.chapter_id = p.c AND t.scene_id = p.s AND t.stage = p.st AND t.released IS NULL",
+            (why, chapters, scenes, stages, book, ACTIVE, list(also)),
+        ).rowcount
+    if any(marked.values()):
+        journal.record(conn, "targets.released", book, {k: v for k, v in marked.items() if v})
+    settle_commands(conn, book)
+    return marked
+
+
+def settle_commands(conn: psycopg.Connection[Any], book: str) -> list[str]:
+    """Active commands none of whose targets can still progress become completed or failed
+    (`domain.targets.settle`), in the caller's transaction: the one that made the last target terminal
+    or released it. Returns the settled command ids."""
+    rows = conn.execute(
+        "SELECT t.command_id, t.released, a.state, count(*) FROM commands c"
+        " JOIN command_targets t ON t.command_id = c.command_id"
+        " LEFT JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
+        "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
+        " WHERE c.book_id = %s AND c.status = %s GROUP BY 1, 2, 3",
+        (book, ACTIVE),
+    ).fetchall()
+    tallies: dict[str, dict[str, Any]] = defaultdict(lambda: {"total": 0, "ready": 0, "failed": 0, "released": {}})
+    for cid, released, state, count in rows:
+        tally = tallies[str(cid)]
+        tally["total"] += count
+        if released is not None:
+            tally["released"][released] = tally["released"].get(released, 0) + count
+        elif state == AssetState.READY:
+            tally["ready"] += count
+        elif state == AssetState.FAILED:
+            tally["failed"] += count
+    settled: list[str] = []
+    for cid, tally in tallies.items():
+        verdict = settle(TargetCounts(**tally))
+        if verdict is None:
+            continue
+        status, reason = verdict
+        conn.execute(
+            "UPDATE commands SET status = %s, reason = %s, updated_at = now() WHERE command_id = %s AND status = %s",
+            (status, reason, cid, ACTIVE),
+        )
+        settled.append(cid)
+    return settled

@@ -1,7 +1,9 @@
-"""A GPU job's rows: the start (read under the pair's row lock), the commit and the failure.
+"""A GPU job's rows: the start (read under the pair's row lock), the commit, the failure and the
+give-back, and the pair's open start (`job_starts`, to count starts whose worker died).
 
 The decision whether a job may start is not made here: `starting` reads the facts under
-the lock and `domain.gate.decide_job_start` judges them, so the rule lives in one place.
+the lock and `domain.gate.decide_job_start` and `domain.job_rules` judge them, so the rules
+live in one place. Every end of a started job clears its open start in the same transaction.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from animastor_tasks.adapters.postgres.commands import settle_commands
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.keys import book_lock, lane_lock
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import AssetState, CommandStatus
+from animastor_tasks.domain.vocabulary import AssetState, CommandStatus, transition
 from animastor_tasks.ports import JobRow
 
 
@@ -27,10 +29,17 @@ class StartTransaction:
     def __init__(self, conn: psycopg.Connection[Any], book: str, pair: Pair, row: JobRow | None) -> None:
         self._conn, self._book, self._pair, self.row = conn, book, pair, row
 
-    def record_start(self, token: int, dispatch_id: str) -> None:
-        journal.record(
-            self._conn, "job.started", self._book, {"token": token}, pair=self._pair, dispatch_id=dispatch_id
+    def record_start(self, token: int, dispatch_id: str, lost_starts: int) -> None:
+        """Journal the start and keep it open until the job ends (a dead worker never ends it)."""
+        chapter, scene, stage = self._pair
+        self._conn.execute(
+            "INSERT INTO job_starts (book_id, chapter_id, scene_id, stage, open_dispatch, lost_starts)"
+            " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (book_id, chapter_id, scene_id, stage) DO UPDATE"
+            " SET open_dispatch = EXCLUDED.open_dispatch, lost_starts = EXCLUDED.lost_starts, updated_at = now()",
+            (self._book, chapter, scene, stage, dispatch_id, lost_starts),
         )
+        detail = {"token": token, "lost_starts": lost_starts}
+        journal.record(self._conn, "job.started", self._book, detail, pair=self._pair, dispatch_id=dispatch_id)
 
 
 class JobStore:
@@ -53,9 +62,11 @@ class JobStore:
                 " EXISTS (SELECT 1 FROM commands c JOIN command_targets ct ON ct.command_id = c.command_id"
                 "  WHERE c.book_id = a.book_id AND c.status = %s AND ct.chapter_id = a.chapter_id"
                 "  AND ct.scene_id = a.scene_id AND ct.stage = a.stage),"
-                " b.layer_config"
+                " b.layer_config, j.open_dispatch, coalesce(j.lost_starts, 0)"
                 " FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
                 "  AND s.scene_id = a.scene_id JOIN books b ON b.book_id = a.book_id"
+                " LEFT JOIN job_starts j ON j.book_id = a.book_id AND j.chapter_id = a.chapter_id"
+                "  AND j.scene_id = a.scene_id AND j.stage = a.stage"
                 " WHERE a.book_id = %s AND a.chapter_id = %s AND a.scene_id = %s AND a.stage = %s FOR UPDATE OF a",
                 (CommandStatus.ACTIVE, book, chapter, scene, stage),
             ).fetchone()
@@ -86,6 +97,7 @@ class JobStore:
             )
             detail = {"token": token, "sha256": artifact["sha256"]}
             journal.record(conn, "job.ready", book, detail, pair=pair, dispatch_id=dispatch_id)
+            _end_start(conn, book, pair, None)
             settle_commands(conn, book)
         return True
 
@@ -99,8 +111,30 @@ class JobStore:
             ).rowcount
             if done:
                 journal.record(conn, "job.failed", book, {"error": error[:1000]}, pair=pair, dispatch_id=dispatch_id)
+                _end_start(conn, book, pair, None)
                 settle_commands(conn, book)
         return bool(done)
+
+    def give_back(self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str) -> bool:
+        """`generating -> pending`, only if the token is still current: the run ended without a verdict
+        on the scene (a store blip, the backend down); the next gate pass decides again."""
+        transition(AssetState.GENERATING, AssetState.PENDING)
+        with self.db.transaction() as conn:
+            _lock_capacity(conn, lane, book)
+            done = conn.execute(
+                f"UPDATE asset_states a SET state = %(pending)s, dispatch_id = NULL, updated_at = now() WHERE {_OWNED}",
+                {**_owned(book, pair, token, dispatch_id), "pending": AssetState.PENDING},
+            ).rowcount
+            if done:
+                detail = {"token": token, "reason": reason[:1000]}
+                journal.record(conn, "job.given_back", book, detail, pair=pair, dispatch_id=dispatch_id)
+            _end_start(conn, book, pair, dispatch_id)
+        return bool(done)
+
+    def end_start(self, book: str, pair: Pair, dispatch_id: str) -> None:
+        """A started job ended without a commit (stopped, fenced off at commit): its start is closed."""
+        with self.db.transaction() as conn:
+            _end_start(conn, book, pair, dispatch_id)
 
     def token_is_current(self, book: str, pair: Pair, token: int, dispatch_id: str) -> bool:
         with self.db.read() as conn:
@@ -128,6 +162,18 @@ def _owned(book: str, pair: Pair, token: int, dispatch_id: str) -> dict[str, Any
         "token": token,
         "dispatch_id": dispatch_id,
     }
+
+
+def _end_start(conn: psycopg.Connection[Any], book: str, pair: Pair, dispatch_id: str | None) -> None:
+    """A started job ended: its start is no longer open and the run of worker-lost starts is over.
+    With a dispatch id only that job's own open start is cleared (a newer start stays open)."""
+    chapter, scene, stage = pair
+    conn.execute(
+        "UPDATE job_starts SET open_dispatch = NULL, lost_starts = 0, updated_at = now()"
+        " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s"
+        " AND (%s::text IS NULL OR open_dispatch = %s::text)",
+        (book, chapter, scene, stage, dispatch_id, dispatch_id),
+    )
 
 
 def _lock_capacity(conn: psycopg.Connection[Any], lane: str, book: str) -> None:

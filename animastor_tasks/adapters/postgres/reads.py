@@ -20,6 +20,14 @@ class OperatorReads:
                 ).fetchall()
             )
 
+    def pending_by_stage(self) -> dict[str, int]:
+        """Pending pairs (authorized work not dispatched yet) per stage, across every book."""
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "SELECT stage, count(*) FROM asset_states WHERE state = %s GROUP BY stage", (AssetState.PENDING,)
+            ).fetchall()
+        return {str(stage): int(n) for stage, n in rows}
+
     def command_status_counts(self) -> dict[CommandStatus, int]:
         """Commands per status, every status present (zero when none)."""
         with self.db.read() as conn:

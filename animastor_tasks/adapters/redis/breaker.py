@@ -13,12 +13,26 @@ from animastor_tasks.adapters.redis.connection import RedisConnection
 class BreakerStore:
     def __init__(self, conn: RedisConnection) -> None:
         self.conn = conn
+        self._permits: dict[str, str] = {}  # queue -> the permit this process holds (its stored expiry)
 
     def breaker_acquire(self, queue: str, permit_seconds: float) -> str:
         key = self.conn.keys.breaker(queue)
-        return str(
-            self.conn.run(lambda: self.conn.breaker_acquire_script(keys=[key], args=[time.time(), permit_seconds]))
+        now = time.time()
+        permit = repr(now + permit_seconds)
+        state = str(
+            self.conn.run(lambda: self.conn.breaker_acquire_script(keys=[key], args=[now, permit_seconds, permit]))
         )
+        if state == "permit":
+            self._permits[queue] = permit
+        return state
+
+    def breaker_release(self, queue: str) -> bool:
+        """Give back the unused test permit this process holds for `queue` (False: none, or it expired)."""
+        permit = self._permits.pop(queue, None)
+        if permit is None:
+            return False
+        key = self.conn.keys.breaker(queue)
+        return bool(self.conn.run(lambda: self.conn.breaker_release_script(keys=[key], args=[permit])))
 
     def breaker_record(self, queue: str, ok: bool, threshold: int, cooldown: float) -> str:
         key = self.conn.keys.breaker(queue)

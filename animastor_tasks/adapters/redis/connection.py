@@ -34,6 +34,7 @@ class RedisConnection:
         self.release_script = self.client.register_script(_script("release_lease"))
         self.breaker_acquire_script = self.client.register_script(_script("breaker_acquire"))
         self.breaker_record_script = self.client.register_script(_script("breaker_record"))
+        self.breaker_release_script = self.client.register_script(_script("breaker_release"))
 
     @contextmanager
     def errors(self) -> Iterator[None]:

@@ -1,4 +1,5 @@
-"""Deferrals: pairs kept out of gate passes until a time, one sorted set per book and bucket.
+"""Deferrals: pairs kept out of gate passes until a time, one sorted set per book and bucket;
+and, per lane, the books waiting for one of its slots, oldest first.
 
 A deferred pair costs a gate pass nothing but its share of the one snapshot read.
 """
@@ -56,3 +57,25 @@ class DeferralStore:
                 for bucket in DEFER_BUCKETS:
                     pipe.zremrangebyscore(self.conn.keys.deferrals(book, bucket), "-inf", now)
             pipe.execute()
+
+    def wait_for_lane(self, queue: str, book: str, score: float, *, move_up: bool = True) -> None:
+        """The book waits for a slot of `queue` (`domain.deferral.wait_score`: lower is served first).
+
+        A book already waiting keeps its place, or moves up to a better score when `move_up`.
+        """
+        key = self.conn.keys.lane_waiters(queue)
+        self.conn.run(lambda: self.conn.client.zadd(key, {book: score}, lt=move_up, nx=not move_up))
+
+    def next_waiters(self, queue: str, count: int, *, exclude: str | None = None) -> list[str]:
+        """Take up to `count` books that waited longest for `queue` (not `exclude`), off the waiting list.
+
+        Each is removed one by one, so two concurrent hand-overs never take the same book.
+        """
+        key = self.conn.keys.lane_waiters(queue)
+        with self.conn.errors():
+            candidates = [str(b) for b in self.conn.client.zrange(key, 0, count)]
+            taken: list[str] = []
+            for book in candidates:
+                if book != exclude and len(taken) < count and self.conn.client.zrem(key, book):
+                    taken.append(book)
+        return taken

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
+from animastor_tasks.domain.liveness import UNDELIVERED_MARKER_SECONDS
 from animastor_tasks.domain.types import BookPair
 
 
@@ -14,7 +15,11 @@ class LeaseStore:
         self.conn = conn
 
     def take_leases(self, leases: Sequence[tuple[BookPair, str, int, dict[str, Any]]]) -> None:
-        """Write lease + metadata for each (pair, dispatch id, ttl, metadata) in one round trip."""
+        """Write lease + metadata for each (pair, dispatch id, ttl, metadata) in one round trip.
+
+        A dispatch's claim (it comes with metadata) also leaves the dispatch's undelivered marker,
+        removed by its first delivery: the evidence that it still waits in its queue.
+        """
         if not leases:
             return
         with self.conn.errors():
@@ -25,6 +30,21 @@ class LeaseStore:
                     meta_key = self.conn.keys.dispatch(dispatch_id)
                     pipe.hset(meta_key, mapping={k: str(v) for k, v in meta.items()})
                     pipe.expire(meta_key, ttl * 4)
+                    at = meta.get("dispatched_at", 0)
+                    pipe.set(self.conn.keys.queued(dispatch_id), str(at), ex=UNDELIVERED_MARKER_SECONDS)
+            pipe.execute()
+
+    def restore_leases(self, leases: Sequence[tuple[BookPair, str, float]]) -> None:
+        """For each (pair, dispatch id, ttl): take the lease if nobody holds it, extend it if this dispatch
+        does, leave it alone if another one does (a newer dispatch of the pair). One round trip."""
+        if not leases:
+            return
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for pair, dispatch_id, ttl in leases:
+                key = self.conn.keys.lease(*pair)
+                pipe.set(key, dispatch_id, nx=True, px=int(ttl * 1000))
+                self.conn.renew_script(keys=[key], args=[dispatch_id, int(ttl * 1000)], client=pipe)
             pipe.execute()
 
     def lease_holders(self, pairs: Sequence[BookPair]) -> list[str | None]:
@@ -32,6 +52,14 @@ class LeaseStore:
             return []
         holders: list[Any] = self.conn.run(lambda: self.conn.client.mget([self.conn.keys.lease(*p) for p in pairs]))
         return [None if h is None else str(h) for h in holders]
+
+    def undelivered(self, dispatch_ids: Sequence[str]) -> list[float | None]:
+        """Per dispatch id, when it was dispatched if no delivery has taken it yet, else None."""
+        if not dispatch_ids:
+            return []
+        keys = [self.conn.keys.queued(d) for d in dispatch_ids]
+        marks: list[Any] = self.conn.run(lambda: self.conn.client.mget(keys))
+        return [None if m is None else float(m) for m in marks]
 
     def renew_lease(self, pair: BookPair, dispatch_id: str, ttl: float) -> bool:
         return bool(
@@ -49,13 +77,15 @@ class LeaseStore:
         """(this delivery owns the dispatch, the book is cancelled), in one round trip.
 
         A second delivery of a dispatch that is still running (broker redelivery after a
-        visibility timeout) finds the marker and does not run again.
+        visibility timeout) finds the marker and does not run again. Any delivery ends the
+        dispatch's undelivered marker: the job has left its queue.
         """
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             pipe.set(self.conn.keys.running(dispatch_id), worker, nx=True, ex=ttl)
             pipe.exists(self.conn.keys.cancel_flag(book))
-            owned, cancelled = pipe.execute()
+            pipe.delete(self.conn.keys.queued(dispatch_id))
+            owned, cancelled, _ = pipe.execute()
         return bool(owned), bool(cancelled)
 
     def touch_delivery(self, dispatch_id: str, ttl: int) -> None:

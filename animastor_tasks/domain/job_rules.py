@@ -1,0 +1,90 @@
+"""What a GPU job's troubles mean for its pair: pure rules that `flow.generate` feeds with facts.
+
+- **Worker-lost starts.** A job that kills its worker process (CUDA OOM, a segfault, the OOM killer)
+  never ends, so it never clears its start. The next start of the same pair (a redelivery, or a new
+  dispatch after reconcile) finds that start still open and counts one worker-lost start; at the limit
+  the pair fails with `worker_lost: N starts` and no GPU work is done for that start.
+- **Errors.** An error raised while a job runs is either a verdict on the scene (the generator failed)
+  or a store that was briefly unreachable, which is not the scene's fault: the pair is given back.
+- **Run failures and the breaker.** A backend-side failure (retryable, retries spent) counts against
+  the queue's circuit breaker and a success clears it; a backend failure recorded while the breaker is
+  (or just became) open gives the pair back to `pending` instead of failing it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from animastor_tasks.errors import GenerationStopped, GeneratorError, StoreUnavailable
+
+# -- worker-lost starts ---------------------------------------------------------------------------
+
+
+def lost_starts(previous: int, open_start: str | None) -> int:
+    """Worker-lost starts in a row, counting this start: one more when the previous start never ended."""
+    return previous + 1 if open_start is not None else previous
+
+
+def worker_lost_reason(lost: int, limit: int) -> str | None:
+    """The failure reason once `lost` reaches `limit` (the pair then fails without GPU work), else None."""
+    return f"worker_lost: {lost} starts" if lost >= limit else None
+
+
+# -- errors while a job runs ------------------------------------------------------------------------
+
+
+class ErrorKind(StrEnum):
+    STOPPED = "stopped"  # cancel or a lost lease: nothing committed, the pair is someone else's now
+    BACKEND = "backend"  # the generator's backend failed, worth retrying (5xx, refused, timeout)
+    SCENE = "scene"  # the generator refused this scene (not retryable): a verdict, the pair fails
+    STORE = "store"  # Postgres, Redis or the broker was briefly unreachable: not the scene's fault
+    BUG = "bug"  # anything else a generator raised: fail the pair once rather than loop on it
+
+
+def classify_error(err: BaseException) -> ErrorKind:
+    """Which kind of trouble `err` is. Driver errors reach a flow as `StoreUnavailable` (the adapters
+    translate them at their edge); a store error found anywhere in the cause chain of a non-generator
+    error counts as a store error too."""
+    if isinstance(err, GenerationStopped):
+        return ErrorKind.STOPPED
+    if isinstance(err, GeneratorError):
+        return ErrorKind.BACKEND if err.retryable else ErrorKind.SCENE
+    seen: set[int] = set()
+    link: BaseException | None = err
+    while link is not None and id(link) not in seen:
+        if isinstance(link, StoreUnavailable):
+            return ErrorKind.STORE
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return ErrorKind.BUG
+
+
+class Verdict(StrEnum):
+    FAIL = "fail"  # generating -> failed with the error
+    GIVE_BACK = "give_back"  # generating -> pending (compare-and-set on the token); the gate decides again
+
+
+def verdict(kind: ErrorKind, breaker_state: str | None = None) -> Verdict:
+    """What a job that gave up with `kind` does to its pair.
+
+    `breaker_state` is what recording a backend failure on the queue's breaker answered ('open' or
+    'closed'; None when it could not be recorded). A store error never fails a pair. A backend failure
+    fails it while the breaker stays closed (a failure shorter than the threshold is taken as the scene's
+    own), and gives it back once the breaker is open: the backend is down, the scene is not to blame.
+    """
+    if kind is ErrorKind.STORE:
+        return Verdict.GIVE_BACK
+    if kind is ErrorKind.BACKEND and breaker_state == "open":
+        return Verdict.GIVE_BACK
+    return Verdict.FAIL
+
+
+def breaker_feed(kind: ErrorKind | None) -> bool | None:
+    """What a finished run records on its queue's breaker: True (success, closes it) for a run that
+    produced media (`kind` None), False (a failure) for a backend failure, nothing (None) otherwise: a
+    scene refused, a stop, a bug or a store error says nothing about the generator's backend."""
+    if kind is None:
+        return True
+    if kind is ErrorKind.BACKEND:
+        return False
+    return None

@@ -1,0 +1,68 @@
+"""Is a `generating` pair whose lease is gone still waiting in its queue?
+
+A job renews its lease only once it runs, so a job that waits in its queue longer than the
+lease TTL looks dead by its lease alone. Two kinds of evidence say it is not:
+
+* the broker lists the waiting messages (Redis broker): the dispatch id is among them;
+* the broker only counts them (AMQP: a passive declare gives the ready messages per queue).
+  Each dispatch leaves an *undelivered marker* (`keys.Keyspace.queued`) that its first
+  delivery removes, so the undelivered dispatches of a queue are the messages we put there
+  and nobody took yet. A queue is first in, first out: when it holds N ready messages, the N
+  most recently dispatched undelivered jobs are the ones still in it. If it holds at least as
+  many as there are undelivered dispatches, all of them are waiting; the oldest ones beyond N
+  were lost (a purged queue, a broker that lost non-durable messages) and go back to reconcile.
+
+Messages of superseded or revoked dispatches still count in N, so a lost message can hide
+behind them, but only until the backlog drains: liveness comes late, never wrongly early,
+and fencing keeps a second copy harmless either way.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+#: How long an undelivered marker lives: the longest a job may wait in its queue and still be
+#: taken for alive by the count; beyond it reconcile treats it as lost (a dispatch, fenced).
+UNDELIVERED_MARKER_SECONDS = 24 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    """The current dispatch of one `generating` pair, as reconcile sees it."""
+
+    dispatch_id: str
+    queue: str
+    dispatched_at: float | None  # from its undelivered marker; None once delivered (or unknown)
+
+
+def queued_lease_ttl(lease_ttl: float, reconcile_seconds: float) -> float:
+    """The lease reconcile keeps for a job waiting in its queue: it outlives the next pass even when
+    that pass comes one period late, so the job still holds it when it starts and first renews it."""
+    return lease_ttl + 2 * reconcile_seconds
+
+
+def still_queued(
+    dispatches: Sequence[Dispatched],
+    queued_ids: Collection[str] | None,
+    depths: Mapping[str, int] | None,
+) -> set[str]:
+    """The dispatch ids (lease alive or not) that are still waiting in their queue.
+
+    `queued_ids`: the ids the broker lists as waiting (None where it cannot list them);
+    `depths`: ready messages per queue (None where it cannot count them). A listing wins.
+    """
+    if queued_ids is not None:
+        return {d.dispatch_id for d in dispatches if d.dispatch_id in queued_ids}
+    if depths is None:
+        return set()
+    undelivered: dict[str, list[Dispatched]] = defaultdict(list)
+    for d in dispatches:
+        if d.dispatched_at is not None:
+            undelivered[d.queue].append(d)
+    in_queue: set[str] = set()
+    for queue, waiting in undelivered.items():
+        newest_first = sorted(waiting, key=lambda d: (d.dispatched_at or 0.0, d.dispatch_id), reverse=True)
+        in_queue.update(d.dispatch_id for d in newest_first[: max(0, depths.get(queue, 0))])
+    return in_queue

@@ -1,0 +1,145 @@
+"""How busy the GPU slots stay while many books wait: work conservation and fair share, measured.
+
+Workers (subprocesses, on the bench stores): one control worker, beat, and as many single-process
+GPU workers as the lane has slots. Many small books are regenerated together on one lane with
+`book_quota` 1, so every book but the first few must be handed a slot another book's job freed.
+
+- `lane_busy_fraction`: busy slot-seconds (job.started -> job.ready, from the journal) over the
+  slot-seconds available from the first start to the last end. 1.0 is every slot busy throughout.
+- `first_start_index_worst`: the index (in start order) of the job at which the last book first
+  started; round robin gives about the number of books.
+- `first_start_wait_worst_s`: the longest wait from sending the regenerates to a book's first start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from animastor_tasks.dev.celery_commands import celery_argv
+from animastor_tasks.dev.supervisor import Supervisor, wait_until
+from bench.common import ROOT, BenchResult, Context, bench_env, make_runtime, pg_connect
+
+SLOTS = 2
+STEP_SECONDS = 0.15  # two builtin steps: a 0.3 s job
+TARGET_BUSY = 0.95
+
+
+def _stages() -> dict[str, object]:
+    return {
+        "audio": {
+            "queue": "gpu.audio",
+            "input": "text",
+            "media_type": "audio/wav",
+            "lane_limit": SLOTS,
+            "book_quota": 1,
+            "window": 1,
+            "params": {"steps": 2, "step_seconds": STEP_SECONDS},
+        }
+    }
+
+
+def _book(book_id: str, scenes: int) -> dict[str, object]:
+    return {
+        "book_id": book_id,
+        "title": book_id,
+        "chapters": [
+            {
+                "chapter_id": "ch1",
+                "title": "one",
+                "scenes": [{"scene_id": f"s{i}", "text": f"{book_id} {i}", "prompt": "p"} for i in range(scenes)],
+            }
+        ],
+    }
+
+
+def _supervisor(folder: Path) -> Supervisor:
+    env = {**os.environ, **bench_env(_stages()), "PYTHONPATH": ROOT, "ANIMASTOR_TICK_SECONDS": "1"}
+    sup = Supervisor(env, folder, say=lambda _: None, cwd=Path(ROOT))
+    sup.start(
+        "control", celery_argv("worker", "-Q", "animastor.control", "-c", "2", "-n", "control@%h", "-l", "warning")
+    )
+    for i in range(SLOTS):
+        sup.start(f"gpu{i}", celery_argv("worker", "-Q", "gpu.audio", "-c", "1", "-P", "solo", "-n", f"gpu{i}@%h"))
+    sup.start("beat", celery_argv("beat", "-s", str(folder / "beat-schedule"), "-l", "warning"))
+    return sup
+
+
+def run(ctx: Context) -> BenchResult:
+    from animastor_tasks.client import Client
+    from animastor_tasks.config import Settings
+    from animastor_tasks.domain.book import parse_book_json
+
+    result = BenchResult()
+    books, scenes = (30, 3) if ctx.quick else (40, 3)
+    rt = make_runtime(_stages())
+    ids = [f"busy{i:02d}" for i in range(books)]
+    for book_id in ids:
+        rt.catalog.import_book(parse_book_json(json.dumps(_book(book_id, scenes))))
+    folder = Path(tempfile.mkdtemp(prefix="animastor-bench-lane-busy-"))
+    workers = _supervisor(folder)
+    client = Client(Settings.from_env(bench_env(_stages())))
+    try:
+        wait_until(
+            lambda: (
+                len(rt.presence.live_consumers(["gpu.audio"])["gpu.audio"]) == SLOTS
+                and rt.presence.live_consumers(["animastor.control"])["animastor.control"]
+            ),
+            90,
+            "worker presence",
+            workers.check,
+        )
+        with pg_connect() as conn:
+            sent = float(conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
+        for book_id in ids:
+            client.regenerate(book_id, ["audio"])
+        total = books * scenes
+        ctx.log(f"lane_busy: {books} books x {scenes} scenes on {SLOTS} slots, jobs {2 * STEP_SECONDS:.1f}s")
+
+        def done() -> bool:
+            with pg_connect() as conn:
+                row = conn.execute("SELECT count(*) FROM asset_states WHERE state = 'ready'").fetchone()
+            return int(row[0]) >= total
+
+        wait_until(done, total * 2 * STEP_SECONDS + 120, "every pair ready", workers.check)
+        with pg_connect() as conn:
+            rows = conn.execute(
+                "SELECT kind, book_id, dispatch_id, extract(epoch FROM at) FROM events"
+                " WHERE kind IN ('job.started', 'job.ready') ORDER BY at, id"
+            ).fetchall()
+    finally:
+        client.close()
+        workers.stop_all()
+        rt.close()
+
+    starts = {d: float(at) for kind, _, d, at in rows if kind == "job.started"}
+    ends = {d: float(at) for kind, _, d, at in rows if kind == "job.ready"}
+    busy = sum(ends[d] - starts[d] for d in ends if d in starts)
+    span = max(ends.values()) - min(starts.values())
+    fraction = busy / (SLOTS * span)
+    started = [(book, float(at)) for kind, book, _, at in rows if kind == "job.started"]
+    first_index: dict[str, int] = {}
+    first_at: dict[str, float] = {}
+    for index, (book, at) in enumerate(started):
+        first_index.setdefault(book, index)
+        first_at.setdefault(book, at)
+    result.figure(
+        "lane_busy_fraction",
+        fraction,
+        baseline=f"{SLOTS} slots x {span:.1f}s from first start to last end",
+        target=f">= {TARGET_BUSY}",
+        ok=fraction >= TARGET_BUSY,
+    )
+    worst_index = max(first_index.values())
+    result.figure(
+        "first_start_index_worst",
+        worst_index,
+        baseline=f"{books} books (round robin: about the number of books)",
+        target=f"<= {books + SLOTS}",
+        ok=worst_index <= books + SLOTS,
+    )
+    result.figure("first_start_wait_worst_s", max(first_at.values()) - sent, "s", baseline="capacity deferral 60 s")
+    result.notes["jobs"] = len(ends)
+    return result

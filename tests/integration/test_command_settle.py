@@ -1,0 +1,95 @@
+"""Commands always settle: a target released to `dirty` while its command is active (layer turned
+off, stage BLOCKED, a dead lease without authority) ends its command with a reason and a count."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from animastor_tasks.flow import cancel as cancel_flow
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import layers as layers_flow
+from animastor_tasks.flow import reconcile as reconcile_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow import status as status_flow
+from animastor_tasks.flow.generate import run_job
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import advertise, make_book, states
+from .test_cli_reads import cli
+from .test_generate import dispatched_jobs, with_stage
+
+
+@pytest.fixture
+def book(rt, tmp_path):  # type: ignore[no-untyped-def]
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=2, scenes=3))
+    advertise(rt, "gpu.audio")
+    return "b"
+
+
+def command(rt: Wiring, book: str, command_id: str) -> dict:
+    [found] = [c for c in status_flow.status(rt.ports, book)["commands"] if c["command_id"] == command_id]
+    return found
+
+
+def test_disabling_a_layer_settles_the_command_with_its_released_targets(rt, book) -> None:
+    cid = regenerate_flow.regenerate(rt.ports, book, ["audio"])["commands"][0]["command_id"]
+    for job in dispatched_jobs(rt, book):  # the book quota (4) let four of six go
+        assert run_job(rt.ports, job, worker="test")["outcome"] == "ready"
+    assert list(states(rt, book).values()).count("pending") == 2
+    layers_flow.set_layers(rt.ports, book, [], ["audio"])
+    found = command(rt, book, cid)
+    assert found["status"] == "failed"
+    assert found["reason"] == "2 of 6 targets released (layer_disabled)"
+    assert found["progress"]["ready"] == 4 and found["progress"]["dirty"] == 2
+    assert found["progress"]["released"] == 2
+    assert found["progress"]["released_reasons"] == {"layer_disabled": 2}
+    # Turning the layer back on re-authorizes nothing: only a new command brings the work back.
+    layers_flow.set_layers(rt.ports, book, ["audio"], [])
+    assert gate.gate_pass(rt.ports, book).dispatched == []
+    assert list(states(rt, book).values()).count("dirty") == 8  # 2 audio + 6 image
+
+
+def test_a_blocked_stage_reports_its_released_targets(rt, book) -> None:
+    rt.presence.heartbeat("test-worker@local", (), 1, gone=["gpu.audio"])  # no audio consumer
+    cid = regenerate_flow.regenerate(rt.ports, book, ["audio"])["commands"][0]["command_id"]
+    found = command(rt, book, cid)
+    assert found["status"] == "blocked" and found["reason"] == "no_worker:audio"
+    assert found["progress"]["released"] == 6
+    assert found["progress"]["released_reasons"] == {"no_worker:audio": 6}
+
+
+def test_reconcile_of_an_unauthorized_dead_lease_settles_the_command(rt, book) -> None:
+    cid = regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]])["commands"][0]["command_id"]
+    assert states(rt, book)[("ch1", "s1", "audio")] == "generating"
+    layers_flow.set_layers(rt.ports, book, [], ["audio"])  # a generating pair is left to its job...
+    assert command(rt, book, cid)["status"] == "active"
+    rt.redis.client.delete("gpu.audio")  # ...whose worker took it and died with it
+    rt.ports.leases.drop_leases([(book, "ch1", "s1", "audio")])
+    assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 1
+    found = command(rt, book, cid)
+    assert states(rt, book)[("ch1", "s1", "audio")] == "dirty"
+    assert (found["status"], found["reason"]) == ("failed", "1 of 1 targets released (layer_disabled)")
+    assert found["progress"]["released_reasons"] == {"layer_disabled": 1}
+
+
+def test_a_release_by_the_cancel_flag_is_left_to_cancel(rt, book) -> None:
+    """Stop All sets the Redis flag first: a gate pass in between releases pairs, but the command
+    ends `cancelled` (by cancel), never `failed`."""
+    cid = regenerate_flow.regenerate(rt.ports, book, ["audio"])["commands"][0]["command_id"]
+    rt.ports.book_state.set_cancel_flags([book])
+    assert len(gate.gate_pass(rt.ports, book).released) == 2
+    found = command(rt, book, cid)
+    assert found["status"] == "active" and found["progress"]["released"] == 0
+    cancel_flow.cancel(rt.ports, book)
+    assert command(rt, book, cid)["status"] == "cancelled"
+
+
+def test_commands_json_carries_the_released_counts(rt, book) -> None:
+    regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    layers_flow.set_layers(rt.ports, book, [], ["audio"])
+    [row] = json.loads(cli("commands", book, "--json").stdout)
+    assert row["status"] == "active"  # four targets are still generating
+    assert row["progress"]["released"] == 2 and row["progress"]["released_reasons"] == {"layer_disabled": 2}

@@ -1,0 +1,244 @@
+"""A GPU job's troubles on the real stores: a store blip never fails a pair, a pair whose starts keep losing
+their worker fails after the limit, and a dead inference server opens its queue's breaker with the remaining
+pairs left pending (the rules are `domain.job_rules`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import redis
+
+from animastor_tasks.dev.inference_server import InferenceServer, make_server
+from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.generate import run_job
+from animastor_tasks.ports import GenerationRequest, Generator, Media
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import advertise, make_book, states
+from .test_generate import dispatched_jobs, with_stage
+
+PAIR = ("ch1", "s1", "audio")
+
+
+class _Generators:
+    """Hands every stage the given generator (the flows' `Generators` port)."""
+
+    def __init__(self, generator: Generator) -> None:
+        self.generator = generator
+
+    def load(self, spec: StageSpec) -> Generator:
+        return self.generator
+
+
+class _Scripted:
+    """Produces a tiny WAV, after calling `before(request, progress)` (which may raise)."""
+
+    name = "scripted"
+
+    def __init__(self, before: Callable[[GenerationRequest, Callable[[float], None]], None]) -> None:
+        self.before = before
+
+    def generate(self, request: GenerationRequest, should_stop: Callable[[], bool], progress: Any) -> Media:
+        self.before(request, progress)
+        progress(1.0)
+        return Media(b"RIFF" + request.scene_id.encode(), "audio/wav")
+
+
+def _use_generator(rt: Wiring, generator: Generator) -> None:
+    rt.ports = replace(rt.ports, generators=_Generators(generator))
+
+
+def _events(rt: Wiring, kind: str) -> list[tuple[Any, ...]]:
+    with rt.db.transaction() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                "SELECT chapter_id, scene_id, stage, dispatch_id, detail FROM events WHERE kind = %s ORDER BY id",
+                (kind,),
+            ).fetchall()
+        ]
+
+
+def _one_scene(rt: Wiring, tmp_path: Any, scenes: int = 1, **settings: Any) -> None:
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path, **settings)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=scenes))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+
+
+# -- item 7: a store blip never fails a pair ------------------------------------------------------------
+
+
+def test_a_progress_report_that_cannot_reach_its_store_never_fails_the_pair(rt, tmp_path) -> None:
+    """The `make faults` failure: Celery's result backend (update_state) raised redis's ConnectionError
+    through the progress callback while Redis restarted, and the pair was failed after 1 attempt."""
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+
+    def progress(fraction: float) -> None:
+        raise redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6399. Connection refused.")
+
+    result = run_job(rt.ports, job, worker="test", progress=progress)
+    assert result["outcome"] == "ready", result
+    assert states(rt, "b")[PAIR] == "ready"
+    assert _events(rt, "job.failed") == []
+
+
+def test_a_store_error_in_the_run_gives_the_pair_back_to_run_again(rt, tmp_path) -> None:
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    blip = StoreUnavailable("redis", rt.settings.redis_url, "Error 111 connecting to 127.0.0.1:6379")
+
+    def unreachable(request: GenerationRequest, progress: Any) -> None:
+        raise blip
+
+    _use_generator(rt, _Scripted(unreachable))
+    result = run_job(rt.ports, job, worker="test")
+    assert result["outcome"] == "given_back", result
+    assert states(rt, "b")[PAIR] == "pending"  # not failed: runs again
+    assert _events(rt, "job.failed") == []
+    [(_, _, _, dispatch_id, detail)] = _events(rt, "job.given_back")
+    assert dispatch_id == job.dispatch_id and "redis unavailable" in detail["reason"]
+    assert rt.redis.client.exists(rt.redis.keys.lease("b", *PAIR)) == 0  # its lease is released
+
+    _use_generator(rt, _Scripted(lambda request, progress: None))
+    gate.gate_pass(rt.ports, "b")
+    [again] = dispatched_jobs(rt, "b")
+    assert again.fencing_token == job.fencing_token + 1
+    assert run_job(rt.ports, again, worker="test")["outcome"] == "ready"
+    [command] = rt.ports.commands.commands(book="b")
+    assert command.status == "completed"
+
+
+# -- item 3: a poison scene cannot loop --------------------------------------------------------------------
+
+
+class _WorkerDied(BaseException):
+    """Stands in for the process dying mid-job (CUDA OOM, segfault): nothing after it runs in the flow."""
+
+
+def test_a_pair_whose_starts_keep_losing_their_worker_fails_after_the_limit(rt, tmp_path) -> None:
+    _one_scene(rt, tmp_path, scenes=2, worker_lost_limit=3)
+    ran: Counter[str] = Counter()
+
+    def poison(request: GenerationRequest, progress: Any) -> None:
+        ran[request.scene_id] += 1
+        if request.scene_id == "s1":
+            raise _WorkerDied
+
+    _use_generator(rt, _Scripted(poison))
+    outcomes = []
+    for _round in range(6):
+        jobs = {j.scene_id: j for j in dispatched_jobs(rt, "b")}
+        if "s1" not in jobs:
+            break
+        for job in jobs.values():
+            try:
+                outcomes.append((job.scene_id, run_job(rt.ports, job, worker="test")["outcome"]))
+            except _WorkerDied:
+                outcomes.append((job.scene_id, "worker died"))
+                # What reconcile does once the dead job's lease is gone: back to pending, dispatched again.
+                assert rt.ports.assets.expire_generating("b", job.pair, job.fencing_token, AssetState.PENDING)
+        gate.gate_pass(rt.ports, "b")
+    assert outcomes == [
+        ("s1", "worker died"),
+        ("s2", "ready"),
+        ("s1", "worker died"),
+        ("s1", "worker died"),
+        ("s1", "failed"),
+    ]
+    assert ran["s1"] == 3  # the fourth start did no GPU work
+    found = states(rt, "b")
+    assert found[PAIR] == "failed" and found[("ch1", "s2", "audio")] == "ready"
+    with rt.db.transaction() as conn:
+        error = conn.execute("SELECT error FROM asset_states WHERE scene_id = 's1' AND stage = 'audio'").fetchone()[0]
+    assert error == "worker_lost: 3 starts"
+    assert [d["lost_starts"] for c, s, st, _, d in _events(rt, "job.started") if s == "s1"] == [0, 1, 2]
+    [command] = rt.ports.commands.commands(book="b")
+    assert command.status == "failed"
+    # An explicit regenerate is a new intent: the pair gets its starts again (the count was cleared).
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], scenes=[["ch1", "s1"]])
+    [job] = dispatched_jobs(rt, "b")
+    with pytest.raises(_WorkerDied):
+        run_job(rt.ports, job, worker="test")
+    assert ran["s1"] == 4
+
+
+# -- item 5b: run failures feed the circuit breaker ------------------------------------------------------
+
+
+@pytest.fixture
+def inference() -> Iterator[InferenceServer]:
+    """The reference inference server, in this process so a test can make it fail and recover on one URL."""
+    server = make_server("127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, name="inference", daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_a_dead_inference_server_opens_the_breaker_and_the_pairs_wait_pending(rt, tmp_path, inference) -> None:
+    inference.failure_rate = 1.0  # 503 to everything
+    spec = replace(rt.settings.registry.get("audio"), generator="http", endpoint=f"{inference.url}/v1/generate/audio")
+    cooldown = 1.5
+    with_stage(
+        rt,
+        spec,
+        tmp_path,
+        breaker_threshold=2,
+        breaker_cooldown_seconds=cooldown,
+        generate_max_retries=1,
+        retry_backoff_base=0.01,
+        retry_backoff_max=0.02,
+    )
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    jobs = dispatched_jobs(rt, "b")
+    assert len(jobs) == 4  # book quota
+
+    began = time.monotonic()
+    outcomes = [run_job(rt.ports, job, worker="test")["outcome"] for job in jobs]
+    opened_after = None
+    breaker = rt.redis.client.hgetall(rt.redis.keys.breaker("gpu.audio"))
+    assert float(breaker.get("open_until", 0)) > time.time(), breaker  # open
+    # The first failure (below the threshold) is taken as the scene's own; from the one that opens the
+    # breaker on, the backend is down and the pairs go back to pending.
+    assert outcomes == ["failed", "given_back", "given_back", "given_back"], outcomes
+    opened_after = time.monotonic() - began
+    report = gate.gate_pass(rt.ports, "b")
+    assert report.outcomes.get("breaker_open") == 5 and not dispatched_jobs(rt, "b")
+    assert Counter(s for (_, _, stage), s in states(rt, "b").items() if stage == "audio") == {"pending": 5, "failed": 1}
+    [command] = rt.ports.commands.commands(book="b")
+    assert command.status == "active"
+
+    # The server recovers; after the cool-down the one test permit succeeds and the rest follow.
+    inference.failure_rate = 0.0
+    time.sleep(cooldown + 0.1)
+    gate.gate_pass(rt.ports, "b")
+    [probe] = dispatched_jobs(rt, "b")  # half-open: exactly one test dispatch
+    assert run_job(rt.ports, probe, worker="test")["outcome"] == "ready"
+    assert rt.redis.client.exists(rt.redis.keys.breaker("gpu.audio")) == 0  # closed
+    for _ in range(10):
+        rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))
+        gate.gate_pass(rt.ports, "b")
+        jobs = dispatched_jobs(rt, "b")
+        if not jobs:
+            break
+        assert {run_job(rt.ports, job, worker="test")["outcome"] for job in jobs} == {"ready"}
+    assert Counter(s for (_, _, stage), s in states(rt, "b").items() if stage == "audio") == {"ready": 5, "failed": 1}
+    [command] = rt.ports.commands.commands(book="b")
+    assert command.status == "failed" and command.reason == "1 of 6 targets failed"
+    print(f"breaker open after {opened_after:.2f}s (2 failing jobs x 2 attempts); 5 pairs waited pending")

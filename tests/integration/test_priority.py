@@ -1,0 +1,62 @@
+"""Priority on the task contract: kept on the command, first in line for a free slot, refused when unknown."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from animastor_tasks.errors import InvalidCommand
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import regenerate as regenerate_flow
+
+from .helpers import advertise, make_book, states, use_settings
+
+
+@pytest.fixture
+def one_slot(rt):  # type: ignore[no-untyped-def]
+    """One audio slot, quota and window wide enough that only the lane limits."""
+    spec = rt.settings.registry.get("audio")
+    lane = replace(spec, lane_limit=1, book_quota=10, window=10)
+    use_settings(rt, replace(rt.settings, registry=replace(rt.settings.registry, stages=(lane,))))
+    advertise(rt, "gpu.audio")
+    return rt
+
+
+@pytest.mark.parametrize("priority", ["urgent", "", 3, ["interactive"]])
+def test_an_unknown_priority_is_refused_and_writes_nothing(rt, priority: object) -> None:
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    with pytest.raises(InvalidCommand, match="priority: must be one of interactive, normal, bulk"):
+        regenerate_flow.regenerate(rt.ports, "b", ["audio"], priority=priority)
+    assert rt.ports.commands.commands(book="b") == []
+    assert set(states(rt, "b").values()) == {"dirty"}
+
+
+def test_the_priority_is_kept_on_the_command(rt) -> None:
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], priority="bulk")
+    with rt.db.transaction() as conn:
+        assert conn.execute("SELECT priority FROM commands WHERE book_id = 'b'").fetchall() == [("bulk",)]
+
+
+def test_an_interactive_scene_goes_before_the_books_bulk_scenes(one_slot) -> None:
+    rt = one_slot
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=5))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], priority="bulk")  # s1 takes the slot
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s4"]], priority="interactive")
+    with rt.db.transaction() as conn:  # the running job ends
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'b' AND scene_id = 's1'")
+    rt.deferrals.clear_bucket("b", "capacity")
+    gate.gate_pass(rt.ports, "b")
+    assert states(rt, "b")[("ch1", "s4", "audio")] == "generating"  # not s2, next in reading order
+
+
+def test_an_interactive_book_is_handed_the_next_free_slot_before_books_that_waited_longer(one_slot) -> None:
+    rt = one_slot
+    for book in ("running", "bulk1", "bulk2", "reader"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "running", ["audio"], [["ch1", "s1"]])  # takes the only slot
+    regenerate_flow.regenerate(rt.ports, "bulk1", ["audio"], priority="bulk")
+    regenerate_flow.regenerate(rt.ports, "bulk2", ["audio"], priority="bulk")
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], [["ch1", "s2"]], priority="interactive")
+    assert rt.deferrals.next_waiters("gpu.audio", 3) == ["reader", "bulk1", "bulk2"]

@@ -1,0 +1,138 @@
+"""A regenerate that names a scene while its job runs: the real flows, jobs run in-process in a thread.
+
+Without force the running job serves the new command; with force it is fenced off and stopped,
+its slot keeps counting until it has stopped, and only then is a fresh run dispatched.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import reconcile as reconcile_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import advertise, make_book, queued_messages, states
+from .test_generate import dispatched_jobs, with_stage
+
+PAIR = ("ch1", "s1", "audio")
+
+
+def audio(rt: Wiring, tmp_path: Path, **spec: Any) -> None:
+    with_stage(rt, replace(rt.settings.registry.get("audio"), **spec), tmp_path)
+
+
+def in_thread(rt: Wiring, job: Job) -> tuple[threading.Thread, dict[str, Any]]:
+    outcome: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: outcome.update(run_job(rt.ports, job, worker="test")))
+    thread.start()
+    return thread, outcome
+
+
+def taken_by_worker(rt: Wiring) -> None:
+    """The jobs run in-process: their messages are taken off the queue as a worker would."""
+    rt.redis.client.delete("gpu.audio")
+
+
+def dispatch_events(rt: Wiring) -> int:
+    with rt.db.transaction() as conn:
+        return int(conn.execute("SELECT count(*) FROM events WHERE kind = 'dispatch'").fetchone()[0])
+
+
+def status_of(rt: Wiring, command_id: str) -> str:
+    return {c.command_id: c.status for c in rt.ports.commands.commands(book="b")}[command_id]
+
+
+def test_regenerate_without_force_during_a_run_is_served_by_that_run(rt, tmp_path) -> None:
+    audio(rt, tmp_path, params={"steps": 10, "step_seconds": 0.1})
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    first = regenerate_flow.regenerate(rt.ports, "b", ["audio"])["commands"][0]["command_id"]
+    [job] = dispatched_jobs(rt, "b")
+    taken_by_worker(rt)
+    thread, outcome = in_thread(rt, job)
+    time.sleep(0.3)
+    second = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)["commands"][0]["command_id"]
+    # The pair stays with its running job: same dispatch, same token, nothing new queued.
+    assert dispatched_jobs(rt, "b") == [job]
+    assert queued_messages(rt, "gpu.audio") == 0
+    thread.join(timeout=10)
+    assert outcome["outcome"] == "ready", outcome  # its commit is not fenced off
+    assert states(rt, "b")[PAIR] == "ready"
+    assert status_of(rt, first) == "completed" and status_of(rt, second) == "completed"
+    assert rt.redis.client.zcard(rt.redis.keys.deferrals("b", "idempotent")) == 0  # no 15-minute stall
+
+
+def test_forced_regenerate_during_a_run_stops_it_and_runs_fresh_once_it_stopped(rt, tmp_path) -> None:
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    # A first output, so a later pass could wrongly settle the pair as already completed.
+    audio(rt, tmp_path)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [ready_job] = dispatched_jobs(rt, "b")
+    assert run_job(rt.ports, ready_job, worker="test")["outcome"] == "ready"
+    taken_by_worker(rt)
+
+    # A slow run, renewing its lease every second.
+    audio(rt, tmp_path, params={"steps": 60, "step_seconds": 0.1}, lease_ttl=3)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    taken_by_worker(rt)
+    thread, outcome = in_thread(rt, job)
+    time.sleep(0.3)
+    dispatches = dispatch_events(rt)
+    forced = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)["commands"][0]["command_id"]
+
+    # Nothing new is dispatched while the old job holds the GPU: the pair stays generating (its slot
+    # counts), under a token the old job no longer holds, and no second job is queued.
+    assert dispatch_events(rt) == dispatches and queued_messages(rt, "gpu.audio") == 0
+    [fenced] = dispatched_jobs(rt, "b")
+    assert fenced.dispatch_id == job.dispatch_id and fenced.fencing_token == job.fencing_token + 1
+    with rt.ports.assets.claiming("b", {"audio": "gpu.audio"}) as session:
+        assert session.counts.lane.get("audio") == 1
+    thread.join(timeout=5)
+    assert outcome["outcome"] == "stopped", outcome  # told to stop; nothing committed
+    assert status_of(rt, forced) == "active" and states(rt, "b")[PAIR] == "generating"
+    assert gate.gate_pass(rt.ports, "b").dispatched == []  # still waiting for the stop to be certain
+
+    # Once the stopped job's hold has lapsed (one lease TTL), reconcile hands the pair back and a
+    # fresh run goes out, even after the force window has closed (no "already completed").
+    deadline = time.monotonic() + 5
+    while rt.redis.client.exists(rt.redis.keys.lease("b", *PAIR)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    rt.redis.client.delete(rt.redis.keys.force_set("b"))
+    assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 1
+    assert states(rt, "b")[PAIR] == "pending"
+    assert len(gate.gate_pass(rt.ports, "b").dispatched) == 1
+    [fresh] = dispatched_jobs(rt, "b")
+    assert fresh.dispatch_id != job.dispatch_id and fresh.fencing_token == job.fencing_token + 2
+    audio(rt, tmp_path, lease_ttl=3)
+    assert run_job(rt.ports, fresh, worker="test")["outcome"] == "ready"
+    assert status_of(rt, forced) == "completed"
+    with rt.db.transaction() as conn:
+        committed = [r[0] for r in conn.execute("SELECT dispatch_id FROM artifacts ORDER BY id")]
+    assert committed == [ready_job.dispatch_id, fresh.dispatch_id]
+
+
+def test_a_fenced_job_that_finishes_first_does_not_complete_the_forced_command(rt, tmp_path) -> None:
+    """The old job ends before its next renewal: its output is refused, the forced command waits for a fresh run."""
+    audio(rt, tmp_path, params={"steps": 8, "step_seconds": 0.1}, lease_ttl=60)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    taken_by_worker(rt)
+    thread, outcome = in_thread(rt, job)
+    time.sleep(0.3)
+    forced = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)["commands"][0]["command_id"]
+    thread.join(timeout=5)
+    assert outcome["outcome"] == "fence_rejected", outcome
+    assert states(rt, "b")[PAIR] == "generating" and status_of(rt, forced) == "active"
+    with rt.db.transaction() as conn:
+        assert conn.execute("SELECT count(*) FROM artifacts").fetchone()[0] == 0

@@ -1,0 +1,103 @@
+"""The pure rules of `domain.job_rules`: worker-lost starts, which errors fail a pair and which give it
+back, and what a run feeds its queue's circuit breaker."""
+
+from __future__ import annotations
+
+import pytest
+
+from animastor_tasks.config import Settings
+from animastor_tasks.domain.job_rules import (
+    ErrorKind,
+    Verdict,
+    breaker_feed,
+    classify_error,
+    lost_starts,
+    verdict,
+    worker_lost_reason,
+)
+from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, InvalidTransition, StoreUnavailable
+
+
+def test_a_start_that_finds_the_previous_one_open_counts_one_lost_start() -> None:
+    assert lost_starts(0, None) == 0  # the previous start ended (or there was none)
+    assert lost_starts(0, "d1") == 1  # d1 started and never ended: its worker died
+    assert lost_starts(2, "d3") == 3
+
+
+@pytest.mark.parametrize(("lost", "limit", "reason"), [(0, 3, None), (2, 3, None), (3, 3, "worker_lost: 3 starts")])
+def test_the_pair_gives_up_at_the_limit(lost: int, limit: int, reason: str | None) -> None:
+    assert worker_lost_reason(lost, limit) == reason
+
+
+def test_a_poison_scene_is_given_up_after_limit_lost_starts() -> None:
+    """The sequence a pair whose every job kills its worker goes through, limit 3: three starts run, the
+    fourth finds three lost ones and fails the pair without GPU work."""
+    previous, open_start, ran = 0, None, 0
+    for dispatch in ("d1", "d2", "d3", "d4", "d5"):
+        lost = lost_starts(previous, open_start)
+        if worker_lost_reason(lost, 3) is not None:
+            break
+        ran += 1
+        previous, open_start = lost, dispatch  # started, then killed with its worker: never ended
+    assert (ran, lost) == (3, 3)
+
+
+def _caused_by(outer: Exception, inner: Exception) -> Exception:
+    try:
+        try:
+            raise inner
+        except Exception as err:
+            raise outer from err
+    except Exception as err:
+        return err
+
+
+STORE = StoreUnavailable("redis", "redis://:pw@127.0.0.1:6379/0", "Error 111 connecting to 127.0.0.1:6379")
+
+
+@pytest.mark.parametrize(
+    ("err", "kind", "fails"),
+    [
+        # Verdicts on the scene: the pair fails (a backend failure only while the breaker stays closed).
+        (GeneratorError("inference endpoint answered 400: bad prompt", retryable=False), ErrorKind.SCENE, True),
+        (GeneratorError("inference endpoint answered 503", retryable=True), ErrorKind.BACKEND, True),
+        (ValueError("a generator bug"), ErrorKind.BUG, True),
+        (InvalidTransition("ready", "generating"), ErrorKind.BUG, True),
+        # Not the scene's fault: a store briefly unreachable gives the pair back.
+        (STORE, ErrorKind.STORE, False),
+        (StoreUnavailable("postgres", "postgresql://db/x", "server closed the connection"), ErrorKind.STORE, False),
+        (_caused_by(RuntimeError("while reporting"), STORE), ErrorKind.STORE, False),
+        # Stopped (cancel, lost lease): neither; the pair is someone else's now.
+        (GenerationStopped(), ErrorKind.STOPPED, False),
+    ],
+)
+def test_which_errors_fail_a_pair_and_which_give_it_back(err: Exception, kind: ErrorKind, fails: bool) -> None:
+    assert classify_error(err) is kind
+    if kind is not ErrorKind.STOPPED:
+        assert (verdict(kind, "closed") is Verdict.FAIL) is fails
+        assert (verdict(kind, None) is Verdict.FAIL) is fails
+
+
+def test_a_backend_failure_gives_the_pair_back_once_the_breaker_is_open() -> None:
+    assert verdict(ErrorKind.BACKEND, "closed") is Verdict.FAIL
+    assert verdict(ErrorKind.BACKEND, "open") is Verdict.GIVE_BACK
+    assert verdict(ErrorKind.BACKEND, None) is Verdict.FAIL  # breaker unreachable: today's rule, fail once
+    # The breaker says nothing about the scene's own refusal, nor about a bug.
+    assert verdict(ErrorKind.SCENE, "open") is Verdict.FAIL
+    assert verdict(ErrorKind.BUG, "open") is Verdict.FAIL
+    assert verdict(ErrorKind.STORE, "closed") is Verdict.GIVE_BACK
+
+
+def test_what_a_run_feeds_the_breaker() -> None:
+    assert breaker_feed(None) is True  # media produced: the backend works
+    assert breaker_feed(ErrorKind.BACKEND) is False
+    for kind in (ErrorKind.SCENE, ErrorKind.BUG, ErrorKind.STORE, ErrorKind.STOPPED):
+        assert breaker_feed(kind) is None
+
+
+def test_worker_lost_limit_setting() -> None:
+    assert Settings.from_env({}).worker_lost_limit == 3
+    assert Settings.from_env({"ANIMASTOR_WORKER_LOST_LIMIT": "5"}).worker_lost_limit == 5
+    for bad in ("0", "-1", "2.5", "inf", "three"):
+        with pytest.raises(ConfigError, match="ANIMASTOR_WORKER_LOST_LIMIT"):
+            Settings.from_env({"ANIMASTOR_WORKER_LOST_LIMIT": bad})
