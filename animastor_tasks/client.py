@@ -2,12 +2,13 @@
 
 It needs only the broker and the result backend, not the package's workers, and
 fails fast with `StoreUnavailable("broker", ...)` when the broker cannot be reached.
+Results are typed with `animastor_tasks.contract` (the schemas under docs/schemas/).
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import redis
 from celery import Celery
@@ -15,6 +16,16 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from kombu.exceptions import OperationalError
 
 from animastor_tasks.config import Settings, result_backend_url
+from animastor_tasks.contract import (
+    CancelKwargs,
+    CancelResult,
+    Enqueued,
+    GateKwargs,
+    GateResult,
+    PriorityName,
+    RegenerateKwargs,
+    RegenerateResult,
+)
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import AnimastorError, InvalidCommand, StoreUnavailable
 
@@ -44,11 +55,11 @@ class Client:
             },
         )
 
-    def _call(self, name: str, kwargs: dict[str, Any], wait: bool) -> Any:
+    def _call(self, name: str, kwargs: RegenerateKwargs | CancelKwargs | GateKwargs, wait: bool) -> Any:
         try:
             result = self.app.send_task(
                 name,
-                kwargs=kwargs,
+                kwargs=dict(kwargs),
                 queue=CONTROL_QUEUE,
                 retry=True,
                 retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
@@ -65,7 +76,7 @@ class Client:
             store, url = ("broker", self.settings.broker_url) if same else ("redis", self.settings.redis_url)
             raise StoreUnavailable(store, url, f"result store unreachable: {cause}") from err
         if not wait:
-            return {"task_id": result.id}
+            return Enqueued(task_id=result.id)
         try:
             return result.get(timeout=self.timeout)
         except CeleryTimeout as err:
@@ -80,6 +91,30 @@ class Client:
         finally:
             result.forget() if result.ready() else None
 
+    @overload
+    def regenerate(
+        self,
+        book_id: str,
+        stages: list[str],
+        scenes: list[tuple[str, str]] | None = ...,
+        *,
+        command_id: str | None = ...,
+        force: bool = ...,
+        priority: PriorityName | str | None = ...,
+        wait: Literal[True] = ...,
+    ) -> RegenerateResult: ...
+    @overload
+    def regenerate(
+        self,
+        book_id: str,
+        stages: list[str],
+        scenes: list[tuple[str, str]] | None = ...,
+        *,
+        command_id: str | None = ...,
+        force: bool = ...,
+        priority: PriorityName | str | None = ...,
+        wait: Literal[False],
+    ) -> Enqueued: ...
     def regenerate(
         self,
         book_id: str,
@@ -88,11 +123,13 @@ class Client:
         *,
         command_id: str | None = None,
         force: bool = True,
-        priority: str | None = None,
+        priority: PriorityName | str | None = None,
         wait: bool = True,
-    ) -> dict[str, Any]:
-        """One command per stage; `command_id` makes a resend a no-op (one is made if omitted)."""
-        kwargs: dict[str, Any] = {
+    ) -> RegenerateResult | Enqueued:
+        """One command per stage; `command_id` makes a resend a no-op (one is made if omitted).
+
+        `priority` stays a plain string too: the control worker validates it (InvalidCommand)."""
+        kwargs: RegenerateKwargs = {
             "book_id": book_id,
             "stages": list(stages),
             "scenes": None if scenes is None else [list(s) for s in scenes],
@@ -100,11 +137,27 @@ class Client:
             "force": force,
         }
         if priority is not None:  # sent only when asked for, so older control workers still accept the call
-            kwargs["priority"] = priority
-        return dict(self._call("animastor.regenerate", kwargs, wait))
+            kwargs["priority"] = cast(PriorityName, priority)
+        return cast(RegenerateResult | Enqueued, self._call("animastor.regenerate", kwargs, wait))
 
-    def cancel(self, book_id: str, reason: str | None = None, *, wait: bool = True) -> dict[str, Any]:
-        return dict(self._call("animastor.cancel", {"book_id": book_id, "reason": reason}, wait))
+    @overload
+    def cancel(self, book_id: str, reason: str | None = ..., *, wait: Literal[True] = ...) -> CancelResult: ...
+    @overload
+    def cancel(self, book_id: str, reason: str | None = ..., *, wait: Literal[False]) -> Enqueued: ...
+    def cancel(self, book_id: str, reason: str | None = None, *, wait: bool = True) -> CancelResult | Enqueued:
+        """Stop All for a book; idempotent."""
+        kwargs: CancelKwargs = {"book_id": book_id, "reason": reason}
+        return cast(CancelResult | Enqueued, self._call("animastor.cancel", kwargs, wait))
+
+    @overload
+    def gate(self, book_id: str, lane: str | None = ..., *, wait: Literal[True] = ...) -> GateResult: ...
+    @overload
+    def gate(self, book_id: str, lane: str | None = ..., *, wait: Literal[False]) -> Enqueued: ...
+    def gate(self, book_id: str, lane: str | None = None, *, wait: bool = True) -> GateResult | Enqueued:
+        """One gate pass now (it creates no work): for callers that want a book looked at without
+        waiting for the next tick."""
+        kwargs: GateKwargs = {"book_id": book_id, "lane": lane}
+        return cast(GateResult | Enqueued, self._call("animastor.gate", kwargs, wait))
 
     def close(self) -> None:
         self.app.close()

@@ -304,6 +304,9 @@ class Counters(Protocol):
 
     def add(self, counts: Mapping[str, int]) -> None: ...
     def observe(self, name: str, seconds: float) -> None: ...
+    def observe_since_dispatch(self, name: str, dispatch_id: str) -> None:
+        """Observe the seconds since the dispatch was published (a job's queue wait); `name` as `observe`."""
+        ...
 
 
 class Locks(Protocol):

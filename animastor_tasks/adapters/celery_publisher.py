@@ -18,16 +18,53 @@ class CeleryPublisher:
     def __init__(self, app: Celery, counters: Counters) -> None:
         self.app = app
         self.counters = counters
+        self._events: Any = None
 
     def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None:
-        self.app.send_task(
-            task_name,
-            kwargs=kwargs,
-            queue=queue,
-            task_id=dispatch_id,
-            retry=True,
-            retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
-        )
+        with self.app.producer_or_acquire() as producer:
+            self.app.send_task(
+                task_name,
+                kwargs=kwargs,
+                queue=queue,
+                task_id=dispatch_id,
+                producer=producer,
+                retry=True,
+                retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
+            )
+            self._announce_sent(producer, task_name, queue, dispatch_id, kwargs)
+
+    def _announce_sent(
+        self, producer: Any, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]
+    ) -> None:
+        """A `task-sent` event for a GPU job, so Flower shows it queued (PENDING) before a worker takes it.
+
+        Celery sends this event for every task or for none (`task_send_sent_event`, off: control tasks
+        are latency-bound); a GPU job waits for a GPU anyway, so it gets one here, published after the
+        job itself so it never delays the job. Best-effort: an event lost costs only Flower's view.
+        """
+        try:
+            if self._events is None:
+                self._events = self.app.events.Dispatcher(enabled=False)  # publishes through our producer
+            parent = self.app.current_worker_task
+            parent_id = parent.request.id if parent is not None else None
+            root_id = (parent.request.root_id or parent_id) if parent is not None else dispatch_id
+            fields = {
+                "uuid": dispatch_id,
+                "root_id": root_id,
+                "parent_id": parent_id,
+                "name": task_name,
+                "args": "()",
+                "kwargs": repr(kwargs),
+                "retries": 0,
+                "eta": None,
+                "expires": None,
+                "queue": queue,
+                "exchange": queue,
+                "routing_key": queue,
+            }
+            self._events.publish("task-sent", fields, producer, retry=False)
+        except Exception as err:
+            log.debug("[DISPATCH] task-sent event for %r not published: %s", dispatch_id, err)
 
     def revoke(self, dispatch_ids: Sequence[str]) -> None:
         try:

@@ -111,7 +111,7 @@ def run_job(
     owned, cancelled = ports.leases.claim_delivery(job.dispatch_id, worker, spec.lease_ttl, job.book_id)
     if not owned:
         log.warning("[GENERATE] %s duplicate delivery while another copy runs; not run again", job.describe())
-        ports.counters.add({"job:duplicate_delivery": 1})
+        ports.counters.add({f"job:duplicate_delivery:{job.stage}": 1})
         return {**result, "outcome": JobOutcome.DUPLICATE_DELIVERY}
     try:
         return _run_owned(ports, job, spec, worker, _guarded(progress, job), result, cancel_flag=cancelled)
@@ -171,7 +171,8 @@ def _run_owned(
     if worker_lost is not None:
         return _give_up(ports, job, spec, worker_lost, result)
     log.info("[GENERATE] %s started on %s", job.describe(), worker)
-    ports.counters.add({"job:started": 1})
+    ports.counters.add({f"job:started:{job.stage}": 1})
+    ports.counters.observe_since_dispatch(f"queue_wait_seconds:{job.stage}", job.dispatch_id)
 
     watcher = Watcher(ports, job, spec)
     watcher.start()
@@ -193,7 +194,7 @@ def _run_owned(
         media, error, attempts, kind = _generate_with_retries(ports, job, generator, request, watcher, progress)
         if watcher.should_stop():
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
-            ports.counters.add({"job:stopped": 1})
+            ports.counters.add({f"job:stopped:{job.stage}": 1})
             return {**result, "outcome": JobOutcome.STOPPED, "reason": watcher.why}
         if media is None:
             return _unsuccessful(ports, job, spec, kind or ErrorKind.BUG, error, attempts, result)
@@ -206,10 +207,11 @@ def _run_owned(
     finally:
         watcher.done.set()
         watcher.join(timeout=2)
+        ports.counters.observe(f"job_seconds:{job.stage}", time.monotonic() - started)
         _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
     _quietly("clear deferrals", ports.deferrals.clear_deferrals, job.book_id, [job.pair])
     _quietly("free capacity", _free_capacity, ports, job, spec)
-    ports.counters.add({"job:ready": 1})
+    ports.counters.add({f"job:ready:{job.stage}": 1})
     log.info("[GENERATE] %s ready sha256=%s attempts=%d", job.describe(), artifact["sha256"], attempts)
     return {**result, "outcome": JobOutcome.READY, "sha256": artifact["sha256"], "attempts": attempts}
 
@@ -258,7 +260,7 @@ def _generate_with_retries(
             attempt, base=ports.settings.retry_backoff_base, maximum=ports.settings.retry_backoff_max
         )
         log.warning("[GENERATE] %s attempt %d failed (%s); retry in %.1fs", job.describe(), attempt, message, delay)
-        _quietly("count retry", ports.counters.add, {"job:retry": 1})
+        _quietly("count retry", ports.counters.add, {f"job:retry:{job.stage}": 1})
         if watcher.stop.wait(delay):
             return None, "stopped", attempt, ErrorKind.STOPPED
         try:
@@ -288,7 +290,7 @@ def _unsuccessful(
             return {**done, "outcome": JobOutcome.GIVEN_BACK}
         if not back:
             return _reject(ports, job, Denial.STALE_TOKEN, result)
-        _quietly("count", ports.counters.add, {"job:given_back": 1})
+        _quietly("count", ports.counters.add, {f"job:given_back:{job.stage}": 1})
         log.warning(
             "[GENERATE] %s given back to pending (%s) after %d attempt(s): %s", job.describe(), why, attempts, error
         )
@@ -296,7 +298,7 @@ def _unsuccessful(
         return {**done, "outcome": JobOutcome.GIVEN_BACK}
     if not ports.jobs.fail_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, error, spec.queue):
         return _reject(ports, job, Denial.STALE_TOKEN, result)
-    _quietly("count", ports.counters.add, {"job:failed": 1})
+    _quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1})
     log.error("[GENERATE] %s failed after %d attempt(s): %s", job.describe(), attempts, error)
     _quietly("free capacity", _free_capacity, ports, job, spec)
     return {**done, "outcome": JobOutcome.FAILED}
@@ -310,7 +312,7 @@ def _give_up(ports: Ports, job: Job, spec: StageSpec, reason: str, result: dict[
         _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
     if not failed:
         return _reject(ports, job, Denial.STALE_TOKEN, result)
-    _quietly("count", ports.counters.add, {"job:failed": 1, "job:worker_lost": 1})
+    _quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1, f"job:worker_lost:{job.stage}": 1})
     log.error("[GENERATE] %s failed without GPU work: %s", job.describe(), reason)
     _quietly("free capacity", _free_capacity, ports, job, spec)
     return {**result, "outcome": JobOutcome.FAILED, "error": reason, "attempts": 0}

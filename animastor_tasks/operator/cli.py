@@ -234,10 +234,10 @@ def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> N
 @main.command()
 @click.argument("book_id")
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--watch", is_flag=True, help="Refresh until every command is terminal.")
+@click.option("--watch", is_flag=True, help="Refresh until every command is terminal, with rate and ETA.")
 @click.option("--interval", default=1.0, show_default=True)
 def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
-    """Commands of a book with progress, and every scene's state."""
+    """Commands of a book with progress, and every scene's state per stage (one cell each)."""
     from animastor_tasks.flow import status as status_flow
     from animastor_tasks.operator import render as views
 
@@ -276,10 +276,15 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
-def queues(as_json: bool) -> None:
-    """GPU queues: consumers, depth, running, lane limit, breaker, deferrals."""
+@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True)
+def queues(as_json: bool, watch: bool, interval: float) -> None:
+    """GPU queues: consumers, depth (? when the broker cannot say), running, lane limit, breaker, deferrals."""
     from animastor_tasks.operator import render as views
 
+    if watch and not as_json:
+        views.watch_queues(lambda: views.queue_overview(_wired()), interval=interval)
+        return
     _emit(views.queue_overview(_wired()), as_json, views.show_queues)
 
 

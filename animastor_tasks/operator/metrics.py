@@ -24,21 +24,26 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
-from animastor_tasks.adapters.redis.counters import DURATION_BUCKETS, histogram_field
+from animastor_tasks.adapters.redis.counters import buckets_for, histogram_field
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.keys import Keyspace
-from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
+from animastor_tasks.domain.vocabulary import AssetState, JobOutcome, Outcome
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.worker.wiring import Wiring
 
 log = logging.getLogger("animastor.metrics")
 
 # A refused job is counted as the dispatch outcome `fence_rejected`, not as a job event.
-JOB_EVENTS = ("started", "retry", *(str(o) for o in JobOutcome if o is not JobOutcome.FENCE_REJECTED))
+JOB_EVENTS = ("started", "retry", "worker_lost", *(str(o) for o in JobOutcome if o is not JobOutcome.FENCE_REJECTED))
 #: Histograms the flows record with `Counters.observe`: name -> help text.
 HISTOGRAMS = {
     "gate_pass_seconds": "Duration of gate passes that released or dispatched work (animastor.gate).",
     "tick_seconds": "Duration of the beat tick (enqueueing one gate task per active book).",
+}
+#: Histograms recorded per stage as `<name>:<stage>`, exported with a `stage` label: name -> help text.
+STAGE_HISTOGRAMS = {
+    "job_seconds": "Duration of GPU jobs from their start to their verdict (ready, failed, stopped, given back).",
+    "queue_wait_seconds": "Time GPU jobs waited in their queue: dispatch to job start.",
 }
 DEFAULT_PORT = 9808
 DEFAULT_ADDRESS = "127.0.0.1"
@@ -59,15 +64,16 @@ class AnimastorCollector(Collector):
             log.warning("[METRICS] counters unreadable: %s", err)
             fields, up["redis"] = {}, 0.0
         if up["redis"]:
-            yield from _counter_families(fields, rt.settings.registry.names())
-            yield from _histogram_families(fields)
+            stages = rt.settings.registry.names()
+            yield from _counter_families(fields, stages)
+            yield from _histogram_families(fields, stages)
             try:
                 yield from _queue_families(rt, up)
             except Exception as err:
                 log.warning("[METRICS] queues unreadable: %s", err)
                 up["redis"] = 0.0
         try:
-            families = [_commands_family(rt), _pending_family(rt)]
+            families = [_commands_family(rt), _pending_family(rt), _pairs_family(rt)]
         except Exception as err:
             log.warning("[METRICS] commands unreadable: %s", err)
             up["postgres"] = 0.0
@@ -100,12 +106,12 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
     blocked = CounterMetricFamily(
         "animastor_blocked_commands", "Commands BLOCKED because no worker consumed their stage.", labels=["stage"]
     )
-    jobs = CounterMetricFamily("animastor_jobs", "GPU job events by kind.", labels=["event"])
+    jobs = CounterMetricFamily("animastor_jobs", "GPU job events by kind and stage.", labels=["event", "stage"])
     revoke = CounterMetricFamily("animastor_revoke_failures", "Revoke broadcasts that failed (cancel still holds).")
     # Known label values start at 0 so that rate() and alerts work from the first scrape.
     seen: dict[str, float] = {f"dispatch:{o}": 0.0 for o in Outcome if o != Outcome.DEFERRED}
-    seen.update({f"job:{e}": 0.0 for e in JOB_EVENTS})
     seen.update({f"blocked:{stage}": 0.0 for stage in stages})
+    seen.update({f"job:{e}:{stage}": 0.0 for e in JOB_EVENTS for stage in stages})
     seen.update({k: _number(v) for k, v in fields.items()})
     fence_total = 0.0
     for name, n in sorted(seen.items()):
@@ -116,8 +122,9 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
                 fence_total += n
         elif kind == "blocked":
             blocked.add_metric([label], n)
-        elif kind == "job":
-            jobs.add_metric([label], n)
+        elif kind == "job":  # `job:<event>:<stage>`; a field without a stage predates the label: stage ""
+            event, _, stage = label.partition(":")
+            jobs.add_metric([event, stage], n)
         elif name == "revoke:failed":
             revoke.add_metric([], n)
     fence.add_metric([], fence_total)
@@ -126,7 +133,7 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
         yield revoke
 
 
-def _histogram_families(fields: dict[str, str]) -> Iterator[Metric]:
+def _histogram_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator[Metric]:
     last = GaugeMetricFamily(
         "animastor_last_observation_timestamp_seconds",
         "Unix time of the latest observation of each timed flow (a stale tick: beat or the control worker is down).",
@@ -134,19 +141,28 @@ def _histogram_families(fields: dict[str, str]) -> Iterator[Metric]:
     )
     for name, doc in HISTOGRAMS.items():
         family = HistogramMetricFamily(f"animastor_{name}", doc)
-        buckets: list[tuple[str, float]] = []
-        running = 0.0
-        for bound in [*DURATION_BUCKETS, "+Inf"]:
-            stored = bound if isinstance(bound, str) else f"{bound:g}"  # the field name observe() wrote
-            running += _number(fields.get(histogram_field(name, f"le={stored}"), "0"))
-            buckets.append((stored if isinstance(bound, str) else floatToGoString(bound), running))
-        sum_us = _number(fields.get(histogram_field(name, "sum_us"), "0"))
-        family.add_metric([], buckets, sum_value=sum_us / 1_000_000)
+        family.add_metric([], *_buckets(fields, name))
         yield family
         stamp = fields.get(histogram_field(name, "last"))
         if stamp is not None:
             last.add_metric([name], _number(stamp))
+    for name, doc in STAGE_HISTOGRAMS.items():
+        family = HistogramMetricFamily(f"animastor_{name}", doc, labels=["stage"])
+        for stage in stages:
+            family.add_metric([stage], *_buckets(fields, f"{name}:{stage}"))
+        yield family
     yield last
+
+
+def _buckets(fields: dict[str, str], name: str) -> tuple[list[tuple[str, float]], float]:
+    """(cumulative buckets, sum in seconds) of histogram `name` from its non-cumulative fields."""
+    buckets: list[tuple[str, float]] = []
+    running = 0.0
+    for bound in [*buckets_for(name), "+Inf"]:
+        stored = bound if isinstance(bound, str) else f"{bound:g}"  # the field name observe() wrote
+        running += _number(fields.get(histogram_field(name, f"le={stored}"), "0"))
+        buckets.append((stored if isinstance(bound, str) else floatToGoString(bound), running))
+    return buckets, _number(fields.get(histogram_field(name, "sum_us"), "0")) / 1_000_000
 
 
 def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
@@ -206,6 +222,16 @@ def _pending_family(rt: Wiring) -> Metric:
     )
     for stage, n in sorted(counts.items()):
         family.add_metric([stage], float(n))
+    return family
+
+
+def _pairs_family(rt: Wiring) -> Metric:
+    """Pairs per stage and asset state across every book; every registered stage x state present, zero when none."""
+    counts = {(stage, str(state)): 0 for stage in rt.settings.registry.names() for state in AssetState}
+    counts.update(rt.reads.pairs_by_state())
+    family = GaugeMetricFamily("animastor_pairs", "Scene x stage pairs by asset state.", labels=["stage", "state"])
+    for (stage, state), n in sorted(counts.items()):
+        family.add_metric([stage, state], float(n))
     return family
 
 

@@ -94,11 +94,29 @@ def worker(stage: str | None, gpus: str | None, hostname: str | None, celery_arg
 @click.option("--latency", default=0.0, show_default=True, help="Seconds added to every request.")
 @click.option("--failure-rate", default=0.0, show_default=True, help="Share of requests answered 503.")
 @click.option("--api-key", default=None, envvar="ANIMASTOR_INFERENCE_API_KEY")
-def dev_inference_server(host: str, port: int, latency: float, failure_rate: float, api_key: str | None) -> None:
-    """Run the reference inference server (real WAV and PNG output)."""
+@click.option("--fail-first", default=0, show_default=True, help="Answer the first N generate requests 503.")
+@click.option("--retry-after", default=None, type=float, help="Seconds sent as Retry-After with an injected 503.")
+def dev_inference_server(
+    host: str,
+    port: int,
+    latency: float,
+    failure_rate: float,
+    api_key: str | None,
+    fail_first: int,
+    retry_after: float | None,
+) -> None:
+    """Run the reference inference server (our protocol and the OpenAI routes; real WAV and PNG)."""
     from animastor_tasks.dev.inference_server import serve
 
-    serve(host, port, latency=latency, failure_rate=failure_rate, api_key=api_key)
+    serve(
+        host,
+        port,
+        latency=latency,
+        failure_rate=failure_rate,
+        api_key=api_key,
+        fail_first=fail_first,
+        retry_after=retry_after,
+    )
 
 
 @click.command("metrics")

@@ -1,64 +1,225 @@
-"""What the CLI shows people: progress bars, tables, the queue overview."""
+"""What the CLI shows people: command progress (with rate and ETA when watching), every scene's
+state per stage, the recent commands and the queue overview.
+
+Each view is built as a rich renderable first and printed second, so tests render it to a string.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
-from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
+from animastor_tasks.contract import BookStatus, QueueRow
 from animastor_tasks.domain.vocabulary import NO_LONGER_ACTIVE, AssetState
 from animastor_tasks.worker.wiring import Wiring
 
 # Progress columns, most finished first.
 STATES = (AssetState.READY, AssetState.GENERATING, AssetState.PENDING, AssetState.DIRTY, AssetState.FAILED)
+# One cell per (scene, stage): a glyph that still reads without colour (tmux captures, logs), and a colour.
+CELLS: dict[str, tuple[str, str]] = {
+    AssetState.READY: ("●", "green"),
+    AssetState.GENERATING: ("◐", "bold yellow"),
+    AssetState.PENDING: ("○", "cyan"),
+    AssetState.DIRTY: ("·", "grey50"),
+    AssetState.FAILED: ("✗", "bold red"),
+}
+MISSING_CELL = (" ", "")
+# Above this many chapters one row per chapter gets too tall: each stage becomes one wrapped strip.
+CHAPTER_ROWS_MAX = 24
+RATE_WINDOW_SECONDS = 60.0
 
 
-def _status_renderable(data: dict[str, Any]) -> Group:
-    progress = Progress(
-        TextColumn("{task.fields[stage]:<8}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.fields[counts]}"),
-        TextColumn("[bold]{task.fields[status]}[/bold] {task.fields[reason]}"),
-        TextColumn("{task.fields[age]}"),
-    )
+class RateMeter:
+    """Finished targets per second of each command over a sliding window, and the ETA it implies.
+
+    Why a window and not the average since creation: a command may wait for a slot a long time
+    before its first job starts; the recent pace is what predicts the rest."""
+
+    def __init__(self, window: float = RATE_WINDOW_SECONDS) -> None:
+        self.window = window
+        self.samples: dict[str, deque[tuple[float, int]]] = {}
+
+    def observe(self, data: Mapping[str, Any], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for c in data["commands"]:
+            p = c["progress"]
+            samples = self.samples.setdefault(c["command_id"], deque())
+            samples.append((now, p.get("ready", 0) + p.get("failed", 0)))
+            while len(samples) > 2 and now - samples[1][0] >= self.window:
+                samples.popleft()
+
+    def rate(self, command_id: str) -> float | None:
+        samples = self.samples.get(command_id)
+        if not samples or len(samples) < 2 or samples[-1][0] <= samples[0][0]:
+            return None
+        (t0, d0), (t1, d1) = samples[0], samples[-1]
+        return max(d1 - d0, 0) / (t1 - t0)
+
+    def eta(self, command_id: str, remaining: int) -> float | None:
+        rate = self.rate(command_id)
+        if remaining <= 0:
+            return 0.0
+        return remaining / rate if rate else None
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "--:--"
+    hours, rest = divmod(round(seconds), 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def _bar(done: int, total: int, width: int = 20) -> Text:
+    filled = round(width * done / total) if total else width
+    return Text("━" * filled, style="green") + Text("─" * (width - filled), style="grey30")
+
+
+def commands_table(data: Mapping[str, Any], meter: RateMeter | None = None, limit: int = 10) -> Table:
+    """One row per command: its bar, counts by state, status, age, and (when watched) rate and ETA."""
+    table = Table(box=None, pad_edge=False, show_header=True, header_style="bold")
+    for name in ("command", "stage", "progress", "done", "states", "status", "age"):
+        table.add_column(name)
+    if meter is not None:
+        table.add_column("rate")
+        table.add_column("eta")
     now = time.time()
-    for c in data["commands"][:10]:
+    for c in data["commands"][:limit]:
         p = c["progress"]
+        done = p.get("ready", 0) + p.get("failed", 0)
         counts = " ".join(f"{s}={p.get(s, 0)}" for s in STATES if p.get(s))
-        progress.add_task(
+        if p.get("released"):
+            counts += " released=" + ",".join(f"{k}:{v}" for k, v in p.get("released_reasons", {}).items())
+        status = Text(c["status"], style="bold" if c["status"] == "active" else "")
+        if c["reason"]:
+            status.append(f" {c['reason']}", style="yellow")
+        row: list[RenderableType] = [
             c["command_id"][:8],
-            total=p["total"],
-            completed=p.get("ready", 0) + p.get("failed", 0),
-            stage=c["stage"],
-            counts=counts,
-            status=c["status"],
-            reason=c["reason"] or "",
-            age=f"{now - c['created_at']:.0f}s",
-        )
-    title = f"book {data['book_id']!r}" + (" [red](cancelled)[/red]" if data["cancelled"] else "")
-    return Group(title, progress)
+            c["stage"],
+            _bar(done, p["total"]),
+            f"{done}/{p['total']}",
+            counts,
+            status,
+            _duration(now - c["created_at"]),
+        ]
+        if meter is not None:
+            rate = meter.rate(c["command_id"])
+            finished = c["status"] in NO_LONGER_ACTIVE
+            row.append("-" if rate is None else f"{rate:.2f}/s")
+            row.append("done" if finished else _duration(meter.eta(c["command_id"], p["total"] - done)))
+        table.add_row(*row)
+    if len(data["commands"]) > limit:
+        table.add_row(f"(+{len(data['commands']) - limit} older)", *[""] * (len(table.columns) - 1))
+    return table
 
 
-def show_status(fetch: Callable[[], dict[str, Any]], *, watch: bool, interval: float) -> None:
-    console = Console()
+def _cell(state: str | None) -> Text:
+    glyph, style = CELLS.get(state or "", MISSING_CELL)
+    return Text(glyph, style=style)
+
+
+def _stage_names(scenes: Sequence[Mapping[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(stage for s in scenes for stage in s["stages"]))
+
+
+def _chapters(scenes: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    grouped: dict[str, list[Mapping[str, Any]]] = {}
+    for scene in scenes:
+        grouped.setdefault(scene["chapter_id"], []).append(scene)
+    return grouped
+
+
+def _strip(scenes: Sequence[Mapping[str, Any]], stage: str) -> Text:
+    text = Text()
+    for scene in scenes:
+        text.append_text(_cell(scene["stages"].get(stage, {}).get("state")))
+    return text
+
+
+def scene_grid(data: Mapping[str, Any]) -> RenderableType:
+    """Every scene's state per stage, one cell each: a row per chapter with a column per stage,
+    or, for a book with many chapters, one wrapped strip per stage (chapters split by a space)."""
+    scenes = data["scenes"]
+    if not scenes:
+        return Text("no scenes", style="grey50")
+    stages = _stage_names(scenes)
+    chapters = _chapters(scenes)
+    if len(chapters) <= CHAPTER_ROWS_MAX:
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        table.add_column("chapter", overflow="ellipsis", max_width=24)
+        for stage in stages:
+            table.add_column(stage, overflow="fold")
+        for chapter, members in chapters.items():
+            table.add_row(chapter, *[_strip(members, stage) for stage in stages])
+        return table
+    rows = Table(box=None, pad_edge=False, show_header=False)
+    rows.add_column("stage", style="bold")
+    rows.add_column("scenes", overflow="fold")
+    for stage in stages:
+        rows.add_row(stage, Text(" ").join(_strip(members, stage) for members in chapters.values()))
+    return rows
+
+
+def _totals(data: Mapping[str, Any]) -> Text:
+    """Per stage, how many scenes are in each state (the grid's legend doubles as its count)."""
+    text = Text()
+    for stage in _stage_names(data["scenes"]):
+        counts = {s: 0 for s in STATES}
+        for scene in data["scenes"]:
+            state = scene["stages"].get(stage, {}).get("state")
+            if state in counts:
+                counts[AssetState(state)] += 1
+        text.append(f"{stage}: ", style="bold")
+        for state in STATES:
+            if counts[state]:
+                glyph, style = CELLS[state]
+                text.append(f"{glyph} {state} {counts[state]}  ", style=style)
+        text.rstrip()
+        text.append("\n")
+    text.rstrip()
+    return text
+
+
+def status_view(data: BookStatus | Mapping[str, Any], meter: RateMeter | None = None) -> Group:
+    """The whole `status` screen: title, commands, the scene grid and its totals."""
+    title = Text(f"book {data['book_id']!r}", style="bold")
+    if data["cancelled"]:
+        title.append(" (cancelled)", style="bold red")
+    n = len(data["scenes"])
+    commands: RenderableType = commands_table(data, meter) if data["commands"] else Text("no commands", style="grey50")
+    return Group(title, commands, Text(f"\nscenes ({n})", style="bold"), scene_grid(data), _totals(data))
+
+
+def show_status(
+    fetch: Callable[[], Mapping[str, Any]], *, watch: bool, interval: float, console: Console | None = None
+) -> None:
+    """Print the status once, or, watching, refresh it until every command is terminal (or Ctrl-C)."""
+    console = console or Console()
     data = fetch()
     if not watch:
-        console.print(_status_renderable(data))
+        console.print(status_view(data))
         return
-    with Live(_status_renderable(data), console=console, refresh_per_second=4) as live:
-        while any(c["status"] not in NO_LONGER_ACTIVE for c in data["commands"]):
-            time.sleep(interval)
-            data = fetch()
-            live.update(_status_renderable(data))
+    meter = RateMeter()
+    meter.observe(data)
+    try:
+        with Live(status_view(data, meter), console=console, refresh_per_second=4) as live:
+            while any(c["status"] not in NO_LONGER_ACTIVE for c in data["commands"]):
+                time.sleep(interval)
+                data = fetch()
+                meter.observe(data)
+                live.update(status_view(data, meter))
+    except KeyboardInterrupt:
+        pass
 
 
-def show_commands(rows: list[dict[str, Any]]) -> None:
+def show_commands(rows: list[dict[str, Any]], console: Console | None = None) -> None:
     table = Table("command", "book", "stage", "status", "reason", "progress", "age")
     for r in rows:
         p = r["progress"]
@@ -71,16 +232,16 @@ def show_commands(rows: list[dict[str, Any]]) -> None:
             f"{p.get(AssetState.READY, 0)}/{p['total']}",
             f"{r['age_seconds']:.0f}s",
         )
-    Console().print(table)
+    (console or Console()).print(table)
 
 
-def queue_overview(rt: Wiring) -> list[dict[str, Any]]:
+def queue_overview(rt: Wiring) -> list[QueueRow]:
     specs = rt.settings.stages
     now = time.time()
     live = rt.presence.live_consumers([s.queue for s in specs], now)
     amqp = rt.presence.counts([s.queue for s in specs]) if rt.presence.amqp_url else {}
     running = rt.reads.lane_usage()
-    depth = _queue_depths(rt, [s.queue for s in specs])
+    depth = _queue_depths(rt.settings.broker_url, [s.queue for s in specs])
     deferred = rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), now)
     return [
         {
@@ -102,41 +263,64 @@ def queue_overview(rt: Wiring) -> list[dict[str, Any]]:
     ]
 
 
-def _queue_depths(rt: Wiring, queues: list[str]) -> dict[str, int | None]:
-    """Messages waiting in each queue, asked of the broker (None when it cannot say)."""
+def _not_found(err: Exception) -> bool:
+    """A passive declare of a queue nobody declared yet: nothing is waiting in it (AMQP 404;
+    Redis has no key for an empty queue). Any other failure means the depth is unknown."""
+    return getattr(err, "code", None) == 404 or "NOT_FOUND" in str(err)
+
+
+def _queue_depths(broker_url: str, queues: list[str]) -> dict[str, int | None]:
+    """Messages waiting in each queue, asked of the broker; None where it cannot say (shown as `?`:
+    an unreadable depth must not read as an empty queue)."""
     from kombu import Connection
 
     depths: dict[str, int | None] = {}
     try:
-        with Connection(rt.settings.broker_url, connect_timeout=3) as conn:
+        with Connection(broker_url, connect_timeout=3) as conn:
             for queue in queues:
-                channel = conn.channel()
+                try:
+                    channel = conn.channel()
+                except Exception:
+                    depths[queue] = None
+                    continue
                 try:
                     depths[queue] = int(channel.queue_declare(queue=queue, passive=True).message_count)
-                except Exception:
-                    depths[queue] = 0
+                except Exception as err:
+                    depths[queue] = 0 if _not_found(err) else None
                 finally:
-                    channel.close()
+                    with contextlib.suppress(Exception):  # a channel the broker closed (404) may refuse a close
+                        channel.close()
     except Exception:
         return dict.fromkeys(queues)
     return depths
 
 
-def show_queues(rows: list[dict[str, Any]]) -> None:
+def queues_table(rows: Sequence[QueueRow | Mapping[str, Any]]) -> Table:
     table = Table("queue", "stage", "consumers", "depth", "in flight", "lane", "breaker", "deferred")
     for r in rows:
         consumers = ", ".join(f"{c['hostname']} ({c['heartbeat_age_seconds']}s)" for c in r["consumers"])
         if not consumers:
             consumers = f"[bold red]none[/bold red] - start one: {r['start_worker']}"
         deferred = " ".join(f"{k}={v}" for k, v in r["deferred"].items() if v) or "-"
+        depth = Text("?", style="bold yellow") if r["depth"] is None else Text(str(r["depth"]))
+        breaker = Text(r["breaker"], style="green" if r["breaker"] == "closed" else "bold red")
         table.add_row(
-            r["queue"],
-            r["stage"],
-            consumers,
-            str(r["depth"] if r["depth"] is not None else "?"),
-            str(r["in_flight"]),
-            str(r["lane_limit"]),
-            r["breaker"],
-            deferred,
+            r["queue"], r["stage"], consumers, depth, str(r["in_flight"]), str(r["lane_limit"]), breaker, deferred
         )
-    Console().print(table)
+    return table
+
+
+def show_queues(rows: Sequence[QueueRow | Mapping[str, Any]], console: Console | None = None) -> None:
+    (console or Console()).print(queues_table(rows))
+
+
+def watch_queues(fetch: Callable[[], Sequence[QueueRow]], *, interval: float, console: Console | None = None) -> None:
+    """Refresh the queue overview every `interval` seconds until Ctrl-C."""
+    console = console or Console()
+    try:
+        with Live(queues_table(fetch()), console=console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(interval)
+                live.update(Group(queues_table(fetch()), Text(time.strftime("updated %H:%M:%S"), style="grey50")))
+    except KeyboardInterrupt:
+        pass

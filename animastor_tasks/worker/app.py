@@ -16,6 +16,7 @@ from celery import Celery, signals
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ConfigError, redact_url
+from animastor_tasks.worker import tracing
 from animastor_tasks.worker.presence import PresenceStep
 
 try:
@@ -29,6 +30,12 @@ app.config_from_object("celeryconfig", force=True)
 app.steps["consumer"].add(PresenceStep)
 
 log = logging.getLogger("animastor.worker")
+
+# Optional OpenTelemetry (the otel extra, ANIMASTOR_OTEL=1): set up where tasks run, flushed on the way out.
+signals.worker_init.connect(tracing.on_worker_init)
+signals.worker_process_init.connect(tracing.on_process_init)
+signals.worker_process_shutdown.connect(tracing.on_shutdown)
+signals.worker_shutdown.connect(tracing.on_shutdown)
 
 
 @signals.celeryd_init.connect

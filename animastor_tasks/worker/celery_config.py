@@ -37,7 +37,9 @@ def build_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "task_acks_late": False,
         # Flower sees every task through worker events; a STARTED write to the result backend
-        # and a task-sent event per publish would only add to each hop's latency.
+        # and a task-sent event per publish would only add to each hop's latency. GPU jobs are the
+        # exception: `CeleryPublisher.publish_job` sends their task-sent event itself, after the job,
+        # so Flower lists a queued job as PENDING while it waits for a GPU.
         "task_track_started": False,
         "worker_send_task_events": True,
         "task_send_sent_event": False,

@@ -73,14 +73,15 @@ def test_last_tick_age_follows_the_beat_tick(rt: Wiring) -> None:
 def test_counters_of_the_hash_are_exported_by_kind(rt: Wiring) -> None:
     dispatch.count_outcomes(rt.ports, {"dispatched": 3, "fence_rejected": 2, "deferred_capacity": 7})
     rt.counters.add({"blocked:image": 1})
-    rt.counters.add({"job:ready": 5})
+    rt.counters.add({"job:ready:audio": 5})
     samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
     assert value(samples, "animastor_dispatch_outcomes_total", outcome="dispatched") == 3
     assert value(samples, "animastor_dispatch_outcomes_total", outcome="lane_full") == 0  # known labels start at 0
     assert value(samples, "animastor_fence_rejections_total") == 2
     assert value(samples, "animastor_blocked_commands_total", stage="image") == 1
     assert value(samples, "animastor_blocked_commands_total", stage="audio") == 0
-    assert value(samples, "animastor_jobs_total", event="ready") == 5
+    assert value(samples, "animastor_jobs_total", event="ready", stage="audio") == 5
+    assert value(samples, "animastor_jobs_total", event="ready", stage="image") == 0
     assert value(samples, "animastor_commands", status="active") == 0
 
 
@@ -138,7 +139,7 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
     assert value(before, "animastor_queue_consumers", queue="gpu.audio", stage="audio") == 1
     assert value(before, "animastor_queue_consumers", queue="gpu.image", stage="image") == 1
     assert value(before, "animastor_commands", status="completed") == 0
-    assert value(before, "animastor_jobs_total", event="ready") == 0
+    assert value(before, "animastor_jobs_total", event="ready", stage="audio") == 0
 
     book = f"m-{uuid.uuid4().hex[:6]}"
     stack.rt.catalog.import_book(make_book(book, scenes=3))
@@ -158,8 +159,12 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
 
         after = wait_for(ticked, 15, "a beat tick recorded")
         assert value(after, "animastor_commands", status="completed") == 2
-        assert value(after, "animastor_jobs_total", event="started") == 6
-        assert value(after, "animastor_jobs_total", event="ready") == 6
+        for stage in ("audio", "image"):
+            assert value(after, "animastor_jobs_total", event="started", stage=stage) == 3
+            assert value(after, "animastor_jobs_total", event="ready", stage=stage) == 3
+            assert value(after, "animastor_job_seconds_count", stage=stage) == 3
+            assert value(after, "animastor_queue_wait_seconds_count", stage=stage) == 3
+            assert value(after, "animastor_pairs", stage=stage, state="ready") == 3
         assert value(after, "animastor_dispatch_outcomes_total", outcome="dispatched") >= 6
         assert value(after, "animastor_gate_pass_seconds_count") >= 1
         assert value(after, "animastor_gate_pass_seconds_bucket", le="+Inf") == value(
@@ -210,7 +215,8 @@ def test_a_redis_outage_is_reported_not_fatal(tmp_path: Path) -> None:
             assert value(samples, "animastor_store_up", store="redis") == 0
             assert value(samples, "animastor_store_up", store="postgres") == 1
             assert value(samples, "animastor_commands", status="active") == 0
-            assert ("animastor_jobs_total", (("event", "ready"),)) not in samples  # unknown, not a made-up 0
+            ready = ("animastor_jobs_total", (("event", "ready"), ("stage", "audio")))
+            assert ready not in samples  # unknown, not a made-up 0
         finally:
             proc.terminate()
             assert proc.wait(timeout=15) == 0  # SIGTERM is a clean stop

@@ -28,6 +28,12 @@ class OperatorReads:
             ).fetchall()
         return {str(stage): int(n) for stage, n in rows}
 
+    def pairs_by_state(self) -> dict[tuple[str, str], int]:
+        """{(stage, state): pairs} across every book; the exporter's `animastor_pairs` (one GROUP BY per scrape)."""
+        with self.db.read() as conn:
+            rows = conn.execute("SELECT stage, state, count(*) FROM asset_states GROUP BY stage, state").fetchall()
+        return {(str(stage), str(state)): int(n) for stage, state, n in rows}
+
     def command_status_counts(self) -> dict[CommandStatus, int]:
         """Commands per status, every status present (zero when none)."""
         with self.db.read() as conn:

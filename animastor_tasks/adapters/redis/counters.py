@@ -4,6 +4,9 @@ They live in one Redis hash so every worker process adds to the same totals and 
 exporter (`animastor-tasks metrics`) reads them with one HGETALL. Losing them in a Redis
 restart only resets counters, which Prometheus handles as a counter reset. Updates are
 best effort: a lost one never fails the work that made it.
+
+Names carry their labels after a colon: `job:<event>:<stage>`, `dispatch:<outcome>`, and histograms
+`<name>:<stage>` (`job_seconds:audio`), which the exporter turns into a `stage` label.
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ log = logging.getLogger("animastor.telemetry")
 
 #: Upper bounds (seconds) of the duration histograms; everything above the last lands in "+Inf".
 DURATION_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: Bounds of the GPU-side histograms (a job or its wait in the queue takes seconds to half an hour).
+JOB_BUCKETS: tuple[float, ...] = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+#: Histograms (name before any `:<stage>`) that use `JOB_BUCKETS`.
+LONG_HISTOGRAMS = frozenset({"job_seconds", "queue_wait_seconds"})
+
+
+def buckets_for(name: str) -> tuple[float, ...]:
+    """The bucket bounds of histogram `name` (`job_seconds:audio` uses those of `job_seconds`)."""
+    return JOB_BUCKETS if name.partition(":")[0] in LONG_HISTOGRAMS else DURATION_BUCKETS
 
 
 def histogram_field(name: str, part: str) -> str:
@@ -49,7 +61,7 @@ class CounterStore:
         Buckets are stored non-cumulative and the sum in whole microseconds (HINCRBY stays an
         integer); the exporter accumulates them (`operator/metrics.py`).
         """
-        bound = next((f"{b:g}" for b in DURATION_BUCKETS if seconds <= b), "+Inf")
+        bound = next((f"{b:g}" for b in buckets_for(name) if seconds <= b), "+Inf")
         key = self.conn.keys.metrics()
         try:
             pipe = self.conn.client.pipeline(transaction=False)
@@ -60,6 +72,24 @@ class CounterStore:
             pipe.execute()
         except redis.RedisError as err:
             log.debug("[METRICS] observation of %s lost: %s", name, err)
+
+    def observe_since_dispatch(self, name: str, dispatch_id: str) -> None:
+        """Observe the time since the dispatch was published (`dispatched_at` of its lease metadata, written
+        by `LeaseStore.take_leases`): a job's wait in its queue. Nothing when the metadata is gone.
+
+        The clock of the dispatching control worker against this one's: keep hosts on NTP.
+        """
+        try:
+            raw = self.conn.client.hget(self.conn.keys.dispatch(dispatch_id), "dispatched_at")
+        except redis.RedisError as err:
+            log.debug("[METRICS] dispatch time of %s unreadable: %s", dispatch_id, err)
+            return
+        try:
+            at = float(raw) if raw is not None else None
+        except ValueError:
+            at = None
+        if at:
+            self.observe(name, max(0.0, time.time() - at))
 
     def read(self) -> dict[str, str]:
         """Every counter and histogram field (for the exporter); `StoreUnavailable` when Redis is down."""

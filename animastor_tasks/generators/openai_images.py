@@ -1,0 +1,93 @@
+"""The `openai-images` generator: a scene's prompt drawn by an OpenAI-compatible image server.
+
+`POST {endpoint}/images/generations` with `model`, `prompt`, `n: 1`, `size` and
+`response_format: b64_json`; the image comes back base64-encoded inside the JSON. The
+`url` response format is refused: fetching the image from a second, server-chosen URL
+would break the rule that the configured endpoint is the only URL ever called.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from collections.abc import Callable
+
+import requests
+
+from animastor_tasks.generators import GenerationRequest, Media
+from animastor_tasks.generators.media import PNG_SIGNATURE, png_size
+from animastor_tasks.generators.openai_common import OCTET_STREAM, OpenAIGenerator, media_type_of, string_param
+
+SIZE_PATTERN = re.compile(r"[1-9][0-9]{0,4}x[1-9][0-9]{0,4}|auto")
+_MAGIC: tuple[tuple[str, Callable[[bytes], bool]], ...] = (
+    ("image/png", lambda b: b.startswith(PNG_SIGNATURE)),
+    ("image/jpeg", lambda b: b.startswith(b"\xff\xd8\xff")),
+    ("image/webp", lambda b: b[:4] == b"RIFF" and b[8:12] == b"WEBP"),
+)
+
+
+class OpenAIImagesGenerator(OpenAIGenerator):
+    """Calls `/images/generations` under `spec.endpoint` and returns the one image it answers.
+
+    Params: `model` (required), `size` (`WIDTHxHEIGHT` or `auto`; not sent when unset, so
+    the server's default applies), `response_format` (only `b64_json`), the transport's
+    `connect_timeout`, `read_timeout`, `max_bytes`, `retries` (2), `max_retry_after`
+    (30 s). Other params (`quality`, `style`, ...) are sent as body fields. The image
+    must be of the stage's media type (checked by its magic bytes; a PNG fully).
+    """
+
+    name = "openai-images"
+    route = "/images/generations"
+    own_fields = frozenset({"model", "prompt", "n", "size", "response_format"})
+
+    def generate(
+        self,
+        request: GenerationRequest,
+        should_stop: Callable[[], bool],
+        progress: Callable[[float], None],
+    ) -> Media:
+        params = self._params(request)
+        model = string_param(params, "model", None)
+        string_param(params, "response_format", "b64_json", choices=("b64_json",))
+        body = {**self._extra_fields(params), "model": model, "prompt": request.input, "n": 1}
+        if "size" in params:
+            body["size"] = string_param(params, "size", None, pattern=SIZE_PATTERN)
+        body["response_format"] = "b64_json"
+        _, raw = self._post(body, "application/json", params, request, should_stop, progress, self._check_type)
+        media = self._decode(raw)
+        progress(1.0)
+        return media
+
+    def _check_type(self, response: requests.Response) -> str:
+        got = media_type_of(response)
+        if got != "application/json":
+            raise self._fail(f"returned Content-Type {got or 'none'!r}, expected 'application/json'")
+        return got
+
+    def _decode(self, raw: bytes) -> Media:
+        """The image inside `{"data": [{"b64_json": ...}]}`, checked against the stage's media type."""
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            raise self._fail("answered a body that is not JSON") from None
+        try:
+            encoded = payload["data"][0]["b64_json"]
+            if not isinstance(encoded, str):
+                raise TypeError("b64_json is not a string")
+            data = base64.b64decode(encoded, validate=True)
+        except (ValueError, LookupError, TypeError, binascii.Error) as err:
+            raise self._fail(f"answered JSON without an image in data[0].b64_json ({type(err).__name__})") from None
+        if not data:
+            raise self._fail("answered an empty image")
+        found = next((kind for kind, test in _MAGIC if test(data)), OCTET_STREAM)
+        want = self.spec.media_type.lower()
+        if want != OCTET_STREAM and found != want:
+            raise self._fail(f"returned an image of type {found!r}, stage {self.spec.name!r} stores {want!r}")
+        if found == "image/png":
+            try:
+                png_size(data)
+            except ValueError as err:
+                raise self._fail(f"returned a broken PNG ({err})") from None
+        return Media(data, self.spec.media_type if want != OCTET_STREAM else found)

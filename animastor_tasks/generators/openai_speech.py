@@ -1,0 +1,98 @@
+"""The `openai-speech` generator: a scene's text read aloud by an OpenAI-compatible TTS server.
+
+`POST {endpoint}/audio/speech` with `model`, `input`, `voice` and `response_format`; the
+answer is the audio bytes. Useful because many self-hosted speech servers expose exactly
+this route, so they need no adapter of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import requests
+
+from animastor_tasks.errors import GeneratorError
+from animastor_tasks.generators import GenerationRequest, Media
+from animastor_tasks.generators.media import wav_duration_seconds
+from animastor_tasks.generators.openai_common import OCTET_STREAM, OpenAIGenerator, media_type_of, string_param
+
+# response_format -> the media type stored for it.
+FORMATS: dict[str, str] = {
+    "wav": "audio/wav",
+    "mp3": "audio/mpeg",
+    "flac": "audio/flac",
+    "opus": "audio/ogg",
+    "aac": "audio/aac",
+    "pcm": "audio/pcm",
+}
+# Other names servers give the same types.
+_ALIASES = {
+    "audio/x-wav": "audio/wav",
+    "audio/wave": "audio/wav",
+    "audio/vnd.wave": "audio/wav",
+    "audio/mp3": "audio/mpeg",
+}
+
+
+class OpenAISpeechGenerator(OpenAIGenerator):
+    """Calls `/audio/speech` under `spec.endpoint` and returns the audio it answers.
+
+    Params: `model` (required), `voice` (default `alloy`), `response_format` (default: the
+    one matching the stage's media type, `wav` for `audio/wav`; it must match that type),
+    the transport's `connect_timeout`, `read_timeout`, `max_bytes`, `retries` (2),
+    `max_retry_after` (30 s). Other params (`speed`, `instructions`, ...) are sent as
+    body fields.
+    """
+
+    name = "openai-speech"
+    route = "/audio/speech"
+    own_fields = frozenset({"model", "input", "voice", "response_format"})
+
+    def generate(
+        self,
+        request: GenerationRequest,
+        should_stop: Callable[[], bool],
+        progress: Callable[[float], None],
+    ) -> Media:
+        params = self._params(request)
+        model = string_param(params, "model", None)
+        voice = string_param(params, "voice", "alloy")
+        response_format, media_type = self._response_format(params)
+        body = {
+            **self._extra_fields(params),
+            "model": model,
+            "input": request.input,
+            "voice": voice,
+            "response_format": response_format,
+        }
+        _, data = self._post(
+            body, f"{media_type}, application/json", params, request, should_stop, progress, self._check_type
+        )
+        if response_format == "wav":
+            try:
+                wav_duration_seconds(data)
+            except ValueError as err:
+                raise self._fail(f"returned audio that is not a WAV file ({err})") from None
+        progress(1.0)
+        return Media(data, media_type)
+
+    def _response_format(self, params: dict[str, Any]) -> tuple[str, str]:
+        """(response_format, media type stored); the format must give the stage's media type."""
+        stage_type = _ALIASES.get(self.spec.media_type.lower(), self.spec.media_type.lower())
+        default = next((fmt for fmt, kind in FORMATS.items() if kind == stage_type), "wav")
+        fmt = string_param(params, "response_format", default, choices=FORMATS)
+        if stage_type != OCTET_STREAM and FORMATS[fmt] != stage_type:
+            raise GeneratorError(
+                f"param 'response_format' {fmt!r} gives {FORMATS[fmt]} but stage {self.spec.name!r} "
+                f"stores {self.spec.media_type}",
+                retryable=False,
+            )
+        return fmt, self.spec.media_type if stage_type != OCTET_STREAM else FORMATS[fmt]
+
+    def _check_type(self, response: requests.Response) -> str:
+        """Any audio type (servers name WAV four ways) or a bare byte stream; JSON or HTML is a confused server."""
+        got = media_type_of(response)
+        if got and not got.startswith("audio/") and got != OCTET_STREAM:
+            raise self._fail(f"returned Content-Type {got!r}, expected audio")
+        return got

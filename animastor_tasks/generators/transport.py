@@ -1,0 +1,259 @@
+"""The HTTP behaviour every remote generator shares, so each protocol gets it right once.
+
+One POST to one configured URL: redirects are refused rather than followed (the key and
+the scene text must not be sent anywhere else), connect and read timeouts are bounded,
+the body is read in chunks (a stop is noticed mid-download, a huge body is cut off),
+5xx/408/429 are retryable and other 4xx are not, and an error carries the server's own
+message with the API key scrubbed out. When a server says when to come back
+(`Retry-After`), the generator can wait that long itself, capped, because the worker's
+backoff cannot know the hint.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+import requests
+
+from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, redact_url
+from animastor_tasks.generators import GenerationRequest, number_param
+
+log = logging.getLogger(__name__)
+
+# 4xx answers that mean "not now" rather than "never": worth another attempt.
+RETRYABLE_4XX = frozenset({408, 429})
+# Params read by the transport itself (never sent to a server).
+LIMIT_PARAMS = frozenset({"connect_timeout", "read_timeout", "max_bytes"})
+RETRY_PARAMS = frozenset({"retries", "max_retry_after"})
+_CHUNK = 64 * 1024
+_MESSAGE_LIMIT = 300
+_ERROR_BODY_LIMIT = 64 * 1024
+_SLEEP_SLICE = 0.05  # a stop request is noticed within this long while waiting out a Retry-After
+# Request errors that another attempt cannot fix.
+_PERMANENT_REQUEST_ERRORS = (
+    requests.exceptions.InvalidURL,
+    requests.exceptions.InvalidHeader,
+    requests.exceptions.InvalidSchema,
+    requests.exceptions.MissingSchema,
+)
+
+CheckType = Callable[[requests.Response], str]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Timeouts, body size and in-generator retries for one request (params of the stage)."""
+
+    connect_timeout: float = 3.05
+    read_timeout: float = 300.0
+    max_bytes: int = 512 * 1024 * 1024
+    retries: int = 0  # extra attempts, only when the server sent Retry-After
+    max_retry_after: float = 30.0
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], *, retries: int = 0) -> Limits:
+        """Read the limit params; `retries` is the default (0 keeps the retry params unread)."""
+        connect = number_param(params, "connect_timeout", 3.05, minimum=0.001, maximum=600.0)
+        read = number_param(params, "read_timeout", 300.0, minimum=0.001, maximum=86400.0)
+        max_bytes = int(number_param(params, "max_bytes", 512 * 1024 * 1024, minimum=1, integer=True))
+        if not retries:
+            return cls(connect, read, max_bytes)
+        extra = int(number_param(params, "retries", retries, minimum=0, maximum=10, integer=True))
+        cap = number_param(params, "max_retry_after", 30.0, minimum=0.0, maximum=3600.0)
+        return cls(connect, read, max_bytes, extra, cap)
+
+
+def check_endpoint(stage: str, generator: str, endpoint: str | None) -> str:
+    """The stage's endpoint, or ConfigError when it is missing or not an http(s) URL."""
+    if not endpoint:
+        raise ConfigError(f"stage {stage!r}: generator {generator!r} needs an endpoint URL")
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"stage {stage!r}: endpoint {redact_url(endpoint)!r} is not an http(s) URL")
+    return endpoint
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Seconds a `Retry-After` header asks for (delta-seconds or HTTP-date); None if absent or unreadable."""
+    if not value or not value.strip():
+        return None
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    if seconds != seconds:  # NaN
+        return None
+    return max(0.0, seconds)
+
+
+class Transport:
+    """POSTs to one URL for one stage; every failure is a GeneratorError saying whether to retry."""
+
+    def __init__(self, stage: str, url: str, secret: str = "") -> None:
+        self.stage = stage
+        self.url = url
+        self.shown_url = redact_url(url)
+        self._secret = secret
+
+    def post(
+        self,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        limits: Limits,
+        request: GenerationRequest,
+        should_stop: Callable[[], bool],
+        check_type: CheckType,
+    ) -> tuple[str, bytes]:
+        """(media type from `check_type`, body bytes) of a 200; the caller checks stop before the first send."""
+        attempt = 0
+        media_type, data = "", b""
+        while True:
+            wait: float | None = None
+            try:
+                with requests.post(
+                    self.url,
+                    json=body,
+                    headers=dict(headers),
+                    timeout=(limits.connect_timeout, limits.read_timeout),
+                    allow_redirects=False,
+                    stream=True,
+                ) as response:
+                    wait = self._retry_wait(response, attempt, limits)
+                    if wait is None:
+                        self._check_status(response)
+                        media_type = check_type(response)
+                        data = self._read_body(response, limits.max_bytes, should_stop, request)
+            except requests.exceptions.RequestException as err:
+                # Connection refused, DNS failure, connect/read timeout, connection reset mid-body.
+                raise GeneratorError(
+                    f"stage {self.stage!r}: inference endpoint {self.shown_url} failed: "
+                    f"{type(err).__name__}: {self.clean(str(err))}",
+                    retryable=not isinstance(err, _PERMANENT_REQUEST_ERRORS),
+                ) from None
+            if wait is None:
+                break
+            attempt += 1
+            self._sleep(wait, should_stop, request)
+        self.check_stop(should_stop, request)
+        if not data:
+            raise GeneratorError(f"stage {self.stage!r}: inference endpoint returned an empty body", retryable=False)
+        return media_type, data
+
+    def _retry_wait(self, response: requests.Response, attempt: int, limits: Limits) -> float | None:
+        """Seconds to wait before trying again, when the server asked for it and attempts remain."""
+        status = response.status_code
+        if attempt >= limits.retries or not (status >= 500 or status in RETRYABLE_4XX):
+            return None
+        asked = retry_after_seconds(response.headers.get("Retry-After"))
+        if asked is None:
+            return None  # no hint: the worker's own backoff decides
+        wait = min(asked, limits.max_retry_after)
+        log.warning(
+            "stage %s: %s answered %d (%s); Retry-After %.1fs, retry %d/%d in %.1fs",
+            self.stage,
+            self.shown_url,
+            status,
+            self.server_message(response),
+            asked,
+            attempt + 1,
+            limits.retries,
+            wait,
+        )
+        return wait
+
+    def _sleep(self, seconds: float, should_stop: Callable[[], bool], request: GenerationRequest) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            self.check_stop(should_stop, request)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(_SLEEP_SLICE, left))
+
+    def _check_status(self, response: requests.Response) -> None:
+        status = response.status_code
+        if status == 200:
+            return
+        if 300 <= status < 400:
+            location = response.headers.get("Location", "")
+            host = urlsplit(urljoin(self.url, location)).hostname if location else None
+            raise GeneratorError(
+                f"stage {self.stage!r}: inference endpoint answered {status} redirecting to host "
+                f"{host or 'unknown'!r}; redirects are refused, configure the final URL as the endpoint",
+                retryable=False,
+            )
+        message = self.server_message(response)
+        retryable = status >= 500 or status in RETRYABLE_4XX
+        raise GeneratorError(
+            f"stage {self.stage!r}: inference endpoint answered {status}: {message}", retryable=retryable
+        )
+
+    def _read_body(
+        self,
+        response: requests.Response,
+        max_bytes: int,
+        should_stop: Callable[[], bool],
+        request: GenerationRequest,
+    ) -> bytes:
+        """Read the body in chunks, so a stop is seen during a long download and a huge body is cut off."""
+        data = bytearray()
+        for chunk in response.iter_content(_CHUNK):
+            data += chunk
+            if len(data) > max_bytes:
+                raise GeneratorError(
+                    f"stage {self.stage!r}: inference response exceeds max_bytes={max_bytes}", retryable=False
+                )
+            self.check_stop(should_stop, request)
+        return bytes(data)
+
+    def server_message(self, response: requests.Response) -> str:
+        """The server's error text (`{"error": "..."}`, OpenAI's `{"error": {"message": ...}}` or
+        `{"detail": "..."}`), or the start of whatever it sent instead."""
+        raw = bytearray()
+        try:
+            for chunk in response.iter_content(_CHUNK):
+                raw += chunk
+                if len(raw) >= _ERROR_BODY_LIMIT:
+                    break
+        except requests.exceptions.RequestException:
+            pass  # the status alone still says what happened
+        text = raw[:_ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict):
+            error = payload.get("error")
+            if isinstance(error, dict):
+                error = error.get("message")
+            if not isinstance(error, str):
+                error = payload.get("detail")
+            if isinstance(error, str):
+                text = error
+        return self.clean(text.strip()) or "(empty body)"
+
+    def clean(self, message: str) -> str:
+        """Shorten a message and make sure the API key cannot leak through it (even if echoed back)."""
+        if self._secret:
+            message = message.replace(self._secret, "***")
+        message = redact_url(message)
+        return message if len(message) <= _MESSAGE_LIMIT else message[:_MESSAGE_LIMIT] + "..."
+
+    def check_stop(self, should_stop: Callable[[], bool], request: GenerationRequest) -> None:
+        if should_stop():
+            raise GenerationStopped(f"generation stopped for scene {request.scene_id} stage {request.stage}")

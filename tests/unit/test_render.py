@@ -1,0 +1,126 @@
+"""The operator's views rendered to text (rich `Console(record=True)`): the scene grid, rate and
+ETA, and a queue depth that cannot be read shown as `?`, never 0."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+
+from animastor_tasks.operator import render
+
+STATES = ["ready", "generating", "pending", "dirty", "failed"]
+
+
+def text_of(renderable: Any, width: int = 140) -> str:
+    console = Console(record=True, width=width, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def book(chapters: int, scenes: int, stages: tuple[str, ...] = ("audio", "image")) -> dict[str, Any]:
+    rows = [
+        {
+            "chapter_id": f"ch{c}",
+            "scene_id": f"s{s}",
+            "stages": {st: {"state": STATES[(c + s + i) % 5], "artifact": None} for i, st in enumerate(stages)},
+        }
+        for c in range(1, chapters + 1)
+        for s in range(1, scenes + 1)
+    ]
+    progress = {"total": 20, "dirty": 0, "pending": 6, "generating": 2, "ready": 10, "failed": 2}
+    progress |= {"released": 0, "released_reasons": {}}
+    command = {
+        "command_id": "0123456789abcdef",
+        "stage": "audio",
+        "status": "active",
+        "reason": None,
+        "created_at": time.time() - 65,
+        "progress": progress,
+    }
+    return {"book_id": "b", "cancelled": False, "commands": [command], "scenes": rows}
+
+
+def test_status_shows_one_cell_per_scene_and_stage() -> None:
+    data = book(chapters=4, scenes=5)
+    data["scenes"][0]["stages"]["image"] = {"state": "failed", "artifact": None}
+    out = text_of(render.status_view(data))
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("chapter"))
+    assert "audio" in header and "image" in header
+    ch1 = next(line for line in lines if line.startswith("ch1 "))
+    audio, image = ch1.split()[1:3]
+    expected_audio = "".join(render.CELLS[STATES[(1 + s) % 5]][0] for s in range(1, 6))
+    assert audio == expected_audio and len(image) == 5 and image[0] == "✗"
+    assert "scenes (20)" in out
+    assert "audio: ● ready 4" in out and "14/20" not in out  # done = ready + failed
+    assert "12/20" in out and "0123456" in out and "1:05" in out
+    assert "rate" not in out  # rate and ETA are for --watch
+
+
+def test_big_book_gets_one_wrapped_strip_per_stage() -> None:
+    data = book(chapters=render.CHAPTER_ROWS_MAX + 16, scenes=25)
+    out = text_of(render.status_view(data), width=100)
+    assert "scenes (1000)" in out
+    assert not any(line.startswith("ch1 ") for line in out.splitlines())
+    glyphs = set("".join(g for g, _ in render.CELLS.values()))
+    cells = sum(1 for ch in out if ch in glyphs) - sum(1 for ch in out.split("scenes (1000)")[0] if ch in glyphs)
+    legend = sum(1 for line in out.splitlines() if line.startswith(("audio:", "image:")) for ch in line if ch in glyphs)
+    assert cells - legend == 2000  # every scene of both stages, nothing cut off
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_watch_shows_rate_and_eta() -> None:
+    data = book(chapters=1, scenes=3)
+    meter = render.RateMeter(window=60)
+    meter.observe(data, now=100.0)
+    assert meter.rate("0123456789abcdef") is None
+    data["commands"][0]["progress"]["ready"] = 14  # 4 more done in 8 s: 0.5/s, 4 left: 8 s
+    meter.observe(data, now=108.0)
+    out = text_of(render.status_view(data, meter))
+    assert "0.50/s" in out and "0:08" in out
+    data["commands"][0]["status"] = "completed"
+    assert "done" in text_of(render.status_view(data, meter))
+
+
+def test_rate_window_forgets_old_samples() -> None:
+    meter = render.RateMeter(window=10)
+    data = book(chapters=1, scenes=1)
+    for t, ready in [(0, 0), (5, 10), (20, 11), (30, 12)]:
+        data["commands"][0]["progress"]["ready"] = ready
+        meter.observe(data, now=float(t))
+    rate = meter.rate("0123456789abcdef")
+    assert rate is not None and rate < 0.2  # the burst at t=5 is outside the window
+
+
+def queue_row(depth: int | None) -> dict[str, Any]:
+    return {
+        "queue": "gpu.audio",
+        "stage": "audio",
+        "consumers": [{"hostname": "audio@box", "heartbeat_age_seconds": 1.5}],
+        "broker_consumers": None,
+        "depth": depth,
+        "in_flight": 2,
+        "lane_limit": 4,
+        "breaker": "closed",
+        "deferred": {"capacity": 3, "idempotent": 0},
+        "start_worker": "animastor-tasks worker --stage audio",
+    }
+
+
+def depth_cell(out: str) -> str:
+    row = next(line for line in out.splitlines() if "gpu.audio" in line)
+    return row.split("│")[4].strip()
+
+
+def test_unreadable_queue_depth_shows_question_mark_not_zero() -> None:
+    assert depth_cell(text_of(render.queues_table([queue_row(None)]))) == "?"
+    assert depth_cell(text_of(render.queues_table([queue_row(0)]))) == "0"
+    out = text_of(render.queues_table([queue_row(7)]))
+    assert depth_cell(out) == "7" and "capacity=3" in out and "idempotent" not in out
+
+
+def test_queue_depths_unknown_when_the_broker_is_down() -> None:
+    depths = render._queue_depths("redis://127.0.0.1:1/0", ["gpu.audio", "gpu.image"])
+    assert depths == {"gpu.audio": None, "gpu.image": None}

@@ -1,0 +1,25 @@
+"""Tracing stays off, and importing OpenTelemetry is never attempted, unless asked for; a missing extra is not fatal."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from animastor_tasks.worker import tracing
+
+
+def test_off_without_the_switch_and_imports_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A None entry makes any import of the name fail: setup must not even try.
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)
+    assert tracing.setup({}) is None
+    assert tracing.setup({"ANIMASTOR_OTEL": "0"}) is None
+    tracing.on_shutdown()  # nothing set up: a no-op
+
+
+def test_switch_on_without_the_extra_warns_and_stays_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)
+    assert tracing.setup({"ANIMASTOR_OTEL": "1"}) is None
+    assert "otel extra is missing" in caplog.text
