@@ -324,7 +324,7 @@ def _record_breaker(ports: Ports, queue: str, ok: bool | None) -> str | None:
         return None
     try:
         return ports.breaker.breaker_record(
-            queue, ok, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds
+            queue, ok, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds, run=True
         )
     except StoreUnavailable as err:
         log.warning("[GENERATE] breaker of %s not updated: %s", queue, err)

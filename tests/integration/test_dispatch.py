@@ -416,3 +416,21 @@ def test_lane_waiters_are_served_oldest_first_and_each_once(rt) -> None:
     assert waiters.next_waiters("gpu.audio", 2, exclude="y") == ["x", "z"]
     assert waiters.next_waiters("gpu.audio", 5) == ["y"]
     assert waiters.next_waiters("gpu.audio", 5) == []
+
+
+def test_a_replacement_publish_does_not_hide_the_failures_of_runs(rt) -> None:
+    """Run failures count towards the threshold even while replacement jobs publish fine; a run that
+    succeeds clears them, a publish that succeeds does not."""
+    use_settings(rt, replace(rt.settings, breaker_threshold=2, breaker_cooldown_seconds=30))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
+    advertise(rt, "gpu.audio")
+    breaker = rt.breaker
+    assert breaker.breaker_record("gpu.audio", False, 2, 30, run=True) == "closed"  # one failed run
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # publishes fine: the failure must stay counted
+    assert Counter(states(rt, "b").values())["generating"] == 3
+    assert breaker.breaker_record("gpu.audio", False, 2, 30, run=True) == "open"  # the second failed run
+    assert breaker.breaker_state("gpu.audio") == "open"
+    breaker.breaker_record("gpu.audio", True, 2, 30)  # a publish succeeding proves nothing about runs
+    assert breaker.breaker_state("gpu.audio") == "open"
+    breaker.breaker_record("gpu.audio", True, 2, 30, run=True)  # a run succeeding does
+    assert breaker.breaker_state("gpu.audio") == "closed"

@@ -34,9 +34,10 @@ class BreakerStore:
         key = self.conn.keys.breaker(queue)
         return bool(self.conn.run(lambda: self.conn.breaker_release_script(keys=[key], args=[permit])))
 
-    def breaker_record(self, queue: str, ok: bool, threshold: int, cooldown: float) -> str:
+    def breaker_record(self, queue: str, ok: bool, threshold: int, cooldown: float, *, run: bool = False) -> str:
+        """`run`: the result of a job's run (else of a publish); a publish success never clears run failures."""
         key = self.conn.keys.breaker(queue)
-        args = ["ok" if ok else "fail", time.time(), threshold, cooldown]
+        args = ["ok" if ok else "fail", time.time(), threshold, cooldown, "run" if run else "publish"]
         return str(self.conn.run(lambda: self.conn.breaker_record_script(keys=[key], args=args)))
 
     def breaker_state(self, queue: str) -> str:
