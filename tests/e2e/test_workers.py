@@ -92,6 +92,8 @@ def test_gpus_option_pins_one_gpu_per_pool_child(make_stack, figure) -> None:
     stack.rt.catalog.import_book(book)
     stack.client.regenerate(book.book_id, ["audio"])
     stack.wait_commands(book.book_id, ["audio"], "completed", timeout=45)
+    # The pairs are committed before each task returns: wait for the worker to log the last result.
+    wait_for(lambda: len(re.findall(r"succeeded in .*'gpu'", procs[1].log())) >= 8, 10, "8 results logged")
     gpus = re.findall(r"succeeded in .*'gpu': '(\d+)'", procs[1].log())
     assert len(gpus) == 8 and set(gpus) <= {"3", "5"}, gpus
     children = set(re.findall(r"ForkPoolWorker-(\d+)\].*succeeded in .*'gpu': '(\d+)'", procs[1].log()))

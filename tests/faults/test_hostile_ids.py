@@ -36,7 +36,18 @@ pytestmark = pytest.mark.faults
 QUEUES = ["gpu.audio", "gpu.image"]
 BIDI_AND_BOM = set("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\ufeff")
 PER_BOOK_KINDS = {"cancel": 1, "layers": 1, "force": 1, "active": 1, "defer": 2, "lease": 4}
-OTHER_KINDS = {"active-books", "dispatch", "running", "consumers", "breaker", "lock", "metrics", "epoch"}
+OTHER_KINDS = {
+    "active-books",
+    "dispatch",
+    "running",
+    "queued",
+    "consumers",
+    "lane-waiters",
+    "breaker",
+    "lock",
+    "metrics",
+    "epoch",
+}
 EXAMPLES = current_scale().pick(60, 500)
 
 HOSTILE = ":*?[]\\% /aAé漢😀"

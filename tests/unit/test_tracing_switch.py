@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -20,6 +21,11 @@ def test_off_without_the_switch_and_imports_nothing(monkeypatch: pytest.MonkeyPa
 def test_switch_on_without_the_extra_warns_and_stays_off(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # Celery's own logging set-up in other tests may have disabled or detached this logger.
+    logger = logging.getLogger("animastor.worker")
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "propagate", True)
+    caplog.set_level(logging.WARNING, logger="animastor.worker")
     monkeypatch.setitem(sys.modules, "opentelemetry", None)
     assert tracing.setup({"ANIMASTOR_OTEL": "1"}) is None
     assert "otel extra is missing" in caplog.text
