@@ -49,6 +49,15 @@ def dispatch_pending(
 ) -> DispatchResult:
     result = DispatchResult()
     deferred_pairs = set().union(*snap.deferred.values())
+    if handed_lane is not None:
+        # Handed a free slot of this lane: its pairs waiting for capacity there may go now. Their deferrals
+        # stay written (they say why the pairs waited) until a claim clears them or they are re-armed.
+        registry = ports.settings.registry
+        deferred_pairs -= {
+            p
+            for p in snap.deferred.get(DeferralBucket.CAPACITY, set())
+            if p[2] in registry and registry.get(p[2]).queue == handed_lane
+        }
     todo: list[InFlight] = []
     for item in pending:
         if (item.chapter, item.scene, item.stage) in deferred_pairs:
@@ -310,12 +319,12 @@ def count_outcomes(ports: Ports, outcomes: Mapping[str, int]) -> None:
 
 def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = None) -> list[str]:
     """Free slots of a lane go to the books that have waited longest for it, each with a gate pass
-    told which lane it is handed; a book served this way waits at the back again when the lane is
-    full (round robin). Returns the books served."""
+    told which lane it is handed (that pass looks past its capacity deferrals on the lane); a book
+    served this way waits at the back again when the lane is full (round robin). Returns the books
+    served. Nothing of the served books is written here."""
     if slots <= 0:
         return []
     books = ports.deferrals.next_waiters(queue, slots, exclude=exclude)
     for waiter in books:
-        ports.deferrals.clear_bucket(waiter, DeferralBucket.CAPACITY)
         ports.publisher.enqueue_gate(waiter, lane=queue)
     return books
