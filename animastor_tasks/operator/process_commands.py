@@ -83,6 +83,9 @@ def worker(stage: str | None, gpus: str | None, hostname: str | None, celery_arg
         "-n",
         name,
         "-E",
+        # Gossip is unused here (presence has its own heartbeats), and its consumer step can crash the
+        # worker while the broker restarts (kombu#582: `_close` on a connection that is already None).
+        "--without-gossip",
         *celery_args,
     ]
     os.execvp(argv[0], argv)

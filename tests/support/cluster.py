@@ -123,6 +123,7 @@ class Cluster:
             f"{name}@%h",
             "-l",
             "info",
+            "--without-gossip",  # as `animastor-tasks worker` runs it (see process_commands.worker)
             "-P",
             "prefork",
             *args,
