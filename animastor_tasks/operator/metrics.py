@@ -73,7 +73,9 @@ class AnimastorCollector(Collector):
                 log.warning("[METRICS] queues unreadable: %s", err)
                 up["redis"] = 0.0
         try:
-            families = [_commands_family(rt), _pending_family(rt), _pairs_family(rt)]
+            pairs = {(stage, str(state)): 0 for stage in rt.settings.registry.names() for state in AssetState}
+            pairs.update(rt.reads.pairs_by_state())  # one GROUP BY serves both pair families
+            families = [_commands_family(rt), _pending_family(pairs), _pairs_family(pairs)]
         except Exception as err:
             log.warning("[METRICS] commands unreadable: %s", err)
             up["postgres"] = 0.0
@@ -212,11 +214,10 @@ def _commands_family(rt: Wiring) -> Metric:
     return family
 
 
-def _pending_family(rt: Wiring) -> Metric:
+def _pending_family(pairs: dict[tuple[str, str], int]) -> Metric:
     """The backlog: pairs an active command asked for that no job was dispatched for yet (deferred, waiting
     for a lane, a quota or a scene window slot). Every registered stage is present, zero when idle."""
-    counts = dict.fromkeys(rt.settings.registry.names(), 0)
-    counts.update(rt.reads.pending_by_stage())
+    counts = {stage: n for (stage, state), n in pairs.items() if state == AssetState.PENDING}
     family = GaugeMetricFamily(
         "animastor_pending_pairs", "Pairs pending (authorized, not dispatched yet) per stage.", labels=["stage"]
     )
@@ -225,12 +226,10 @@ def _pending_family(rt: Wiring) -> Metric:
     return family
 
 
-def _pairs_family(rt: Wiring) -> Metric:
+def _pairs_family(pairs: dict[tuple[str, str], int]) -> Metric:
     """Pairs per stage and asset state across every book; every registered stage x state present, zero when none."""
-    counts = {(stage, str(state)): 0 for stage in rt.settings.registry.names() for state in AssetState}
-    counts.update(rt.reads.pairs_by_state())
     family = GaugeMetricFamily("animastor_pairs", "Scene x stage pairs by asset state.", labels=["stage", "state"])
-    for (stage, state), n in sorted(counts.items()):
+    for (stage, state), n in sorted(pairs.items()):
         family.add_metric([stage, state], float(n))
     return family
 

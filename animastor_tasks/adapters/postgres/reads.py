@@ -20,14 +20,6 @@ class OperatorReads:
                 ).fetchall()
             )
 
-    def pending_by_stage(self) -> dict[str, int]:
-        """Pending pairs (authorized work not dispatched yet) per stage, across every book."""
-        with self.db.read() as conn:
-            rows = conn.execute(
-                "SELECT stage, count(*) FROM asset_states WHERE state = %s GROUP BY stage", (AssetState.PENDING,)
-            ).fetchall()
-        return {str(stage): int(n) for stage, n in rows}
-
     def pairs_by_state(self) -> dict[tuple[str, str], int]:
         """{(stage, state): pairs} across every book; the exporter's `animastor_pairs` (one GROUP BY per scrape)."""
         with self.db.read() as conn:
