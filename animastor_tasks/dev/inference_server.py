@@ -314,26 +314,8 @@ def make_server(
     )
 
 
-def serve(
-    host: str = "127.0.0.1",
-    port: int = 8765,
-    *,
-    latency: float = 0.0,
-    failure_rate: float = 0.0,
-    api_key: str | None = None,
-    fail_first: int = 0,
-    retry_after: float | None = None,
-) -> None:
+def serve(server: InferenceServer) -> None:
     """Serve until interrupted; prints the bound URL as the first stdout line so callers can find it."""
-    server = make_server(
-        host,
-        port,
-        latency=latency,
-        failure_rate=failure_rate,
-        api_key=api_key,
-        fail_first=fail_first,
-        retry_after=retry_after,
-    )
     with server:
         print(server.url, flush=True)
         with contextlib.suppress(KeyboardInterrupt):
@@ -352,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None, help="require this key (X-API-Key, or Bearer on OpenAI routes)")
     args = parser.parse_args(argv)
     try:
-        serve(
+        server = make_server(
             args.host,
             args.port,
             latency=args.latency,
@@ -363,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except ValueError as err:
         parser.error(str(err))
+    serve(server)
 
 
 if __name__ == "__main__":

@@ -109,17 +109,21 @@ def dev_inference_server(
     retry_after: float | None,
 ) -> None:
     """Run the reference inference server (our protocol and the OpenAI routes; real WAV and PNG)."""
-    from animastor_tasks.dev.inference_server import serve
+    from animastor_tasks.dev.inference_server import make_server, serve
 
-    serve(
-        host,
-        port,
-        latency=latency,
-        failure_rate=failure_rate,
-        api_key=api_key,
-        fail_first=fail_first,
-        retry_after=retry_after,
-    )
+    try:
+        server = make_server(
+            host,
+            port,
+            latency=latency,
+            failure_rate=failure_rate,
+            api_key=api_key,
+            fail_first=fail_first,
+            retry_after=retry_after,
+        )
+    except ValueError as err:  # a bad knob: the operator gets our message and exit code 2
+        raise ConfigError(f"dev-inference-server: {err}") from err
+    serve(server)
 
 
 @click.command("metrics")
