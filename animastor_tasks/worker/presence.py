@@ -12,7 +12,8 @@ import logging
 import threading
 from typing import Any
 
-from celery import bootsteps
+from celery import bootsteps, signals
+from celery.worker import state as worker_state
 
 from animastor_tasks.errors import StoreUnavailable
 
@@ -27,27 +28,49 @@ class PresenceStep(bootsteps.StartStopStep):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._advertised: set[str] = set()
+        self._draining = threading.Event()
 
     def start(self, parent: Any) -> None:
+        self._draining.clear()
+        if self._thread is not None and self._thread.is_alive():
+            return  # the consumer restarted while a job was still draining: the heartbeat never stopped
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, args=(parent,), name="animastor-presence", daemon=True)
         self._thread.start()
 
     def stop(self, parent: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._withdraw(parent)
+        # Warm shutdown stops the consumer before the pool has finished its jobs. Withdrawing now would tell
+        # the gate that nobody consumes the stage: it would BLOCK the command and release the pair, and the
+        # job still running would be fenced out at commit. So a worker with jobs keeps advertising until
+        # they are done (or the worker has shut down), then withdraws.
+        if worker_state.active_requests:
+            if not self._draining.is_set():  # stop() and shutdown() both come here
+                self._draining.set()
+                signals.worker_shutdown.connect(lambda **_: self._finish(parent), weak=False)
+            return
+        self._finish(parent)
 
     shutdown = stop
+
+    def _finish(self, parent: Any) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._withdraw(parent)
 
     def _loop(self, parent: Any) -> None:
         from animastor_tasks.worker import wiring
 
         ttl = wiring.current().settings.presence_ttl_seconds
         while True:
+            if self._draining.is_set() and not worker_state.active_requests:
+                self._withdraw(parent)
+                return
             try:
-                queues = {q.name for q in (parent.task_consumer.queues if parent.task_consumer else [])}
+                if self._draining.is_set():  # the consumer is gone: keep what it consumed while jobs finish
+                    queues = set(self._advertised)
+                else:
+                    queues = {q.name for q in (parent.task_consumer.queues if parent.task_consumer else [])}
                 wiring.current().presence.heartbeat(parent.hostname, queues, ttl, gone=self._advertised - queues)
                 self._advertised = queues
             except StoreUnavailable as err:

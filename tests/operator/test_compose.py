@@ -1,7 +1,8 @@
-"""docker-compose.yml validates with the real compose client, requires its secrets and defines the whole stack.
+"""docker-compose.yml (and its CPU override) validates with the real compose client, requires its secrets and
+defines the whole stack; beat's healthcheck really answers.
 
-`config` needs no Docker engine. Skipped only where docker itself is not installed; a docker CLI without
-any compose (plugin or `docker-compose`) is a set-up error and fails with how to fix it.
+`config` needs no Docker engine. Where docker or a compose implementation is missing, the compose tests skip
+saying so (and fail under CI=true, whose .ci/run installs both); the healthcheck test needs neither.
 """
 
 from __future__ import annotations
@@ -10,13 +11,22 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+import redis
 
+from animastor_tasks.adapters.redis.counters import histogram_field
+from animastor_tasks.config import Settings
+from animastor_tasks.domain.keys import Keyspace
 from tests.support import missing
 
 ROOT = Path(__file__).resolve().parents[2]
+BASE = ("docker-compose.yml",)
+CPU = ("docker-compose.yml", "docker-compose.cpu.yml")
 SECRETS = {
     "POSTGRES_PASSWORD": "pg-secret",
     "REDIS_PASSWORD": "redis-secret",
@@ -34,16 +44,13 @@ def compose() -> list[str]:
         return ["docker", "compose"]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
-    pytest.fail(
-        "docker is installed but no compose implementation is: install the compose plugin "
-        "(docker-compose-plugin) or docker-compose (Debian: apt-get install -y docker-compose)"
-    )
+    missing("docker is installed but no compose implementation is (apt-get install -y docker-compose)")
 
 
-def run_compose(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k not in SECRETS and not k.startswith("COMPOSE_")}
+def run_compose(*args: str, env: dict[str, str], files: tuple[str, ...] = BASE) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k not in SECRETS and not k.startswith(("COMPOSE_", "ANIMASTOR_"))}
     return subprocess.run(
-        [*compose(), "-f", str(ROOT / "docker-compose.yml"), *args],
+        [*compose(), *(arg for f in files for arg in ("-f", str(ROOT / f))), *args],
         cwd=ROOT,
         env={**base, **env},
         capture_output=True,
@@ -64,9 +71,23 @@ def services(rendered: str) -> dict[str, str]:
     return blocks
 
 
+def seconds(duration: str) -> float:
+    """A compose duration (`33m`, `1h2m3s`, `1980s`, `33m0s`) in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", duration.strip().strip("'\""))
+    assert parts and duration.strip(), f"not a duration: {duration!r}"
+    h, m, s = parts.groups()
+    return int(h or 0) * 3600 + int(m or 0) * 60 + float(s or 0)
+
+
+def environment(block: str) -> dict[str, str]:
+    env = block.split("    environment:\n", 1)[1]
+    return dict(re.findall(r"^      ([A-Z_][A-Z0-9_]*): ?(.*)$", re.split(r"\n    [a-z]", env, maxsplit=1)[0], re.M))
+
+
 def test_compose_file_validates() -> None:
-    proc = run_compose("config", "-q", env=SECRETS)
-    assert proc.returncode == 0, proc.stderr
+    for files in (BASE, CPU):
+        proc = run_compose("config", "-q", env=SECRETS, files=files)
+        assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.parametrize("missing", sorted(SECRETS))
@@ -89,10 +110,69 @@ def test_compose_defines_the_whole_stack() -> None:
         assert "driver: nvidia" in block
         assert "CUDA_VISIBLE_DEVICES" in block
         assert re.search(rf"- --stage\n\s*- {stage}\n", block), block
-    assert "flowerconfig.py" in blocks["flower"]
+    assert re.search(r"- animastor-tasks\n\s*- flower\n", blocks["flower"]), blocks["flower"]
     assert "ANIMASTOR_FLOWER_BASIC_AUTH: ops:flower-secret" in blocks["flower"]
     for name in ("flower", "metrics"):  # published on the host's loopback only
         assert "127.0.0.1" in blocks[name], blocks[name]
     assert "0.0.0.0:" not in proc.stdout
     assert "condition: service_healthy" in blocks["control"]
     assert "condition: service_completed_successfully" in blocks["control"]
+
+
+def test_gpu_workers_wait_for_their_job_when_stopped() -> None:
+    """Docker kills a container 10 s after SIGTERM unless told otherwise; a GPU job may run until the hard
+    time limit, so every GPU worker's grace period outlasts it (with the CPU override as well)."""
+    limit = Settings().job_time_limit
+    for files, workers in ((BASE, ("worker-audio", "worker-image")), (CPU, ("worker-audio-cpu", "worker-image-cpu"))):
+        proc = run_compose("config", env=SECRETS, files=files)
+        assert proc.returncode == 0, proc.stderr
+        blocks = services(proc.stdout)
+        for name in workers:
+            grace = re.search(r"^    stop_grace_period: (\S+)$", blocks[name], re.M)
+            assert grace, f"{name} has no stop_grace_period"
+            assert seconds(grace.group(1)) > limit + 30, f"{name}: {grace.group(1)} vs job time limit {limit} s"
+
+
+def test_cpu_override_runs_the_gpu_workers_without_a_gpu() -> None:
+    proc = run_compose("config", env=SECRETS, files=CPU)
+    assert proc.returncode == 0, proc.stderr
+    blocks = services(proc.stdout)
+    for stage in ("audio", "image"):
+        gpu, cpu = blocks[f"worker-{stage}"], blocks[f"worker-{stage}-cpu"]
+        assert re.search(r"profiles:\n\s*- gpu\n", gpu), gpu  # not started unless --profile gpu
+        assert "nvidia" not in cpu and "capabilities" not in cpu, cpu
+        assert re.search(rf"- --stage\n\s*- {stage}\n", cpu), cpu
+        assert f'"{stage}@$$HOSTNAME"' in cpu, cpu  # its healthcheck pings its own node
+        # The same settings as the GPU worker, so that the two files cannot drift apart.
+        expected = {k: v for k, v in environment(gpu).items() if k != "CUDA_VISIBLE_DEVICES"}
+        assert environment(cpu) == expected
+        assert "artifacts:/var/lib/animastor/artifacts" in cpu
+    up = run_compose("config", "--services", env=SECRETS, files=CPU)
+    assert up.returncode == 0, up.stderr
+
+
+def test_beat_healthcheck_answers_from_the_recorded_tick() -> None:
+    """The exact code of beat's healthcheck: unhealthy (1) with no tick recorded, healthy (0) after a fresh one,
+    unhealthy again once the tick is older than three tick periods."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    beat = text.split("\n  beat:\n", 1)[1].split("\n  worker-audio:\n", 1)[0]
+    code = re.search(r'^\s*- "(import sys;[^"]*)"$', beat, re.M)
+    assert code, beat
+    settings = Settings.from_env()
+    prefix = f"hc{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "ANIMASTOR_KEY_PREFIX": prefix, "ANIMASTOR_TICK_SECONDS": "5"}
+    key, field = Keyspace(prefix).metrics(), histogram_field("tick_seconds", "last")
+    client = redis.Redis.from_url(settings.redis_url)
+
+    def check() -> int:
+        return subprocess.run([sys.executable, "-c", code.group(1)], env=env, timeout=60, check=False).returncode
+
+    try:
+        assert check() == 1
+        client.hset(key, field, str(time.time()))
+        assert check() == 0
+        client.hset(key, field, str(time.time() - 16))
+        assert check() == 1
+    finally:
+        client.delete(key)
+        client.close()
