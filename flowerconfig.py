@@ -1,89 +1,14 @@
-"""Flower settings for animastor-tasks, read from the ANIMASTOR_FLOWER_* environment.
+"""Flower settings for `celery -A animastor_tasks flower --conf=flowerconfig.py`, kept for that command line.
 
-Start Flower with::
+The settings and their rules (basic auth required: ANIMASTOR_FLOWER_BASIC_AUTH; refusal with exit status 2
+otherwise) live in the package, `animastor_tasks/operator/flower_settings.py`, so that an installed
+animastor-tasks needs no file from the source tree: `animastor-tasks flower` starts Flower with them.
 
-    ANIMASTOR_FLOWER_BASIC_AUTH='ops:a-long-password' celery -A animastor_tasks flower --conf=flowerconfig.py
-
-Why a config file and not flags: Flower shows who runs what on which GPU and can revoke
-tasks and shut workers down, so it must never come up open by accident. This file refuses
-to let Flower start (message on stderr, exit status 2) unless basic auth is configured:
-
-| variable                       | meaning                                                     | default     |
-| ------------------------------ | ----------------------------------------------------------- | ----------- |
-| ANIMASTOR_FLOWER_BASIC_AUTH    | `user:password` (the password may contain ':')              | (required)  |
-| ANIMASTOR_FLOWER_DEV_NO_AUTH   | `1`: run without auth, allowed only on a loopback address   | unset       |
-| ANIMASTOR_FLOWER_ADDRESS       | address to listen on                                        | 127.0.0.1   |
-| ANIMASTOR_FLOWER_PORT          | port to listen on                                           | 5555        |
-
-Credentials are passed through the environment, never the command line (which `ps` shows).
-Flower's own `/metrics` and `/healthcheck` answer without auth: they are internal endpoints,
-keep them behind the loopback address or a private network.
-
-Tornado executes this file and takes every global whose name is a Flower option
-(`address`, `port`, `basic_auth`, ...), so helpers here start with an underscore.
+Flower executes this file and takes every global whose name is a Flower option, hence the underscores.
 """
 
-from __future__ import annotations
-
-import ipaddress as _ipaddress
 import os as _os
-import sys as _sys
-from collections.abc import Mapping as _Mapping
-from typing import Any as _Any
 
-_PREFIX = "flowerconfig"
+from animastor_tasks.operator.flower_settings import options_or_exit as _options_or_exit
 
-
-class _Refused(Exception):
-    """The environment does not describe a Flower we may start."""
-
-
-def _is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
-    try:
-        return _ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
-def _settings(env: _Mapping[str, str]) -> dict[str, _Any]:
-    """The Flower options for `env`; raises `_Refused` with the reason when Flower must not start."""
-    address = env.get("ANIMASTOR_FLOWER_ADDRESS", "").strip() or "127.0.0.1"
-    raw_port = env.get("ANIMASTOR_FLOWER_PORT", "").strip() or "5555"
-    try:
-        port = int(raw_port)
-    except ValueError:
-        raise _Refused(f"ANIMASTOR_FLOWER_PORT={raw_port!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise _Refused(f"ANIMASTOR_FLOWER_PORT={raw_port!r} must be between 1 and 65535")
-
-    options: dict[str, _Any] = {"address": address, "port": port, "max_tasks": 10000}
-    credentials = env.get("ANIMASTOR_FLOWER_BASIC_AUTH", "")
-    if credentials.strip():
-        user, sep, password = credentials.strip().partition(":")
-        if not sep or not user or not password:
-            # Never echo the value: it may be a password typed without its user.
-            raise _Refused("ANIMASTOR_FLOWER_BASIC_AUTH must be 'user:password' with a non-empty user and password")
-        # A list, not a string: Flower would split a string on ',' and break passwords containing one.
-        options["basic_auth"] = [f"{user}:{password}"]
-        return options
-    if env.get("ANIMASTOR_FLOWER_DEV_NO_AUTH", "").strip() == "1":
-        if not _is_loopback(address):
-            raise _Refused(
-                f"ANIMASTOR_FLOWER_DEV_NO_AUTH=1 is allowed only on a loopback address, not {address!r}; "
-                "set ANIMASTOR_FLOWER_BASIC_AUTH=user:password instead"
-            )
-        _sys.stderr.write(f"{_PREFIX}: WARNING: Flower runs WITHOUT authentication (ANIMASTOR_FLOWER_DEV_NO_AUTH=1)\n")
-        return options
-    raise _Refused(
-        "Flower needs authentication: set ANIMASTOR_FLOWER_BASIC_AUTH=user:password "
-        "(or ANIMASTOR_FLOWER_DEV_NO_AUTH=1 for a loopback-only development instance)"
-    )
-
-
-try:
-    globals().update(_settings(_os.environ))
-except _Refused as _err:
-    _sys.stderr.write(f"{_PREFIX}: refusing to start Flower: {_err}\n")
-    raise SystemExit(2) from None
+globals().update(_options_or_exit(_os.environ))

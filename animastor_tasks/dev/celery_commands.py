@@ -5,7 +5,15 @@ Why `python -m celery`: the interpreter running us is the one whose environment 
 
 from __future__ import annotations
 
+import os
 import sys
+
+
+def log_level() -> str:
+    """The level local Celery processes log at: ANIMASTOR_LOG_LEVEL, else INFO (the INFO lines tell the story)."""
+    from animastor_tasks.worker.logs import level_from_env
+
+    return level_from_env(os.environ)
 
 
 def celery_argv(*args: str, app: str = "animastor_tasks") -> list[str]:
@@ -27,7 +35,7 @@ def worker_argv(queue: str, hostname: str, concurrency: int = 1) -> list[str]:
         hostname,
         "-E",
         "-l",
-        "INFO",
+        log_level(),
         "--without-mingle",
         "--without-gossip",
     )

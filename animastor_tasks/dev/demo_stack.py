@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from animastor_tasks.dev.celery_commands import celery_argv, worker_argv
+from animastor_tasks.dev.celery_commands import celery_argv, log_level, worker_argv
 from animastor_tasks.dev.local_stores import LocalStores
 from animastor_tasks.dev.net import http_ok, port_or_free, port_setting
 from animastor_tasks.dev.stores import ensure_stores
@@ -54,11 +54,13 @@ def worker_name(stage: str) -> str:
 
 
 def flower_config_path() -> Path:
-    """`flowerconfig.py` of the source checkout (or the current directory)."""
-    for candidate in (Path(__file__).resolve().parents[2] / "flowerconfig.py", Path.cwd() / "flowerconfig.py"):
-        if candidate.is_file():
-            return candidate
-    raise DemoError("flowerconfig.py not found: run the demo from the animastor-tasks source checkout")
+    """Flower's `--conf` file: the settings installed with the package (no source checkout needed)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("animastor_tasks.operator.flower_settings")
+    if spec is None or spec.origin is None:
+        raise DemoError("animastor_tasks.operator.flower_settings is not installed")
+    return Path(spec.origin)
 
 
 class DemoStack:
@@ -128,8 +130,9 @@ class DemoStack:
         sup.start(CONTROL_NAME, worker_argv(CONTROL_QUEUE, "control@%h", concurrency=2))
         for spec in stages.stages:
             self.start_worker(spec.name)
-        sup.start(BEAT_NAME, celery_argv("beat", "-l", "INFO", "-s", str(self.dir / "celerybeat-schedule")))
-        sup.start(FLOWER_NAME, celery_argv("flower", f"--conf={flower_config_path()}"), env=flower_env)
+        sup.start(BEAT_NAME, celery_argv("beat", "-l", log_level(), "-s", str(self.dir / "celerybeat-schedule")))
+        # `animastor-tasks flower`: the packaged settings and their auth rules, as an operator starts it.
+        sup.start(FLOWER_NAME, [sys.executable, "-m", "animastor_tasks.operator.cli", "flower"], env=flower_env)
         sup.start(
             METRICS_NAME,
             [sys.executable, "-m", "animastor_tasks.operator.cli", "metrics", "--port", str(metrics_port)],

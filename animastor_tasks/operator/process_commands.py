@@ -1,5 +1,9 @@
-"""The commands that start or stop processes: stores (`up`, `down`), workers, the metrics
-exporter, the reference inference server and the demo."""
+"""The commands that start or stop processes: stores (`up`, `down`), workers, beat, Flower, the metrics
+exporter, the reference inference server and the demo.
+
+Celery processes are started as `<this interpreter> -m celery`, so an installed animastor-tasks works
+from any directory and without its virtual environment on PATH.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,29 @@ import click
 
 from animastor_tasks.config import Settings
 from animastor_tasks.errors import ConfigError
+
+#: Log levels a Celery process takes (`--loglevel`, ANIMASTOR_LOG_LEVEL).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_loglevel_option = click.option(
+    "--loglevel",
+    "-l",
+    default=None,
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    help="Log level (default: ANIMASTOR_LOG_LEVEL, else INFO).",
+)
+
+
+def _log_level(given: str | None) -> str:
+    """`--loglevel` when given, else ANIMASTOR_LOG_LEVEL, else INFO (a bad variable is a ConfigError)."""
+    from animastor_tasks.worker.logs import level_from_env
+
+    return given.upper() if given else level_from_env(os.environ)
+
+
+def _exec_celery(*args: str) -> None:
+    """Replace this process with `celery -A animastor_tasks <args>` run by this interpreter."""
+    argv = [sys.executable, "-m", "celery", "-A", "animastor_tasks", *args]
+    os.execv(argv[0], argv)
 
 
 @click.command()
@@ -51,12 +78,19 @@ def down() -> None:
 @click.option("--stage", default=None, help="Run a GPU worker for this stage (default: the control worker).")
 @click.option("--gpus", default=None, help="Comma-separated GPU ids; one pool process per GPU.")
 @click.option("--hostname", "-n", default=None)
+@_loglevel_option
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
-def worker(stage: str | None, gpus: str | None, hostname: str | None, celery_args: tuple[str, ...]) -> None:
-    """Start a Celery worker: the control worker, or a GPU worker for one stage."""
+def worker(
+    stage: str | None, gpus: str | None, hostname: str | None, loglevel: str | None, celery_args: tuple[str, ...]
+) -> None:
+    """Start a Celery worker: the control worker, or a GPU worker for one stage.
+
+    Other options go to `celery worker` as they are. Stop it with SIGTERM: the running job finishes first.
+    """
     from animastor_tasks.domain.registry import CONTROL_QUEUE
 
     settings = Settings.from_env()
+    level = _log_level(loglevel)
     if stage is None:
         queue, concurrency, name = CONTROL_QUEUE, "2", hostname or "control@%h"
     else:
@@ -69,10 +103,7 @@ def worker(stage: str | None, gpus: str | None, hostname: str | None, celery_arg
         concurrency = str(len(gpu_ids) or 1)
         if gpu_ids:
             os.environ["ANIMASTOR_GPU_IDS"] = ",".join(gpu_ids)
-    argv = [
-        "celery",
-        "-A",
-        "animastor_tasks",
+    _exec_celery(
         "worker",
         "-Q",
         queue,
@@ -83,12 +114,47 @@ def worker(stage: str | None, gpus: str | None, hostname: str | None, celery_arg
         "-n",
         name,
         "-E",
+        "-l",
+        level,
         # Gossip is unused here (presence has its own heartbeats), and its consumer step can crash the
         # worker while the broker restarts (kombu#582: `_close` on a connection that is already None).
         "--without-gossip",
         *celery_args,
-    ]
-    os.execvp(argv[0], argv)
+    )
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@_loglevel_option
+@click.option("--schedule", "-s", default=None, help="Beat's schedule file (default: ./celerybeat-schedule).")
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+def beat(loglevel: str | None, schedule: str | None, celery_args: tuple[str, ...]) -> None:
+    """Start beat: the tick every ANIMASTOR_TICK_SECONDS, reconcile every ANIMASTOR_RECONCILE_SECONDS.
+
+    Other options go to `celery beat` as they are. A second beat is harmless (dispatch is compare-and-set).
+    """
+    from animastor_tasks.worker.logs import format_from_env
+
+    level = _log_level(loglevel)
+    quiet = ["--quiet"] if format_from_env(os.environ) == "json" else []  # no banner among the JSON lines
+    _exec_celery(*quiet, "beat", "-l", level, *(["-s", schedule] if schedule else []), *celery_args)
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+def flower(flower_args: tuple[str, ...]) -> None:
+    """Start Flower on the task events, with basic auth from ANIMASTOR_FLOWER_BASIC_AUTH (required).
+
+    Address and port: ANIMASTOR_FLOWER_ADDRESS (127.0.0.1) and ANIMASTOR_FLOWER_PORT (5555). Refuses to
+    start (exit status 2) without credentials; ANIMASTOR_FLOWER_DEV_NO_AUTH=1 allows none on loopback only.
+    Other options go to `celery flower` as they are (`--url_prefix=flower`).
+    """
+    from animastor_tasks.operator import flower_settings
+
+    try:
+        flower_settings.flower_options(os.environ)
+    except flower_settings.Refused as err:  # said here, before Celery starts: exit status 2
+        raise ConfigError(f"refusing to start Flower: {err}") from None
+    _exec_celery("flower", f"--conf={flower_settings.conf_path()}", *flower_args)
 
 
 @click.command("dev-inference-server")
@@ -154,4 +220,4 @@ def demo(keep_running: bool, run_dir: Path | None) -> None:
     sys.exit(demo_module.main(keep_running=keep_running, run_dir=run_dir))
 
 
-COMMANDS = (up, down, worker, dev_inference_server, metrics_cmd, demo)
+COMMANDS = (up, down, worker, beat, flower, dev_inference_server, metrics_cmd, demo)

@@ -17,10 +17,12 @@ from animastor_tasks.config import Settings
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ConfigError, redact_url
 from animastor_tasks.worker import tracing
+from animastor_tasks.worker.logs import LogSetup
 from animastor_tasks.worker.presence import PresenceStep
 
 try:
     settings = Settings.from_env()
+    log_setup = LogSetup.from_env()  # ANIMASTOR_LOG_LEVEL / ANIMASTOR_LOG_FORMAT, checked at start-up too
 except ConfigError as err:  # a worker or beat with a bad setting stops here, with the variable named
     sys.stderr.write(f"animastor-tasks: {err}\n")
     raise SystemExit(2) from err
@@ -30,6 +32,8 @@ app.config_from_object("celeryconfig", force=True)
 app.steps["consumer"].add(PresenceStep)
 
 log = logging.getLogger("animastor.worker")
+# INFO unless `-l` or ANIMASTOR_LOG_LEVEL says otherwise; JSON lines with ANIMASTOR_LOG_FORMAT=json; job context.
+log_setup.connect()
 
 # Optional OpenTelemetry (the otel extra, ANIMASTOR_OTEL=1): set up where tasks run, flushed on the way out.
 signals.worker_init.connect(tracing.on_worker_init)

@@ -100,9 +100,11 @@ def test_cancel_at_a_random_moment_after_regenerate_starts_no_job(make_stack, fi
             if "Discarding revoked task" in line:
                 outcomes["revoked"] += 1
             elif "[GENERATE]" in line and " fence_rejected: " in line:
-                outcomes["fence_rejected: " + line.split(" fence_rejected: ", 1)[1].strip()] += 1
+                outcomes[
+                    "fence_rejected: " + line.split(" fence_rejected: ", 1)[1].split(" command_id=")[0].strip()
+                ] += 1
             elif "[GENERATE]" in line and " stopping: " in line:
-                outcomes["stopped: " + line.split(" stopping: ", 1)[1].strip()] += 1
+                outcomes["stopped: " + line.split(" stopping: ", 1)[1].split(" command_id=")[0].strip()] += 1
     figure(
         f"trials {trials} in {elapsed:.1f}s, cancel {min(delays) * 1000:.0f}-{max(delays) * 1000:.0f} ms after "
         f"regenerate returned; dispatches {len(dispatched)}, jobs started {len(started)} (in {trials_with_start} "

@@ -1,0 +1,104 @@
+"""Flower's settings for animastor-tasks, read from the ANIMASTOR_FLOWER_* environment; also Flower's `--conf` file.
+
+`animastor-tasks flower` starts Flower with this very file as its configuration, so an installed package
+(a wheel, a container) needs no file from the source tree; the repository's `flowerconfig.py` is a shim
+over it for `celery -A animastor_tasks flower --conf=flowerconfig.py`.
+
+Why a config file and not flags: Flower shows who runs what on which GPU and can revoke tasks and shut
+workers down, so it must never come up open by accident. Flower refuses to start (message on stderr,
+exit status 2) unless basic auth is configured:
+
+| variable                       | meaning                                                     | default     |
+| ------------------------------ | ----------------------------------------------------------- | ----------- |
+| ANIMASTOR_FLOWER_BASIC_AUTH    | `user:password` (the password may contain ':')              | (required)  |
+| ANIMASTOR_FLOWER_DEV_NO_AUTH   | `1`: run without auth, allowed only on a loopback address   | unset       |
+| ANIMASTOR_FLOWER_ADDRESS       | address to listen on                                        | 127.0.0.1   |
+| ANIMASTOR_FLOWER_PORT          | port to listen on                                           | 5555        |
+
+Credentials are passed through the environment, never the command line (which `ps` shows).
+Flower's own `/metrics` and `/healthcheck` answer without auth: they are internal endpoints,
+keep them behind the loopback address or a private network.
+
+Flower (Tornado) executes a config file and takes every global whose name is one of its options
+(`address`, `port`, `basic_auth`, `logging`, ...): nothing here may be named like one, hence the
+underscored imports.
+"""
+
+from __future__ import annotations
+
+import ipaddress as _ipaddress
+import os as _os
+import sys as _sys
+from collections.abc import Mapping as _Mapping
+from typing import Any as _Any
+
+PREFIX = "flowerconfig"
+
+
+class Refused(Exception):
+    """The environment does not describe a Flower we may start."""
+
+
+def is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return _ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def flower_options(env: _Mapping[str, str]) -> dict[str, _Any]:
+    """The Flower options for `env`; raises `Refused` with the reason when Flower must not start."""
+    address = env.get("ANIMASTOR_FLOWER_ADDRESS", "").strip() or "127.0.0.1"
+    raw_port = env.get("ANIMASTOR_FLOWER_PORT", "").strip() or "5555"
+    try:
+        port = int(raw_port)
+    except ValueError:
+        raise Refused(f"ANIMASTOR_FLOWER_PORT={raw_port!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise Refused(f"ANIMASTOR_FLOWER_PORT={raw_port!r} must be between 1 and 65535")
+
+    options: dict[str, _Any] = {"address": address, "port": port, "max_tasks": 10000}
+    credentials = env.get("ANIMASTOR_FLOWER_BASIC_AUTH", "")
+    if credentials.strip():
+        user, sep, password = credentials.strip().partition(":")
+        if not sep or not user or not password:
+            # Never echo the value: it may be a password typed without its user.
+            raise Refused("ANIMASTOR_FLOWER_BASIC_AUTH must be 'user:password' with a non-empty user and password")
+        # A list, not a string: Flower would split a string on ',' and break passwords containing one.
+        options["basic_auth"] = [f"{user}:{password}"]
+        return options
+    if env.get("ANIMASTOR_FLOWER_DEV_NO_AUTH", "").strip() == "1":
+        if not is_loopback(address):
+            raise Refused(
+                f"ANIMASTOR_FLOWER_DEV_NO_AUTH=1 is allowed only on a loopback address, not {address!r}; "
+                "set ANIMASTOR_FLOWER_BASIC_AUTH=user:password instead"
+            )
+        return options
+    raise Refused(
+        "Flower needs authentication: set ANIMASTOR_FLOWER_BASIC_AUTH=user:password "
+        "(or ANIMASTOR_FLOWER_DEV_NO_AUTH=1 for a loopback-only development instance)"
+    )
+
+
+def options_or_exit(env: _Mapping[str, str]) -> dict[str, _Any]:
+    """`flower_options(env)`, or the reason on stderr and exit status 2 (before Flower opens any port)."""
+    try:
+        options = flower_options(env)
+    except Refused as err:
+        _sys.stderr.write(f"{PREFIX}: refusing to start Flower: {err}\n")
+        raise SystemExit(2) from None
+    if "basic_auth" not in options:
+        _sys.stderr.write(f"{PREFIX}: WARNING: Flower runs WITHOUT authentication (ANIMASTOR_FLOWER_DEV_NO_AUTH=1)\n")
+    return options
+
+
+def conf_path() -> str:
+    """This file, for Flower's `--conf`."""
+    return _os.path.abspath(__file__)
+
+
+if "__name__" not in globals():
+    # Executed by Flower as its --conf file (Tornado runs it with no __name__): publish the options.
+    globals().update(options_or_exit(_os.environ))
