@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from animastor_tasks.domain.deferral import DeferralWindows
 from animastor_tasks.domain.registry import MediaRegistry, StageSpec, registry_from_table
@@ -24,6 +24,8 @@ DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/animastor"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3's bucket naming rules
+_KEY_PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()/-]{0,512}$")  # S3's safe key characters
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,8 @@ class Settings:
     idempotent_defer_seconds: int = 900
     breaker_threshold: int = 5
     breaker_cooldown_seconds: float = 30.0
-    artifact_root: Path = Path("artifacts")
+    artifact_root: Path = Path("artifacts")  # the local store's directory
+    artifact_url: str = ""  # s3://bucket/prefix: the store GPU hosts share; empty: the directory above
     journal_retention_days: float = 7.0
     journal_max_rows: int = 1_000_000
     job_soft_time_limit: int = 1800
@@ -78,7 +81,7 @@ class Settings:
             idempotent_defer_seconds=int(_number(env, "ANIMASTOR_IDEMPOTENT_DEFER_SECONDS", 900, minimum=1)),
             breaker_threshold=int(_number(env, "ANIMASTOR_BREAKER_THRESHOLD", 5, minimum=1)),
             breaker_cooldown_seconds=_number(env, "ANIMASTOR_BREAKER_COOLDOWN_SECONDS", 30.0, minimum=0.1),
-            artifact_root=Path(env.get("ANIMASTOR_ARTIFACT_ROOT", "artifacts")).expanduser(),
+            **_artifact_store(env),
             journal_retention_days=_number(env, "ANIMASTOR_JOURNAL_RETENTION_DAYS", 7.0, minimum=0.0),
             journal_max_rows=int(_number(env, "ANIMASTOR_JOURNAL_MAX_ROWS", 1_000_000, minimum=100)),
             job_soft_time_limit=int(_number(env, "ANIMASTOR_JOB_SOFT_TIME_LIMIT", 1800, minimum=1)),
@@ -119,6 +122,7 @@ class Settings:
             "broker_url": redact_url(self.broker_url),
             "key_prefix": self.key_prefix,
             "stages": {s.name: s.queue for s in self.stages},
+            "artifact_store": self.artifact_url or self.artifact_root.expanduser().resolve().as_uri(),
         }
 
 
@@ -162,6 +166,59 @@ def _prefix(env: Mapping[str, str]) -> str:
     if not _PREFIX_RE.match(value):
         raise ConfigError(f"ANIMASTOR_KEY_PREFIX={value!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
     return value
+
+
+def _artifact_store(env: Mapping[str, str]) -> dict[str, Any]:
+    """ANIMASTOR_ARTIFACT_URL: a directory, `file:///dir` or `s3://bucket/prefix`; unset, the directory
+    ANIMASTOR_ARTIFACT_ROOT (default `artifacts`). Checked here so that a typo stops the process at start."""
+    root = Path(env.get("ANIMASTOR_ARTIFACT_ROOT", "").strip() or "artifacts").expanduser()
+    raw = env.get("ANIMASTOR_ARTIFACT_URL", "").strip()
+    if not raw:
+        return {"artifact_root": root}
+    name = "ANIMASTOR_ARTIFACT_URL"
+    if "://" not in raw:
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", raw):  # `s3:bucket`: a URL typo, not a directory name
+            raise ConfigError(
+                f"{name}={redact_url(raw)!r} must be a directory, file:///directory or s3://bucket/prefix"
+            )
+        return {"artifact_root": Path(raw).expanduser()}
+    try:
+        parts = urlsplit(raw)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError as err:
+        raise ConfigError(f"{name}={redact_url(raw)!r} is not a valid URL: {err}") from err
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/") or parts.query or parts.fragment:
+            raise ConfigError(f"{name}={raw!r} must be file:///absolute/directory")
+        return {"artifact_root": Path(unquote(parts.path))}
+    if parts.scheme == "s3":
+        split_s3_url(raw)  # raises ConfigError naming what is wrong
+        _endpoint(env)
+        return {"artifact_root": root, "artifact_url": raw.rstrip("/")}
+    raise ConfigError(f"{name}={redact_url(raw)!r} must be a directory, file:///directory or s3://bucket/prefix")
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """(bucket, key prefix without slashes at its ends) of `s3://bucket/prefix`; ConfigError when malformed."""
+    name = "ANIMASTOR_ARTIFACT_URL"
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or parts.query or parts.fragment or "@" in parts.netloc or ":" in parts.netloc:
+        raise ConfigError(f"{name}={redact_url(url)!r} must be s3://bucket/prefix (no credentials, port or query)")
+    if not _BUCKET_RE.match(parts.netloc) or ".." in parts.netloc:
+        raise ConfigError(f"{name}={url!r}: {parts.netloc!r} is not a bucket name (3-63 of a-z, 0-9, '.', '-')")
+    prefix = parts.path.strip("/")
+    if not _KEY_PREFIX_RE.match(prefix) or "//" in prefix:
+        raise ConfigError(f"{name}={url!r}: the key prefix {prefix!r} must be S3-safe characters without '//'")
+    return parts.netloc, prefix
+
+
+def _endpoint(env: Mapping[str, str]) -> None:
+    """The S3 endpoint boto3 will take from the environment (AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL;
+    neither: AWS itself), checked now rather than at the first upload."""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if env.get(name, "").strip():
+            _url(env, name, "", ("http", "https"))
+            return
 
 
 def _registry(env: Mapping[str, str]) -> MediaRegistry:

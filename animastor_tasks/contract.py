@@ -102,6 +102,7 @@ class CommandStatusRow(TypedDict):
 class StageState(TypedDict):
     state: AssetStateName
     artifact: str | None
+    artifact_uri: str | None  # file:///... or s3://bucket/key; None without an artifact (or one from before 0005)
 
 
 class SceneStatus(TypedDict):

@@ -8,6 +8,7 @@
      ├── DuplicateCommand     a command id that was already used (a resend: replayed, not redone)
  ├── InvalidTransition    an asset state change the FSM does not allow
      ├── StoreUnavailable     Postgres, Redis or the broker cannot be reached
+     ├── ArtifactStoreError   the artifact store refused the bytes or cannot be reached
      └── GeneratorError       a generator failed to produce media
           └── GenerationStopped  the job was told to stop (cancel, lost lease)
 
@@ -67,6 +68,17 @@ class StoreUnavailable(AnimastorError):
         super().__init__(f"{store} unavailable at {redact_url(url)}: {detail}")
         self.store = store
         self.url = redact_url(url)
+        self.detail = detail
+
+
+class ArtifactStoreError(AnimastorError):
+    """The artifact store refused an upload or cannot be reached (wrong credentials, a missing bucket, the
+    endpoint down). Unlike a `StoreUnavailable` blip it fails the job with the store's message: giving the
+    pair back would only rerun the GPU work into the same wall."""
+
+    def __init__(self, store: str, detail: str) -> None:
+        super().__init__(f"artifact store {redact_url(store)}: {detail}")
+        self.store = redact_url(store)
         self.detail = detail
 
 

@@ -1,4 +1,5 @@
-"""The artifact store on a local directory: bytes kept under their sha256."""
+"""The artifact store on a local directory (one machine), and the factory that picks the store a process
+uses from its settings: this directory, or the S3 bucket that GPU hosts share (`ANIMASTOR_ARTIFACT_URL`)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,48 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-_EXTENSIONS = {"audio/wav": ".wav", "image/png": ".png"}
+from animastor_tasks.config import Settings, split_s3_url
+from animastor_tasks.errors import ArtifactStoreError
+from animastor_tasks.ports import ArtifactStore
+
+EXTENSIONS = {"audio/wav": ".wav", "image/png": ".png"}
+
+
+def artifact_name(digest: str, media_type: str) -> str:
+    """`ab/abcdef….wav`: the content address, fanned out by its first two hex digits (both stores)."""
+    return f"{digest[:2]}/{digest}{EXTENSIONS.get(media_type, '.bin')}"
 
 
 class LocalArtifactStore:
     def __init__(self, root: Path) -> None:
         self.root = root
 
+    @property
+    def url(self) -> str:
+        return self.root.expanduser().resolve().as_uri()
+
     def put(self, data: bytes, media_type: str) -> dict[str, Any]:
         """Write the bytes under their sha256 (atomic rename; identical content is stored once)."""
         digest = hashlib.sha256(data).hexdigest()
-        folder = self.root / digest[:2]
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{digest}{_EXTENSIONS.get(media_type, '.bin')}"
-        if not path.exists():
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.replace(tmp, path)
-        return {"sha256": digest, "size": len(data), "media_type": media_type, "path": str(path)}
+        path = self.root / artifact_name(digest, media_type)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.exists():
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                os.replace(tmp, path)
+        except OSError as err:  # a full disk, a read-only mount: the job fails saying so
+            raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
+        uri = path.expanduser().resolve().as_uri()
+        return {"sha256": digest, "size": len(data), "media_type": media_type, "path": str(path), "uri": uri}
+
+
+def artifact_store(settings: Settings) -> ArtifactStore:
+    """The store `settings` name: the S3 bucket of `artifact_url` when set, else the directory `artifact_root`."""
+    if settings.artifact_url:
+        from animastor_tasks.adapters.s3_artifacts import S3ArtifactStore  # boto3 only where S3 is used
+
+        bucket, prefix = split_s3_url(settings.artifact_url)
+        return S3ArtifactStore(bucket, prefix)
+    return LocalArtifactStore(settings.artifact_root)

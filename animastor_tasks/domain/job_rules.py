@@ -6,6 +6,8 @@
   the pair fails with `worker_lost: N starts` and no GPU work is done for that start.
 - **Errors.** An error raised while a job runs is either a verdict on the scene (the generator failed)
   or a store that was briefly unreachable, which is not the scene's fault: the pair is given back.
+  An artifact store that refuses the output (credentials, bucket) or cannot be reached fails the pair
+  with the store's message: rerunning the GPU work would hit the same store.
 - **Run failures and the breaker.** A backend-side failure (retryable, retries spent) counts against
   the queue's circuit breaker and a success clears it; a backend failure recorded while the breaker is
   (or just became) open gives the pair back to `pending` instead of failing it.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from animastor_tasks.errors import GenerationStopped, GeneratorError, StoreUnavailable
+from animastor_tasks.errors import ArtifactStoreError, GenerationStopped, GeneratorError, StoreUnavailable
 
 # -- worker-lost starts ---------------------------------------------------------------------------
 
@@ -38,6 +40,7 @@ class ErrorKind(StrEnum):
     BACKEND = "backend"  # the generator's backend failed, worth retrying (5xx, refused, timeout)
     SCENE = "scene"  # the generator refused this scene (not retryable): a verdict, the pair fails
     STORE = "store"  # Postgres, Redis or the broker was briefly unreachable: not the scene's fault
+    ARTIFACT = "artifact"  # the artifact store refused the output or is unreachable: the pair fails with its message
     BUG = "bug"  # anything else a generator raised: fail the pair once rather than loop on it
 
 
@@ -47,6 +50,8 @@ def classify_error(err: BaseException) -> ErrorKind:
     error counts as a store error too."""
     if isinstance(err, GenerationStopped):
         return ErrorKind.STOPPED
+    if isinstance(err, ArtifactStoreError):
+        return ErrorKind.ARTIFACT
     if isinstance(err, GeneratorError):
         return ErrorKind.BACKEND if err.retryable else ErrorKind.SCENE
     seen: set[int] = set()

@@ -24,9 +24,11 @@ def status(ports: Ports, book_id: object) -> dict[str, Any]:
     book = validate.known_book(ports, book_id)
     commands = ports.commands.commands(book=book)
     scenes: dict[tuple[str, str], dict[str, Any]] = {}
+    uris = ports.assets.artifact_uris(book)
     for chapter, scene, stage, state, artifact in ports.assets.scene_states(book):
         entry = scenes.setdefault((chapter, scene), {"chapter_id": chapter, "scene_id": scene, "stages": {}})
-        entry["stages"][stage] = {"state": state, "artifact": artifact}
+        uri = uris.get((chapter, scene, stage))
+        entry["stages"][stage] = {"state": state, "artifact": artifact, "artifact_uri": uri}
     cancelled = ports.commands.is_tombstoned(book) or ports.book_state.cancel_flag_set(book)
     return {
         "book_id": book,

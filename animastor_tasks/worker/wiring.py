@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from celery import Celery
 
-from animastor_tasks.adapters.artifacts import LocalArtifactStore
+from animastor_tasks.adapters.artifacts import artifact_store
 from animastor_tasks.adapters.broker_probe import BrokerProbe
 from animastor_tasks.adapters.celery_publisher import CeleryPublisher
 from animastor_tasks.adapters.postgres.assets import AssetStore
@@ -89,7 +89,7 @@ def build(settings: Settings, app: Celery | None = None) -> Wiring:
         locks=LockStore(conn),
         publisher=CeleryPublisher(app, counters),
         queue_probe=BrokerProbe(settings.broker_url),
-        artifacts=LocalArtifactStore(settings.artifact_root),
+        artifacts=artifact_store(settings),
         generators=EntryPointGenerators(settings),
     )
     return Wiring(ports, db, conn, catalog, presence, counters, breaker, deferrals, OperatorReads(db))

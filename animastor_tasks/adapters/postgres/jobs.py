@@ -90,10 +90,10 @@ class JobStore:
                 return False
             conn.execute(
                 "INSERT INTO artifacts (sha256, size_bytes, media_type, book_id, chapter_id, scene_id, stage,"
-                " fencing_token, dispatch_id, generator, duration_ms, path)"
+                " fencing_token, dispatch_id, generator, duration_ms, path, uri)"
                 " VALUES (%(sha256)s, %(size)s, %(media_type)s, %(book)s, %(chapter)s, %(scene)s, %(stage)s,"
-                " %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s)",
-                {**owned, **artifact},
+                " %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s, %(uri)s)",
+                {**owned, "uri": None, **artifact},
             )
             detail = {"token": token, "sha256": artifact["sha256"]}
             journal.record(conn, "job.ready", book, detail, pair=pair, dispatch_id=dispatch_id)

@@ -1,0 +1,80 @@
+"""The artifact store on an S3 bucket (AWS or any S3-compatible service), shared by GPU workers on many hosts.
+
+The endpoint, credentials and region come from the standard AWS variables, read by boto3 itself
+(AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION).
+Keys are content addresses, so an object already there is the same bytes: a HEAD first spares the upload.
+Every botocore error leaves as `ArtifactStoreError` carrying the store's own message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import TYPE_CHECKING, Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from animastor_tasks.adapters.artifacts import artifact_name
+from animastor_tasks.errors import ArtifactStoreError
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+# Short connect timeout: an endpoint that is down or cut off fails the job in seconds, not minutes;
+# "standard" retries (3 attempts, AWS_MAX_ATTEMPTS to change) ride out a brief 5xx or a dropped connection.
+_CONFIG = Config(connect_timeout=5, read_timeout=60, retries={"mode": "standard"})
+
+
+class S3ArtifactStore:
+    def __init__(self, bucket: str, prefix: str = "") -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self._client: S3Client | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    @property
+    def client(self) -> S3Client:
+        """Built at first use (a beat or a CLI that never uploads never builds one); boto3 clients are thread-safe."""
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = boto3.session.Session().client("s3", config=_CONFIG)
+                except (BotoCoreError, ValueError) as err:
+                    raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
+            return self._client
+
+    def key(self, digest: str, media_type: str) -> str:
+        name = artifact_name(digest, media_type)
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def put(self, data: bytes, media_type: str) -> dict[str, Any]:
+        """Upload the bytes under their sha256 unless an object of that size is there already."""
+        digest = hashlib.sha256(data).hexdigest()
+        key = self.key(digest, media_type)
+        client = self.client
+        try:
+            if not self._holds(client, key, len(data)):
+                client.put_object(
+                    Bucket=self.bucket, Key=key, Body=data, ContentType=media_type, Metadata={"sha256": digest}
+                )
+        except ClientError as err:
+            raise ArtifactStoreError(self.url, str(err)) from err
+        except BotoCoreError as err:
+            raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
+        uri = f"s3://{self.bucket}/{key}"
+        return {"sha256": digest, "size": len(data), "media_type": media_type, "path": key, "uri": uri}
+
+    def _holds(self, client: S3Client, key: str, size: int) -> bool:
+        """Whether the object is there with `size` bytes. A HEAD answer carries no message, so any refusal
+        (403, 404 of a missing bucket) says "upload": the PUT then fails with the store's own words."""
+        try:
+            head = client.head_object(Bucket=self.bucket, Key=key)
+        except ClientError:
+            return False
+        return int(head.get("ContentLength", -1)) == size

@@ -1,0 +1,288 @@
+"""The artifact stores on real parts: the local directory, and an S3 bucket of a real `rclone serve s3` reached
+through boto3 with the standard AWS variables; GPU jobs committing to the bucket, and the three ways a bucket
+store goes wrong (wrong credentials, a missing bucket, an endpoint that is down), each failing the job."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from animastor_tasks.adapters.artifacts import LocalArtifactStore, artifact_store
+from animastor_tasks.adapters.s3_artifacts import S3ArtifactStore
+from animastor_tasks.config import Settings
+from animastor_tasks.dev.net import free_port
+from animastor_tasks.dev.s3_server import INSTALL_HINT, S3Server, rclone_executable, start_s3_server
+from animastor_tasks.errors import ArtifactStoreError, ConfigError
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow import status as status_flow
+from animastor_tasks.worker import wiring
+from animastor_tasks.worker.wiring import Wiring
+from tests.support import missing, wait_for
+from tests.support.cluster import Cluster
+
+from .helpers import advertise, make_book, states
+from .test_generate import drain
+from .test_schemas import check
+
+AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    if rclone_executable() is None:
+        missing(INSTALL_HINT)
+    server = start_s3_server(tmp_path_factory.mktemp("s3") / "root", bucket="animastor")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """This process (and the CLI it runs) configured for the bucket store under the prefix `books`."""
+    for name in AWS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3.env("books").items():
+        monkeypatch.setenv(name, value)
+    return s3
+
+
+def uploads(store: S3ArtifactStore) -> list[str]:
+    """The keys of every PutObject the store's real client sends from now on (a botocore event hook)."""
+    sent: list[str] = []
+    store.client.meta.events.register("before-call.s3.PutObject", lambda params, **_: sent.append(params["url_path"]))
+    return sent
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.operator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ.copy(),
+    )
+
+
+def rewire() -> Wiring:
+    """This process's wiring rebuilt from the environment as a worker builds it (the store from the URL)."""
+    wiring.reset()
+    return wiring.current()
+
+
+def artifact_rows(rt: Wiring, book: str) -> list[tuple[Any, ...]]:
+    with rt.db.transaction() as conn:
+        return conn.execute(
+            "SELECT scene_id, sha256, size_bytes, uri FROM artifacts WHERE book_id = %s ORDER BY id", (book,)
+        ).fetchall()
+
+
+# -- choosing the store --------------------------------------------------------------------------------------
+
+
+def test_the_url_chooses_the_store_and_the_root_keeps_working(tmp_path: Path) -> None:
+    assert Settings.from_env({}).artifact_root == Path("artifacts")
+    assert Settings.from_env({"ANIMASTOR_ARTIFACT_ROOT": "/srv/a"}).artifact_root == Path("/srv/a")
+    for url in ("/srv/b", "file:///srv/b", "file://localhost/srv/b"):
+        chosen = Settings.from_env({"ANIMASTOR_ARTIFACT_ROOT": "/srv/a", "ANIMASTOR_ARTIFACT_URL": url})
+        assert (chosen.artifact_root, chosen.artifact_url) == (Path("/srv/b"), "")
+    local = artifact_store(Settings.from_env({"ANIMASTOR_ARTIFACT_URL": str(tmp_path)}))
+    assert isinstance(local, LocalArtifactStore) and local.root == tmp_path
+    shared = Settings.from_env({"ANIMASTOR_ARTIFACT_URL": "s3://my-bucket/books/audio/"})
+    assert shared.artifact_url == "s3://my-bucket/books/audio"
+    assert shared.describe()["artifact_store"] == "s3://my-bucket/books/audio"
+    store = artifact_store(shared)
+    assert isinstance(store, S3ArtifactStore) and (store.bucket, store.prefix) == ("my-bucket", "books/audio")
+    assert isinstance(artifact_store(Settings.from_env({"ANIMASTOR_ARTIFACT_URL": "s3://my-bucket"})), S3ArtifactStore)
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://"}, "is not a bucket name"),
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://Books_2/x"}, "is not a bucket name"),
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket:9000/x"}, "no credentials, port or query"),
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://key:hunter2@bucket/x"}, "no credentials, port or query"),
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket/a//b"}, "without '//'"),
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket/x?versionId=1"}, "no credentials, port or query"),
+        ({"ANIMASTOR_ARTIFACT_URL": "ftp://host/dir"}, "must be a directory, file:///directory or s3://"),
+        ({"ANIMASTOR_ARTIFACT_URL": "s3:bucket/dir"}, "must be a directory, file:///directory or s3://"),
+        ({"ANIMASTOR_ARTIFACT_URL": "file://otherhost/dir"}, "must be file:///absolute/directory"),
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket/x", "AWS_ENDPOINT_URL_S3": "127.0.0.1:9000"}, "AWS_ENDPOINT_URL_S3"),
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket/x", "AWS_ENDPOINT_URL": "http://"}, "AWS_ENDPOINT_URL"),
+    ],
+)
+def test_a_malformed_store_url_is_a_config_error_at_start(env: dict[str, str], said: str) -> None:
+    with pytest.raises(ConfigError, match=r"ANIMASTOR_ARTIFACT_URL|AWS_ENDPOINT_URL") as raised:
+        Settings.from_env(env)
+    assert said in str(raised.value) and "hunter2" not in str(raised.value)
+
+
+def test_the_cli_stops_at_start_on_a_malformed_store_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANIMASTOR_ARTIFACT_URL", "s3://Not_A_Bucket/x")
+    done = cli("status", "b", "--json")
+    assert done.returncode == 2 and "ANIMASTOR_ARTIFACT_URL" in done.stderr and "Traceback" not in done.stderr
+
+
+# -- the stores ----------------------------------------------------------------------------------------------
+
+
+def test_the_local_store_keeps_bytes_once_and_records_a_file_uri(tmp_path: Path) -> None:
+    store = LocalArtifactStore(tmp_path / "artifacts")
+    first = store.put(b"RIFF-audio", "audio/wav")
+    digest = hashlib.sha256(b"RIFF-audio").hexdigest()
+    path = tmp_path / "artifacts" / digest[:2] / f"{digest}.wav"
+    assert first == {**first, "sha256": digest, "size": 10, "uri": path.as_uri(), "path": str(path)}
+    mtime = path.stat().st_mtime_ns
+    assert store.put(b"RIFF-audio", "audio/wav") == first and path.stat().st_mtime_ns == mtime
+    (tmp_path / "ro").mkdir(mode=0o500)
+    if os.geteuid() != 0:  # root writes anywhere: a file in the way of the folder fails for everyone
+        with pytest.raises(ArtifactStoreError):
+            LocalArtifactStore(tmp_path / "ro").put(b"x", "image/png")
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ArtifactStoreError, match=r"artifact store file://.*/file: (FileExistsError|NotADirectory)"):
+        LocalArtifactStore(tmp_path / "file").put(b"x", "image/png")
+
+
+def test_the_s3_store_uploads_once_under_the_content_address(s3_env: S3Server) -> None:
+    store = S3ArtifactStore("animastor", "books/unit")
+    sent = uploads(store)
+    data = b"\x89PNG fake image " * 1000
+    digest = hashlib.sha256(data).hexdigest()
+    record = store.put(data, "image/png")
+    key = f"books/unit/{digest[:2]}/{digest}.png"
+    assert record == {
+        "sha256": digest,
+        "size": len(data),
+        "media_type": "image/png",
+        "path": key,
+        "uri": f"s3://animastor/{key}",
+    }
+    assert len(sent) == 1
+    got = s3_env.client().get_object(Bucket="animastor", Key=key)
+    assert hashlib.sha256(got["Body"].read()).hexdigest() == digest and got["ContentType"] == "image/png"
+    assert {k.lower(): v for k, v in got["Metadata"].items()} == {"sha256": digest}
+    assert store.put(data, "image/png") == record
+    assert len(sent) == 1, "an object already in the bucket was uploaded again"
+    store.put(b"other bytes", "audio/wav")
+    assert len(sent) == 2
+    print(f"s3 store: 3 puts, {len(sent)} uploads (1 skipped after a HEAD found it)")
+
+
+def test_boto3_takes_the_endpoint_from_aws_endpoint_url_too(s3_env: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
+    record = S3ArtifactStore("animastor", "generic").put(b"via AWS_ENDPOINT_URL", "audio/wav")
+    assert s3_env.object_path(record["path"]).read_bytes() == b"via AWS_ENDPOINT_URL"
+
+
+# -- GPU jobs committing to the bucket -----------------------------------------------------------------------
+
+
+def test_jobs_commit_to_the_bucket_with_the_uri_in_status(rt: Wiring, s3_env: S3Server) -> None:
+    rt = rewire()
+    store = rt.ports.artifacts
+    assert isinstance(store, S3ArtifactStore) and store.url == "s3://animastor/books"
+    sent = uploads(store)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
+    advertise(rt, "gpu.audio", "gpu.image")
+    regenerate_flow.regenerate(rt.ports, "b", ["all"])
+    results = drain(rt, "b")
+    assert [r["outcome"] for r in results] == ["ready"] * 6
+    assert set(states(rt, "b").values()) == {"ready"}
+
+    done = cli("status", "b", "--json")
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)
+    check("status", status)
+    client = s3_env.client()
+    for scene in status["scenes"]:
+        for stage, entry in scene["stages"].items():
+            sha, uri = entry["artifact"], entry["artifact_uri"]
+            ext = ".wav" if stage == "audio" else ".png"
+            assert uri == f"s3://animastor/books/{sha[:2]}/{sha}{ext}"
+            body = client.get_object(Bucket="animastor", Key=uri.removeprefix("s3://animastor/"))["Body"].read()
+            assert hashlib.sha256(body).hexdigest() == sha
+    rows = artifact_rows(rt, "b")
+    assert len(rows) == 6 and all(uri.startswith("s3://animastor/books/") and size > 0 for _, _, size, uri in rows)
+    assert len(sent) == len({sha for _, sha, _, _ in rows})
+
+    # The same inputs again, forced: six more commits, and no byte uploaded twice.
+    regenerate_flow.regenerate(rt.ports, "b", ["all"], force=True)
+    again = drain(rt, "b")
+    assert [r["outcome"] for r in again] == ["ready"] * 6
+    rows = artifact_rows(rt, "b")
+    print(f"s3 jobs: {len(rows)} commits, {len(sent)} uploads, {len({r[1] for r in rows})} distinct objects")
+    assert len(rows) == 12 and len(sent) == len({sha for _, sha, _, _ in rows})
+
+
+def test_a_real_gpu_worker_commits_to_the_bucket(rt: Wiring, s3_env: S3Server, tmp_path: Path) -> None:
+    """A Celery GPU worker process configured only by the environment (ANIMASTOR_ARTIFACT_URL and AWS_*)."""
+    cluster = Cluster(tmp_path / "cluster", {}, rt.presence)
+    try:
+        cluster.gpu("audio", timeout=90)
+        rt.catalog.import_book(make_book("w", chapters=1, scenes=3))
+        regenerate_flow.regenerate(rt.ports, "w", ["audio"])
+        audio = lambda: {p: s for p, s in states(rt, "w").items() if p[2] == "audio"}  # noqa: E731
+        wait_for(lambda: set(audio().values()) == {"ready"}, 60, "the worker's three audio pairs ready")
+    finally:
+        cluster.close()
+    status = status_flow.status(rt.ports, "w")
+    check("status", status)
+    client = s3_env.client()
+    for scene in status["scenes"]:
+        entry = scene["stages"]["audio"]
+        key = entry["artifact_uri"].removeprefix("s3://animastor/")
+        assert key.startswith("books/") and key.endswith(".wav")
+        assert (
+            hashlib.sha256(client.get_object(Bucket="animastor", Key=key)["Body"].read()).hexdigest()
+            == entry["artifact"]
+        )
+    assert not cluster.supervisor.survivors()
+
+
+# -- a bad store ---------------------------------------------------------------------------------------------
+
+
+BAD_STORES = {
+    "wrong_credentials": ({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, "SignatureDoesNotMatch"),
+    "bucket_missing": ({"ANIMASTOR_ARTIFACT_URL": "s3://no-such-bucket/books"}, "NoSuchBucket"),
+    "endpoint_down": ({"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:{port}"}, "Could not connect to the endpoint URL"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STORES))
+def test_a_bad_store_fails_the_job_with_its_message_and_nothing_is_ready(
+    rt: Wiring, s3_env: S3Server, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    change, said = BAD_STORES[case]
+    for name, value in change.items():
+        monkeypatch.setenv(name, value.format(port=free_port()))
+    rt = rewire()
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    results = drain(rt, "b")  # a pair given back instead would be run again until drain gives up
+    assert [r["outcome"] for r in results] == ["failed", "failed"]
+    assert all(said in r["error"] and r["error"].startswith("artifact store s3://") for r in results)
+    audio = {pair: state for pair, state in states(rt, "b").items() if pair[2] == "audio"}
+    assert set(audio.values()) == {"failed"}
+    assert artifact_rows(rt, "b") == []
+    with rt.db.transaction() as conn:
+        errors = [e for (e,) in conn.execute("SELECT error FROM asset_states WHERE book_id = 'b' AND stage = 'audio'")]
+    assert len(errors) == 2 and all(said in e for e in errors)
+    status = json.loads(cli("status", "b", "--json").stdout)
+    check("status", status)
+    assert all(
+        s["stages"]["audio"] == {"state": "failed", "artifact": None, "artifact_uri": None} for s in status["scenes"]
+    )
+    print(f"{case}: {results[0]['error']}")
