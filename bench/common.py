@@ -260,6 +260,84 @@ def add_command(book: str, stage: str, scenes: Sequence[tuple[str, str]], status
     return command_id
 
 
+def add_commands_bulk(shapes: Sequence[BookShape], stages: Sequence[str] = STAGES) -> int:
+    """One active command per book and stage covering every scene, for many books in two COPYs."""
+    ids = {(s.book_id, stage): str(uuid.uuid4()) for s in shapes for stage in stages}
+    with pg_connect(autocommit=False) as conn, conn.cursor() as cur:
+        cur.execute("SET LOCAL session_replication_role = replica")
+        _copy(
+            cur,
+            "commands",
+            ("command_id", "book_id", "stage", "status", "force", "request_id"),
+            (f"{cid}\t{book}\t{stage}\tactive\tt\t{uuid.uuid4()}\n" for (book, stage), cid in ids.items()),
+        )
+
+        def targets() -> Iterator[str]:
+            for s in shapes:
+                scenes = s.keys()
+                for stage in stages:
+                    cid = ids[(s.book_id, stage)]
+                    for c, sc in scenes:
+                        yield f"{cid}\t{s.book_id}\t{c}\t{sc}\t{stage}\n"
+
+        count = _copy(cur, "command_targets", ("command_id", "book_id", "chapter_id", "scene_id", "stage"), targets())
+        conn.commit()
+    return count
+
+
+def start_work(rt: Any, shapes: Sequence[BookShape], stages: Sequence[str] = STAGES) -> None:
+    """What a regenerate of every scene does after its Postgres side, book by book: the Redis side
+    (the port it calls), then its gate pass without dispatch (`schedule`)."""
+    for s in shapes:
+        keys = s.keys()
+        for start in range(0, len(keys), 10_000):
+            chunk = keys[start : start + 10_000]
+            pairs = [(c, sc, stage) for c, sc in chunk for stage in stages]
+            rt.ports.book_state.start_work(s.book_id, pairs, chunk, force_ttl=None)
+        schedule(rt, s.book_id)
+
+
+def schedule(rt: Any, book: str) -> None:
+    """The gate pass a regenerate runs next, without its dispatch (`dispatch_work=False`, as after a
+    layer change): whatever index of books with work the design keeps, the book is in it as a
+    regenerate leaves it, and nothing is dispatched while the benchmark sets up."""
+    from animastor_tasks.flow.gate import gate_pass
+
+    gate_pass(rt.ports, book, dispatch_work=False)
+
+
+def purge_queues(queues: Sequence[str]) -> None:
+    """Drop the queued messages of broker queues (kombu's Redis transport: one list per queue and priority)."""
+    client = redis_client()
+    try:
+        for queue in queues:
+            keys = [k for k in client.scan_iter(match=f"{queue}*") if k == queue or k.startswith(queue + "\x06")]
+            if keys:
+                client.delete(*keys)
+    finally:
+        client.close()
+
+
+SENTINEL = f"{KEY_PREFIX}:bench-sentinel"
+
+
+def plant_sentinel() -> None:
+    """A key of ours in the bench Redis db: gone later means someone emptied Redis (FLUSHALL) meanwhile."""
+    client = redis_client()
+    try:
+        client.set(SENTINEL, "1")
+    finally:
+        client.close()
+
+
+def sentinel_alive() -> bool:
+    client = redis_client()
+    try:
+        return bool(client.exists(SENTINEL))
+    finally:
+        client.close()
+
+
 def analyze() -> None:
     with pg_connect() as conn:
         conn.execute("ANALYZE")

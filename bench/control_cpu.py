@@ -9,7 +9,8 @@ around the pass, and the CPU the Postgres backends it used (/proc/<pid>/stat) an
 Redis server (INFO cpu, the whole server: other clients included) spent meanwhile.
 Baseline (same run): the CPU of publishing N bare messages with the same publisher.
 
-control_rss_mb_100k: a subprocess builds a runtime and runs one gate pass over 100k active
+gate_pass_rss_mb_100k (named control_rss_mb_100k before that figure became a whole tick cycle's,
+bench/control_rss.py): a subprocess builds a runtime and runs one gate pass over 100k active
 pairs (one book of 50,000 scenes x 2 stages, pending, commanded, capacity-deferred so the
 pass decides without dispatching) and reports its own peak RSS (VmHWM: getrusage's maxrss
 inherits the parent's peak across fork + exec on Linux, so it is kept only as a note).
@@ -239,7 +240,7 @@ def run(ctx: Context) -> BenchResult:
     )
     mem = rss(ctx, 100_000)
     result.figure(
-        "control_rss_mb_100k",
+        "gate_pass_rss_mb_100k",
         mem["pass"]["maxrss_mb"],
         "MB",
         baseline=f"1-scene pass {mem['baseline']['maxrss_mb']:.1f} MB",

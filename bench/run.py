@@ -20,7 +20,21 @@ from typing import Any
 
 from bench.common import ROOT, BenchResult, Context, configure_environment, prepare_stores, reset_stores
 
-BENCHES = ("gate_pass", "latency", "cancel", "tick_idle", "tick_active", "control_cpu", "lane_busy")
+BENCHES = (
+    "gate_pass",
+    "latency",
+    "cancel",
+    "tick_idle",
+    "tick_active",
+    "tick_cycle",
+    "control_cpu",
+    "control_rss",
+    "lane_busy",
+    "lone_book",
+    "interactive",
+    "idle_books",
+    "throughput",
+)
 RESULTS = os.path.join(ROOT, "bench", "results.json")
 
 
@@ -81,7 +95,7 @@ def print_table(results: dict[str, BenchResult]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer samples (under ~2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer samples (about a minute each)")
     parser.add_argument("--only", action="append", default=[], help=f"run only these ({', '.join(BENCHES)})")
     parser.add_argument("--output", default=RESULTS, help="where to write the JSON results")
     args = parser.parse_args(argv)
@@ -101,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     loads: dict[str, dict[str, float]] = {}
     started = time.perf_counter()
     for name in names:
-        print(f"== {name}", flush=True)
-        loads[name] = {"start": os.getloadavg()[0]}
+        load = os.getloadavg()
+        # The machine is shared: a high load average at the start says the figures below are noisy.
+        print(f"== {name} (load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} cores)", flush=True)
+        loads[name] = {"start": load[0]}
         t0 = time.perf_counter()
         try:
             reset_stores()

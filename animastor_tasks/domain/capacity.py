@@ -1,8 +1,13 @@
-"""Which pending pairs get a GPU slot now: the lane limit, the book quota and the scene window.
+"""Which pending pairs get a GPU slot now: the lane limit, the book cap, and the fair share
+(book quota and scene window) that binds only while another book waits for the lane.
 
 Pure: the counts are read under the lane and book locks (`ports.Assets.claiming`), this
 picks, and the claim is written in the same transaction, so two passes never overfill a
 lane. A refused pair is named with the limit it hit, so it can be deferred for it.
+
+*Why elastic:* a hard quota left GPUs idle while one book alone had work for them. A book
+alone on a lane uses every free slot; once other books wait it gets no slot beyond its share
+and gives the extra back as its jobs end (nothing is preempted). `book_cap` stays a hard cap.
 """
 
 from __future__ import annotations
@@ -20,12 +25,36 @@ from animastor_tasks.domain.vocabulary import Outcome
 class CapacityCounts:
     lane: Mapping[str, int]  # generating pairs per stage, across every book
     book_generating: Sequence[Pair]  # the book's own generating pairs
+    # Per stage, the generating pairs of each other book waiting for a slot of its lane (the head of
+    # the lane's waiting list). None: not known, so the fair share binds as if someone waited.
+    waiting: Mapping[str, Sequence[Sequence[Pair]]] | None = None
 
 
 @dataclass
 class CapacityChoice:
     chosen: list[tuple[Pair, str]] = field(default_factory=list)  # (pair, dispatch id) to claim
     refused: dict[Outcome, list[Pair]] = field(default_factory=dict)  # by the limit each hit
+    # Stages whose lane the book now waits for (refused by the lane or by its fair share, not by its
+    # cap): it joins their waiting lists so that a freed slot is handed to it.
+    waits_for: set[str] = field(default_factory=set)
+
+
+def below_share(generating: Sequence[Pair], stage: str, spec: StageSpec) -> bool:
+    """Whether a book running `generating` could still take a slot of `stage` within its fair share."""
+    used = sum(1 for _, _, s in generating if s == stage)
+    scenes = {(chapter, scene) for chapter, scene, _ in generating}
+    capped = spec.book_cap is not None and used >= spec.book_cap
+    return used < spec.book_quota and not capped and len(scenes) < spec.window
+
+
+def contested(stage: str, counts: CapacityCounts, spec: StageSpec) -> bool:
+    """The fair share binds: another book waits for the lane and is still below its own share.
+
+    A waiting book already at its share cannot use the slot under the same rule, so holding the
+    slot back for it would only leave a GPU idle."""
+    if counts.waiting is None:
+        return True
+    return any(below_share(other, stage, spec) for other in counts.waiting.get(stage, ()))
 
 
 def choose(
@@ -34,7 +63,7 @@ def choose(
     specs: Mapping[str, StageSpec],
     permits: Mapping[str, int],
 ) -> CapacityChoice:
-    """Take `wanted` in order while the limits allow.
+    """Take `wanted` in order (reading order within priority: the window's order) while the limits allow.
 
     `permits` caps a stage whose breaker is half-open (one test dispatch); a pair past its
     permit is neither chosen nor refused: it waits for the breaker, not for capacity.
@@ -42,6 +71,7 @@ def choose(
     lane = Counter({stage: int(n) for stage, n in counts.lane.items()})
     quota: Counter[str] = Counter(stage for _, _, stage in counts.book_generating)
     window = {(chapter, scene) for chapter, scene, _ in counts.book_generating}
+    shared = {stage: contested(stage, counts, spec) for stage, spec in specs.items()}
     left = dict(permits)
     choice = CapacityChoice()
     for pair, dispatch_id in wanted:
@@ -52,12 +82,16 @@ def choose(
         refusal: Outcome | None = None
         if lane[stage] >= spec.lane_limit:
             refusal = Outcome.LANE_FULL
-        elif quota[stage] >= spec.book_quota:
+        elif spec.book_cap is not None and quota[stage] >= spec.book_cap:
+            choice.refused.setdefault(Outcome.QUOTA_EXHAUSTED, []).append(pair)
+            continue  # the hard cap: more slots would not help, so the book does not wait for the lane
+        elif shared[stage] and quota[stage] >= spec.book_quota:
             refusal = Outcome.QUOTA_EXHAUSTED
-        elif (chapter, scene) not in window and len(window) >= spec.window:
+        elif shared[stage] and (chapter, scene) not in window and len(window) >= spec.window:
             refusal = Outcome.WINDOW_FULL
         if refusal is not None:
             choice.refused.setdefault(refusal, []).append(pair)
+            choice.waits_for.add(stage)
             continue
         choice.chosen.append((pair, dispatch_id))
         lane[stage] += 1

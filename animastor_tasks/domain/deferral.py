@@ -41,7 +41,10 @@ def compute_backoff(attempt: int, *, base: float, maximum: float) -> float:
     return float(min(maximum, base * (2 ** (attempt - 1))))
 
 
+RANK_SCALE = 1e10  # one priority rank outweighs any unix time: `wait_score`, and lua/lane_take.lua
+
+
 def wait_score(rank: int, since: float) -> float:
     """A book's place on a lane's waiting list: the most urgent priority first, then who waited
     longest (`since`, unix seconds; 0 puts the book at the head of its priority)."""
-    return rank * 1e10 + since
+    return rank * RANK_SCALE + since

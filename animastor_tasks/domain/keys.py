@@ -16,15 +16,21 @@ widens to another book).
 |   score = deferral expiry, unix seconds)      |        | and removed with the book's cancel        |
 | ``P:active-books`` (members ``B``)            | set    | while the book has active scenes          |
 | ``P:active:B`` (members ``C:S``)              | set    | while a scene has queued or running work  |
-| ``P:lease:B:C:S:STAGE``                       | string | the stage's lease TTL, renewed by the job |
-| ``P:dispatch:ID``                             | hash   | 4 x lease TTL; dispatch metadata          |
+| ``P:active-books:due`` (members ``B``, score  | zset   | while B has pending work; the tick takes  |
+|   = when B next needs a gate pass, unix s)    |        | the entries that are due                  |
+| ``P:lease:B:C:S:STAGE``                       | string | queued: as long as ``P:queued:ID``; from  |
+|                                               |        | the job's start the stage's lease TTL,    |
+|                                               |        | renewed by the job (domain/liveness.py)   |
+| ``P:dispatch:ID``                             | hash   | as long as ``P:queued:ID`` (read at the   |
+|                                               |        | job's start); dispatch metadata           |
 | ``P:running:ID``                              | string | lease TTL while a delivery of ID runs     |
 | ``P:queued:ID`` (value: dispatch time)        | string | from dispatch to its first delivery       |
 |                                               |        | (at most 24 h; see domain/liveness.py)    |
 | ``P:consumers:QUEUE`` (members hostname,      | zset   | heartbeat TTL per member (a few seconds)  |
 |   score = heartbeat expiry)                   |        |                                           |
 | ``P:lane-waiters:QUEUE`` (members ``B``,      | zset   | until the book is handed a free slot of   |
-|   score = when B first waited for the lane)  |        | the lane (oldest first: round robin)      |
+|   score = priority rank x 1e10 + when B first |        | the lane (most urgent, then oldest first: |
+|   waited for the lane)                        |        | round robin)                              |
 | ``P:breaker:QUEUE``                           | hash   | until closed again                        |
 | ``P:lock:NAME``                               | string | short singleton locks (tick, reconcile)   |
 | ``P:metrics``                                 | hash   | counters for the exporter; no expiry      |
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from urllib.parse import quote, unquote
 
 from animastor_tasks.domain.vocabulary import DeferralBucket
@@ -47,8 +54,11 @@ SEP = ":"
 DEFER_BUCKETS: tuple[str, ...] = tuple(DeferralBucket)
 
 
+@lru_cache(maxsize=65536)
 def encode(component: str) -> str:
-    """Percent-encode one id so it holds neither the separator nor a glob character."""
+    """Percent-encode one id so it holds neither the separator nor a glob character.
+
+    Cached: a pass names the same chapter, scene and stage ids in many keys and members."""
     return quote(component, safe="")
 
 
@@ -83,6 +93,10 @@ class Keyspace:
 
     def active_books(self) -> str:
         return self._key("active-books")
+
+    def due(self) -> str:
+        """The due index: which books need a gate pass, and from when (the tick visits only those)."""
+        return self._key("active-books", "due")
 
     # -- per scene x stage --------------------------------------------------
     def lease(self, book: str, chapter: str, scene: str, stage: str) -> str:

@@ -1,7 +1,14 @@
-"""Is a `generating` pair whose lease is gone still waiting in its queue?
+"""Leases of jobs still waiting in their queue, and the evidence that they still wait.
 
-A job renews its lease only once it runs, so a job that waits in its queue longer than the
-lease TTL looks dead by its lease alone. Two kinds of evidence say it is not:
+A job renews its lease only once it runs. So that a backlog longer than the lease TTL does
+not look dead (and is not dispatched again, then thrown away at its first renewal), a
+dispatch takes a *queued lease* that lives as long as the undelivered marker; the job's
+start checks that it still holds it and shortens it to the stage's `lease_ttl`, which the
+running job then renews. A lapsed lease therefore always means a started job stopped
+renewing (its worker died or was cut off), and the tick takes such a pair over at once.
+
+A queued lease must not outlive a message the broker lost: reconcile asks the broker
+which undelivered jobs still wait. Two kinds of evidence say one does:
 
 * the broker lists the waiting messages (Redis broker): the dispatch id is among them;
 * the broker only counts them (AMQP: a passive declare gives the ready messages per queue).
@@ -10,7 +17,8 @@ lease TTL looks dead by its lease alone. Two kinds of evidence say it is not:
   and nobody took yet. A queue is first in, first out: when it holds N ready messages, the N
   most recently dispatched undelivered jobs are the ones still in it. If it holds at least as
   many as there are undelivered dispatches, all of them are waiting; the oldest ones beyond N
-  were lost (a purged queue, a broker that lost non-durable messages) and go back to reconcile.
+  were lost (a purged queue, a broker that lost non-durable messages, a message held by a
+  worker cut off before it could start it): reconcile drops their lease and expires them.
 
 Messages of superseded or revoked dispatches still count in N, so a lost message can hide
 behind them, but only until the backlog drains: liveness comes late, never wrongly early,
@@ -37,10 +45,20 @@ class Dispatched:
     dispatched_at: float | None  # from its undelivered marker; None once delivered (or unknown)
 
 
-def queued_lease_ttl(lease_ttl: float, reconcile_seconds: float) -> float:
-    """The lease reconcile keeps for a job waiting in its queue: it outlives the next pass even when
-    that pass comes one period late, so the job still holds it when it starts and first renews it."""
-    return lease_ttl + 2 * reconcile_seconds
+#: The lease of a job waiting in its queue: as long as its undelivered marker, so the job still holds
+#: it when a worker takes it, however long the backlog. A lost message gives its lease up through
+#: reconcile (the broker's evidence), never by waiting.
+QUEUED_LEASE_SECONDS = UNDELIVERED_MARKER_SECONDS
+
+
+def queued_lease_ttl() -> int:
+    """The lease a dispatch takes (and reconcile restores) for a job that has not started yet."""
+    return QUEUED_LEASE_SECONDS
+
+
+def lost_in_queue(undelivered: Collection[str], queued: Collection[str]) -> set[str]:
+    """Dispatches never delivered that the broker no longer holds as waiting: their message is lost."""
+    return set(undelivered) - set(queued)
 
 
 def still_queued(

@@ -24,7 +24,7 @@ DEFAULT_TABLE: dict[str, dict[str, Any]] = {
 
 # The control plane's queue: regenerate, cancel, gate, tick and reconcile run there.
 CONTROL_QUEUE = "animastor.control"
-CONTROL_TASKS = ("regenerate", "cancel", "gate", "tick", "reconcile")
+CONTROL_TASKS = ("regenerate", "cancel", "gate", "gate_batch", "tick", "reconcile")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class StageSpec:
     lane_limit: int = 8
     book_quota: int = 4
     window: int = 4
+    book_cap: int | None = None  # hard cap on one book's generating pairs (quota and window are fair shares)
     generator: str = "builtin"
     endpoint: str | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -116,6 +117,7 @@ def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
                 lane_limit=_positive_int(name, "lane_limit", entry.get("lane_limit", 8)),
                 book_quota=_positive_int(name, "book_quota", entry.get("book_quota", 4)),
                 window=_positive_int(name, "window", entry.get("window", 4)),
+                book_cap=None if entry.get("book_cap") is None else _positive_int(name, "book_cap", entry["book_cap"]),
                 generator=str(entry.get("generator", "http" if endpoint else "builtin")),
                 endpoint=endpoint,
                 params=dict(params),

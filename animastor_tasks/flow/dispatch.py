@@ -14,11 +14,11 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from animastor_tasks.domain import capacity
+from animastor_tasks.domain import capacity, liveness
 from animastor_tasks.domain.deferral import deferral_bucket, deferral_seconds, wait_score
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import Pair
@@ -36,6 +36,8 @@ class DispatchResult:
     blocked: dict[str, list[str]] = field(default_factory=dict)
     claimed_lanes: set[str] = field(default_factory=set)  # queues whose capacity this pass counted
     claimed_stages: set[str] = field(default_factory=set)  # stages of which this pass claimed a pair
+    gone: set[Pair] = field(default_factory=set)  # pairs no longer pending: claimed, already completed, blocked
+    deferred_until: dict[Pair, float] = field(default_factory=dict)  # deferrals this pass wrote, by expiry
 
 
 def dispatch_pending(
@@ -46,7 +48,10 @@ def dispatch_pending(
     *,
     now: float,
     handed_lane: str | None = None,
+    full_lanes: Collection[str] = (),
 ) -> DispatchResult:
+    """`full_lanes`: queues seen without room (lock-free) by the caller; their pairs wait for a
+    slot without a claim transaction (see `_wait_without_claim`)."""
     result = DispatchResult()
     deferred_pairs = set().union(*snap.deferred.values())
     if handed_lane is not None:
@@ -97,6 +102,7 @@ def dispatch_pending(
                 continue
             result.blocked[stage] = block_stage(ports, book, spec)
             result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
+            result.gone.update(i.pair for i in todo if i.stage == stage)
     todo = [i for i in todo if i.stage not in result.blocked and i.stage not in unsure]
 
     permits: dict[str, int] = {}
@@ -113,8 +119,12 @@ def dispatch_pending(
     todo = [i for i in todo if i.stage not in open_stages]
 
     todo = _settle_idempotent(ports, book, todo, force, result, now)
+    crowded = {s for s, spec in specs.items() if spec.queue in full_lanes and spec.queue != handed_lane}
+    if crowded:
+        _wait_without_claim(ports, book, [i for i in todo if i.stage in crowded], specs, result, now)
+        todo = [i for i in todo if i.stage not in crowded]
     if todo:
-        _claim_and_publish(ports, book, todo, specs, permits, snap.breaker_clean, result, now, handed_lane)
+        _claim_and_publish(ports, book, todo, specs, permits, snap, result, now, handed_lane)
     for stage in permits.keys() - result.claimed_stages:
         # The test permit found nothing to test (done already, or no room): give it back for the next pass.
         ports.breaker.breaker_release(specs[stage].queue)
@@ -135,11 +145,15 @@ def _settle_idempotent(
         completed = ports.assets.mark_already_completed(book, done)
         _defer(ports, book, Outcome.ALREADY_COMPLETED, completed, now)
         result.outcomes[Outcome.ALREADY_COMPLETED] += len(completed)
+        result.gone.update(completed)
     done_set = set(done)
     todo = [i for i in todo if (i.chapter, i.scene, i.stage) not in done_set]
 
-    holders = ports.leases.lease_holders([(book, i.chapter, i.scene, i.stage) for i in todo])
-    leased = [(i, holder) for i, holder in zip(todo, holders, strict=True) if holder is not None]
+    # Only a pair with a recorded dispatch can be held by it; one without is never read (a concurrent
+    # claim of it is caught by the claim's compare-and-set on `pending`).
+    recorded = [i for i in todo if i.dispatch_id is not None]
+    holders = ports.leases.lease_holders([(book, i.chapter, i.scene, i.stage) for i in recorded])
+    leased = [(i, holder) for i, holder in zip(recorded, holders, strict=True) if holder is not None]
     if not leased:
         return todo
     busy: list[Pair] = []
@@ -154,7 +168,7 @@ def _settle_idempotent(
             ports.leases.release_lease((book, *pair), holder)
         else:
             busy.append(pair)
-    _defer(ports, book, Outcome.ALREADY_GENERATING, busy, now)
+    _defer(ports, book, Outcome.ALREADY_GENERATING, busy, now, result)
     result.outcomes[Outcome.ALREADY_GENERATING] += len(busy)
     skip.update(busy)
     return [i for i in todo if (i.chapter, i.scene, i.stage) not in skip]
@@ -166,40 +180,66 @@ def _claim_and_publish(
     todo: list[InFlight],
     specs: dict[str, StageSpec],
     permits: dict[str, int],
-    breaker_clean: dict[str, bool],
+    snap: Snapshot,
     result: DispatchResult,
     now: float,
     handed_lane: str | None,
 ) -> None:
     wanted = [(i.pair, uuid.uuid4().hex) for i in todo]  # 128 random bits: never guessable nor reused
     lanes = {stage: spec.queue for stage, spec in specs.items()}
-    with ports.assets.claiming(book, lanes) as session:
+    # The fair share binds only while another book waits for the lane (the head of its waiting list).
+    waiters = {stage: [b for b in snap.waiters.get(queue, []) if b != book] for stage, queue in lanes.items()}
+    with ports.assets.claiming(book, lanes, waiters) as session:
         choice = capacity.choose(wanted, session.counts, specs, permits)
         claims = session.claim(choice.chosen)
         # Still under the lane and book locks: a completion takes them before it frees capacity,
         # so these deferrals can never land after the completion that should clear them, and a
         # claimed pair is never without its lease for reconcile to see.
         for outcome, pairs in choice.refused.items():
-            _defer(ports, book, outcome, pairs, now)
-        ranks = {i.pair: i.rank for i in todo}
-        for pair in choice.refused.get(Outcome.LANE_FULL, []):
-            # Handed a slot that another pass took first: back to the head of its priority, not the end.
-            queue = specs[pair[2]].queue
-            since = 0.0 if queue == handed_lane else now
-            ports.deferrals.wait_for_lane(queue, book, wait_score(ranks[pair], since))
-        ports.leases.take_leases([_lease(book, c, specs[c.stage], now) for c in claims])
+            _defer(ports, book, outcome, pairs, now, result)
         taken = Counter(c.stage for c in claims)
+        refused = {pair for pairs in choice.refused.values() for pair in pairs}
+        for stage in choice.waits_for:
+            # Handed a slot that another pass took first: back to the head of its priority, not the end.
+            since = 0.0 if lanes[stage] == handed_lane and not taken[stage] else now
+            _wait_for_lane(ports, book, lanes[stage], [i for i in todo if i.pair in refused], stage, since)
+        ranks = {i.pair: i.rank for i in todo}
+        ports.leases.take_leases([_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims])
         spare = {spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] for s, spec in specs.items()}
     result.claimed_lanes.update(lanes.values())
     result.claimed_stages.update(c.stage for c in claims)
+    result.gone.update(c.pair for c in claims)
     for outcome, pairs in choice.refused.items():
         result.outcomes[outcome] += len(pairs)
     if claims:
-        _publish(ports, book, claims, specs, breaker_clean, result)
+        _publish(ports, book, claims, specs, snap.breaker_clean, result)
     for queue, slots in spare.items():
-        # Slots this book cannot use (its quota, its window, nothing more pending) go to the books
-        # waiting for the lane at once: a free slot never waits for a deferral to expire.
-        hand_over(ports, queue, slots, exclude=book)
+        # Slots this book cannot use (its cap, nothing more pending) go to the books waiting for the
+        # lane at once: a free slot never waits for a deferral to expire. The snapshot read the head
+        # of each waiting list already: an empty one costs no second read.
+        known = snap.waiters.get(queue)
+        if known is None or any(b != book for b in known):
+            hand_over(ports, queue, slots, exclude=book)
+
+
+def _wait_without_claim(
+    ports: Ports, book: str, items: list[InFlight], specs: dict[str, StageSpec], result: DispatchResult, now: float
+) -> None:
+    """Pairs of lanes the caller saw full: `lane_full` and the book waits for the lanes, with no claim
+    transaction and no lock (a refusal never overfills a lane). The caller counts the lanes again once
+    its books have joined the waiting lists and hands on any slot freed meanwhile."""
+    if not items:
+        return
+    _defer(ports, book, Outcome.LANE_FULL, [i.pair for i in items], now, result)
+    result.outcomes[Outcome.LANE_FULL] += len(items)
+    for stage in {i.stage for i in items}:
+        _wait_for_lane(ports, book, specs[stage].queue, items, stage, now)
+
+
+def _wait_for_lane(ports: Ports, book: str, queue: str, items: list[InFlight], stage: str, since: float) -> None:
+    """The book joins the lane's waiting list at the most urgent priority its refused pairs have."""
+    rank = min(i.rank for i in items if i.stage == stage)
+    ports.deferrals.wait_for_lane(queue, book, wait_score(rank, since))
 
 
 def _publish(
@@ -256,7 +296,7 @@ def _publish(
         result.outcomes[Outcome.PUBLISH_FAILED] += len(failed)
 
 
-def _lease(book: str, claim: Claim, spec: StageSpec, now: float) -> tuple[Any, str, int, dict[str, Any]]:
+def _lease(book: str, claim: Claim, spec: StageSpec, now: float, rank: int) -> tuple[Any, str, int, dict[str, Any]]:
     meta = {
         "book": book,
         "chapter": claim.chapter,
@@ -265,8 +305,10 @@ def _lease(book: str, claim: Claim, spec: StageSpec, now: float) -> tuple[Any, s
         "token": claim.token,
         "queue": spec.queue,
         "dispatched_at": now,
+        "rank": rank,  # the priority it was dispatched at: where its book queues again when it ends
     }
-    return (book, *claim.pair), claim.dispatch_id, spec.lease_ttl, meta
+    # A queued lease (domain/liveness.py): held until a worker starts the job, which shortens it to lease_ttl.
+    return (book, *claim.pair), claim.dispatch_id, liveness.queued_lease_ttl(), meta
 
 
 def job_kwargs(book: str, claim: Claim) -> dict[str, Any]:
@@ -280,11 +322,15 @@ def job_kwargs(book: str, claim: Claim) -> dict[str, Any]:
     }
 
 
-def _defer(ports: Ports, book: str, outcome: Outcome, pairs: Sequence[Pair], now: float) -> None:
+def _defer(
+    ports: Ports, book: str, outcome: Outcome, pairs: Sequence[Pair], now: float, result: DispatchResult | None = None
+) -> None:
     seconds = deferral_seconds(outcome, ports.settings.deferral_windows)
     bucket = deferral_bucket(outcome)
     if pairs and seconds is not None and bucket is not None:
         ports.deferrals.defer(book, bucket, pairs, seconds, now)
+        if result is not None:
+            result.deferred_until.update(dict.fromkeys(pairs, now + seconds))
 
 
 def block_stage(ports: Ports, book: str, spec: StageSpec) -> list[str]:
@@ -315,6 +361,21 @@ def count_outcomes(ports: Ports, outcomes: Mapping[str, int]) -> None:
     """A deferred pair must cost no write, so deferrals are not counted (the exporter reads the
     deferral sets themselves)."""
     ports.counters.add({f"dispatch:{o}": n for o, n in outcomes.items() if o != Outcome.DEFERRED})
+
+
+def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str) -> None:
+    """A job of `book` ended and its slot is free, now: the book that waited longest for the lane gets
+    it, and `book` queues behind the waiters at the priority its job was dispatched with (both in one
+    atomic step); with nobody waiting, the book's own pairs waiting for capacity go at once."""
+    waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
+    for waiter in waiters:
+        ports.publisher.enqueue_gate(waiter, lane=queue)
+    if waiters:
+        return
+    # Every stage: the scene window is shared by the book's stages, so a finished audio job
+    # can free the slot an image pair was deferred for (window_full).
+    ports.deferrals.clear_bucket(book, DeferralBucket.CAPACITY)
+    ports.publisher.enqueue_gate(book)
 
 
 def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = None) -> list[str]:

@@ -1,6 +1,7 @@
 """The GPU job: run one scene x stage under its lease and commit only with a current token.
 
-At start the gate and the fencing token are re-checked by `domain.gate.decide_job_start`
+At start the job must still hold the queued lease its dispatch took (domain/liveness.py), and
+the gate and the fencing token are re-checked by `domain.gate.decide_job_start`
 over facts read under the pair's row lock (the same transaction records the start).
 While the generator runs, a watcher renews the lease every TTL/3 and turns
 `should_stop()` true when the book is cancelled or the lease is lost. The output is
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from animastor_tasks.domain.deferral import compute_backoff, wait_score
+from animastor_tasks.domain.deferral import compute_backoff
 from animastor_tasks.domain.gate import BookFacts, Denial, JobStartFacts, decide_job_start
 from animastor_tasks.domain.job_rules import (
     ErrorKind,
@@ -31,8 +32,8 @@ from animastor_tasks.domain.job_rules import (
 )
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import BookPair, Pair
-from animastor_tasks.domain.vocabulary import DeferralBucket, JobOutcome, Outcome, Priority, priority_rank
-from animastor_tasks.errors import ConfigError, GeneratorError, StoreUnavailable
+from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
+from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import dispatch
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
 
@@ -108,6 +109,12 @@ def run_job(
     result: dict[str, Any] = {"dispatch_id": job.dispatch_id, "book_id": job.book_id, "stage": job.stage}
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
         result["gpu"] = os.environ["CUDA_VISIBLE_DEVICES"]  # which GPU ran it, for Flower and operators
+    # The queued lease this dispatch took must still be ours; held, it becomes the running job's lease (TTL,
+    # renewed every TTL/3) before the delivery ends the undelivered marker, so a worker that dies in between
+    # leaves a job whose lease lapses and whose marker lets reconcile find it (domain/liveness.py).
+    if not ports.leases.renew_lease(job.lease_pair, job.dispatch_id, spec.lease_ttl):
+        # Gone: the pair was taken over (or released) while the job waited, so it must not start.
+        return _reject(ports, job, "lease lost before start", result)
     owned, cancelled = ports.leases.claim_delivery(job.dispatch_id, worker, spec.lease_ttl, job.book_id)
     if not owned:
         log.warning("[GENERATE] %s duplicate delivery while another copy runs; not run again", job.describe())
@@ -199,7 +206,10 @@ def _run_owned(
         if media is None:
             return _unsuccessful(ports, job, spec, kind or ErrorKind.BUG, error, attempts, result)
         _record_breaker(ports, spec.queue, breaker_feed(None))
-        artifact = ports.artifacts.put(media.data, media.media_type)
+        try:
+            artifact = ports.artifacts.put(media.data, media.media_type)
+        except ArtifactStoreError as err:  # credentials, bucket, endpoint: fail with the store's words
+            return _unsuccessful(ports, job, spec, ErrorKind.ARTIFACT, str(err), attempts, result)
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         if not ports.jobs.commit_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, artifact, spec.queue):
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
@@ -217,18 +227,8 @@ def _run_owned(
 
 
 def _free_capacity(ports: Ports, job: Job, spec: StageSpec) -> None:
-    """The job's slot is free, now: the book that waited longest for the lane gets it, and this
-    book queues behind the waiters; with nobody waiting, this book's own pairs waiting for
-    capacity go at once."""
-    if dispatch.hand_over(ports, spec.queue, 1, exclude=job.book_id):
-        # At the back of the normal priority, unless the book already waits with a place of its own.
-        score = wait_score(priority_rank(Priority.NORMAL), time.time())
-        ports.deferrals.wait_for_lane(spec.queue, job.book_id, score, move_up=False)
-        return
-    # Every stage: the scene window is shared by the book's stages, so a finished audio job
-    # can free the slot an image pair was deferred for (window_full).
-    ports.deferrals.clear_bucket(job.book_id, DeferralBucket.CAPACITY)
-    ports.publisher.enqueue_gate(job.book_id)
+    """The job's slot is free, now: the book that waited longest for the lane gets it (`dispatch.free_slot`)."""
+    dispatch.free_slot(ports, job.book_id, spec.queue, job.dispatch_id)
 
 
 def _generate_with_retries(

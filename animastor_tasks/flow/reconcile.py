@@ -3,22 +3,21 @@
 It repairs, it never creates work: a `generating` pair with no live lease goes
 back to `pending` if it is still authorized (else `dirty`), a stage whose queue lost
 every consumer is BLOCKED, `pending` without authority is released, and after a Redis
-loss the active index, cancel flags and layer mirrors are rebuilt from Postgres.
+loss the active index, cancel flags and layer mirrors are rebuilt from Postgres. The
+tick does the lease and consumer part every few seconds (flow/takeover.py); what only
+reconcile does there is ask the broker which never-started jobs still wait in their queue.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 from animastor_tasks.domain import liveness
-from animastor_tasks.domain.gate import BookFacts, decide
-from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import dispatch, gate
+from animastor_tasks.flow import gate, takeover
 from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.reconcile")
@@ -59,111 +58,83 @@ def _rebuild_redis(ports: Ports, books: list[str], report: dict[str, Any]) -> No
 
 def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:
     generating = ports.assets.generating_pairs()
+    if not generating:
+        return
     holders = ports.leases.lease_holders([(g.book, *g.pair) for g in generating])
-    dead = [row for row, holder in zip(generating, holders, strict=True) if holder is None]
     registry = ports.settings.registry
-    if generating:
-        # A job still waiting in its queue has not started renewing its lease: it is alive, and
-        # reconcile keeps its lease until it starts (domain/liveness.py).
-        queued = _still_queued(ports, generating, holders)
-        if queued is None:
-            return  # the broker cannot be read: no evidence either way, the next pass decides
-        ports.leases.restore_leases(
-            [
-                (
-                    (g.book, *g.pair),
-                    g.dispatch_id,
-                    liveness.queued_lease_ttl(registry.get(g.stage).lease_ttl, ports.settings.reconcile_seconds),
-                )
-                for g in generating
-                if g.dispatch_id is not None and g.dispatch_id in queued and g.stage in registry
-            ]
-        )
-        dead = [g for g in dead if g.dispatch_id not in queued]
-    facts_by_book: dict[str, BookFacts | None] = {}
-    for g in dead:
-        if g.book not in facts_by_book:
-            facts_by_book[g.book] = _facts(ports, g.book)
-        facts = facts_by_book[g.book]
-        authorized = facts is not None and decide(facts, g.pair) is None
-        target = AssetState.PENDING if authorized else AssetState.DIRTY
-        if ports.assets.expire_generating(g.book, g.pair, g.token, target):
-            report["expired"] += 1
+    # A job still waiting in its queue holds a queued lease until it starts (domain/liveness.py); the broker
+    # says which undelivered jobs still wait. One it no longer holds was lost: its lease goes, so it expires.
+    evidence = _queue_evidence(ports, generating)
+    if evidence is None:
+        return  # the broker cannot be read: no evidence either way, the next pass decides
+    queued, lost = evidence
+    ports.leases.restore_leases(
+        [
+            ((g.book, *g.pair), g.dispatch_id, liveness.queued_lease_ttl())
+            for g in generating
+            if g.dispatch_id is not None and g.dispatch_id in queued and g.stage in registry
+        ]
+    )
+    for g, holder in zip(generating, holders, strict=True):
+        if g.dispatch_id in lost and holder == g.dispatch_id:
+            ports.leases.release_lease((g.book, *g.pair), g.dispatch_id)
             log.warning(
-                "[RECONCILE] book=%r chapter=%r scene=%r stage=%s token=%d lease gone: generating -> %s",
+                "[RECONCILE] book=%r chapter=%r scene=%r stage=%s dispatch=%s never started and no longer in"
+                " its queue: lease dropped",
                 g.book,
                 g.chapter,
                 g.scene,
                 g.stage,
-                g.token,
-                target,
+                g.dispatch_id,
             )
+    dead = [
+        g
+        for g, holder in zip(generating, holders, strict=True)
+        if g.dispatch_id in lost or (holder is None and g.dispatch_id not in queued)
+    ]
+    takeover.expire(ports, dead, report)
 
 
-def _still_queued(ports: Ports, generating: Sequence[GeneratingRow], holders: Sequence[str | None]) -> set[str] | None:
-    """The dispatch ids of `generating` pairs still waiting in their queue (domain/liveness.py); None when
-    the broker cannot be read."""
+def _queue_evidence(ports: Ports, generating: Sequence[GeneratingRow]) -> tuple[set[str], set[str]] | None:
+    """(dispatch ids still waiting in their queue, never-delivered ones the broker no longer holds) among the
+    `generating` pairs (domain/liveness.py); None when the broker cannot be read."""
     registry = ports.settings.registry
-    rows = [(g, h) for g, h in zip(generating, holders, strict=True) if g.dispatch_id and g.stage in registry]
+    rows = [g for g in generating if g.dispatch_id and g.stage in registry]
     if not rows:
-        return set()
-    queues = {registry.get(g.stage).queue for g, _ in rows}
+        return set(), set()
+    queues = {registry.get(g.stage).queue for g in rows}
 
     def look() -> tuple[set[str], set[str]]:
-        """(waiting in their queue, lease-less dispatches the count says are gone although never delivered)."""
+        """(waiting in their queue, never delivered and not waiting)."""
         listed = ports.queue_probe.queued_dispatch_ids(registry.queues())
         # The counts first, the markers after: a job taken in between is still counted, never missed.
         depths = None if listed is not None else ports.queue_probe.queue_depths(queues)
-        marks = ports.leases.undelivered([g.dispatch_id or "" for g, _ in rows]) if depths is not None else []
+        marks = ports.leases.undelivered([g.dispatch_id or "" for g in rows])
         dispatches = [
             liveness.Dispatched(g.dispatch_id or "", registry.get(g.stage).queue, m)
-            for (g, _), m in zip(rows, marks or [None] * len(rows), strict=True)
+            for g, m in zip(rows, marks, strict=True)
         ]
         queued = liveness.still_queued(dispatches, listed, depths)
-        missing = {
-            d.dispatch_id
-            for d, (_, h) in zip(dispatches, rows, strict=True)
-            if h is None and d.dispatched_at is not None and d.dispatch_id not in queued
-        }
-        return queued, missing
+        if listed is None and depths is None:
+            return queued, set()  # a broker that can neither list nor count: nothing is proven lost
+        undelivered = {d.dispatch_id for d in dispatches if d.dispatched_at is not None}
+        return queued, liveness.lost_in_queue(undelivered, queued)
 
     try:
-        queued, missing = look()
-        if missing:
+        queued, lost = look()
+        if lost:
             # A job a worker took a moment ago is neither ready in its queue nor marked delivered yet:
             # look once more before taking a counted job for lost.
             time.sleep(RECOUNT_PAUSE_SECONDS)
-            queued |= look()[0]
+            again, still_lost = look()
+            queued |= again
+            lost = (lost & still_lost) - queued
     except StoreUnavailable as err:
         log.warning("[RECONCILE] broker unreadable, no lease-less job expired this pass: %s", err)
         return None
-    return queued
-
-
-def _facts(ports: Ports, book: str) -> BookFacts | None:
-    rows = ports.assets.gate_rows(book)
-    if rows is None:
-        return None
-    try:
-        flag = ports.book_state.cancel_flag_set(book)
-    except StoreUnavailable:
-        return None
-    return BookFacts(True, flag, rows.tombstone, rows.layers_raw, rows.commanded)
+    return queued, lost
 
 
 def _block_consumerless(ports: Ports, report: dict[str, Any]) -> None:
     """Jobs queued on a queue that lost every consumer: BLOCK their commands, neutralise the jobs."""
-    by_stage: dict[str, set[str]] = defaultdict(set)
-    for g in ports.assets.generating_pairs():
-        by_stage[g.stage].add(g.book)
-    specs = [ports.settings.registry.get(s) for s in by_stage if s in ports.settings.registry]
-    if not specs:
-        return
-    if time.time() - ports.book_state.data_lost_at() < ports.settings.presence_ttl_seconds:
-        return  # Redis lost its data moments ago: presence is not rebuilt yet, "no consumer" proves nothing
-    counts = ports.presence.counts([s.queue for s in specs])
-    for spec in specs:
-        if counts.get(spec.queue, 0) == 0:
-            for book in sorted(by_stage[spec.name]):
-                dispatch.block_stage(ports, book, spec)
-                report["blocked"] += 1
+    takeover.block_consumerless(ports, ports.assets.generating_pairs(), report)

@@ -15,6 +15,10 @@ from kombu import Exchange, Queue
 from animastor_tasks.config import Settings, result_backend_url
 from animastor_tasks.domain.registry import CONTROL_QUEUE, CONTROL_TASKS
 
+BROKER_HEARTBEAT_SECONDS = 10
+REDIS_HEALTH_CHECK_SECONDS = 2
+REDIS_SOCKET_TIMEOUT_SECONDS = 10
+
 
 def build_config(settings: Settings) -> dict[str, Any]:
     queues = [Queue(CONTROL_QUEUE, Exchange(CONTROL_QUEUE, type="direct"), routing_key=CONTROL_QUEUE)]
@@ -46,7 +50,24 @@ def build_config(settings: Settings) -> dict[str, Any]:
         "worker_hijack_root_logger": False,
         "broker_connection_retry_on_startup": True,
         "broker_connection_timeout": 3,
-        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout},
+        # Surviving partitions (docs/deployment.md): a worker retries a lost broker for ever, every
+        # second (worker/rejoin.py), rather than backing off to 30 s and giving up after 100 tries.
+        "broker_connection_max_retries": None,
+        "worker_consumer": "animastor_tasks.worker.rejoin:RejoiningConsumer",
+        # AMQP: the broker notices a silent (half-open) connection within about two heartbeats, so the
+        # job a cut-off worker held goes back to its queue and its consumer stops being counted.
+        "broker_heartbeat": BROKER_HEARTBEAT_SECONDS,
+        # AMQP: a worker that rejoins while the broker still holds its old, half-open connection must be
+        # able to declare its remote-control (pidbox) queue again; an exclusive one is locked by the old
+        # connection (RESOURCE_LOCKED, 405) and kills the worker (celery#1963). Flower's inspect still works.
+        "control_queue_exclusive": False,
+        "broker_transport_options": {
+            "visibility_timeout": settings.visibility_timeout,
+            # Redis broker: a BRPOP on a silent connection is dropped and reconnected within a few seconds.
+            "health_check_interval": REDIS_HEALTH_CHECK_SECONDS,
+            "socket_timeout": REDIS_SOCKET_TIMEOUT_SECONDS,
+            "socket_keepalive": True,
+        },
         "result_backend_transport_options": {"retry_policy": {"max_retries": 2}},
         "beat_schedule": {
             "animastor-tick": {

@@ -6,6 +6,7 @@
 |                             |                     | priority=None (interactive, normal or bulk)                 |
 | animastor.cancel            | animastor.control   | book_id, reason=None                                        |
 | animastor.gate              | animastor.control   | book_id, lane=None (the queue whose free slot it is handed) |
+| animastor.gate_batch        | animastor.control   | book_ids (the due books; sent by the tick)                  |
 | animastor.tick              | animastor.control   | (none; beat)                                                |
 | animastor.reconcile         | animastor.control   | (none; beat)                                                |
 | animastor.generate.<stage>  | the stage's queue   | book_id, chapter_id, scene_id, stage, dispatch_id,          |
@@ -61,6 +62,11 @@ def gate_task(book_id: str, lane: str | None = None) -> dict[str, Any]:
         "outcomes": dict(report.outcomes),
         "error": report.error,
     }
+
+
+@app.task(name="animastor.gate_batch", ignore_result=True)
+def gate_batch(book_ids: list[str]) -> int:
+    return len(gate.gate_batch(ports(), book_ids))
 
 
 @app.task(name="animastor.tick", ignore_result=True)

@@ -4,6 +4,7 @@ off, stage BLOCKED, a dead lease without authority) ends its command with a reas
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -23,7 +24,8 @@ from .test_generate import dispatched_jobs, with_stage
 
 @pytest.fixture
 def book(rt, tmp_path):  # type: ignore[no-untyped-def]
-    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    # A hard cap of 4 keeps two of the six scenes pending (the quota alone is a fair share now).
+    with_stage(rt, replace(rt.settings.registry.get("audio"), book_cap=4), tmp_path)
     rt.catalog.import_book(make_book("b", chapters=2, scenes=3))
     advertise(rt, "gpu.audio")
     return "b"
@@ -36,7 +38,7 @@ def command(rt: Wiring, book: str, command_id: str) -> dict:
 
 def test_disabling_a_layer_settles_the_command_with_its_released_targets(rt, book) -> None:
     cid = regenerate_flow.regenerate(rt.ports, book, ["audio"])["commands"][0]["command_id"]
-    for job in dispatched_jobs(rt, book):  # the book quota (4) let four of six go
+    for job in dispatched_jobs(rt, book):  # the book cap (4) let four of six go
         assert run_job(rt.ports, job, worker="test")["outcome"] == "ready"
     assert list(states(rt, book).values()).count("pending") == 2
     layers_flow.set_layers(rt.ports, book, [], ["audio"])

@@ -15,7 +15,13 @@ from animastor_tasks.flow import layers as layers_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import status as status_flow
 
-from .helpers import advertise, make_book, queued_messages, states
+from .helpers import advertise, make_book, queued_messages, states, use_settings
+
+
+def cap_books(rt, cap: int = 4) -> None:  # type: ignore[no-untyped-def]
+    """A hard cap per book and stage: the quota and the window alone are fair shares that a lone book passes."""
+    stages = tuple(replace(s, book_cap=cap) for s in rt.settings.registry.stages)
+    use_settings(rt, replace(rt.settings, registry=replace(rt.settings.registry, stages=stages)))
 
 
 @pytest.fixture
@@ -26,11 +32,12 @@ def book(rt):  # type: ignore[no-untyped-def]
 
 
 def test_regenerate_creates_commands_and_dispatches_through_the_gate(rt, book) -> None:
+    cap_books(rt)
     result = regenerate_flow.regenerate(rt.ports, book, ["all"])
     assert [c["stage"] for c in result["commands"]] == ["audio", "image"]
     assert all(c["status"] == "active" and len(c["targets"]) == 6 for c in result["commands"])
     found = states(rt, book)
-    # Book quota (4 per stage) and scene window (4 scenes) bound what one pass dispatches.
+    # The book cap (4 per stage) bounds what one pass dispatches, in reading order.
     assert sum(1 for s in found.values() if s == "generating") == 8
     assert sum(1 for s in found.values() if s == "pending") == 4
     assert queued_messages(rt, "gpu.audio") == 4 and queued_messages(rt, "gpu.image") == 4
@@ -95,6 +102,7 @@ def test_disabled_layer_is_skipped_and_reported(rt, book) -> None:
 def test_disabling_a_layer_releases_its_pending_pairs(rt, book) -> None:
     rt.presence.heartbeat("test-worker@local", (), 1, gone=["gpu.image"])  # no image consumer...
     advertise(rt, "gpu.audio")
+    cap_books(rt)
     regenerate_flow.regenerate(rt.ports, book, ["audio"])
     assert "pending" in states(rt, book).values()
     layers_flow.set_layers(rt.ports, book, [], ["audio"])

@@ -108,11 +108,13 @@ def test_deferred_pairs_cost_one_read_and_no_write(rt, monkeypatch) -> None:
 
 
 def test_capacity_outcomes_defer_sixty_seconds_and_completion_frees_them(rt) -> None:
+    spec = replace(rt.settings.registry.get("audio"), book_cap=4)
+    use_settings(rt, replace(rt.settings, registry=replace(rt.settings.registry, stages=(spec,))))
     rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     found = states(rt, "b")
-    assert sum(1 for v in found.values() if v == "generating") == 4  # book quota
+    assert sum(1 for v in found.values() if v == "generating") == 4  # book cap
     key = rt.redis.keys.deferrals("b", "capacity")
     deferred = rt.redis.client.zrange(key, 0, -1, withscores=True)
     assert {m for m, _ in deferred} == {"ch1:s5:audio", "ch1:s6:audio"}
@@ -227,6 +229,9 @@ def test_two_books_share_a_lane_without_waiting_for_each_other(rt) -> None:
     for b in ("first", "second"):
         rt.catalog.import_book(make_book(b, chapters=2, scenes=10))
     advertise(rt, "gpu.audio")
+    # Both ask before either pass runs: `second` already waits for the lane when `first` is passed, so
+    # the fair share (quota 4) binds `first` and leaves the other half of the lane to `second`.
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "second", 0)
     regenerate_flow.regenerate(rt.ports, "first", ["audio"])
     regenerate_flow.regenerate(rt.ports, "second", ["audio"])
     running = Counter(b for b in ("first", "second") for v in states(rt, b).values() if v == "generating")
@@ -292,7 +297,7 @@ def test_reconcile_rebuilds_redis_after_flushall_without_unauthorized_work(rt) -
     regenerate_flow.regenerate(rt.ports, "stopped", ["audio"])
     cancel_flow.cancel(rt.ports, "stopped")
     layers_flow.set_layers(rt.ports, "live", [], ["image"])
-    rt.redis.client.flushall()
+    rt.redis.client.flushdb()  # this test's own db: FLUSHALL would wipe every other user of the server
     advertise(rt, "gpu.audio")
     reconcile_flow.reconcile(rt.ports, force=True)
     assert rt.ports.book_state.active_books() == {"live"}

@@ -191,7 +191,9 @@ def inference() -> Iterator[InferenceServer]:
 
 def test_a_dead_inference_server_opens_the_breaker_and_the_pairs_wait_pending(rt, tmp_path, inference) -> None:
     inference.failure_rate = 1.0  # 503 to everything
-    spec = replace(rt.settings.registry.get("audio"), generator="http", endpoint=f"{inference.url}/v1/generate/audio")
+    spec = replace(
+        rt.settings.registry.get("audio"), generator="http", endpoint=f"{inference.url}/v1/generate/audio", book_cap=4
+    )
     cooldown = 1.5
     with_stage(
         rt,
@@ -207,7 +209,7 @@ def test_a_dead_inference_server_opens_the_breaker_and_the_pairs_wait_pending(rt
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     jobs = dispatched_jobs(rt, "b")
-    assert len(jobs) == 4  # book quota
+    assert len(jobs) == 4  # book cap
 
     began = time.monotonic()
     outcomes = [run_job(rt.ports, job, worker="test")["outcome"] for job in jobs]

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from animastor_tasks.domain.liveness import Dispatched, queued_lease_ttl, still_queued
+from animastor_tasks.domain.liveness import (
+    UNDELIVERED_MARKER_SECONDS,
+    Dispatched,
+    lost_in_queue,
+    queued_lease_ttl,
+    still_queued,
+)
 
 
 def d(dispatch_id: str, at: float | None, queue: str = "gpu.image") -> Dispatched:
@@ -37,6 +43,12 @@ def test_a_delivered_job_is_never_counted_and_queues_are_counted_apart() -> None
     assert still_queued(dispatches, None, {"gpu.image": 5, "gpu.audio": 1}) == {"a", "y"}
 
 
-def test_the_kept_lease_outlives_a_late_pass() -> None:
-    assert queued_lease_ttl(3, 2) == 7
-    assert queued_lease_ttl(120, 30) > 120 + 30
+def test_a_queued_lease_lives_as_long_as_the_undelivered_marker() -> None:
+    """A job waiting in its queue keeps its lease however long the backlog (issue 18): it lapses only
+    with the marker, and a lost message gives it up through reconcile, never by waiting."""
+    assert queued_lease_ttl() == UNDELIVERED_MARKER_SECONDS
+
+
+def test_undelivered_jobs_the_broker_no_longer_holds_are_lost() -> None:
+    assert lost_in_queue({"a", "b", "c"}, {"b", "c", "zz"}) == {"a"}
+    assert lost_in_queue(set(), {"b"}) == set()

@@ -83,48 +83,58 @@ class AssetStore:
         self.db = db
 
     def gate_rows(self, book: str) -> GateRows | None:
-        """Everything a gate pass needs from Postgres, in one statement; None for an unknown book.
+        """Everything a gate pass needs from Postgres, in one statement; None for an unknown book."""
+        return self.gate_rows_many([book])[book]
+
+    def gate_rows_many(self, books: Sequence[str]) -> dict[str, GateRows | None]:
+        """`gate_rows` of several books in one statement (a tick's batch); None for an unknown book.
 
         Only in-flight pairs are read, each flagged with whether an active command targets it:
         idle pairs and the targets of finished work cost nothing.
         """
         with self.db.read() as conn:
             rows = conn.execute(
-                "WITH active AS (SELECT t.chapter_id, t.scene_id, t.stage,"
+                "WITH active AS (SELECT c.book_id, t.chapter_id, t.scene_id, t.stage,"
                 "  min(array_position(%(priorities)s::text[], c.priority)) - 1 AS rank,"
                 "  extract(epoch FROM min(c.created_at)) AS since FROM commands c"
                 "  JOIN command_targets t ON t.command_id = c.command_id"
-                "  WHERE c.book_id = %(book)s AND c.status = ANY(%(authorizing)s) GROUP BY 1, 2, 3),"
-                " flight AS (SELECT a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position,"
-                "  a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
+                "  WHERE c.book_id = ANY(%(books)s) AND c.status = ANY(%(authorizing)s) GROUP BY 1, 2, 3, 4),"
+                " flight AS (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token,"
+                "  s.position, a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
                 "  a.artifact_sha256 IS NOT NULL AS has_artifact, act.stage IS NOT NULL AS commanded,"
                 "  coalesce(act.rank, %(normal)s) AS rank, act.since"
                 "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
                 "   AND s.scene_id = a.scene_id"
-                "  LEFT JOIN active act ON act.chapter_id = a.chapter_id AND act.scene_id = a.scene_id"
-                "   AND act.stage = a.stage"
-                "  WHERE a.book_id = %(book)s AND a.state = ANY(%(flight)s))"
-                # The book's own row comes first (rank and position -1) and carries the layers and the
-                # tombstone; then the pairs in the order they should get slots: the highest priority
+                "  LEFT JOIN active act ON act.book_id = a.book_id AND act.chapter_id = a.chapter_id"
+                "   AND act.scene_id = a.scene_id AND act.stage = a.stage"
+                "  WHERE a.book_id = ANY(%(books)s) AND a.state = ANY(%(flight)s))"
+                # Each book's own row comes first (rank and position -1) and carries the layers and the
+                # tombstone; then its pairs in the order they should get slots: the highest priority
                 # first, the oldest command first within it, reading order within that.
-                " SELECT NULL, NULL, NULL, NULL, 0, -1, b.layer_config, NULL, NULL, false,"
+                " SELECT b.book_id, NULL, NULL, NULL, NULL, 0, -1, b.layer_config, NULL, NULL, false,"
                 "  EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id), -1, NULL"
-                " FROM books b WHERE b.book_id = %(book)s"
-                " UNION ALL SELECT * FROM flight ORDER BY 12, 13 NULLS LAST, 6",
+                " FROM books b WHERE b.book_id = ANY(%(books)s)"
+                " UNION ALL SELECT * FROM flight ORDER BY 1, 13, 14 NULLS LAST, 7",
                 {
-                    "book": book,
+                    "books": list(books),
                     "authorizing": values(AUTHORIZING),
                     "flight": values(IN_FLIGHT),
                     "priorities": [str(p) for p in Priority],
                     "normal": priority_rank(Priority.NORMAL),
                 },
             ).fetchall()
-        if not rows or rows[0][5] != -1:
-            return None
-        head, body = rows[0], rows[1:]
-        in_flight = tuple(InFlight(*row) for row in body)
-        commanded = frozenset(i.pair for i in in_flight if i.commanded)
-        return GateRows(head[6], bool(head[10]), commanded, in_flight)
+        found: dict[str, GateRows | None] = dict.fromkeys(books)
+        by_book: dict[str, list[Any]] = {}
+        for row in rows:
+            by_book.setdefault(row[0], []).append(row[1:])
+        for book, body in by_book.items():
+            head = body[0]
+            if head[5] != -1:
+                continue  # pairs of a book whose row is gone: unknown
+            in_flight = tuple(InFlight(*row) for row in body[1:])
+            commanded = frozenset(i.pair for i in in_flight if i.commanded)
+            found[book] = GateRows(head[6], bool(head[10]), commanded, in_flight)
+        return found
 
     def move_pairs(
         self, book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str
@@ -155,14 +165,19 @@ class AssetStore:
         return moved
 
     @contextmanager
-    def claiming(self, book: str, lanes: Mapping[str, str]) -> Iterator[ClaimTransaction]:
+    def claiming(
+        self, book: str, lanes: Mapping[str, str], waiters: Mapping[str, Sequence[str]] | None = None
+    ) -> Iterator[ClaimTransaction]:
         """Open a claim: the lanes of `lanes` (stage -> queue) and the book locked, capacity counted.
 
+        `waiters` (stage -> other books waiting for its lane): their generating pairs are read in the
+        same statement, so the fair share knows whether they are still below theirs; None: unknown.
         The caller chooses from the counts (`domain.capacity`), claims, and writes its leases
         and deferrals before the block ends: a completion takes the same locks before it frees
         capacity, so a deferral can never land after the completion that should clear it.
         """
         stages = sorted(lanes)
+        others = sorted({b for books in (waiters or {}).values() for b in books} - {book})
         with self.db.transaction() as conn, conn.pipeline():
             # Pipeline mode: BEGIN, the locks and the counts reach the server in one round trip.
             conn.execute(
@@ -171,17 +186,34 @@ class AssetStore:
                 (claim_locks(lanes.values(), book),),
             )
             rows = conn.execute(
-                "SELECT stage, NULL, NULL, count(*) FROM asset_states WHERE state = %(generating)s"
+                "SELECT stage, NULL, NULL, NULL, count(*) FROM asset_states WHERE state = %(generating)s"
                 " AND stage = ANY(%(stages)s) GROUP BY stage"
-                " UNION ALL SELECT stage, chapter_id, scene_id, NULL FROM asset_states"
-                " WHERE book_id = %(book)s AND state = %(generating)s",
-                {"generating": AssetState.GENERATING, "stages": stages, "book": book},
+                " UNION ALL SELECT stage, book_id, chapter_id, scene_id, NULL FROM asset_states"
+                " WHERE book_id = ANY(%(books)s) AND state = %(generating)s",
+                {"generating": AssetState.GENERATING, "stages": stages, "books": [book, *others]},
             ).fetchall()
+            running: dict[str, list[Pair]] = {}
+            for stage, owner, chapter, scene, _ in rows:
+                if owner is not None:
+                    running.setdefault(owner, []).append((chapter, scene, stage))
             counts = CapacityCounts(
-                lane={stage: int(n) for stage, chapter, _, n in rows if chapter is None},
-                book_generating=[(chapter, scene, stage) for stage, chapter, scene, _ in rows if chapter is not None],
+                lane={stage: int(n) for stage, owner, _, _, n in rows if owner is None},
+                book_generating=running.get(book, []),
+                waiting=None
+                if waiters is None
+                else {stage: [running.get(b, []) for b in books if b != book] for stage, books in waiters.items()},
             )
             yield ClaimTransaction(conn, book, counts)
+
+    def lane_load(self, stages: Sequence[str]) -> dict[str, int]:
+        """Generating pairs per stage, read without any lock: enough to see that a lane has no room
+        (a refusal), never to claim (a claim counts again under the lane lock)."""
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "SELECT stage, count(*) FROM asset_states WHERE state = %s AND stage = ANY(%s) GROUP BY stage",
+                (AssetState.GENERATING, list(stages)),
+            ).fetchall()
+        return {stage: int(n) for stage, n in rows}
 
     def unclaim(self, book: str, claims: Sequence[Claim]) -> int:
         """Undo claims whose job could not be published: `generating -> pending` if the token is still ours."""
@@ -247,6 +279,19 @@ class AssetStore:
                 if target == AssetState.DIRTY:
                     release_targets(conn, book, [pair])
         return bool(done)
+
+    def artifact_uris(self, book: str) -> dict[Pair, str]:
+        """Each pair's committed artifact's URI: the newest artifact row of the pair with its sha256."""
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "SELECT a.chapter_id, a.scene_id, a.stage, r.uri FROM asset_states a"
+                " CROSS JOIN LATERAL (SELECT uri FROM artifacts r WHERE r.book_id = a.book_id"
+                "  AND r.chapter_id = a.chapter_id AND r.scene_id = a.scene_id AND r.stage = a.stage"
+                "  AND r.sha256 = a.artifact_sha256 AND r.uri IS NOT NULL ORDER BY r.id DESC LIMIT 1) r"
+                " WHERE a.book_id = %s AND a.artifact_sha256 IS NOT NULL",
+                (book,),
+            ).fetchall()
+        return {(chapter, scene, stage): uri for chapter, scene, stage, uri in rows}
 
     def scene_states(self, book: str) -> list[tuple[str, str, str, str, str | None]]:
         """(chapter, scene, stage, state, artifact sha256) for every pair, in reading order."""

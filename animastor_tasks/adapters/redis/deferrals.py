@@ -6,16 +6,20 @@ A deferred pair costs a gate pass nothing but its share of the one snapshot read
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
-from animastor_tasks.adapters.redis.connection import RedisConnection
+from animastor_tasks.adapters.redis.connection import RedisConnection, _script
+from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member
 from animastor_tasks.domain.types import Pair
+from animastor_tasks.domain.vocabulary import Priority, priority_rank
 
 
 class DeferralStore:
     def __init__(self, conn: RedisConnection) -> None:
         self.conn = conn
+        self._take = conn.client.register_script(_script("lane_take"))
 
     def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:
         mapping = {pair_member(*p): now + seconds for p in pairs}
@@ -66,16 +70,17 @@ class DeferralStore:
         key = self.conn.keys.lane_waiters(queue)
         self.conn.run(lambda: self.conn.client.zadd(key, {book: score}, lt=move_up, nx=not move_up))
 
-    def next_waiters(self, queue: str, count: int, *, exclude: str | None = None) -> list[str]:
-        """Take up to `count` books that waited longest for `queue` (not `exclude`), off the waiting list.
+    def next_waiters(
+        self, queue: str, count: int, *, exclude: str | None = None, requeue_from: str | None = None
+    ) -> list[str]:
+        """Take up to `count` books that waited longest for `queue` (not `exclude`), off the waiting list,
+        in one atomic call (two concurrent hand-overs never take the same book).
 
-        Each is removed one by one, so two concurrent hand-overs never take the same book.
+        `requeue_from`: the dispatch id of the job whose end freed the slot; when a book is taken,
+        `exclude` (that job's book) queues behind the waiters at the priority its dispatch was made
+        with (keeping its place if it waits already), so books take turns.
         """
-        key = self.conn.keys.lane_waiters(queue)
-        with self.conn.errors():
-            candidates = [str(b) for b in self.conn.client.zrange(key, 0, count)]
-            taken: list[str] = []
-            for book in candidates:
-                if book != exclude and len(taken) < count and self.conn.client.zrem(key, book):
-                    taken.append(book)
-        return taken
+        keys = [self.conn.keys.lane_waiters(queue), self.conn.keys.dispatch(requeue_from) if requeue_from else ""]
+        args: list[str | float] = [count, exclude or "", time.time(), RANK_SCALE, priority_rank(Priority.NORMAL)]
+        taken = self.conn.run(lambda: self._take(keys=keys, args=args))
+        return [str(b) for b in taken]

@@ -18,7 +18,8 @@ class LeaseStore:
         """Write lease + metadata for each (pair, dispatch id, ttl, metadata) in one round trip.
 
         A dispatch's claim (it comes with metadata) also leaves the dispatch's undelivered marker,
-        removed by its first delivery: the evidence that it still waits in its queue.
+        removed by its first delivery: the evidence that it still waits in its queue. The metadata
+        is read when the job starts (its queue wait), so it lives as long as the marker.
         """
         if not leases:
             return
@@ -29,7 +30,7 @@ class LeaseStore:
                 if meta:
                     meta_key = self.conn.keys.dispatch(dispatch_id)
                     pipe.hset(meta_key, mapping={k: str(v) for k, v in meta.items()})
-                    pipe.expire(meta_key, ttl * 4)
+                    pipe.expire(meta_key, max(ttl * 4, UNDELIVERED_MARKER_SECONDS))
                     at = meta.get("dispatched_at", 0)
                     pipe.set(self.conn.keys.queued(dispatch_id), str(at), ex=UNDELIVERED_MARKER_SECONDS)
             pipe.execute()

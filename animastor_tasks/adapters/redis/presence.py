@@ -2,8 +2,11 @@
 dispatch trusts.
 
 A heartbeat writes `hostname -> expiry` into one sorted set per queue; a clean stop
-removes it, a SIGKILLed worker's entry expires within one TTL. On AMQP the broker knows
-at once when a consumer's connection dies, so its count wins when it says zero.
+removes it, a SIGKILLed worker's entry expires within one TTL. On AMQP the broker's own
+count may only lower it: a zero there wins (a killed worker's connection closes at once),
+but a count above zero never stands in for missing heartbeats. A worker cut off by a
+partition leaves a half-open connection the broker keeps counting until its heartbeat
+timeout; its heartbeats have stopped, so it is not live.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class PresenceStore:
             live = self.live_consumers(queues)
             heartbeats = {q: len(live.get(q, {})) for q in queues}
         counts = {q: heartbeats.get(q, 0) for q in queues}
-        if self.amqp_url:
-            broker_counts = amqp_consumer_counts(self.amqp_url, queues)
-            counts = {q: (counts[q] if broker_counts.get(q, 0) > 0 else 0) or broker_counts.get(q, 0) for q in queues}
+        beating = [q for q in queues if counts[q] > 0]
+        if self.amqp_url and beating:  # nothing to ask where no heartbeat is live: the answer is zero already
+            broker_counts = amqp_consumer_counts(self.amqp_url, beating)
+            counts.update({q: min(counts[q], broker_counts.get(q, 0)) for q in beating})
         return counts

@@ -51,36 +51,78 @@ class BookStateStore:
             pipe.execute()
 
     # -- one read for a whole gate pass ---------------------------------------
-    def book_snapshot(self, book: str, now: float, queues: Sequence[str] = ()) -> Snapshot:
-        """Everything Redis knows that a gate pass needs, in one round trip."""
+    def book_snapshots(
+        self, books: Sequence[str], now: float, queues: Sequence[str] = (), *, waiters: int = 16
+    ) -> dict[str, Snapshot]:
+        """Everything Redis knows that the gate passes of `books` need, in one round trip (one book, or a
+        tick's batch; the queues are read once); `waiters`: how many books at the head of each queue's
+        waiting list to read (the fair share looks at them)."""
+        keys = self.conn.keys
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
-            pipe.setnx(self.conn.keys.epoch(), uuid.uuid4().hex)
-            pipe.get(self.conn.keys.epoch())
-            pipe.exists(self.conn.keys.cancel_flag(book))
-            pipe.smembers(self.conn.keys.force_set(book))
-            for bucket in DEFER_BUCKETS:
-                pipe.zrangebyscore(self.conn.keys.deferrals(book, bucket), f"({now}", "+inf")
-            pipe.smembers(self.conn.keys.active_scenes(book))
+            pipe.setnx(keys.epoch(), uuid.uuid4().hex)
+            pipe.get(keys.epoch())
             for queue in queues:
-                pipe.zcount(self.conn.keys.consumers(queue), f"({now}", "+inf")
-                pipe.exists(self.conn.keys.breaker(queue))
-            _, epoch, cancel, force, *rest = pipe.execute()
+                pipe.zcount(keys.consumers(queue), f"({now}", "+inf")
+                pipe.exists(keys.breaker(queue))
+                pipe.zrange(keys.lane_waiters(queue), 0, max(waiters, 1) - 1)
+            for book in books:
+                pipe.exists(keys.cancel_flag(book))
+                pipe.smembers(keys.force_set(book))
+                pipe.zscore(keys.due(), book)
+                for bucket in DEFER_BUCKETS:
+                    pipe.zrangebyscore(keys.deferrals(book, bucket), f"({now}", "+inf", withscores=True)
+                pipe.smembers(keys.active_scenes(book))
+            _, epoch, *rest = pipe.execute()
         self._seen_epoch(epoch, now)
-        deferred, active, per_queue = (
-            rest[: len(DEFER_BUCKETS)],
-            rest[len(DEFER_BUCKETS)],
-            rest[len(DEFER_BUCKETS) + 1 :],
-        )
-        return Snapshot(
-            cancel_flag=bool(cancel),
-            force={parse_pair_member(m) for m in force},
-            deferred={b: {parse_pair_member(m) for m in ms} for b, ms in zip(DEFER_BUCKETS, deferred, strict=True)},
-            active={parse_scene_member(m) for m in active},
-            consumers={q: int(per_queue[2 * i]) for i, q in enumerate(queues)},
-            breaker_clean={q: not per_queue[2 * i + 1] for i, q in enumerate(queues)},
-            data_lost_at=self._data_lost_at,
-        )
+        per_queue, per_book = rest[: 3 * len(queues)], rest[3 * len(queues) :]
+        consumers = {q: int(per_queue[3 * i]) for i, q in enumerate(queues)}
+        clean = {q: not per_queue[3 * i + 1] for i, q in enumerate(queues)}
+        heads = {q: [str(b) for b in per_queue[3 * i + 2]] for i, q in enumerate(queues)}
+        width = 4 + len(DEFER_BUCKETS)
+        found: dict[str, Snapshot] = {}
+        for n, book in enumerate(books):
+            cancel, force, due_at, *deferred, active = per_book[n * width : (n + 1) * width]
+            until: dict[Pair, float] = {}
+            for members in deferred:
+                for member, expiry in members:
+                    pair = parse_pair_member(member)
+                    until[pair] = max(until.get(pair, expiry), expiry)
+            found[book] = Snapshot(
+                cancel_flag=bool(cancel),
+                force={parse_pair_member(m) for m in force},
+                deferred={
+                    b: {parse_pair_member(m) for m, _ in ms} for b, ms in zip(DEFER_BUCKETS, deferred, strict=True)
+                },
+                active={parse_scene_member(m) for m in active},
+                consumers=dict(consumers),
+                breaker_clean=dict(clean),
+                data_lost_at=self._data_lost_at,
+                waiters={q: list(h) for q, h in heads.items()},
+                deferred_until=until,
+                due_at=None if due_at is None else float(due_at),
+            )
+        return found
+
+    # -- the due index: which books need a gate pass, and from when ------------------
+    def set_due(self, book: str, when: float | None) -> None:
+        """The book needs its next pass at `when` (unix seconds); None: no pass until something happens."""
+        key = self.conn.keys.due()
+        if when is None:
+            self.conn.run(lambda: self.conn.client.zrem(key, book))
+        else:
+            self.conn.run(lambda: self.conn.client.zadd(key, {book: when}))
+
+    def take_due(self, now: float) -> list[str]:
+        """The books due by `now`, taken off the index in one step (their passes put them back as needed),
+        so a book is asked for once however many ticks pass before its pass runs."""
+        key = self.conn.keys.due()
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=True)
+            pipe.zrangebyscore(key, "-inf", now)
+            pipe.zremrangebyscore(key, "-inf", now)
+            books, _ = pipe.execute()
+        return [str(b) for b in books]
 
     def data_lost_at(self, now: float | None = None) -> float:
         """When this process noticed that Redis lost its data (-inf if never), checked now in one round trip."""
@@ -131,6 +173,7 @@ class BookStateStore:
 
     # -- active index --------------------------------------------------------------
     def activate(self, book: str, scenes: Iterable[SceneKey]) -> None:
+        """Scenes into the active index; a book not in the due index yet is due now (its pass decides)."""
         members = [scene_member(c, s) for c, s in scenes]
         if not members:
             return
@@ -138,6 +181,7 @@ class BookStateStore:
             pipe = self.conn.client.pipeline(transaction=True)
             pipe.sadd(self.conn.keys.active_scenes(book), *members)
             pipe.sadd(self.conn.keys.active_books(), book)
+            pipe.zadd(self.conn.keys.due(), {book: time.time()}, nx=True)
             pipe.execute()
 
     def deactivate(self, book: str, scenes: Iterable[SceneKey]) -> None:
@@ -149,17 +193,19 @@ class BookStateStore:
         with self.conn.errors():
             if not self.conn.client.scard(self.conn.keys.active_scenes(book)):
                 self.conn.client.srem(self.conn.keys.active_books(), book)
+                self.conn.client.zrem(self.conn.keys.due(), book)
 
     def active_books(self) -> set[str]:
         members: set[Any] = self.conn.run(lambda: self.conn.client.smembers(self.conn.keys.active_books()))
         return {str(m) for m in members}
 
     def stop_book(self, book: str) -> None:
-        """Stop All, Redis side: flag set; force set, deferrals and active index gone."""
+        """Stop All, Redis side: flag set; force set, deferrals, active index and due entry gone."""
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
             pipe.set(self.conn.keys.cancel_flag(book), "1")
             pipe.delete(self.conn.keys.force_set(book), self.conn.keys.active_scenes(book))
             pipe.delete(*(self.conn.keys.deferrals(book, b) for b in DEFER_BUCKETS))
             pipe.srem(self.conn.keys.active_books(), book)
+            pipe.zrem(self.conn.keys.due(), book)
             pipe.execute()

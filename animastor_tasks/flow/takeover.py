@@ -1,0 +1,121 @@
+"""Prompt takeover: on every tick, a `generating` pair whose started job stopped renewing its lease goes
+back (`pending` if still authorized, else `dirty`), and a stage with jobs in flight but no live worker
+heartbeat is BLOCKED.
+
+Why on the tick and not only in reconcile: a lapsed lease is the one sign that a host died or was cut
+off mid-job, and waiting for the 30 s reconcile pass left its pair idle for up to a lease TTL plus that
+period (and let it go back to the cut-off host after a heal). Since a queued job holds a queued lease
+until it starts (domain/liveness.py), a lapsed lease needs no broker evidence: the tick reads the
+`generating` pairs (bounded by the lane limits), their leases and their undelivered markers, three round
+trips. A lease-less job that was never delivered (its lease lost with Redis, say) is left to reconcile,
+which asks the broker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from animastor_tasks.domain.gate import BookFacts, decide
+from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import dispatch
+from animastor_tasks.ports import GeneratingRow, Ports
+
+log = logging.getLogger("animastor.takeover")
+
+
+def on_tick(ports: Ports) -> dict[str, int]:
+    """The tick's share of reconcile; a store that cannot be read changes nothing this tick."""
+    report = {"expired": 0, "blocked": 0}
+    try:
+        generating = ports.assets.generating_pairs()
+        if generating:
+            block_consumerless(ports, generating, report)
+            expire_lapsed(ports, ports.assets.generating_pairs(), report)
+    except StoreUnavailable as err:
+        log.warning("[TAKEOVER] stores unreadable, nothing taken over this tick: %s", err)
+    except Exception as err:  # the AMQP broker refusing a passive declare: no evidence either way
+        log.warning("[TAKEOVER] consumer count unavailable, nothing taken over this tick: %s", err)
+    return report
+
+
+def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
+    """The pairs whose started job stopped renewing its lease go back at once."""
+    holders = ports.leases.lease_holders([(g.book, *g.pair) for g in generating])
+    lapsed = [g for g, holder in zip(generating, holders, strict=True) if holder is None]
+    if not lapsed:
+        return
+    marks = ports.leases.undelivered([g.dispatch_id or "" for g in lapsed])
+    expire(ports, [g for g, mark in zip(lapsed, marks, strict=True) if mark is None or not g.dispatch_id], report)
+
+
+def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
+    """`generating -> pending` where the gate still authorizes the pair, else `-> dirty` (compare-and-set on
+    the token, so a pair that moved on meanwhile is left alone)."""
+    facts_by_book: dict[str, BookFacts | None] = {}
+    for g in dead:
+        if g.book not in facts_by_book:
+            facts_by_book[g.book] = _facts(ports, g.book)
+        facts = facts_by_book[g.book]
+        authorized = facts is not None and decide(facts, g.pair) is None
+        target = AssetState.PENDING if authorized else AssetState.DIRTY
+        if ports.assets.expire_generating(g.book, g.pair, g.token, target):
+            report["expired"] += 1
+            if target == AssetState.PENDING:
+                _due_now(ports, g.book)
+            log.warning(
+                "[RECONCILE] book=%r chapter=%r scene=%r stage=%s token=%d lease gone: generating -> %s",
+                g.book,
+                g.chapter,
+                g.scene,
+                g.stage,
+                g.token,
+                target,
+            )
+
+
+def _due_now(ports: Ports, book: str) -> None:
+    """The book's next gate pass is due now (the tick that took the pair over sends it), so the pair is
+    dispatched again at once, to whichever live host takes it first."""
+    try:
+        ports.book_state.set_due(book, time.time())
+    except StoreUnavailable as err:
+        log.warning("[TAKEOVER] book=%r not marked due; its next pass dispatches the pair: %s", book, err)
+
+
+def _facts(ports: Ports, book: str) -> BookFacts | None:
+    rows = ports.assets.gate_rows(book)
+    if rows is None:
+        return None
+    try:
+        flag = ports.book_state.cancel_flag_set(book)
+    except StoreUnavailable:
+        return None
+    return BookFacts(True, flag, rows.tombstone, rows.layers_raw, rows.commanded)
+
+
+def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
+    """Jobs in flight on a queue with no live consumer (heartbeats decide; the broker's count may only lower
+    them): BLOCK their commands, neutralise the jobs."""
+    by_stage: dict[str, set[str]] = defaultdict(set)
+    for g in generating:
+        by_stage[g.stage].add(g.book)
+    specs = [ports.settings.registry.get(s) for s in by_stage if s in ports.settings.registry]
+    if not specs:
+        return
+    if time.time() - ports.book_state.data_lost_at() < ports.settings.presence_ttl_seconds:
+        return  # Redis lost its data moments ago: presence is not rebuilt yet, "no consumer" proves nothing
+    counts = ports.presence.counts([s.queue for s in specs])
+    for spec in specs:
+        if counts.get(spec.queue, 0) == 0:
+            for book in sorted(by_stage[spec.name]):
+                dispatch.block_stage(ports, book, spec)
+                report["blocked"] += 1
+            # The books waiting for the lane hold capacity deferrals that would keep their passes from the
+            # consumer check for a whole window: handed the freed slots, their passes look past those
+            # deferrals and BLOCK them too, now.
+            dispatch.hand_over(ports, spec.queue, spec.lane_limit)

@@ -1,0 +1,99 @@
+"""Peak memory of a control process running one tick cycle over 100k and 1M active pairs.
+
+The pairs are one book's (50,000 / 500,000 scenes x 2 stages, `pending` under active commands,
+the Redis side of a regenerate written, the default stage limits, a consumer advertised): the
+worst case for a pass that holds every pair of a book at once. A fresh control process
+(`bench.control_loop`) runs one tick cycle — the tick and every control task it leads to — and
+reports its own peak RSS (VmHWM). Baseline, same run: the same process over a one-scene book.
+
+`control_rss_mb_100k`: at most 100 MB. `control_rss_mb_1m` (full mode only): bounded, i.e. at
+most 1.5x the 100k figure — passes stream rows instead of holding every pair.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.common import (
+    BenchResult,
+    BookShape,
+    Context,
+    add_commands_bulk,
+    advertise_consumers,
+    analyze,
+    load_books,
+    make_runtime,
+    reset_stores,
+    stage_table,
+    start_work,
+    timed,
+)
+from bench.control_loop import run_control_process
+
+QUEUES = ["gpu.audio", "gpu.image"]
+TARGET_MB = 100.0
+BOUND_RATIO = 1.5
+
+
+def cycle_rss(ctx: Context, scenes: int) -> dict[str, Any]:
+    """Load one book of `scenes` x 2 pending pairs; one tick cycle in a fresh control process."""
+    reset_stores()
+    shape = BookShape("rss-book", scenes, 500)
+
+    def load() -> None:
+        load_books([shape], lambda _b, _i, _st: "pending")
+        add_commands_bulk([shape])
+        analyze()
+        rt = make_runtime(stage_table(lease_ttl=3600))
+        try:
+            advertise_consumers(rt, QUEUES, ttl=3600)
+            start_work(rt, [shape])
+        finally:
+            rt.close()
+
+    load_s, _ = timed(load)
+    out = run_control_process({"queues": QUEUES, "cycles": 1}, stage_table(lease_ttl=3600))
+    cycle = out["cycles"][0]
+    ctx.log(
+        f"control_rss: {scenes * 2:,} pairs: peak {out['rss_peak_mb']:.1f} MB (start {out['rss_start_mb']:.1f});"
+        f" cycle {cycle['ms']:.0f} ms; loaded in {load_s:.1f}s"
+    )
+    return {
+        "pairs": scenes * 2,
+        "load_s": round(load_s, 1),
+        "rss_peak_mb": out["rss_peak_mb"],
+        "rss_start_mb": round(out["rss_start_mb"], 1),
+        "cycle_ms": round(cycle["ms"], 1),
+        "control_tasks": cycle["control_tasks"],
+        "jobs_queued": cycle["queued_jobs"],
+        "errors": out["errors"],
+    }
+
+
+def run(ctx: Context) -> BenchResult:
+    result = BenchResult()
+    try:
+        tiny = cycle_rss(ctx, 1)
+        big = cycle_rss(ctx, 50_000)
+        huge = None if ctx.quick else cycle_rss(ctx, 500_000)
+    finally:
+        reset_stores()
+    base = f"1-scene cycle {tiny['rss_peak_mb']:.1f} MB"
+    mb = big["rss_peak_mb"]
+    result.figure("control_rss_mb_100k", mb, "MB", baseline=base, target=f"<= {TARGET_MB:g}", ok=mb <= TARGET_MB)
+    if huge is not None:
+        result.figure(
+            "control_rss_mb_1m",
+            huge["rss_peak_mb"],
+            "MB",
+            baseline=f"{base}; 100k {mb:.1f} MB",
+            target=f"<= {BOUND_RATIO}x 100k (bounded)",
+            ok=huge["rss_peak_mb"] <= BOUND_RATIO * mb,
+        )
+    result.notes["control_rss"] = {
+        "1": tiny,
+        "100k": big,
+        "1m": huge if huge is not None else "quick mode: not measured (full mode loads 1M pairs)",
+        "setup": " ".join(__doc__.split("\n\n")[1].split()),
+    }
+    return result

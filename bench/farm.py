@@ -1,0 +1,151 @@
+"""A small farm of real Celery processes on the bench stores, for the end-to-end benchmarks.
+
+One control worker (as `animastor-tasks worker` runs it: prefork, 2 processes), beat, and the
+GPU workers asked for, all started with `animastor_tasks.dev.supervisor` on a stage table of the
+benchmark's own (ANIMASTOR_STAGES). Helpers read the journal (`events`) on the database clock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from animastor_tasks.dev.celery_commands import celery_argv
+from animastor_tasks.dev.supervisor import Supervisor, wait_until
+from bench.common import ROOT, bench_env, make_runtime, pg_connect, proc_cpu_seconds
+
+
+def book_json(book_id: str, scenes: int) -> str:
+    """A one-chapter book of `scenes` scenes, for `catalog.import_book`."""
+    chapter = {
+        "chapter_id": "ch1",
+        "title": "one",
+        "scenes": [{"scene_id": f"s{i:04d}", "text": f"{book_id} {i}", "prompt": "p"} for i in range(scenes)],
+    }
+    return json.dumps({"book_id": book_id, "title": book_id, "chapters": [chapter]})
+
+
+class Farm:
+    """Control worker, beat and GPU workers (`gpu`: (queue, processes) per worker) on `stages`."""
+
+    def __init__(self, stages: dict[str, Any], gpu: Sequence[tuple[str, int]], *, tick_seconds: float = 5.0) -> None:
+        from animastor_tasks.client import Client
+        from animastor_tasks.config import Settings
+
+        self.stages = stages
+        self.rt = make_runtime(stages)
+        self.folder = Path(tempfile.mkdtemp(prefix="animastor-bench-farm-"))
+        env = {
+            **os.environ,
+            **bench_env(stages),
+            "PYTHONPATH": ROOT,
+            "ANIMASTOR_TICK_SECONDS": str(tick_seconds),
+        }
+        self.sup = Supervisor(env, self.folder, say=lambda _: None, cwd=Path(ROOT))
+        self.client = Client(Settings.from_env(bench_env(stages)))
+        self.gpu = list(gpu)
+
+    def import_books(self, books: dict[str, int]) -> None:
+        from animastor_tasks.domain.book import parse_book_json
+
+        for book_id, scenes in books.items():
+            self.rt.catalog.import_book(parse_book_json(book_json(book_id, scenes)))
+
+    def start(self) -> None:
+        control = ("worker", "-Q", "animastor.control", "-c", "2", "-n", "control@%h", "-l", "warning")
+        self.sup.start("control", celery_argv(*control, "--without-gossip", "--without-mingle"))
+        for i, (queue, procs) in enumerate(self.gpu):
+            argv = ("worker", "-Q", queue, "-c", str(procs), "--prefetch-multiplier", "1", "-n", f"gpu{i}@%h")
+            pool = ("-P", "solo") if procs == 1 else ("-O", "fair")
+            quiet = ("-l", "warning", "--without-gossip", "--without-mingle")
+            self.sup.start(f"gpu{i}", celery_argv(*argv, *pool, *quiet))
+        self.sup.start("beat", celery_argv("beat", "-s", str(self.folder / "beat-schedule"), "-l", "warning"))
+        queues = sorted({q for q, _ in self.gpu} | {"animastor.control"})
+
+        def present() -> bool:
+            live = self.rt.presence.live_consumers(queues)
+            return all(live[q] for q in queues)
+
+        wait_until(present, 120, "worker presence", self.sup.check)
+
+    def control_cpu_seconds(self) -> float:
+        """CPU (user + system) of the control worker, its pool processes and beat, so far."""
+        total = 0.0
+        for name in ("control", "beat"):
+            pid = self.sup.children[name].pid
+            for p in (pid, *_children(pid)):
+                total += proc_cpu_seconds(p) or 0.0
+        return total
+
+    def stop(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            self.sup.stop_all()
+            self.rt.close()
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (from /proc/<pid>/task/*/children)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as handle:
+                kids = [int(k) for k in handle.read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            out += [kid, *_children(kid)]
+    return out
+
+
+def db_now() -> float:
+    with pg_connect() as conn:
+        return float(conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
+
+
+def events(kinds: Sequence[str], books: Sequence[str] | None = None) -> list[tuple[str, str, str, str, float]]:
+    """(kind, book, scene, dispatch_id, at) of the journal's events of `kinds`, oldest first."""
+    sql = (
+        "SELECT kind, book_id, coalesce(scene_id, ''), coalesce(dispatch_id, ''), extract(epoch FROM at)"
+        " FROM events WHERE kind = ANY(%s)"
+    )
+    params: list[Any] = [list(kinds)]
+    if books is not None:
+        sql += " AND book_id = ANY(%s)"
+        params.append(list(books))
+    with pg_connect() as conn:
+        rows = conn.execute(sql + " ORDER BY at, id", params).fetchall()
+    return [(k, b, s, d, float(at)) for k, b, s, d, at in rows]
+
+
+def count_state(state: str, books: Sequence[str] | None = None) -> int:
+    sql = "SELECT count(*) FROM asset_states WHERE state = %s"
+    params: list[Any] = [state]
+    if books is not None:
+        sql += " AND book_id = ANY(%s)"
+        params.append(list(books))
+    with pg_connect() as conn:
+        return int(conn.execute(sql, params).fetchone()[0])
+
+
+def wait_ready(farm: Farm, books: Sequence[str], total: int, timeout: float) -> None:
+    """Until `total` pairs of `books` are ready (the farm's children checked meanwhile)."""
+    wait_until(lambda: count_state("ready", books) >= total, timeout, f"{total} pairs ready", farm.sup.check)
+
+
+def busy_fraction(rows: Sequence[tuple[str, str, str, str, float]], slots: int) -> tuple[float, float]:
+    """(busy slot-seconds / available slot-seconds from first start to last end, that span)."""
+    starts = {d: at for kind, _, _, d, at in rows if kind == "job.started"}
+    ends = {d: at for kind, _, _, d, at in rows if kind == "job.ready"}
+    busy = sum(ends[d] - starts[d] for d in ends if d in starts)
+    span = max(ends.values()) - min(starts.values())
+    return busy / (slots * span), span

@@ -1,0 +1,57 @@
+"""A book alone on a lane uses every slot: `book_quota` and `window` are fair shares, not caps.
+
+Real processes (`bench.farm`): control worker, beat, one GPU worker of 8 processes on
+`gpu.audio`, whose stage has `lane_limit` 8 and the default `book_quota` and `window` (4 and 4).
+One book of many scenes is regenerated alone; builtin jobs of 0.3 s (2 steps x 0.15 s).
+
+`lone_book_busy_fraction`: busy slot-seconds (job.started -> job.ready, journal) over the 8
+slots' seconds from the first start to the last end; at least 0.95. Beside it, same run: the
+fraction a hard cap at the default quota would allow (4 of 8 = 0.5).
+"""
+
+from __future__ import annotations
+
+from bench.common import BenchResult, Context
+from bench.farm import Farm, busy_fraction, events, wait_ready
+
+SLOTS = 8
+STEP_SECONDS = 0.15
+TARGET = 0.95
+BOOK = "lone-book"
+
+
+def _stages() -> dict[str, object]:
+    return {
+        "audio": {
+            "queue": "gpu.audio",
+            "input": "text",
+            "media_type": "audio/wav",
+            "lane_limit": SLOTS,
+            "params": {"steps": 2, "step_seconds": STEP_SECONDS},
+        }
+    }
+
+
+def run(ctx: Context) -> BenchResult:
+    result = BenchResult()
+    scenes = 48 if ctx.quick else 160
+    farm = Farm(_stages(), [("gpu.audio", SLOTS)], tick_seconds=1)
+    try:
+        farm.import_books({BOOK: scenes})
+        farm.start()
+        ctx.log(f"lone_book: {scenes} scenes alone on {SLOTS} slots, jobs {2 * STEP_SECONDS:.1f}s")
+        farm.client.regenerate(BOOK, ["audio"], wait=False)
+        wait_ready(farm, [BOOK], scenes, scenes * 2 * STEP_SECONDS + 120)
+        rows = events(["job.started", "job.ready"], [BOOK])
+    finally:
+        farm.stop()
+    fraction, span = busy_fraction(rows, SLOTS)
+    result.figure(
+        "lone_book_busy_fraction",
+        fraction,
+        baseline=f"{SLOTS} slots x {span:.1f}s; a hard cap at book_quota 4 would give 0.5",
+        target=f">= {TARGET}",
+        ok=fraction >= TARGET,
+    )
+    result.notes["lone_book"] = {"scenes": scenes, "span_s": round(span, 2), "setup": " ".join(__doc__.split())}
+    return result

@@ -1,0 +1,180 @@
+"""The due index: the tick passes only the books that need a pass now, several per task; a lane without
+room costs a batch no claim transaction; under a backlog of many books the slots go round in order.
+
+Real Postgres, Redis and broker; control messages are run through the real tasks (`run_control`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import reconcile as reconcile_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import make_book, states, use_settings
+from .test_elastic_share import lane, run_control, running
+
+
+def tick(rt: Wiring) -> list[str]:
+    rt.redis.client.delete(rt.redis.keys.lock("tick"))
+    return gate.tick(rt.ports)
+
+
+def control_messages(rt: Wiring) -> int:
+    import redis
+
+    client = redis.Redis.from_url(rt.settings.broker_url)
+    try:
+        return int(client.llen(CONTROL_QUEUE))
+    finally:
+        client.close()
+
+
+def short_capacity_window(rt: Wiring, seconds: int = 1) -> None:
+    use_settings(rt, replace(rt.settings, capacity_defer_seconds=seconds))
+
+
+def test_a_book_with_nothing_to_do_is_not_visited_by_the_tick(rt) -> None:
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    short_capacity_window(rt)
+    rt.catalog.import_book(make_book("running", chapters=1, scenes=2))
+    rt.catalog.import_book(make_book("waiting", chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "running", ["audio"])  # both scenes run: nothing left to pass
+    regenerate_flow.regenerate(rt.ports, "waiting", ["audio"])  # lane full: deferred for 1 s
+    assert rt.ports.book_state.active_books() == {"running", "waiting"}
+    assert tick(rt) == []  # neither needs a pass now
+    assert control_messages(rt) == 0
+    time.sleep(1.1)  # the deferrals of `waiting` end
+    assert tick(rt) == ["waiting"]
+    assert tick(rt) == []  # asked for once, however many ticks pass before its pass runs
+    assert [name for name, _ in run_control(rt)] == ["animastor.gate_batch"]
+    assert tick(rt) == []  # its pass found the lane still full and put it back for when its deferral ends
+
+
+def test_a_pass_lost_on_the_way_is_asked_for_again_by_reconcile(rt) -> None:
+    lane(rt, lane_limit=1)
+    short_capacity_window(rt)
+    for book in ("holder", "lost"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    time.sleep(1.1)
+    assert "lost" in tick(rt)
+    run_control_dropped = control_messages(rt)
+    import redis
+
+    redis.Redis.from_url(rt.settings.broker_url).delete(CONTROL_QUEUE)  # the gate task is lost
+    assert run_control_dropped == 1 and tick(rt) == []
+    reconcile_flow.reconcile(rt.ports, force=True)  # its dispatch-free pass puts the book back
+    assert "lost" in tick(rt)
+
+
+def test_the_tick_sends_the_due_books_in_batches(rt) -> None:
+    lane(rt, lane_limit=1)
+    short_capacity_window(rt)
+    books = [f"b{i:03d}" for i in range(gate.BATCH_BOOKS + 5)]
+    for book in books:
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    time.sleep(1.1)
+    assert sorted(tick(rt)) == books[1:]  # b000 runs; every other book waits for the lane
+    assert control_messages(rt) == 2  # 54 books: one task of 50 and one of 4
+
+
+class ClaimCounter:
+    """The real asset store, counting claim transactions; `between` runs between the batch's two lane counts."""
+
+    def __init__(self, inner: Any, between: Any = None) -> None:
+        self.inner, self.claims, self.loads, self.between = inner, 0, 0, between
+
+    def claiming(self, *args: Any, **kwargs: Any) -> Any:
+        self.claims += 1
+        return self.inner.claiming(*args, **kwargs)
+
+    def lane_load(self, stages: Any) -> dict[str, int]:
+        self.loads += 1
+        load = self.inner.lane_load(stages)
+        if self.loads == 1 and self.between is not None:
+            self.between()
+        return load
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_lane_without_room_costs_a_batch_no_claim_and_a_slot_freed_meanwhile_is_handed_on(rt) -> None:
+    lane(rt, lane_limit=1)
+    short_capacity_window(rt)
+    books = [f"w{i}" for i in range(5)]
+    for book in ["holder", *books]:
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    rt.redis.client.delete(rt.redis.keys.lane_waiters("gpu.audio"))  # nobody waits yet when the job ends
+    time.sleep(1.1)
+    with rt.db.transaction() as conn:
+        c, s, st, dispatch_id, token = conn.execute(
+            "SELECT chapter_id, scene_id, stage, dispatch_id, fencing_token FROM asset_states"
+            " WHERE book_id = 'holder' AND state = 'generating'"
+        ).fetchone()
+
+    def job_ends() -> None:  # after the batch saw the lane full, before its books join the waiting list
+        assert run_job(rt.ports, Job("holder", c, s, st, dispatch_id, token), worker="t")["outcome"] == "ready"
+
+    counter = ClaimCounter(rt.ports.assets, between=job_ends)
+    rt.ports = replace(rt.ports, assets=counter)
+    reports = gate.gate_batch(rt.ports, books)
+    assert counter.claims == 0 and counter.loads == 2
+    assert all(r.outcomes == {"lane_full": 1} for r in reports)
+    # The freed slot was handed to the first waiting book, not left for a deferral to end.
+    rt.ports = replace(rt.ports, assets=counter.inner)
+    run_control(rt)
+    assert running(rt, "holder", *books) == {"w0": 1}
+
+
+def test_slots_go_round_the_books_in_the_order_they_asked_under_a_backlog(rt) -> None:
+    lane(rt, lane_limit=2, book_quota=1, window=1)
+    books = [f"book{i:02d}" for i in range(30)]
+    for book in books:
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+    for book in books:
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    starts: list[str] = []
+    for _ in range(70):
+        with rt.db.transaction() as conn:
+            row = conn.execute(
+                "SELECT book_id, chapter_id, scene_id, stage, dispatch_id, fencing_token FROM asset_states"
+                " WHERE state = 'generating' ORDER BY updated_at LIMIT 1"
+            ).fetchone()
+        if row is None:
+            break
+        book, c, s, st, dispatch_id, token = row
+        starts.append(book)
+        assert run_job(rt.ports, Job(book, c, s, st, dispatch_id, token), worker="t")["outcome"] == "ready"
+        run_control(rt)
+    assert all(state == "ready" for b in books for state in states(rt, b).values())
+    first = [b for i, b in enumerate(starts) if b not in starts[:i]]
+    assert first == books  # each book's first job in the order the books asked
+    assert starts.index(books[-1]) <= len(books) + 1  # the last book waited about one job per book ahead
+
+
+def test_a_batch_reads_the_facts_of_its_books_together_as_each_pass_would_alone(rt) -> None:
+    lane(rt, lane_limit=2)
+    for book in ("one", "two"):
+        rt.catalog.import_book(make_book(book, chapters=2, scenes=3))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"], priority="bulk" if book == "two" else None)
+    together = rt.ports.assets.gate_rows_many(["one", "two", "nobody"])
+    assert together == {
+        "one": rt.ports.assets.gate_rows("one"),
+        "two": rt.ports.assets.gate_rows("two"),
+        "nobody": None,
+    }
+    now = time.time()
+    queues = rt.settings.registry.queues()
+    snaps = rt.ports.book_state.book_snapshots(["one", "two"], now, queues)
+    assert snaps == {b: rt.ports.book_state.book_snapshots([b], now, queues)[b] for b in ("one", "two")}
+    assert snaps["two"].deferred_until and snaps["two"].waiters == {"gpu.audio": ["one", "two"]}  # normal, then bulk

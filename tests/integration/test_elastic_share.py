@@ -1,0 +1,159 @@
+"""The elastic share: `book_quota` and `window` bind only while another book waits for the lane,
+`book_cap` always; a finishing book queues again at its own priority.
+
+Real Postgres, Redis and broker: jobs run in-process through `run_job` (the builtin generator),
+and the control messages they send (gate passes, hand-overs) are taken off the real broker queue
+and run through the real Celery tasks, oldest first, as the control worker would.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import redis
+
+from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.worker import tasks
+from animastor_tasks.worker.app import app
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import advertise, make_book, states, use_settings
+
+
+def lane(rt: Wiring, **limits: Any) -> Wiring:
+    """One audio stage with these limits and instant builtin jobs, a live consumer on its queue."""
+    spec = replace(rt.settings.registry.get("audio"), params={"steps": 1, "step_seconds": 0}, **limits)
+    use_settings(rt, replace(rt.settings, registry=replace(rt.settings.registry, stages=(spec,))))
+    advertise(rt, "gpu.audio")
+    return rt
+
+
+def run_control(rt: Wiring) -> list[tuple[str, dict[str, Any]]]:
+    """Run the control messages waiting in the broker, oldest first, through the real tasks."""
+    client = redis.Redis.from_url(rt.settings.broker_url)
+    ran: list[tuple[str, dict[str, Any]]] = []
+    try:
+        while (raw := client.rpop(CONTROL_QUEUE)) is not None:
+            message = json.loads(raw)
+            _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+            name = message["headers"]["task"]
+            app.tasks[name].run(**kwargs)
+            ran.append((name, kwargs))
+    finally:
+        client.close()
+    return ran
+
+
+def running(rt: Wiring, *books: str) -> Counter[str]:
+    return Counter(b for b in books for state in states(rt, b).values() if state == "generating")
+
+
+def finish_one(rt: Wiring, book: str) -> dict[str, Any]:
+    """The first running job of `book` (reading order) runs to its end; then the control work it sent."""
+    with rt.db.transaction() as conn:
+        c, s, st, dispatch_id, token = conn.execute(
+            "SELECT a.chapter_id, a.scene_id, a.stage, a.dispatch_id, a.fencing_token FROM asset_states a"
+            " JOIN scenes sc USING (book_id, chapter_id, scene_id)"
+            " WHERE a.book_id = %s AND a.state = 'generating' ORDER BY sc.position LIMIT 1",
+            (book,),
+        ).fetchone()
+    result = run_job(rt.ports, Job(book, c, s, st, dispatch_id, token), worker="test@local")
+    assert result["outcome"] == "ready", result
+    run_control(rt)
+    return result
+
+
+def waiting(rt: Wiring, queue: str = "gpu.audio") -> dict[str, float]:
+    return dict(rt.redis.client.zrange(rt.redis.keys.lane_waiters(queue), 0, -1, withscores=True))
+
+
+def test_a_lone_book_uses_every_free_slot_in_reading_order(rt) -> None:
+    lane(rt, lane_limit=8, book_quota=4, window=4)
+    rt.catalog.import_book(make_book("alone", chapters=1, scenes=12))
+    regenerate_flow.regenerate(rt.ports, "alone", ["audio"])
+    found = states(rt, "alone")
+    assert [s for (_, s, _), state in found.items() if state == "generating"] == [f"s{i}" for i in range(1, 9)]
+    # Nobody else waits: neither the quota (4) nor the window (4 scenes) held it back; the lane did.
+    deferred = rt.redis.client.zrange(rt.redis.keys.deferrals("alone", "capacity"), 0, -1)
+    assert sorted(deferred) == sorted(f"ch1:s{i}:audio" for i in range(9, 13))
+    assert "alone" in waiting(rt)  # it waits for the lane like anyone refused by it
+
+
+def test_a_lone_book_gives_its_extra_slots_back_as_its_jobs_end_and_keeps_its_share(rt) -> None:
+    lane(rt, lane_limit=4, book_quota=2, window=2)
+    for book in ("first", "late"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=10))
+    regenerate_flow.regenerate(rt.ports, "first", ["audio"])
+    assert running(rt, "first", "late") == {"first": 4}
+    regenerate_flow.regenerate(rt.ports, "late", ["audio"])
+    assert running(rt, "first", "late") == {"first": 4}  # nothing is preempted
+    history = []
+    for _ in range(6):
+        finish_one(rt, "first")
+        history.append(running(rt, "first", "late"))
+    # Each job of `first` that ends hands its slot to `late` until both hold their share (2 each);
+    # from then on `first` refills its own share and `late` takes no slot beyond its own.
+    assert history[0] == {"first": 3, "late": 1}
+    assert history[1] == {"first": 2, "late": 2}
+    assert all(h == {"first": 2, "late": 2} for h in history[2:]), history
+
+
+def test_a_waiting_book_already_at_its_share_does_not_hold_a_slot_back(rt) -> None:
+    """Work conservation: a slot no waiting book may take under the fair share goes to a book that can."""
+    lane(rt, lane_limit=5, book_quota=2, window=2)
+    for book in ("a", "b"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=6))
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert running(rt, "a", "b") == {"a": 5}
+    finish_one(rt, "a")
+    finish_one(rt, "a")
+    finish_one(rt, "a")
+    # Both hold their share (2) and the fifth slot is not held back for either: no slot left idle.
+    now = running(rt, "a", "b")
+    assert sum(now.values()) == 5 and min(now["a"], now["b"]) == 2, now
+
+
+def test_book_cap_is_a_hard_cap_even_alone(rt) -> None:
+    lane(rt, lane_limit=8, book_quota=4, window=4, book_cap=3)
+    for book in ("capped", "other"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=6))
+    regenerate_flow.regenerate(rt.ports, "capped", ["audio"])
+    assert running(rt, "capped") == {"capped": 3}
+    deferred = rt.redis.client.zrange(rt.redis.keys.deferrals("capped", "capacity"), 0, -1)
+    assert len(deferred) == 3  # quota_exhausted: the pairs still say why they wait
+    assert "capped" not in waiting(rt)  # more free slots would not help it: it does not wait for the lane
+    regenerate_flow.regenerate(rt.ports, "other", ["audio"])
+    assert running(rt, "capped", "other") == {"capped": 3, "other": 3}  # other is capped too
+    finish_one(rt, "capped")
+    assert running(rt, "capped", "other")["capped"] == 3  # its own freed room goes to it at once
+
+
+@pytest.mark.parametrize("priority", ["interactive", "bulk"])
+def test_a_finishing_book_queues_again_at_the_priority_of_its_job(rt, priority: str) -> None:
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    for book in ("runner", "waiter"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "runner", ["audio"], priority=priority)
+    regenerate_flow.regenerate(rt.ports, "waiter", ["audio"])
+    rt.redis.client.zrem(rt.redis.keys.lane_waiters("gpu.audio"), "runner")  # as if it had just been handed
+    finish_one(rt, "runner")
+    assert running(rt, "runner", "waiter") == {"waiter": 1}
+    rank = {"interactive": 0, "bulk": 2}[priority]
+    assert int(waiting(rt)["runner"] // 1e10) == rank
+
+
+def test_the_gate_task_contract_is_unchanged_and_a_batch_passes_each_book(rt) -> None:
+    lane(rt, lane_limit=8)
+    for book in ("x", "y"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    assert tasks.gate_task.run("x")["book_id"] == "x"
+    assert tasks.gate_batch.run(["x", "y"]) == 2

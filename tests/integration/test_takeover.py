@@ -1,0 +1,195 @@
+"""Issue 18 on the real stores: a queued job keeps its lease until it starts, the start checks it, the tick
+takes over a lapsed lease and blocks a stage whose heartbeats stopped, and the broker's consumer count never
+stands in for missing heartbeats."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+import uuid
+from collections.abc import Collection
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from animastor_tasks.adapters.redis.presence import PresenceStore
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import reconcile as reconcile_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import advertise, make_book, states
+from .test_generate import dispatched_jobs, with_stage
+
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def one_job(rt: Wiring, tmp_path: Path, *, lease_ttl: int = 1, heartbeat_ttl: float = 60.0) -> Job:
+    """One audio pair dispatched with a short lease and a job of about a second."""
+    spec = replace(rt.settings.registry.get("audio"), lease_ttl=lease_ttl, params={"steps": 6, "step_seconds": 0.2})
+    with_stage(rt, spec, tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio", ttl=heartbeat_ttl)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], scenes=[["ch1", "s1"]])
+    (job,) = dispatched_jobs(rt, "b")
+    return job
+
+
+def tick(rt: Wiring) -> list[str]:
+    """One beat tick now (the tick's singleton lock of the previous one released): the books it passed."""
+    rt.redis.client.delete(rt.redis.keys.lock("tick"))
+    return gate.tick(rt.ports)
+
+
+def events(rt: Wiring, kind: str) -> list[str]:
+    with rt.db.read() as conn:
+        rows = conn.execute("SELECT dispatch_id FROM events WHERE kind = %s ORDER BY id", (kind,)).fetchall()
+    return [r[0] for r in rows]
+
+
+def test_a_job_queued_longer_than_its_lease_ttl_runs_to_ready(rt: Wiring, tmp_path: Path) -> None:
+    """Old code: the lease lapsed in the queue, the job started (token only) and stopped with `lease lost`."""
+    job = one_job(rt, tmp_path, lease_ttl=1)
+    time.sleep(1.5)  # waits in its queue longer than its lease TTL, with ticks going on
+    tick(rt)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+    result = run_job(rt.ports, job, worker="w")
+    assert result["outcome"] == "ready", result
+    assert events(rt, "lease.expired") == []
+    assert events(rt, "job.started") == [job.dispatch_id]
+
+
+def test_a_started_job_holds_the_lease_ttl_not_the_queued_lease(rt: Wiring, tmp_path: Path) -> None:
+    job = one_job(rt, tmp_path, lease_ttl=2)
+    assert rt.redis.client.pttl(rt.redis.keys.lease(*job.lease_pair)) > 3_600_000  # a queued lease
+    seen: list[int] = []
+
+    def progress(_: float) -> None:
+        seen.append(int(rt.redis.client.pttl(rt.redis.keys.lease(*job.lease_pair))))
+
+    assert run_job(rt.ports, job, worker="w", progress=progress)["outcome"] == "ready"
+    assert seen and max(seen) <= 2000  # a dead worker's pair is taken over within one lease TTL
+
+
+def test_a_job_whose_queued_lease_is_gone_never_starts(rt: Wiring, tmp_path: Path) -> None:
+    """Old code: the start looked only at the Postgres token, so the job started and ran until its first
+    renewal (`stopping: lease lost`)."""
+    job = one_job(rt, tmp_path)
+    rt.ports.leases.drop_leases([job.lease_pair])  # the pair was taken over while the job waited
+    result = run_job(rt.ports, job, worker="w")
+    assert result["outcome"] == "fence_rejected" and result["reason"] == "lease lost before start"
+    assert events(rt, "job.started") == []
+
+
+def test_the_tick_takes_over_a_started_job_whose_lease_lapsed(rt: Wiring, tmp_path: Path) -> None:
+    """Old code: only reconcile (every 30 s) noticed; the tick left the pair `generating`."""
+    job = one_job(rt, tmp_path, lease_ttl=1)
+    owned, _ = rt.ports.leases.claim_delivery(job.dispatch_id, "w", 1, "b")  # a worker took it ...
+    assert owned and rt.ports.leases.renew_lease(job.lease_pair, job.dispatch_id, 0.3)  # ... and was cut off
+    tick(rt)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"  # its lease is still live
+    time.sleep(0.4)
+    assert "b" in tick(rt)  # the same tick sends the book's gate pass: the pair is dispatched again at once
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
+    assert len(events(rt, "lease.expired")) == 1
+
+
+def test_the_tick_leaves_a_never_started_job_to_reconcile(rt: Wiring, tmp_path: Path) -> None:
+    """A lease-less job that was never delivered may still wait in its queue: only the broker can tell."""
+    job = one_job(rt, tmp_path)
+    rt.ports.leases.drop_leases([job.lease_pair])
+    tick(rt)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+
+
+class CountingBroker:
+    """A `QueueProbe` like RabbitMQ's: counts only."""
+
+    def __init__(self, depths: dict[str, int]) -> None:
+        self.depths = depths
+
+    def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None:
+        return None
+
+    def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None:
+        return {q: self.depths.get(q, 0) for q in queues}
+
+
+def test_reconcile_drops_the_queued_lease_of_a_lost_message(
+    rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queued lease must not outlive a message the broker lost (a purged queue)."""
+    monkeypatch.setattr(reconcile_flow, "RECOUNT_PAUSE_SECONDS", 0.0)
+    job = one_job(rt, tmp_path)
+    ports = replace(rt.ports, queue_probe=CountingBroker({"gpu.audio": 0}))
+    assert reconcile_flow.reconcile(ports, force=True)["expired"] == 1
+    assert states(rt, "b")[("ch1", "s1", "audio")] in ("pending", "generating")
+    assert rt.ports.leases.lease_holders([job.lease_pair]) != [job.dispatch_id]
+    # The message turns up after all (a worker that was cut off hands it back): it does not start.
+    assert run_job(rt.ports, job, worker="w")["outcome"] == "fence_rejected"
+
+
+def test_the_tick_blocks_a_stage_whose_heartbeats_stopped(rt: Wiring, tmp_path: Path) -> None:
+    """Old code: only reconcile (30 s) blocked a stage with jobs in flight and no live worker."""
+    one_job(rt, tmp_path, lease_ttl=60, heartbeat_ttl=0.5)
+    tick(rt)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+    time.sleep(0.6)
+    tick(rt)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "dirty"
+    (command,) = rt.ports.commands.commands(book="b")
+    assert (command.status, command.reason) == ("blocked", "no_worker:audio")
+
+
+def _amqp_reachable() -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", 5672), timeout=1):
+        return True
+    return False
+
+
+def test_a_broker_consumer_never_stands_in_for_missing_heartbeats(rt: Wiring) -> None:
+    """Old code: heartbeats gone, the AMQP count (a half-open connection of a cut-off worker) said 1."""
+    if not _amqp_reachable():
+        pytest.skip("RabbitMQ is not listening on 127.0.0.1:5672")
+    from kombu import Connection, Queue
+
+    queue = f"gpu.test-{uuid.uuid4().hex[:8]}"
+    presence = PresenceStore(rt.redis, AMQP_URL)
+    with Connection(AMQP_URL, connect_timeout=3) as conn:
+        channel = conn.channel()
+        q = Queue(queue, auto_delete=True)(channel)
+        q.declare()
+        q.consume(callback=lambda *_: None)  # the broker counts this consumer
+        try:
+            assert presence.counts([queue]) == {queue: 0}  # no heartbeat: not live
+            presence.heartbeat("w@h", [queue], 30)
+            assert presence.counts([queue]) == {queue: 1}
+        finally:
+            q.delete()
+    # A heartbeat without a consumer: the broker's zero wins (a killed worker's connection closed at once).
+    assert presence.counts([queue]) == {queue: 0}
+
+
+def test_the_tick_hands_a_worker_less_lane_to_the_books_waiting_for_it(rt: Wiring, tmp_path: Path) -> None:
+    """A book waiting for the lane holds capacity deferrals, which keep its passes from the consumer check for
+    a whole window: blocking the running book must also hand the lane to it, so that it is BLOCKED now."""
+    spec = replace(rt.settings.registry.get("audio"), lane_limit=1, lease_ttl=60)
+    with_stage(rt, spec, tmp_path)
+    for book in ("a", "b"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+    advertise(rt, "gpu.audio", ttl=0.8)
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # lane full: deferred, waits for the lane
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
+    waiters = rt.redis.keys.lane_waiters("gpu.audio")
+    assert rt.redis.client.zrange(waiters, 0, -1) == ["b"]
+    time.sleep(0.9)
+    tick(rt)
+    assert states(rt, "a")[("ch1", "s1", "audio")] == "dirty"
+    assert rt.redis.client.zrange(waiters, 0, -1) == []  # handed the lane: its pass is on its way
+    gate.gate_pass(rt.ports, "b", handed_lane="gpu.audio")  # that pass, as the control worker runs it
+    (command,) = rt.ports.commands.commands(book="b")
+    assert (command.status, command.reason) == ("blocked", "no_worker:audio")
