@@ -46,7 +46,7 @@ bench-quick: install
 
 ## The fault-injection suite with more trials than CI runs.
 faults: install
-	ANIMASTOR_FAULT_SCALE=long $(BIN)/pytest -q -m faults tests/faults
+	ANIMASTOR_FAULT_SCALE=long $(BIN)/pytest -q -m "faults or cluster" tests/faults tests/cluster
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-output

@@ -24,14 +24,8 @@ from typing import Any
 
 from bench.common import (
     BenchResult,
-    BookShape,
     Context,
-    activate,
-    add_command,
-    advertise_consumers,
     analyze,
-    count_round_trips,
-    load_books,
     make_runtime,
     median,
     pg_connect,
@@ -39,6 +33,8 @@ from bench.common import (
     reset_stores,
     timed,
 )
+from bench.round_trips import count_round_trips
+from bench.seed import BookShape, activate, add_command, advertise_consumers, load_books
 
 BOOK = "cancel-book"
 PENDING_SCENES = 5_000

@@ -35,15 +35,8 @@ from typing import Any
 from bench.common import (
     ROOT,
     BenchResult,
-    BookShape,
     Context,
-    activate,
-    add_command,
-    add_deferrals,
-    advertise_consumers,
     analyze,
-    count_round_trips,
-    load_books,
     make_runtime,
     pg_connect,
     proc_cpu_seconds,
@@ -52,6 +45,8 @@ from bench.common import (
     reset_stores,
     stage_table,
 )
+from bench.round_trips import count_round_trips
+from bench.seed import BookShape, activate, add_command, add_deferrals, advertise_consumers, load_books
 
 TARGET_CPU_MS = 5.0
 QUEUES = ("gpu.audio", "gpu.image")

@@ -14,21 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import (
-    BenchResult,
-    BookShape,
-    Context,
-    add_commands_bulk,
-    advertise_consumers,
-    analyze,
-    load_books,
-    make_runtime,
-    reset_stores,
-    stage_table,
-    start_work,
-    timed,
-)
+from bench.common import BenchResult, Context, analyze, make_runtime, reset_stores, stage_table, timed
 from bench.control_loop import run_control_process
+from bench.seed import BookShape, add_commands_bulk, advertise_consumers, load_books, start_work
 
 QUEUES = ["gpu.audio", "gpu.image"]
 TARGET_MB = 100.0

@@ -19,6 +19,18 @@ from animastor_tasks.dev.supervisor import Supervisor, wait_until
 from bench.common import ROOT, bench_env, make_runtime, pg_connect, proc_cpu_seconds
 
 
+def audio_stage(slots: int, step_seconds: float, **extra: Any) -> dict[str, Any]:
+    """The audio stage the farm benchmarks share: builtin jobs of two steps on `slots` slots."""
+    return {
+        "queue": "gpu.audio",
+        "input": "text",
+        "media_type": "audio/wav",
+        "lane_limit": slots,
+        **extra,
+        "params": {"steps": 2, "step_seconds": step_seconds},
+    }
+
+
 def book_json(book_id: str, scenes: int) -> str:
     """A one-chapter book of `scenes` scenes, for `catalog.import_book`."""
     chapter = {

@@ -19,24 +19,10 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from bench.common import (
-    BenchResult,
-    BookShape,
-    Context,
-    Row,
-    activate,
-    add_command,
-    add_deferrals,
-    analyze,
-    count_round_trips,
-    load_books,
-    make_runtime,
-    median,
-    pg_connect,
-    reset_stores,
-    timed,
-)
+from bench.common import BenchResult, Context, Row, analyze, make_runtime, median, pg_connect, reset_stores, timed
 from bench.gate_reference import faithful_pass, per_pair_pass, same_decisions
+from bench.round_trips import count_round_trips
+from bench.seed import BookShape, activate, add_command, add_deferrals, load_books
 
 BOOK = "gate-book"
 TARGET_SPEEDUP = 20.0

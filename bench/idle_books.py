@@ -20,8 +20,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.common import BenchResult, BookShape, Context, add_commands_bulk, load_books, purge_queues, start_work
-from bench.farm import Farm, db_now, events, wait_ready
+from bench.common import BenchResult, Context, purge_queues
+from bench.farm import Farm, audio_stage, db_now, events, wait_ready
+from bench.seed import BookShape, add_commands_bulk, load_books, start_work
 
 SLOTS = 4
 JOBS = 100
@@ -33,13 +34,7 @@ TARGET_FIRST_S = 1.0
 
 def _stages() -> dict[str, Any]:
     return {
-        "audio": {
-            "queue": "gpu.audio",
-            "input": "text",
-            "media_type": "audio/wav",
-            "lane_limit": SLOTS,
-            "params": {"steps": 2, "step_seconds": STEP_SECONDS},
-        },
+        "audio": audio_stage(SLOTS, STEP_SECONDS),
         "image": {"queue": "gpu.image", "input": "prompt", "media_type": "image/png", "lease_ttl": 3600},
     }
 

@@ -19,7 +19,7 @@ from functools import partial
 
 from animastor_tasks.dev.supervisor import wait_until
 from bench.common import BenchResult, Context, median
-from bench.farm import Farm, count_state, db_now, events
+from bench.farm import Farm, audio_stage, count_state, db_now, events
 
 SLOTS = 2
 STEP_SECONDS = 0.15
@@ -27,15 +27,7 @@ READER = "reader"
 
 
 def _stages() -> dict[str, object]:
-    return {
-        "audio": {
-            "queue": "gpu.audio",
-            "input": "text",
-            "media_type": "audio/wav",
-            "lane_limit": SLOTS,
-            "params": {"steps": 2, "step_seconds": STEP_SECONDS},
-        }
-    }
+    return {"audio": audio_stage(SLOTS, STEP_SECONDS)}
 
 
 def _started_at(scene: str) -> float | None:

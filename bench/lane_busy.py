@@ -21,6 +21,7 @@ from pathlib import Path
 from animastor_tasks.dev.celery_commands import celery_argv
 from animastor_tasks.dev.supervisor import Supervisor, wait_until
 from bench.common import ROOT, BenchResult, Context, bench_env, make_runtime, pg_connect
+from bench.farm import audio_stage
 
 SLOTS = 2
 STEP_SECONDS = 0.15  # two builtin steps: a 0.3 s job
@@ -28,17 +29,7 @@ TARGET_BUSY = 0.95
 
 
 def _stages() -> dict[str, object]:
-    return {
-        "audio": {
-            "queue": "gpu.audio",
-            "input": "text",
-            "media_type": "audio/wav",
-            "lane_limit": SLOTS,
-            "book_quota": 1,
-            "window": 1,
-            "params": {"steps": 2, "step_seconds": STEP_SECONDS},
-        }
-    }
+    return {"audio": audio_stage(SLOTS, STEP_SECONDS, book_quota=1, window=1)}
 
 
 def _book(book_id: str, scenes: int) -> dict[str, object]:

@@ -28,18 +28,16 @@ from animastor_tasks.dev.supervisor import Supervisor, wait_until
 from bench.common import (
     ROOT,
     BenchResult,
-    BookShape,
     Context,
     bench_env,
-    count_round_trips,
-    load_books,
     make_runtime,
     median,
     percentile,
     pg_connect,
     redis_client,
-    scene_key,
 )
+from bench.round_trips import count_round_trips
+from bench.seed import BookShape, load_books, scene_key
 
 BOOK = "latency-book"
 CHANNEL = "bench_events"

@@ -12,7 +12,7 @@ fraction a hard cap at the default quota would allow (4 of 8 = 0.5).
 from __future__ import annotations
 
 from bench.common import BenchResult, Context
-from bench.farm import Farm, busy_fraction, events, wait_ready
+from bench.farm import Farm, audio_stage, busy_fraction, events, wait_ready
 
 SLOTS = 8
 STEP_SECONDS = 0.15
@@ -21,15 +21,7 @@ BOOK = "lone-book"
 
 
 def _stages() -> dict[str, object]:
-    return {
-        "audio": {
-            "queue": "gpu.audio",
-            "input": "text",
-            "media_type": "audio/wav",
-            "lane_limit": SLOTS,
-            "params": {"steps": 2, "step_seconds": STEP_SECONDS},
-        }
-    }
+    return {"audio": audio_stage(SLOTS, STEP_SECONDS)}
 
 
 def run(ctx: Context) -> BenchResult:

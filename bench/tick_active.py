@@ -14,23 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import (
-    BenchResult,
-    BookShape,
-    Context,
-    activate,
-    add_command,
-    add_deferrals,
-    advertise_consumers,
-    analyze,
-    count_round_trips,
-    load_books,
-    make_runtime,
-    reset_stores,
-    schedule,
-    stage_table,
-    timed,
-)
+from bench.common import BenchResult, Context, analyze, make_runtime, reset_stores, stage_table, timed
+from bench.round_trips import count_round_trips
+from bench.seed import BookShape, activate, add_command, add_deferrals, advertise_consumers, load_books, schedule
 
 SCENES = 1_000
 TARGET_MS = 2_000.0

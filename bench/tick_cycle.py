@@ -3,7 +3,7 @@
 A tick cycle is the tick plus every control task it leads to (the gate passes it asks for, the
 hand-overs they ask for, ...), run in a fresh control process by `bench.control_loop`; see there.
 Setup per shape (BOOKS x SCENES x 2 stages): every pair `pending` under one active command per
-book and stage (COPY), then what a regenerate does next (`bench.common.start_work`: the Redis
+book and stage (COPY), then what a regenerate does next (`bench.seed.start_work`: the Redis
 side, and its gate pass without dispatch, so each book is wherever the design's index of books
 with work puts a freshly commanded book); the default stage limits (lane 8, book quota 4,
 window 4), a live consumer advertised on both GPU queues (nothing consumes: the control process
@@ -30,22 +30,18 @@ from typing import Any
 
 from bench.common import (
     BenchResult,
-    BookShape,
     Context,
-    add_commands_bulk,
-    advertise_consumers,
     analyze,
-    load_books,
     make_runtime,
     plant_sentinel,
     purge_queues,
     reset_stores,
     sentinel_alive,
     stage_table,
-    start_work,
     timed,
 )
 from bench.control_loop import run_control_process
+from bench.seed import BookShape, add_commands_bulk, advertise_consumers, load_books, start_work
 
 QUEUES = ["gpu.audio", "gpu.image"]
 LANE = 8

@@ -17,19 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import (
-    BenchResult,
-    BookShape,
-    Context,
-    analyze,
-    count_round_trips,
-    load_books,
-    make_runtime,
-    median,
-    pg_connect,
-    reset_stores,
-    timed,
-)
+from bench.common import BenchResult, Context, analyze, make_runtime, median, pg_connect, reset_stores, timed
+from bench.round_trips import count_round_trips
+from bench.seed import BookShape, load_books
 
 SCENES_PER_BOOK = 500
 
