@@ -213,6 +213,9 @@ def test_every_host_of_a_stage_partitioned(make_cluster: Any, broker: str) -> No
     cl.heal("gpu2")
     rejoined = {name: rejoin(cl, proc, healed) for name, proc in gpus.items()}
     assert any(v is not None for v in rejoined.values()), f"no image worker came back after the heal: {rejoined}"
+    # A heartbeat can be back before the consumer has reconnected to the broker: a command sent in that
+    # moment is BLOCKED (no consumer yet), so the new command goes one presence TTL after the rejoin.
+    time.sleep(ttl)
     again = time.monotonic()
     cl.stack.client.regenerate("cut-all-b", ["image"])
     cl.stack.wait_commands("cut-all-b", ["image"], "completed", timeout=60)

@@ -31,8 +31,13 @@ SLOW = {"steps": 10, "step_seconds": 0.2}  # 2 s per image: the first one runs w
 
 
 def refused(proc: Proc, dispatch_ids: set[str]) -> set[str]:
-    """The dispatches the worker refused at start because their book was cancelled."""
-    lines = [ln for ln in proc.log().splitlines() if "fence_rejected: cancelled" in ln]
+    """The dispatches the worker refused at start because their book was cancelled.
+
+    The start refuses such a job on its own queued lease (the cancel released it) or, when it reads the
+    lease first, on the cancel itself: either way before any GPU work.
+    """
+    reasons = ("fence_rejected: cancelled", "fence_rejected: lease lost before start")
+    lines = [ln for ln in proc.log().splitlines() if any(reason in ln for reason in reasons)]
     return {i for i in dispatch_ids if any(f"dispatch={i}" in ln for ln in lines)}
 
 

@@ -88,13 +88,15 @@ def test_counters_of_the_hash_are_exported_by_kind(rt: Wiring) -> None:
 def test_pending_backlog_is_exported_per_stage(rt: Wiring) -> None:
     from animastor_tasks.flow import regenerate
     from tests.integration.helpers import advertise
+    from tests.integration.test_commands import cap_books
 
     samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
     assert value(samples, "animastor_pending_pairs", stage="audio") == 0  # every stage, from the first scrape
     assert value(samples, "animastor_pending_pairs", stage="image") == 0
     rt.catalog.import_book(make_book("backlog", scenes=6))
     advertise(rt, "gpu.audio")
-    regenerate.regenerate(rt.ports, "backlog", ["audio"])  # book quota 4: four dispatched, two wait
+    cap_books(rt, 4)  # a hard cap: four dispatched, two wait (a lone book passes its fair share)
+    regenerate.regenerate(rt.ports, "backlog", ["audio"])
     samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
     assert value(samples, "animastor_pending_pairs", stage="audio") == 2
     assert value(samples, "animastor_pending_pairs", stage="image") == 0
