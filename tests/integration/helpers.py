@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
@@ -72,4 +76,28 @@ def use_settings(rt: Wiring, settings: Settings) -> None:
         settings=settings,
         artifacts=LocalArtifactStore(settings.artifact_root),
         generators=EntryPointGenerators(settings),
+    )
+
+
+class CountingBroker:
+    """A `QueueProbe` like RabbitMQ's: it cannot list the waiting jobs, only count them per queue."""
+
+    def __init__(self, depths: dict[str, int]) -> None:
+        self.depths = depths
+
+    def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None:
+        return None
+
+    def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None:
+        return {q: self.depths.get(q, 0) for q in queues}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The operator CLI as a subprocess, in this test run's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.operator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ.copy(),
     )

@@ -3,23 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 from animastor_tasks.flow import regenerate as regenerate_flow
 
-from .helpers import advertise, make_book
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "animastor_tasks.operator.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=os.environ.copy(),
-    )
+from .helpers import advertise, cli, make_book
 
 
 def test_read_commands_speak_json(rt) -> None:

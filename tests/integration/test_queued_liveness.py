@@ -4,7 +4,6 @@ lease TTL is alive and keeps a lease; a job the count no longer covers is taken 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
 from dataclasses import replace
 
 import pytest
@@ -13,20 +12,7 @@ from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, states
-
-
-class CountingBroker:
-    """A `QueueProbe` like RabbitMQ's: it cannot list the waiting jobs, only count them per queue."""
-
-    def __init__(self, depths: dict[str, int]) -> None:
-        self.depths = depths
-
-    def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None:
-        return None
-
-    def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None:
-        return {q: self.depths.get(q, 0) for q in queues}
+from .helpers import CountingBroker, advertise, make_book, states
 
 
 def dispatch_scenes(rt: Wiring, book: str, scenes: int) -> dict[str, str]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from animastor_tasks.worker.wiring import Wiring
 from tests.support import missing, wait_for
 from tests.support.cluster import Cluster
 
-from .helpers import advertise, make_book, states
+from .helpers import advertise, cli, make_book, states
 from .test_generate import drain
 from .test_schemas import check
 
@@ -61,16 +59,6 @@ def uploads(store: S3ArtifactStore) -> list[str]:
     sent: list[str] = []
     store.client.meta.events.register("before-call.s3.PutObject", lambda params, **_: sent.append(params["url_path"]))
     return sent
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "animastor_tasks.operator.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=os.environ.copy(),
-    )
 
 
 def rewire() -> Wiring:

@@ -8,7 +8,6 @@ import contextlib
 import socket
 import time
 import uuid
-from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import Job, run_job
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, states
+from .helpers import CountingBroker, advertise, make_book, states
 from .test_generate import dispatched_jobs, with_stage
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
@@ -103,19 +102,6 @@ def test_the_tick_leaves_a_never_started_job_to_reconcile(rt: Wiring, tmp_path: 
     rt.ports.leases.drop_leases([job.lease_pair])
     tick(rt)
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
-
-
-class CountingBroker:
-    """A `QueueProbe` like RabbitMQ's: counts only."""
-
-    def __init__(self, depths: dict[str, int]) -> None:
-        self.depths = depths
-
-    def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None:
-        return None
-
-    def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None:
-        return {q: self.depths.get(q, 0) for q in queues}
 
 
 def test_reconcile_drops_the_queued_lease_of_a_lost_message(
