@@ -73,9 +73,8 @@ class CeleryPublisher:
             self.counters.add({"revoke:failed": 1})
             log.warning("[DISPATCH] revoke broadcast failed: %s", err)
 
-    def enqueue_gate(self, book_id: str, lane: str | None = None) -> None:
-        kwargs = {"book_id": book_id} if lane is None else {"book_id": book_id, "lane": lane}
-        self.app.send_task("animastor.gate", kwargs=kwargs, queue=CONTROL_QUEUE)
+    def enqueue_refill(self, book_id: str, lane: str | None = None) -> None:
+        self.app.send_task("animastor.refill", kwargs={"book_id": book_id, "lane": lane}, queue=CONTROL_QUEUE)
 
     def enqueue_gates(self, book_ids: Sequence[str]) -> None:
         self.app.send_task("animastor.gate_batch", kwargs={"book_ids": list(book_ids)}, queue=CONTROL_QUEUE)

@@ -369,23 +369,23 @@ def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str) -> None:
     atomic step); with nobody waiting, the book's own pairs waiting for capacity go at once."""
     waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
     for waiter in waiters:
-        ports.publisher.enqueue_gate(waiter, lane=queue)
+        ports.publisher.enqueue_refill(waiter, lane=queue)
     if waiters:
         return
     # Every stage: the scene window is shared by the book's stages, so a finished audio job
     # can free the slot an image pair was deferred for (window_full).
     ports.deferrals.clear_bucket(book, DeferralBucket.CAPACITY)
-    ports.publisher.enqueue_gate(book)
+    ports.publisher.enqueue_refill(book)
 
 
 def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = None) -> list[str]:
-    """Free slots of a lane go to the books that have waited longest for it, each with a gate pass
-    told which lane it is handed (that pass looks past its capacity deferrals on the lane); a book
+    """Free slots of a lane go to the books that have waited longest for it, each with a refill
+    told which lane it is handed (it looks past its capacity deferrals on the lane); a book
     served this way waits at the back again when the lane is full (round robin). Returns the books
     served. Nothing of the served books is written here."""
     if slots <= 0:
         return []
     books = ports.deferrals.next_waiters(queue, slots, exclude=exclude)
     for waiter in books:
-        ports.publisher.enqueue_gate(waiter, lane=queue)
+        ports.publisher.enqueue_refill(waiter, lane=queue)
     return books

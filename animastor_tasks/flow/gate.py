@@ -45,7 +45,6 @@ def gate_pass(
     book: str,
     *,
     dispatch_work: bool = True,
-    handed_lane: str | None = None,
     full_lanes: Collection[str] = (),
     known: Facts | None = None,
 ) -> PassReport:
@@ -57,18 +56,18 @@ def gate_pass(
     books' (see `gate_batch`).
     """
     started = time.monotonic()
-    report = _gate_pass(
-        ports, book, dispatch_work=dispatch_work, handed_lane=handed_lane, full_lanes=full_lanes, known=known
-    )
+    report = _gate_pass(ports, book, dispatch_work=dispatch_work, full_lanes=full_lanes, known=known)
     if report.released or any(outcome != Outcome.DEFERRED for outcome in report.outcomes):
         ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
-    if handed_lane is not None and handed_lane not in report.claimed_lanes:
-        # Handed a free slot it had no use for: pass it on rather than leave it idle.
-        try:
-            dispatch.hand_over(ports, handed_lane, 1, exclude=book)
-        except StoreUnavailable as err:
-            log.warning("[COMMAND-GATE] book=%r could not pass on a free slot of %s: %s", book, handed_lane, err)
     return report
+
+
+def pass_on_slot(ports: Ports, book: str, lane: str) -> None:
+    """A free slot of `lane` handed to `book`, which had no use for it: to the next waiting book rather than idle."""
+    try:
+        dispatch.hand_over(ports, lane, 1, exclude=book)
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] book=%r could not pass on a free slot of %s: %s", book, lane, err)
 
 
 def _gate_pass(
@@ -76,7 +75,6 @@ def _gate_pass(
     book: str,
     *,
     dispatch_work: bool,
-    handed_lane: str | None,
     full_lanes: Collection[str],
     known: Facts | None,
 ) -> PassReport:
@@ -136,9 +134,7 @@ def _gate_pass(
 
     result = dispatch.DispatchResult()
     if dispatch_work and pending:
-        result = dispatch.dispatch_pending(
-            ports, book, pending, snap, now=now, handed_lane=handed_lane, full_lanes=full_lanes
-        )
+        result = dispatch.dispatch_pending(ports, book, pending, snap, now=now, full_lanes=full_lanes)
         report.outcomes = result.outcomes
         report.dispatched = result.dispatched
         report.claimed_lanes = result.claimed_lanes

@@ -5,7 +5,9 @@
 | animastor.regenerate        | animastor.control   | book_id, stages, scenes=None, command_id=None, force=True,  |
 |                             |                     | priority=None (interactive, normal or bulk)                 |
 | animastor.cancel            | animastor.control   | book_id, reason=None                                        |
-| animastor.gate              | animastor.control   | book_id, lane=None (the queue whose free slot it is handed) |
+| animastor.gate              | animastor.control   | book_id, lane=None (set: a refill of that lane, as below)   |
+| animastor.refill            | animastor.control   | book_id, lane=None (the queue whose free slot it is handed; |
+|                             |                     | None: any; sent when a slot frees)                          |
 | animastor.gate_batch        | animastor.control   | book_ids (the due books; sent by the tick)                  |
 | animastor.tick              | animastor.control   | (none; beat)                                                |
 | animastor.reconcile         | animastor.control   | (none; beat)                                                |
@@ -22,7 +24,7 @@ from celery import Task
 
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import gate
+from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import Job, run_job
@@ -54,7 +56,18 @@ def cancel(book_id: str, reason: str | None = None) -> dict[str, Any]:
 
 @app.task(name="animastor.gate")
 def gate_task(book_id: str, lane: str | None = None) -> dict[str, Any]:
-    report = gate.gate_pass(ports(), book_id, handed_lane=lane)
+    # `lane`: a message of a version that handed slots through this task; handed slots are refills now.
+    return _pass_result(
+        book_id, gate.gate_pass(ports(), book_id) if lane is None else refill.refill(ports(), book_id, lane)
+    )
+
+
+@app.task(name="animastor.refill", ignore_result=True)
+def refill_task(book_id: str, lane: str | None = None) -> dict[str, Any]:
+    return _pass_result(book_id, refill.refill(ports(), book_id, lane))
+
+
+def _pass_result(book_id: str, report: gate.PassReport) -> dict[str, Any]:
     return {
         "book_id": book_id,
         "authorized": len(report.authorized),

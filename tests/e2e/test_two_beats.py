@@ -56,6 +56,7 @@ def test_two_beats_dispatch_each_pair_once(make_stack, figure) -> None:
     stack.check_artifacts(book.book_id, pairs)
     log = control.log().splitlines()
     gates = sum(1 for line in log if "Task animastor.gate[" in line and "received" in line)
+    gates += sum(1 for line in log if "Task animastor.refill[" in line and "received" in line)
     ticks = [line for line in log if "Task animastor.tick[" in line and "succeeded" in line]
     idle = sum(1 for line in ticks if line.endswith(": []"))
     figure(

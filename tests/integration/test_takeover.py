@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from animastor_tasks.adapters.redis.presence import PresenceStore
-from animastor_tasks.flow import gate
+from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import Job, run_job
@@ -176,6 +176,6 @@ def test_the_tick_hands_a_worker_less_lane_to_the_books_waiting_for_it(rt: Wirin
     tick(rt)
     assert states(rt, "a")[("ch1", "s1", "audio")] == "dirty"
     assert rt.redis.client.zrange(waiters, 0, -1) == []  # handed the lane: its pass is on its way
-    gate.gate_pass(rt.ports, "b", handed_lane="gpu.audio")  # that pass, as the control worker runs it
+    refill.refill(rt.ports, "b", "gpu.audio")  # that refill, as the control worker runs it
     (command,) = rt.ports.commands.commands(book="b")
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")

@@ -61,8 +61,8 @@ def test_one_trace_from_regenerate_through_gate_to_each_job(traced: tuple[Any, I
     def names() -> list[str]:
         return [s.name for s in exporter.get_finished_spans()]
 
-    # Each finished job sends a gate task; wait for all three gate runs to end too.
-    wait_for(lambda: names().count("run/animastor.gate") >= 3, 30, "the gate runs sent by the jobs")
+    # Each finished job sends a refill task; wait for all three refill runs to end too.
+    wait_for(lambda: names().count("run/animastor.refill") >= 3, 30, "the refill runs sent by the jobs")
     spans = exporter.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
 
@@ -83,10 +83,10 @@ def test_one_trace_from_regenerate_through_gate_to_each_job(traced: tuple[Any, I
         assert chain[1] == "apply_async/animastor.generate.audio", chain  # published by dispatch...
         assert "run/animastor.regenerate" in chain, chain  # ...of a gate pass the regenerate started
         assert chain[-1] == root.name, chain
-    gates = [s for s in spans if s.name == "run/animastor.gate"]
-    for gate in gates:
+    refills = [s for s in spans if s.name == "run/animastor.refill"]
+    for gate in refills:
         chain = ancestry(gate)
         assert gate.context.trace_id == root.context.trace_id
-        # regenerate -> job -> gate task (apply_async from the job's task) -> its run
-        assert chain[1:3] == ["apply_async/animastor.gate", "run/animastor.generate.audio"], chain
+        # regenerate -> job -> refill task (apply_async from the job's task) -> its run
+        assert chain[1:3] == ["apply_async/animastor.refill", "run/animastor.generate.audio"], chain
         assert "run/animastor.regenerate" in chain, chain

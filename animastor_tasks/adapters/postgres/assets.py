@@ -38,6 +38,29 @@ def _columns(pairs: Sequence[Pair]) -> tuple[list[str], list[str], list[str]]:
     return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs]
 
 
+# A book's own row, first among its gate rows (rank and position -1): its layers and its tombstone.
+_BOOK_ROW = (
+    " SELECT b.book_id, NULL, NULL, NULL, NULL, 0, -1, b.layer_config, NULL, NULL, false,"
+    "  EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id), -1, NULL"
+    " FROM books b WHERE b.book_id = ANY(%(books)s)"
+)
+
+
+def _gate_rows_by_book(books: Sequence[str], rows: Sequence[Any]) -> dict[str, GateRows | None]:
+    found: dict[str, GateRows | None] = dict.fromkeys(books)
+    by_book: dict[str, list[Any]] = {}
+    for row in rows:
+        by_book.setdefault(row[0], []).append(row[1:])
+    for book, body in by_book.items():
+        head = body[0]
+        if head[5] != -1:
+            continue  # pairs of a book whose row is gone: unknown
+        in_flight = tuple(InFlight(*row) for row in body[1:])
+        commanded = frozenset(i.pair for i in in_flight if i.commanded)
+        found[book] = GateRows(head[6], bool(head[10]), commanded, in_flight)
+    return found
+
+
 def new_dispatch_id() -> str:
     """128 random bits: a dispatch id is never guessable nor reused."""
     return uuid.uuid4().hex
@@ -111,10 +134,8 @@ class AssetStore:
                 # Each book's own row comes first (rank and position -1) and carries the layers and the
                 # tombstone; then its pairs in the order they should get slots: the highest priority
                 # first, the oldest command first within it, reading order within that.
-                " SELECT b.book_id, NULL, NULL, NULL, NULL, 0, -1, b.layer_config, NULL, NULL, false,"
-                "  EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id), -1, NULL"
-                " FROM books b WHERE b.book_id = ANY(%(books)s)"
-                " UNION ALL SELECT * FROM flight ORDER BY 1, 13, 14 NULLS LAST, 7",
+                + _BOOK_ROW
+                + " UNION ALL SELECT * FROM flight ORDER BY 1, 13, 14 NULLS LAST, 7",
                 {
                     "books": list(books),
                     "authorizing": values(AUTHORIZING),
@@ -123,18 +144,45 @@ class AssetStore:
                     "normal": priority_rank(Priority.NORMAL),
                 },
             ).fetchall()
-        found: dict[str, GateRows | None] = dict.fromkeys(books)
-        by_book: dict[str, list[Any]] = {}
-        for row in rows:
-            by_book.setdefault(row[0], []).append(row[1:])
-        for book, body in by_book.items():
-            head = body[0]
-            if head[5] != -1:
-                continue  # pairs of a book whose row is gone: unknown
-            in_flight = tuple(InFlight(*row) for row in body[1:])
-            commanded = frozenset(i.pair for i in in_flight if i.commanded)
-            found[book] = GateRows(head[6], bool(head[10]), commanded, in_flight)
-        return found
+        return _gate_rows_by_book(books, rows)
+
+    def gate_candidates(self, book: str, stages: Sequence[str], limit: int) -> GateRows | None:
+        """The book's first `limit` pending pairs of `stages` that an active command targets, in the order
+        they should get slots, with the facts that decide them: what a refill needs, at a cost that
+        follows `limit` and the number of active commands, not the size of the book. None: unknown book.
+
+        Each active command (most urgent priority first, oldest first) walks its targets in reading
+        order and stops after `limit` pending ones; a pair two commands target comes once, at the first.
+        """
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "WITH cmd AS (SELECT command_id, array_position(%(priorities)s::text[], priority) - 1 AS rank,"
+                "  extract(epoch FROM created_at) AS since FROM commands"
+                "  WHERE book_id = %(book)s AND status = ANY(%(authorizing)s) AND stage = ANY(%(stages)s)),"
+                " flight AS (SELECT DISTINCT ON (x.chapter_id, x.scene_id, x.stage) x.* FROM cmd CROSS JOIN LATERAL"
+                "  (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position,"
+                "   a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage, a.artifact_sha256 IS NOT NULL, true,"
+                "   cmd.rank, cmd.since FROM scenes s"
+                "   JOIN command_targets t ON t.command_id = cmd.command_id AND t.chapter_id = s.chapter_id"
+                "    AND t.scene_id = s.scene_id"
+                "   JOIN asset_states a ON a.book_id = s.book_id AND a.chapter_id = s.chapter_id"
+                "    AND a.scene_id = s.scene_id AND a.stage = t.stage"
+                "   WHERE s.book_id = %(book)s AND a.state = %(pending)s ORDER BY s.position LIMIT %(limit)s) x"
+                "  ORDER BY x.chapter_id, x.scene_id, x.stage, x.rank, x.since)"
+                + _BOOK_ROW
+                + " UNION ALL (SELECT * FROM flight ORDER BY 13, 14, 7 LIMIT %(limit)s)"
+                " ORDER BY 1, 13, 14 NULLS LAST, 7",
+                {
+                    "book": book,
+                    "books": [book],
+                    "stages": list(stages),
+                    "limit": limit,
+                    "authorizing": values(AUTHORIZING),
+                    "pending": AssetState.PENDING,
+                    "priorities": [str(p) for p in Priority],
+                },
+            ).fetchall()
+        return _gate_rows_by_book([book], rows)[book]
 
     def move_pairs(
         self, book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str

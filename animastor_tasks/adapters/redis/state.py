@@ -60,49 +60,95 @@ class BookStateStore:
         keys = self.conn.keys
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
-            pipe.setnx(keys.epoch(), uuid.uuid4().hex)
-            pipe.get(keys.epoch())
-            for queue in queues:
-                pipe.zcount(keys.consumers(queue), f"({now}", "+inf")
-                pipe.exists(keys.breaker(queue))
-                pipe.zrange(keys.lane_waiters(queue), 0, max(waiters, 1) - 1)
+            self._read_queues(pipe, queues, now, waiters)
             for book in books:
                 pipe.exists(keys.cancel_flag(book))
-                pipe.smembers(keys.force_set(book))
                 pipe.zscore(keys.due(), book)
+                pipe.smembers(keys.force_set(book))
+                pipe.smembers(keys.active_scenes(book))
                 for bucket in DEFER_BUCKETS:
                     pipe.zrangebyscore(keys.deferrals(book, bucket), f"({now}", "+inf", withscores=True)
-                pipe.smembers(keys.active_scenes(book))
-            _, epoch, *rest = pipe.execute()
-        self._seen_epoch(epoch, now)
-        per_queue, per_book = rest[: 3 * len(queues)], rest[3 * len(queues) :]
-        consumers = {q: int(per_queue[3 * i]) for i, q in enumerate(queues)}
-        clean = {q: not per_queue[3 * i + 1] for i, q in enumerate(queues)}
-        heads = {q: [str(b) for b in per_queue[3 * i + 2]] for i, q in enumerate(queues)}
+            replies = pipe.execute()
+        per_queue, per_book = self._split_replies(replies, queues, now)
         width = 4 + len(DEFER_BUCKETS)
         found: dict[str, Snapshot] = {}
         for n, book in enumerate(books):
-            cancel, force, due_at, *deferred, active = per_book[n * width : (n + 1) * width]
-            until: dict[Pair, float] = {}
-            for members in deferred:
-                for member, expiry in members:
-                    pair = parse_pair_member(member)
-                    until[pair] = max(until.get(pair, expiry), expiry)
-            found[book] = Snapshot(
-                cancel_flag=bool(cancel),
-                force={parse_pair_member(m) for m in force},
-                deferred={
-                    b: {parse_pair_member(m) for m, _ in ms} for b, ms in zip(DEFER_BUCKETS, deferred, strict=True)
-                },
-                active={parse_scene_member(m) for m in active},
-                consumers=dict(consumers),
-                breaker_clean=dict(clean),
-                data_lost_at=self._data_lost_at,
-                waiters={q: list(h) for q, h in heads.items()},
-                deferred_until=until,
-                due_at=None if due_at is None else float(due_at),
+            cancel, due_at, force, active, *deferred = per_book[n * width : (n + 1) * width]
+            found[book] = self._snapshot(
+                queues,
+                per_queue,
+                cancel,
+                due_at,
+                {parse_pair_member(m) for m in force},
+                {parse_scene_member(m) for m in active},
+                [[(parse_pair_member(m), float(expiry)) for m, expiry in members] for members in deferred],
             )
         return found
+
+    def pair_snapshot(self, book: str, pairs: Sequence[Pair], now: float, queues: Sequence[str]) -> Snapshot:
+        """What `book_snapshots` says, of a few pairs only and in one round trip whatever the book's size: a
+        refill looks at its candidates, not at every deferral of the book. `active` is left empty."""
+        keys = self.conn.keys
+        members = [pair_member(*p) for p in pairs]
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            self._read_queues(pipe, queues, now, 16)
+            pipe.exists(keys.cancel_flag(book))
+            pipe.zscore(keys.due(), book)
+            if members:
+                pipe.smismember(keys.force_set(book), members)
+                for bucket in DEFER_BUCKETS:
+                    pipe.zmscore(keys.deferrals(book, bucket), members)
+            replies = pipe.execute()
+        per_queue, (cancel, due_at, *sets) = self._split_replies(replies, queues, now)
+        forced = {pair for pair, hit in zip(pairs, sets[0], strict=True) if hit} if members else set()
+        deferred = [
+            [(pair, float(score)) for pair, score in zip(pairs, scores, strict=True) if score and float(score) > now]
+            for scores in sets[1:]
+        ]
+        return self._snapshot(queues, per_queue, cancel, due_at, forced, set(), deferred or [[] for _ in DEFER_BUCKETS])
+
+    def _read_queues(self, pipe: Any, queues: Sequence[str], now: float, waiters: int) -> None:
+        keys = self.conn.keys
+        pipe.setnx(keys.epoch(), uuid.uuid4().hex)
+        pipe.get(keys.epoch())
+        for queue in queues:
+            pipe.zcount(keys.consumers(queue), f"({now}", "+inf")
+            pipe.exists(keys.breaker(queue))
+            pipe.zrange(keys.lane_waiters(queue), 0, max(waiters, 1) - 1)
+
+    def _split_replies(self, replies: list[Any], queues: Sequence[str], now: float) -> tuple[list[Any], list[Any]]:
+        """Notes the dataset token; the queues' replies, then the books'."""
+        _, epoch, *rest = replies
+        self._seen_epoch(epoch, now)
+        return rest[: 3 * len(queues)], rest[3 * len(queues) :]
+
+    def _snapshot(
+        self,
+        queues: Sequence[str],
+        per_queue: list[Any],
+        cancel: Any,
+        due_at: Any,
+        force: set[Pair],
+        active: set[SceneKey],
+        deferred: list[list[tuple[Pair, float]]],
+    ) -> Snapshot:
+        until: dict[Pair, float] = {}
+        for members in deferred:
+            for pair, expiry in members:
+                until[pair] = max(until.get(pair, expiry), expiry)
+        return Snapshot(
+            cancel_flag=bool(cancel),
+            force=force,
+            deferred={b: {pair for pair, _ in ms} for b, ms in zip(DEFER_BUCKETS, deferred, strict=True)},
+            active=active,
+            consumers={q: int(per_queue[3 * i]) for i, q in enumerate(queues)},
+            breaker_clean={q: not per_queue[3 * i + 1] for i, q in enumerate(queues)},
+            data_lost_at=self._data_lost_at,
+            waiters={q: [str(b) for b in per_queue[3 * i + 2]] for i, q in enumerate(queues)},
+            deferred_until=until,
+            due_at=None if due_at is None else float(due_at),
+        )
 
     # -- the due index: which books need a gate pass, and from when ------------------
     def set_due(self, book: str, when: float | None) -> None:

@@ -1,0 +1,101 @@
+"""The refill: a freed slot costs the next few pairs of one book, not the whole book.
+
+Real Postgres, Redis and broker. The asset store is wrapped only to count the rows each read
+returns (`RowCounter`): the reads themselves are the real ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from animastor_tasks.flow import refill
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.ports import GateRows
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import make_book, states
+from .test_elastic_share import finish_one, lane, run_control, running, waiting
+
+
+class RowCounter:
+    """The real asset store, counting the in-flight rows its gate reads return."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.rows, self.full_reads = inner, 0, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def gate_candidates(self, book: str, stages: Any, limit: int) -> GateRows | None:
+        found: GateRows | None = self.inner.gate_candidates(book, stages, limit)
+        self.rows += 0 if found is None else len(found.in_flight)
+        return found
+
+    def gate_rows(self, book: str) -> GateRows | None:
+        self.full_reads += 1
+        found: GateRows | None = self.inner.gate_rows(book)
+        self.rows += 0 if found is None else len(found.in_flight)
+        return found
+
+
+def counting(rt: Wiring) -> RowCounter:
+    counter = RowCounter(rt.ports.assets)
+    rt.ports = replace(rt.ports, assets=counter)
+    return counter
+
+
+def test_a_freed_slot_reads_a_few_rows_of_a_big_book_and_goes_to_the_right_pair(rt) -> None:
+    lane(rt, lane_limit=2, book_quota=1, window=1)
+    rt.catalog.import_book(make_book("big", chapters=2, scenes=150))  # 300 pending pairs
+    rt.catalog.import_book(make_book("small", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"])  # alone: both slots, s1 and s2
+    counter = counting(rt)
+    finish_one(rt, "big")  # nobody else waits: the book's own next scene in reading order
+    assert [p for p, s in states(rt, "big").items() if s == "generating"] == [
+        ("ch1", "s2", "audio"),
+        ("ch1", "s3", "audio"),
+    ]
+    regenerate_flow.regenerate(rt.ports, "small", ["audio"])  # waits for the lane
+    finish_one(rt, "big")  # its slot goes to the book that waited
+    assert running(rt, "small", "big") == {"small": 1, "big": 1}
+    assert counter.full_reads == 1  # small's regenerate; the freed slots read only candidates
+    assert counter.rows <= 2 + 2 * refill.candidate_limit([2]), counter.rows
+
+
+def test_a_refill_that_could_use_more_than_it_read_reads_again(rt) -> None:
+    lane(rt, lane_limit=40, book_quota=40, window=40)
+    rt.catalog.import_book(make_book("wide", chapters=1, scenes=60))
+    regenerate_flow.regenerate(rt.ports, "wide", ["audio"])
+    assert running(rt, "wide") == {"wide": 40}
+    # Free every slot at once, as a takeover does: one refill fills them all, over several reads.
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'wide' AND state = 'generating'")
+    report = refill.refill(rt.ports, "wide", "gpu.audio")
+    assert len(report.dispatched) == 20 and running(rt, "wide") == {"wide": 20}
+
+
+def test_a_candidate_the_gate_denies_asks_for_the_full_pass_which_releases_it(rt) -> None:
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    rt.ports.book_state.set_due("b", None)
+    with rt.db.transaction() as conn:  # the layer turned off behind the gate's back
+        conn.execute("UPDATE books SET layer_config = '{\"audio_enabled\": false}' WHERE book_id = 'b'")
+    report = refill.refill(rt.ports, "b", "gpu.audio")
+    assert report.dispatched == [] and set(report.denied.values()) == {"layer_disabled"}
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "b") is not None  # the full pass is due now
+    assert states(rt, "b")[("ch1", "s2", "audio")] == "pending"  # a refill releases nothing itself
+
+
+def test_the_books_own_last_job_ends_and_the_book_leaves_the_indexes(rt) -> None:
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    rt.catalog.import_book(make_book("done", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "done", ["audio"])
+    finish_one(rt, "done")
+    finish_one(rt, "done")
+    run_control(rt)
+    assert set(states(rt, "done").values()) == {"ready"}
+    assert "done" not in rt.ports.book_state.active_books()
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "done") is None
+    assert "done" not in waiting(rt)
