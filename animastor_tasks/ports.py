@@ -145,7 +145,7 @@ class Snapshot:
     # -inf if never. Until every live worker has heartbeated again, "no consumer" is not evidence.
     data_lost_at: float = float("-inf")
     waiters: dict[str, list[str]] = field(default_factory=dict)  # per queue asked for: the head of its waiting list
-    deferred_until: dict[Pair, float] = field(default_factory=dict)  # when each deferred pair's deferrals end
+    first_deferral_end: float | None = None  # when the book's earliest live deferral ends (None: none live)
     due_at: float | None = None  # when the due index asks for the book's next pass (None: it does not)
 
 
@@ -333,10 +333,7 @@ class Locks(Protocol):
 class Publisher(Protocol):
     def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None: ...
     def revoke(self, dispatch_ids: Sequence[str]) -> None: ...
-    def enqueue_refill(self, book_id: str, lane: str | None = None) -> None:
-        """A refill of the book (flow/refill.py); `lane`: the queue whose free slot it is handed (None: any)."""
-        ...
-
+    def enqueue_refill(self, book_id: str, lane: str | None = None) -> None: ...  # lane None: any of the book's
     def enqueue_gates(self, book_ids: Sequence[str]) -> None: ...  # one task passing several books in turn
 
 

@@ -63,7 +63,7 @@ def encode(component: str) -> str:
 
 
 def decode(component: str) -> str:
-    return unquote(component)
+    return unquote(component) if "%" in component else component  # most ids need no unquoting: skip its cost
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,7 @@ def _claim_and_publish(
     now: float,
     handed_lane: str | None,
 ) -> None:
+    todo = sorted(todo, key=slot_order)
     wanted = [(i.pair, uuid.uuid4().hex) for i in todo]  # 128 random bits: never guessable nor reused
     lanes = {stage: spec.queue for stage, spec in specs.items()}
     # The fair share binds only while another book waits for the lane (the head of its waiting list).
@@ -220,6 +221,12 @@ def _claim_and_publish(
         known = snap.waiters.get(queue)
         if known is None or any(b != book for b in known):
             hand_over(ports, queue, slots, exclude=book)
+
+
+def slot_order(item: InFlight) -> tuple[int, float, int]:
+    """The order pairs get slots in: the most urgent priority first, the oldest command first within it,
+    reading order within that."""
+    return item.rank, item.since if item.since is not None else float("inf"), item.position
 
 
 def _wait_without_claim(

@@ -146,13 +146,22 @@ def _schedule(
     ports: Ports, book: str, snap: Snapshot, waiting: list[InFlight], deferred: dict[Pair, float], now: float
 ) -> None:
     """Keep the book's place in the due index: its next pass is due when the first of its waiting pairs
-    may go (its deferral ends), now when one waits for no deferral (breaker, a Redis loss, a pass that
-    dispatched nothing), and never while none waits (a job's end or a new command asks for a pass).
+    may go (the earliest deferral ends), now when one waits for no deferral (breaker, a Redis loss, a pass
+    that dispatched nothing), and never while none waits (a job's end or a new command asks for a pass).
 
     Written only when the book must come sooner than the index says (or leave it): an earlier entry
     costs one cheap pass, and a pass over deferred pairs stays free of writes.
     """
-    due = min((deferred.get(i.pair, snap.deferred_until.get(i.pair, now)) for i in waiting), default=None)
+    due: float | None = None
+    if waiting:
+        deferred_before = set().union(*snap.deferred.values())
+        untouched = [i for i in waiting if i.pair not in deferred]
+        ends = [deferred[i.pair] for i in waiting if i.pair in deferred]
+        if any(i.pair not in deferred_before for i in untouched):
+            ends.append(now)
+        elif untouched:
+            ends.append(now if snap.first_deferral_end is None else snap.first_deferral_end)
+        due = min(ends)
     try:
         if due is None and snap.due_at is not None:
             ports.book_state.set_due(book, None)

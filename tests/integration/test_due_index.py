@@ -177,4 +177,6 @@ def test_a_batch_reads_the_facts_of_its_books_together_as_each_pass_would_alone(
     queues = rt.settings.registry.queues()
     snaps = rt.ports.book_state.book_snapshots(["one", "two"], now, queues)
     assert snaps == {b: rt.ports.book_state.book_snapshots([b], now, queues)[b] for b in ("one", "two")}
-    assert snaps["two"].deferred_until and snaps["two"].waiters == {"gpu.audio": ["one", "two"]}  # normal, then bulk
+    assert snaps["two"].first_deferral_end and snaps["two"].waiters == {
+        "gpu.audio": ["one", "two"]
+    }  # normal, then bulk

@@ -38,7 +38,7 @@ def _columns(pairs: Sequence[Pair]) -> tuple[list[str], list[str], list[str]]:
     return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs]
 
 
-# A book's own row, first among its gate rows (rank and position -1): its layers and its tombstone.
+# A book's own row among its gate rows (no chapter): its layers (8th column) and its tombstone (12th).
 _BOOK_ROW = (
     " SELECT b.book_id, NULL, NULL, NULL, NULL, 0, -1, b.layer_config, NULL, NULL, false,"
     "  EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id), -1, NULL"
@@ -47,17 +47,16 @@ _BOOK_ROW = (
 
 
 def _gate_rows_by_book(books: Sequence[str], rows: Sequence[Any]) -> dict[str, GateRows | None]:
-    found: dict[str, GateRows | None] = dict.fromkeys(books)
-    by_book: dict[str, list[Any]] = {}
+    heads = {row[0]: row for row in rows if row[1] is None}  # a book's own row (`_BOOK_ROW`): no chapter
+    pairs: dict[str, list[InFlight]] = {book: [] for book in heads}
     for row in rows:
-        by_book.setdefault(row[0], []).append(row[1:])
-    for book, body in by_book.items():
-        head = body[0]
-        if head[5] != -1:
-            continue  # pairs of a book whose row is gone: unknown
-        in_flight = tuple(InFlight(*row) for row in body[1:])
+        if row[1] is not None and row[0] in pairs:  # pairs of a book whose row is gone: unknown
+            pairs[row[0]].append(InFlight(*row[1:]))
+    found: dict[str, GateRows | None] = dict.fromkeys(books)
+    for book, head in heads.items():
+        in_flight = tuple(pairs[book])
         commanded = frozenset(i.pair for i in in_flight if i.commanded)
-        found[book] = GateRows(head[6], bool(head[10]), commanded, in_flight)
+        found[book] = GateRows(head[7], bool(head[11]), commanded, in_flight)
     return found
 
 
@@ -119,7 +118,7 @@ class AssetStore:
             rows = conn.execute(
                 "WITH active AS (SELECT c.book_id, t.chapter_id, t.scene_id, t.stage,"
                 "  min(array_position(%(priorities)s::text[], c.priority)) - 1 AS rank,"
-                "  extract(epoch FROM min(c.created_at)) AS since FROM commands c"
+                "  extract(epoch FROM min(c.created_at))::float8 AS since FROM commands c"
                 "  JOIN command_targets t ON t.command_id = c.command_id"
                 "  WHERE c.book_id = ANY(%(books)s) AND c.status = ANY(%(authorizing)s) GROUP BY 1, 2, 3, 4),"
                 " flight AS (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token,"
@@ -131,11 +130,9 @@ class AssetStore:
                 "  LEFT JOIN active act ON act.book_id = a.book_id AND act.chapter_id = a.chapter_id"
                 "   AND act.scene_id = a.scene_id AND act.stage = a.stage"
                 "  WHERE a.book_id = ANY(%(books)s) AND a.state = ANY(%(flight)s))"
-                # Each book's own row comes first (rank and position -1) and carries the layers and the
-                # tombstone; then its pairs in the order they should get slots: the highest priority
-                # first, the oldest command first within it, reading order within that.
+                # Unordered: a sort of a big book's rows spills to disk; the pass orders the few it claims.
                 + _BOOK_ROW
-                + " UNION ALL SELECT * FROM flight ORDER BY 1, 13, 14 NULLS LAST, 7",
+                + " UNION ALL SELECT * FROM flight",
                 {
                     "books": list(books),
                     "authorizing": values(AUTHORIZING),
@@ -157,7 +154,7 @@ class AssetStore:
         with self.db.read() as conn:
             rows = conn.execute(
                 "WITH cmd AS (SELECT command_id, array_position(%(priorities)s::text[], priority) - 1 AS rank,"
-                "  extract(epoch FROM created_at) AS since FROM commands"
+                "  extract(epoch FROM created_at)::float8 AS since FROM commands"
                 "  WHERE book_id = %(book)s AND status = ANY(%(authorizing)s) AND stage = ANY(%(stages)s)),"
                 " flight AS (SELECT DISTINCT ON (x.chapter_id, x.scene_id, x.stage) x.* FROM cmd CROSS JOIN LATERAL"
                 "  (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position,"

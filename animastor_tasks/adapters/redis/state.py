@@ -67,10 +67,11 @@ class BookStateStore:
                 pipe.smembers(keys.force_set(book))
                 pipe.smembers(keys.active_scenes(book))
                 for bucket in DEFER_BUCKETS:
-                    pipe.zrangebyscore(keys.deferrals(book, bucket), f"({now}", "+inf", withscores=True)
+                    pipe.zrangebyscore(keys.deferrals(book, bucket), f"({now}", "+inf")
+                    pipe.zrangebyscore(keys.deferrals(book, bucket), f"({now}", "+inf", start=0, num=1, withscores=True)
             replies = pipe.execute()
         per_queue, per_book = self._split_replies(replies, queues, now)
-        width = 4 + len(DEFER_BUCKETS)
+        width = 4 + 2 * len(DEFER_BUCKETS)
         found: dict[str, Snapshot] = {}
         for n, book in enumerate(books):
             cancel, due_at, force, active, *deferred = per_book[n * width : (n + 1) * width]
@@ -81,7 +82,8 @@ class BookStateStore:
                 due_at,
                 {parse_pair_member(m) for m in force},
                 {parse_scene_member(m) for m in active},
-                [[(parse_pair_member(m), float(expiry)) for m, expiry in members] for members in deferred],
+                [{parse_pair_member(m) for m in members} for members in deferred[::2]],
+                [float(first[0][1]) for first in deferred[1::2] if first],
             )
         return found
 
@@ -102,11 +104,20 @@ class BookStateStore:
             replies = pipe.execute()
         per_queue, (cancel, due_at, *sets) = self._split_replies(replies, queues, now)
         forced = {pair for pair, hit in zip(pairs, sets[0], strict=True) if hit} if members else set()
-        deferred = [
-            [(pair, float(score)) for pair, score in zip(pairs, scores, strict=True) if score and float(score) > now]
-            for scores in sets[1:]
-        ]
-        return self._snapshot(queues, per_queue, cancel, due_at, forced, set(), deferred or [[] for _ in DEFER_BUCKETS])
+        live_ends = (
+            [  # per bucket: each candidate's deferral end, if it is still deferred there
+                {
+                    pair: float(end)
+                    for pair, end in zip(pairs, scores, strict=True)
+                    if end is not None and float(end) > now
+                }
+                for scores in sets[1:]
+            ]
+            or [{} for _ in DEFER_BUCKETS]
+        )
+        deferred = [set(ends) for ends in live_ends]
+        live = [end for ends in live_ends for end in ends.values()]
+        return self._snapshot(queues, per_queue, cancel, due_at, forced, set(), deferred, live)
 
     def _read_queues(self, pipe: Any, queues: Sequence[str], now: float, waiters: int) -> None:
         keys = self.conn.keys
@@ -131,22 +142,19 @@ class BookStateStore:
         due_at: Any,
         force: set[Pair],
         active: set[SceneKey],
-        deferred: list[list[tuple[Pair, float]]],
+        deferred: list[set[Pair]],
+        deferral_ends: list[float],
     ) -> Snapshot:
-        until: dict[Pair, float] = {}
-        for members in deferred:
-            for pair, expiry in members:
-                until[pair] = max(until.get(pair, expiry), expiry)
         return Snapshot(
             cancel_flag=bool(cancel),
             force=force,
-            deferred={b: {pair for pair, _ in ms} for b, ms in zip(DEFER_BUCKETS, deferred, strict=True)},
+            deferred=dict(zip(DEFER_BUCKETS, deferred, strict=True)),
             active=active,
             consumers={q: int(per_queue[3 * i]) for i, q in enumerate(queues)},
             breaker_clean={q: not per_queue[3 * i + 1] for i, q in enumerate(queues)},
             data_lost_at=self._data_lost_at,
             waiters={q: [str(b) for b in per_queue[3 * i + 2]] for i, q in enumerate(queues)},
-            deferred_until=until,
+            first_deferral_end=min(deferral_ends, default=None),
             due_at=None if due_at is None else float(due_at),
         )
 
