@@ -370,21 +370,6 @@ def count_outcomes(ports: Ports, outcomes: Mapping[str, int]) -> None:
     ports.counters.add({f"dispatch:{o}": n for o, n in outcomes.items() if o != Outcome.DEFERRED})
 
 
-def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str) -> None:
-    """A job of `book` ended and its slot is free, now: the book that waited longest for the lane gets
-    it, and `book` queues behind the waiters at the priority its job was dispatched with (both in one
-    atomic step); with nobody waiting, the book's own pairs waiting for capacity go at once."""
-    waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
-    for waiter in waiters:
-        ports.publisher.enqueue_refill(waiter, lane=queue)
-    if waiters:
-        return
-    # Every stage: the scene window is shared by the book's stages, so a finished audio job
-    # can free the slot an image pair was deferred for (window_full).
-    ports.deferrals.clear_bucket(book, DeferralBucket.CAPACITY)
-    ports.publisher.enqueue_refill(book)
-
-
 def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = None) -> list[str]:
     """Free slots of a lane go to the books that have waited longest for it, each with a refill
     told which lane it is handed (it looks past its capacity deferrals on the lane); a book

@@ -34,7 +34,7 @@ from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import BookPair, Pair
 from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
-from animastor_tasks.flow import dispatch
+from animastor_tasks.flow import refill
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
 
 log = logging.getLogger("animastor.generate")
@@ -214,21 +214,21 @@ def _run_owned(
         if not ports.jobs.commit_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, artifact, spec.queue):
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)
+        _quietly("free capacity", _free_capacity, ports, job, spec, True)  # first: a free slot waits for no bookkeeping
     finally:
         watcher.done.set()
         watcher.join(timeout=2)
         ports.counters.observe(f"job_seconds:{job.stage}", time.monotonic() - started)
         _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
     _quietly("clear deferrals", ports.deferrals.clear_deferrals, job.book_id, [job.pair])
-    _quietly("free capacity", _free_capacity, ports, job, spec)
     ports.counters.add({f"job:ready:{job.stage}": 1})
     log.info("[GENERATE] %s ready sha256=%s attempts=%d", job.describe(), artifact["sha256"], attempts)
     return {**result, "outcome": JobOutcome.READY, "sha256": artifact["sha256"], "attempts": attempts}
 
 
-def _free_capacity(ports: Ports, job: Job, spec: StageSpec) -> None:
-    """The job's slot is free, now: the book that waited longest for the lane gets it (`dispatch.free_slot`)."""
-    dispatch.free_slot(ports, job.book_id, spec.queue, job.dispatch_id)
+def _free_capacity(ports: Ports, job: Job, spec: StageSpec, ready: bool = False) -> None:
+    """The job's slot is free, now: the book that waited longest for the lane gets it (`refill.free_slot`)."""
+    refill.free_slot(ports, job.book_id, spec.queue, job.dispatch_id, here=ready)
 
 
 def _generate_with_retries(

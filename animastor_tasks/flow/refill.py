@@ -15,6 +15,7 @@ import logging
 import time
 
 from animastor_tasks.domain.gate import BookFacts, decide
+from animastor_tasks.domain.vocabulary import DeferralBucket
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import dispatch, gate
 from animastor_tasks.ports import InFlight, Ports
@@ -35,6 +36,34 @@ def refill(ports: Ports, book: str, lane: str | None = None) -> gate.PassReport:
     if lane is not None and lane not in report.claimed_lanes:
         gate.pass_on_slot(ports, book, lane)
     return report
+
+
+def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str, *, here: bool = False) -> None:
+    """A job of `book` ended and its slot is free, now: the book that waited longest for the lane gets it
+    and `book` queues behind the waiters at the priority its job was dispatched with (both in one atomic
+    step); with nobody waiting, the book's own pairs waiting for capacity go.
+
+    `here` (a job that ended ready): the refill runs in the process whose job ended, so the slot waits
+    for no control-queue hop; a refill that fails here is sent to the control worker. Otherwise (a job
+    that failed or gave its pair back) it is sent at once: a pair given back is not re-run in a tight loop."""
+    waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
+    if waiters:
+        _refill_for(ports, waiters[0], queue, here)
+        return
+    # Every stage: the scene window is shared by the book's stages, so a finished audio job
+    # can free the slot an image pair was deferred for (window_full).
+    ports.deferrals.clear_bucket(book, DeferralBucket.CAPACITY)
+    _refill_for(ports, book, None, here)
+
+
+def _refill_for(ports: Ports, book: str, lane: str | None, here: bool) -> None:
+    if here:
+        try:
+            if refill(ports, book, lane).error is None:
+                return
+        except Exception as err:  # the control worker tries again; the job itself is done
+            log.warning("[COMMAND-GATE] book=%r refill after a job failed here, sent on: %s", book, err)
+    ports.publisher.enqueue_refill(book, lane)
 
 
 def candidate_limit(lane_limits: list[int]) -> int:

@@ -12,6 +12,7 @@ from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import layers as layers_flow
 from animastor_tasks.flow import reconcile as reconcile_flow
+from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import status as status_flow
 from animastor_tasks.flow.generate import run_job
@@ -36,8 +37,10 @@ def command(rt: Wiring, book: str, command_id: str) -> dict:
     return found
 
 
-def test_disabling_a_layer_settles_the_command_with_its_released_targets(rt, book) -> None:
+def test_disabling_a_layer_settles_the_command_with_its_released_targets(rt, book, monkeypatch) -> None:
     cid = regenerate_flow.regenerate(rt.ports, book, ["audio"])["commands"][0]["command_id"]
+    # The finished jobs' slots are not refilled (as if the control worker were slow): two pairs stay pending.
+    monkeypatch.setattr(refill, "free_slot", lambda *args, **kwargs: None)
     for job in dispatched_jobs(rt, book):  # the book cap (4) let four of six go
         assert run_job(rt.ports, job, worker="test")["outcome"] == "ready"
     assert list(states(rt, book).values()).count("pending") == 2

@@ -32,6 +32,12 @@ def traced(rt: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator
     from animastor_tasks.worker.tasks import app
 
     monkeypatch.setenv("ANIMASTOR_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
+    # One audio slot: each job after the first is dispatched by the refill of the job before it.
+    monkeypatch.setenv(
+        "ANIMASTOR_STAGES",
+        '{"audio": {"queue": "gpu.audio", "input": "text", "media_type": "audio/wav", "lane_limit": 1,'
+        ' "book_quota": 1, "window": 1, "params": {"steps": 1, "step_seconds": 0}}}',
+    )
     wiring.reset()
     runtime = wiring.current()
     exporter = InMemorySpanExporter()
@@ -61,8 +67,7 @@ def test_one_trace_from_regenerate_through_gate_to_each_job(traced: tuple[Any, I
     def names() -> list[str]:
         return [s.name for s in exporter.get_finished_spans()]
 
-    # Each finished job sends a refill task; wait for all three refill runs to end too.
-    wait_for(lambda: names().count("run/animastor.refill") >= 3, 30, "the refill runs sent by the jobs")
+    wait_for(lambda: names().count("run/animastor.generate.audio") >= 3, 30, "the three job runs ended")
     spans = exporter.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
 
@@ -77,16 +82,13 @@ def test_one_trace_from_regenerate_through_gate_to_each_job(traced: tuple[Any, I
     assert root.parent is None
     jobs = [s for s in spans if s.name == "run/animastor.generate.audio"]
     assert len(jobs) == 3, sorted(names())
+    depths = []
     for job in jobs:
         assert job.context.trace_id == root.context.trace_id
         chain = ancestry(job)
         assert chain[1] == "apply_async/animastor.generate.audio", chain  # published by dispatch...
-        assert "run/animastor.regenerate" in chain, chain  # ...of a gate pass the regenerate started
+        assert "run/animastor.regenerate" in chain, chain  # ...of a pass the regenerate started, or a refill
         assert chain[-1] == root.name, chain
-    refills = [s for s in spans if s.name == "run/animastor.refill"]
-    for gate in refills:
-        chain = ancestry(gate)
-        assert gate.context.trace_id == root.context.trace_id
-        # regenerate -> job -> refill task (apply_async from the job's task) -> its run
-        assert chain[1:3] == ["apply_async/animastor.refill", "run/animastor.generate.audio"], chain
-        assert "run/animastor.regenerate" in chain, chain
+        depths.append(chain.count("run/animastor.generate.audio"))
+    # regenerate -> job 1 -> (its refill publishes) job 2 -> job 3: each job is the parent of the next.
+    assert sorted(depths) == [1, 2, 3], depths
