@@ -1,15 +1,13 @@
-"""The seams between the flows and the outside world: one Protocol per I/O role, and the
-records that cross them.
+"""The seams between the flows and the outside world: one Protocol per I/O role, and the records that cross them.
 
-The flows (`flow/`) see only these; Postgres, Redis, Celery, the broker, the artifact
-store and the generators live behind them in `adapters/` and `generators/`, and
-`worker/wiring.py` builds the real ones once per process. A port method does one
-thing a flow needs; it never hands out a driver's client.
+The flows (`flow/`) see only these; Postgres, Redis, Celery, the broker, the artifact store and the generators
+live behind them in `adapters/` and `generators/`, and `worker/wiring.py` builds the real ones once per process.
+A port method does one thing a flow needs; it never hands out a driver's client.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -48,11 +46,10 @@ class CommandRow:
 
 @dataclass(frozen=True)
 class NewCommands:
-    """What `Commands.create_commands` wrote: the command ids, and the generating pairs a forced command
-    fenced off, each with the dispatch id of the job that still runs it (to be stopped)."""
+    """What `create_commands` wrote: the command ids, and the generating pairs a forced command fenced off."""
 
     command_ids: list[str]
-    superseded: list[tuple[Pair, str | None]] = field(default_factory=list)
+    superseded: list[tuple[Pair, str | None]] = field(default_factory=list)  # with the job's dispatch id, to stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +69,10 @@ class InFlight:
     commanded: bool  # an active command of this stage targets the scene
     rank: int = 1  # `priority_rank` of the most urgent active command targeting it (0 first)
     since: float | None = None  # when the oldest active command targeting it was created
+    pair: Pair = field(init=False, compare=False)  # made once: a pass over 100k pairs asks for it 800k times
 
-    @property
-    def pair(self) -> Pair:
-        return (self.chapter, self.scene, self.stage)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pair", (self.chapter, self.scene, self.stage))
 
 
 @dataclass(frozen=True)
@@ -211,8 +208,11 @@ class ClaimSession(Protocol):
 
 class Assets(Protocol):
     def gate_rows(self, book: str) -> GateRows | None: ...
-    def gate_rows_many(self, books: Sequence[str]) -> dict[str, GateRows | None]: ...
+    def gate_rows_many(self, books: Sequence[str], limit: int | None = None) -> dict[str, GateRows | None] | None: ...
+    def gate_row_pages(self, book: str, size: int) -> Iterator[GateRows]: ...
     def gate_candidates(self, book: str, stages: Sequence[str], limit: int) -> GateRows | None: ...
+    def in_flight_scene_count(self, book: str) -> int: ...
+    def scenes_in_flight(self, book: str, scenes: Sequence[SceneKey]) -> set[SceneKey]: ...
     def move_pairs(
         self, book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str
     ) -> list[Pair]: ...
@@ -273,6 +273,8 @@ class BookState(Protocol):
     ) -> None: ...
     def activate(self, book: str, scenes: Iterable[SceneKey]) -> None: ...
     def deactivate(self, book: str, scenes: Iterable[SceneKey]) -> None: ...
+    def active_scene_count(self, book: str) -> int: ...
+    def scan_active(self, book: str, count: int) -> Iterator[list[SceneKey]]: ...
     def drop_book_if_idle(self, book: str) -> None: ...
     def active_books(self) -> set[str]: ...
 

@@ -181,7 +181,7 @@ def rss_child(book: str) -> dict[str, Any]:
         "maxrss_before_pass_mb": before,
         "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "pass_s": round(seconds, 3),
-        "authorized": len(report.authorized),
+        "authorized": report.authorized_count,
         "outcomes": dict(report.outcomes),
     }
 

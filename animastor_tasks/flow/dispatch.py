@@ -65,7 +65,7 @@ def dispatch_pending(
         }
     todo: list[InFlight] = []
     for item in pending:
-        if (item.chapter, item.scene, item.stage) in deferred_pairs:
+        if item.pair in deferred_pairs:
             result.outcomes[Outcome.DEFERRED] += 1
         else:
             todo.append(item)
@@ -137,9 +137,9 @@ def _settle_idempotent(
 ) -> list[InFlight]:
     """Already completed (same inputs, not forced) or already leased pairs are not dispatched."""
     done = [
-        (i.chapter, i.scene, i.stage)
+        i.pair
         for i in todo
-        if (i.chapter, i.scene, i.stage) not in force and i.has_artifact and i.ready_hash == i.current_hash
+        if i.pair not in force and i.has_artifact and i.ready_hash == i.current_hash
     ]
     if done:
         completed = ports.assets.mark_already_completed(book, done)
@@ -147,7 +147,7 @@ def _settle_idempotent(
         result.outcomes[Outcome.ALREADY_COMPLETED] += len(completed)
         result.gone.update(completed)
     done_set = set(done)
-    todo = [i for i in todo if (i.chapter, i.scene, i.stage) not in done_set]
+    todo = [i for i in todo if i.pair not in done_set]
 
     # Only a pair with a recorded dispatch can be held by it; one without is never read (a concurrent
     # claim of it is caught by the claim's compare-and-set on `pending`).
@@ -159,7 +159,7 @@ def _settle_idempotent(
     busy: list[Pair] = []
     skip: set[Pair] = set()
     for i, holder in leased:
-        pair = (i.chapter, i.scene, i.stage)
+        pair = i.pair
         if holder != i.dispatch_id:
             # A concurrent pass claimed the pair after this one read it: not ours to judge, no write.
             skip.add(pair)
@@ -171,7 +171,7 @@ def _settle_idempotent(
     _defer(ports, book, Outcome.ALREADY_GENERATING, busy, now, result)
     result.outcomes[Outcome.ALREADY_GENERATING] += len(busy)
     skip.update(busy)
-    return [i for i in todo if (i.chapter, i.scene, i.stage) not in skip]
+    return [i for i in todo if i.pair not in skip]
 
 
 def _claim_and_publish(

@@ -1,43 +1,31 @@
 """The gate pass: decide every active pair of one book, release what lost its authority,
-and hand what is authorized to dispatch.
+and hand what is authorized to dispatch (the rule for one page of pairs is `page.py`'s).
 
-A pass reads Redis once (one pipeline) and Postgres once (one statement), whatever the
-number of scenes. Any read that fails authorizes nothing (fail-closed) and is logged.
-Each pass keeps its book's place in the due index (when its next pass is needed); the beat's
-tick passes only the books that are due, several per task, so an idle book costs nothing.
+A pass reads Postgres once (one statement) and Redis once (one pipeline), whatever the number
+of scenes, up to `page.PAGE` pairs in flight; a bigger book is passed page by page
+(`paged_pass.py`), so that a pass's memory stays bounded. Any read that fails authorizes nothing
+(fail-closed) and is logged. Each pass keeps its book's place in the due index (when its next
+pass is needed); the beat's tick passes only the books that are due, several per task, so an
+idle book costs nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
 
-from animastor_tasks.domain.gate import BookFacts, Denial, decide
-from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import AssetState, Outcome
+from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import dispatch, takeover
-from animastor_tasks.ports import GateRows, InFlight, Ports, Snapshot
+from animastor_tasks.flow import candidates, dispatch, page, paged_pass, takeover
+from animastor_tasks.flow.page import PassReport
+from animastor_tasks.ports import GateRows, Ports, Snapshot
 
 log = logging.getLogger("animastor.gate")
 BATCH_BOOKS = 50  # books per gate task sent by the tick
 READ_AHEAD_BOOKS = 10  # books of a batch whose facts are read together (kept small: facts age while passes run)
 Facts = tuple[Snapshot, GateRows | None]
-
-
-@dataclass
-class PassReport:
-    book: str
-    authorized: list[Pair] = field(default_factory=list)
-    denied: dict[Pair, Denial] = field(default_factory=dict)
-    released: list[Pair] = field(default_factory=list)
-    outcomes: Counter[str] = field(default_factory=Counter)
-    dispatched: list[str] = field(default_factory=list)
-    claimed_lanes: set[str] = field(default_factory=set)
-    error: str | None = None
+__all__ = ["PassReport", "gate_batch", "gate_pass", "pass_on_slot", "tick"]
 
 
 def gate_pass(
@@ -71,104 +59,65 @@ def pass_on_slot(ports: Ports, book: str, lane: str) -> None:
 
 
 def _gate_pass(
-    ports: Ports,
-    book: str,
-    *,
-    dispatch_work: bool,
-    full_lanes: Collection[str],
-    known: Facts | None,
+    ports: Ports, book: str, *, dispatch_work: bool, full_lanes: Collection[str], known: Facts | None
 ) -> PassReport:
     report = PassReport(book)
     now = time.time()
-    try:
-        queues = ports.settings.registry.queues()
-        snap = ports.book_state.book_snapshots([book], now, queues)[book] if known is None else known[0]
-    except StoreUnavailable as err:
-        report.error = str(err)
-        log.warning("[COMMAND-GATE] book=%r coordination unreadable, nothing authorized: %s", book, err)
-        return report
-    try:
-        rows = ports.assets.gate_rows(book) if known is None else known[1]
-    except StoreUnavailable as err:
-        report.error = str(err)
-        log.warning("[COMMAND-GATE] book=%r registry unreadable, nothing authorized: %s", book, err)
-        return report
+    if known is not None:
+        snap, rows = known
+    else:
+        try:
+            read = ports.assets.gate_rows_many([book], limit=page.PAGE)
+        except StoreUnavailable as err:
+            report.error = str(err)
+            log.warning("[COMMAND-GATE] book=%r registry unreadable, nothing authorized: %s", book, err)
+            return report
+        if read is None:  # more pairs in flight than a pass holds: the free slots first, in order; then pages
+            _paged(ports, report, dispatch_work=dispatch_work, full_lanes=set(full_lanes), now=now)
+            return report
+        rows = read[book]
+        try:
+            snap = ports.book_state.book_snapshots([book], now, ports.settings.registry.queues())[book]
+        except StoreUnavailable as err:
+            report.error = str(err)
+            log.warning("[COMMAND-GATE] book=%r coordination unreadable, nothing authorized: %s", book, err)
+            return report
     if rows is None:
         log.warning("[COMMAND-GATE] book=%r unknown; removed from the active index", book)
         ports.book_state.deactivate(book, snap.active)
         ports.book_state.drop_book_if_idle(book)
         return report
 
-    facts = BookFacts(True, snap.cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
-    pending: list[InFlight] = []
-    for item in rows.in_flight:
-        pair = (item.chapter, item.scene, item.stage)
-        reason = decide(facts, pair)
-        if reason is None:
-            report.authorized.append(pair)
-            if item.state == AssetState.PENDING:
-                pending.append(item)
-        else:
-            report.denied[pair] = reason
-    pending_pairs = {(i.chapter, i.scene, i.stage) for i in rows.in_flight if i.state == AssetState.PENDING}
-    to_release = [p for p in report.denied if p in pending_pairs]
-    if to_release:
-        report.released = ports.assets.move_pairs(
-            book, to_release, AssetState.PENDING, AssetState.DIRTY, "gate.released"
-        )
-        ports.deferrals.clear_deferrals(book, report.released)
-        log.info(
-            "[COMMAND-GATE] book=%r released %d pending pair(s) to dirty: %s",
-            book,
-            len(report.released),
-            _describe(report.denied, report.released),
-        )
-
+    waiting, result = page.pass_rows(
+        ports, report, snap, rows, dispatch_work=dispatch_work, full_lanes=full_lanes, now=now
+    )
     released = set(report.released)
-    busy = {(i.chapter, i.scene) for i in rows.in_flight if (i.chapter, i.scene, i.stage) not in released}
+    busy = {(i.chapter, i.scene) for i in rows.in_flight if i.pair not in released}
     idle = snap.active - busy
     if idle:
         ports.book_state.deactivate(book, idle)
         if not busy:
             ports.book_state.drop_book_if_idle(book)
-
-    result = dispatch.DispatchResult()
-    if dispatch_work and pending:
-        result = dispatch.dispatch_pending(ports, book, pending, snap, now=now, full_lanes=full_lanes)
-        report.outcomes = result.outcomes
-        report.dispatched = result.dispatched
-        report.claimed_lanes = result.claimed_lanes
-    _schedule(ports, book, snap, [i for i in pending if i.pair not in result.gone], result.deferred_until, now)
+    page.write_due(ports, book, page.next_due(snap, waiting, result.deferred_until, now), snap.due_at)
     return report
 
 
-def _schedule(
-    ports: Ports, book: str, snap: Snapshot, waiting: list[InFlight], deferred: dict[Pair, float], now: float
-) -> None:
-    """Keep the book's place in the due index: its next pass is due when the first of its waiting pairs
-    may go (the earliest deferral ends), now when one waits for no deferral (breaker, a Redis loss, a pass
-    that dispatched nothing), and never while none waits (a job's end or a new command asks for a pass).
-
-    Written only when the book must come sooner than the index says (or leave it): an earlier entry
-    costs one cheap pass, and a pass over deferred pairs stays free of writes.
-    """
-    due: float | None = None
-    if waiting:
-        deferred_before = set().union(*snap.deferred.values())
-        untouched = [i for i in waiting if i.pair not in deferred]
-        ends = [deferred[i.pair] for i in waiting if i.pair in deferred]
-        if any(i.pair not in deferred_before for i in untouched):
-            ends.append(now)
-        elif untouched:
-            ends.append(now if snap.first_deferral_end is None else snap.first_deferral_end)
-        due = min(ends)
-    try:
-        if due is None and snap.due_at is not None:
-            ports.book_state.set_due(book, None)
-        elif due is not None and (snap.due_at is None or due < snap.due_at):
-            ports.book_state.set_due(book, due)
-    except StoreUnavailable as err:  # reconcile's pass over every book with work puts it back
-        log.warning("[COMMAND-GATE] book=%r due index not written: %s", book, err)
+def _paged(ports: Ports, report: PassReport, *, dispatch_work: bool, full_lanes: set[str], now: float) -> None:
+    """A book too big for one page: its next candidates take the free slots in reading order, then the pages
+    decide the rest (the lanes those candidates filled cost them no claim)."""
+    if dispatch_work:
+        first = PassReport(report.book)  # the pages decide and count every pair, these ones included
+        try:
+            candidates.dispatch_candidates(ports, first, report.book, None)
+        except StoreUnavailable as err:
+            report.error = str(err)
+            log.warning("[COMMAND-GATE] book=%r candidates unreadable, nothing dispatched: %s", report.book, err)
+            return
+        report.dispatched.extend(first.dispatched)
+        report.claimed_lanes |= first.claimed_lanes
+        report.outcomes.update({o: n for o, n in first.outcomes.items() if o != Outcome.DEFERRED})
+        full_lanes |= page.lanes_without_room(ports)
+    paged_pass.run(ports, report, dispatch_work=dispatch_work, full_lanes=full_lanes, now=now)
 
 
 def tick(ports: Ports) -> list[str]:
@@ -189,13 +138,7 @@ def tick(ports: Ports) -> list[str]:
 def gate_batch(ports: Ports, books: Sequence[str]) -> list[PassReport]:
     """The passes of several due books in one task. Each lane's room is counted once for the batch
     (no lock); a lane without room costs its books no claim transaction and no advisory lock."""
-    registry = ports.settings.registry
-    try:
-        load = ports.assets.lane_load(registry.names())
-    except StoreUnavailable as err:
-        log.warning("[COMMAND-GATE] lane load unreadable, every pass counts its own: %s", err)
-        load = {}
-    full = {s.queue for s in registry.stages if load.get(s.name, 0) >= s.lane_limit}
+    full = page.lanes_without_room(ports)
     reports: list[PassReport] = []
     for first in range(0, len(books), READ_AHEAD_BOOKS):
         group = books[first : first + READ_AHEAD_BOOKS]
@@ -211,12 +154,15 @@ def gate_batch(ports: Ports, books: Sequence[str]) -> list[PassReport]:
 
 
 def _read_facts(ports: Ports, books: Sequence[str]) -> dict[str, Facts]:
-    """The snapshots (one Redis pipeline) and rows (one SQL statement) of several books. Unreadable: none,
-    and each pass reads (and fails closed) on its own. Facts read a little earlier are as safe as a pass's
-    own: every claim is a compare-and-set on `pending`, and a job re-checks the gate at its start."""
+    """The rows (one SQL statement) and snapshots (one Redis pipeline) of several books. Unreadable, or
+    more pairs in flight than one pass holds: none, and each pass reads (and fails closed) on its own.
+    Facts read a little earlier are as safe as a pass's own: every claim is a compare-and-set on
+    `pending`, and a job re-checks the gate at its start."""
     try:
+        rows = ports.assets.gate_rows_many(books, limit=page.PAGE)
+        if rows is None:
+            return {}
         snaps = ports.book_state.book_snapshots(books, time.time(), ports.settings.registry.queues())
-        rows = ports.assets.gate_rows_many(books)
     except StoreUnavailable as err:
         log.warning("[COMMAND-GATE] facts of %d books unreadable; each pass reads its own: %s", len(books), err)
         return {}
@@ -231,9 +177,3 @@ def _hand_on_freed(ports: Ports, full: set[str]) -> None:
     for spec in stages:
         if load.get(spec.name, 0) < spec.lane_limit:
             dispatch.hand_over(ports, spec.queue, spec.lane_limit - load.get(spec.name, 0))
-
-
-def _describe(denied: dict[Pair, Denial], pairs: list[Pair]) -> str:
-    shown = [f"{c}/{s}:{st}={denied.get((c, s, st), '?')}" for c, s, st in pairs[:5]]
-    more = f" (+{len(pairs) - 5} more)" if len(pairs) > 5 else ""
-    return ", ".join(shown) + more

@@ -70,7 +70,7 @@ def refill_task(book_id: str, lane: str | None = None) -> dict[str, Any]:
 def _pass_result(book_id: str, report: gate.PassReport) -> dict[str, Any]:
     return {
         "book_id": book_id,
-        "authorized": len(report.authorized),
+        "authorized": report.authorized_count,
         "released": len(report.released),
         "outcomes": dict(report.outcomes),
         "error": report.error,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from animastor_tasks.flow import refill
+from animastor_tasks.flow import candidates, refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.ports import GateRows
 from animastor_tasks.worker.wiring import Wiring
@@ -32,10 +32,10 @@ class RowCounter:
         self.rows += 0 if found is None else len(found.in_flight)
         return found
 
-    def gate_rows(self, book: str) -> GateRows | None:
+    def gate_rows_many(self, books: Any, limit: int | None = None) -> dict[str, GateRows | None] | None:
         self.full_reads += 1
-        found: GateRows | None = self.inner.gate_rows(book)
-        self.rows += 0 if found is None else len(found.in_flight)
+        found: dict[str, GateRows | None] | None = self.inner.gate_rows_many(books, limit)
+        self.rows += sum(len(rows.in_flight) for rows in (found or {}).values() if rows is not None)
         return found
 
 
@@ -60,7 +60,7 @@ def test_a_freed_slot_reads_a_few_rows_of_a_big_book_and_goes_to_the_right_pair(
     finish_one(rt, "big")  # its slot goes to the book that waited
     assert running(rt, "small", "big") == {"small": 1, "big": 1}
     assert counter.full_reads == 1  # small's regenerate; the freed slots read only candidates
-    assert counter.rows <= 2 + 2 * refill.candidate_limit([2]), counter.rows
+    assert counter.rows <= 2 + 2 * candidates.candidate_limit([2]), counter.rows
 
 
 def test_a_refill_that_could_use_more_than_it_read_reads_again(rt) -> None:

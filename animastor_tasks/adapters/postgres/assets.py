@@ -16,48 +16,21 @@ import psycopg
 
 from animastor_tasks.adapters.postgres import journal
 from animastor_tasks.adapters.postgres.commands import lock_book, release_targets, settle_commands
-from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.adapters.postgres.gate_reads import GateReads
 from animastor_tasks.domain.capacity import CapacityCounts
 from animastor_tasks.domain.keys import claim_locks
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import (
-    AUTHORIZING,
-    IN_FLIGHT,
     AssetState,
-    Priority,
-    priority_rank,
     transition,
-    values,
 )
-from animastor_tasks.ports import Claim, GateRows, GeneratingRow, InFlight
+from animastor_tasks.ports import Claim, GeneratingRow
 
 _PAIRS_CTE = "WITH p(chapter_id, scene_id, stage) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
 
 
 def _columns(pairs: Sequence[Pair]) -> tuple[list[str], list[str], list[str]]:
     return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs]
-
-
-# A book's own row among its gate rows (no chapter): its layers (8th column) and its tombstone (12th).
-_BOOK_ROW = (
-    " SELECT b.book_id, NULL, NULL, NULL, NULL, 0, -1, b.layer_config, NULL, NULL, false,"
-    "  EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id), -1, NULL"
-    " FROM books b WHERE b.book_id = ANY(%(books)s)"
-)
-
-
-def _gate_rows_by_book(books: Sequence[str], rows: Sequence[Any]) -> dict[str, GateRows | None]:
-    heads = {row[0]: row for row in rows if row[1] is None}  # a book's own row (`_BOOK_ROW`): no chapter
-    pairs: dict[str, list[InFlight]] = {book: [] for book in heads}
-    for row in rows:
-        if row[1] is not None and row[0] in pairs:  # pairs of a book whose row is gone: unknown
-            pairs[row[0]].append(InFlight(*row[1:]))
-    found: dict[str, GateRows | None] = dict.fromkeys(books)
-    for book, head in heads.items():
-        in_flight = tuple(pairs[book])
-        commanded = frozenset(i.pair for i in in_flight if i.commanded)
-        found[book] = GateRows(head[7], bool(head[11]), commanded, in_flight)
-    return found
 
 
 def new_dispatch_id() -> str:
@@ -100,86 +73,8 @@ class ClaimTransaction:
         return [Claim(*row) for row in rows]
 
 
-class AssetStore:
-    def __init__(self, db: Database) -> None:
-        self.db = db
-
-    def gate_rows(self, book: str) -> GateRows | None:
-        """Everything a gate pass needs from Postgres, in one statement; None for an unknown book."""
-        return self.gate_rows_many([book])[book]
-
-    def gate_rows_many(self, books: Sequence[str]) -> dict[str, GateRows | None]:
-        """`gate_rows` of several books in one statement (a tick's batch); None for an unknown book.
-
-        Only in-flight pairs are read, each flagged with whether an active command targets it:
-        idle pairs and the targets of finished work cost nothing.
-        """
-        with self.db.read() as conn:
-            rows = conn.execute(
-                "WITH active AS (SELECT c.book_id, t.chapter_id, t.scene_id, t.stage,"
-                "  min(array_position(%(priorities)s::text[], c.priority)) - 1 AS rank,"
-                "  extract(epoch FROM min(c.created_at))::float8 AS since FROM commands c"
-                "  JOIN command_targets t ON t.command_id = c.command_id"
-                "  WHERE c.book_id = ANY(%(books)s) AND c.status = ANY(%(authorizing)s) GROUP BY 1, 2, 3, 4),"
-                " flight AS (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token,"
-                "  s.position, a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
-                "  a.artifact_sha256 IS NOT NULL AS has_artifact, act.stage IS NOT NULL AS commanded,"
-                "  coalesce(act.rank, %(normal)s) AS rank, act.since"
-                "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-                "   AND s.scene_id = a.scene_id"
-                "  LEFT JOIN active act ON act.book_id = a.book_id AND act.chapter_id = a.chapter_id"
-                "   AND act.scene_id = a.scene_id AND act.stage = a.stage"
-                "  WHERE a.book_id = ANY(%(books)s) AND a.state = ANY(%(flight)s))"
-                # Unordered: a sort of a big book's rows spills to disk; the pass orders the few it claims.
-                + _BOOK_ROW
-                + " UNION ALL SELECT * FROM flight",
-                {
-                    "books": list(books),
-                    "authorizing": values(AUTHORIZING),
-                    "flight": values(IN_FLIGHT),
-                    "priorities": [str(p) for p in Priority],
-                    "normal": priority_rank(Priority.NORMAL),
-                },
-            ).fetchall()
-        return _gate_rows_by_book(books, rows)
-
-    def gate_candidates(self, book: str, stages: Sequence[str], limit: int) -> GateRows | None:
-        """The book's first `limit` pending pairs of `stages` that an active command targets, in the order
-        they should get slots, with the facts that decide them: what a refill needs, at a cost that
-        follows `limit` and the number of active commands, not the size of the book. None: unknown book.
-
-        Each active command (most urgent priority first, oldest first) walks its targets in reading
-        order and stops after `limit` pending ones; a pair two commands target comes once, at the first.
-        """
-        with self.db.read() as conn:
-            rows = conn.execute(
-                "WITH cmd AS (SELECT command_id, array_position(%(priorities)s::text[], priority) - 1 AS rank,"
-                "  extract(epoch FROM created_at)::float8 AS since FROM commands"
-                "  WHERE book_id = %(book)s AND status = ANY(%(authorizing)s) AND stage = ANY(%(stages)s)),"
-                " flight AS (SELECT DISTINCT ON (x.chapter_id, x.scene_id, x.stage) x.* FROM cmd CROSS JOIN LATERAL"
-                "  (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position,"
-                "   a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage, a.artifact_sha256 IS NOT NULL, true,"
-                "   cmd.rank, cmd.since FROM scenes s"
-                "   JOIN command_targets t ON t.command_id = cmd.command_id AND t.chapter_id = s.chapter_id"
-                "    AND t.scene_id = s.scene_id"
-                "   JOIN asset_states a ON a.book_id = s.book_id AND a.chapter_id = s.chapter_id"
-                "    AND a.scene_id = s.scene_id AND a.stage = t.stage"
-                "   WHERE s.book_id = %(book)s AND a.state = %(pending)s ORDER BY s.position LIMIT %(limit)s) x"
-                "  ORDER BY x.chapter_id, x.scene_id, x.stage, x.rank, x.since)"
-                + _BOOK_ROW
-                + " UNION ALL (SELECT * FROM flight ORDER BY 13, 14, 7 LIMIT %(limit)s)"
-                " ORDER BY 1, 13, 14 NULLS LAST, 7",
-                {
-                    "book": book,
-                    "books": [book],
-                    "stages": list(stages),
-                    "limit": limit,
-                    "authorizing": values(AUTHORIZING),
-                    "pending": AssetState.PENDING,
-                    "priorities": [str(p) for p in Priority],
-                },
-            ).fetchall()
-        return _gate_rows_by_book([book], rows)[book]
+class AssetStore(GateReads):
+    """The moves and the claim; the gate's reads are `GateReads`'."""
 
     def move_pairs(
         self, book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str

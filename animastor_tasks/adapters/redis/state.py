@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
@@ -242,6 +242,20 @@ class BookStateStore:
         members = [scene_member(c, s) for c, s in scenes]
         if members:
             self.conn.run(lambda: self.conn.client.srem(self.conn.keys.active_scenes(book), *members))
+
+    def active_scene_count(self, book: str) -> int:
+        return int(self.conn.run(lambda: self.conn.client.scard(self.conn.keys.active_scenes(book))))
+
+    def scan_active(self, book: str, count: int) -> Iterator[list[SceneKey]]:
+        """The book's active scenes, about `count` at a time (SSCAN: a big book's set is never read whole)."""
+        key, cursor = self.conn.keys.active_scenes(book), 0
+        while True:
+            with self.conn.errors():
+                cursor, members = self.conn.client.sscan(key, cursor, count=count)
+            if members:
+                yield [parse_scene_member(str(m)) for m in members]
+            if not cursor:
+                return
 
     def drop_book_if_idle(self, book: str) -> None:
         with self.conn.errors():

@@ -1,0 +1,169 @@
+"""The gate's reads of asset states: every in-flight pair of some books (one statement), of one book page by
+page (a server-side cursor), or only a book's next candidates for a refill; and which scenes have work.
+
+Read-only: the moves and the claim are `assets.py`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.domain.types import SceneKey
+from animastor_tasks.domain.vocabulary import AUTHORIZING, IN_FLIGHT, AssetState, Priority, priority_rank, values
+from animastor_tasks.ports import GateRows, InFlight
+
+# A book's own row among its gate rows (no chapter): its layers (8th column) and its tombstone (12th).
+_BOOK_ROW = (
+    " SELECT b.book_id, NULL, NULL, NULL, NULL, 0, -1, b.layer_config, NULL, NULL, false,"
+    "  EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id), -1, NULL"
+    " FROM books b WHERE b.book_id = ANY(%(books)s)"
+)
+
+
+# The gate rows of books: each book's own row (`_BOOK_ROW`), then its in-flight pairs, unordered (a sort of
+# a big book's rows spills to disk; the pass orders the few it claims).
+_GATE_ROWS = (
+    "WITH active AS (SELECT c.book_id, t.chapter_id, t.scene_id, t.stage,"
+    "  min(array_position(%(priorities)s::text[], c.priority)) - 1 AS rank,"
+    "  extract(epoch FROM min(c.created_at))::float8 AS since FROM commands c"
+    "  JOIN command_targets t ON t.command_id = c.command_id"
+    "  WHERE c.book_id = ANY(%(books)s) AND c.status = ANY(%(authorizing)s) GROUP BY 1, 2, 3, 4),"
+    " flight AS (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token,"
+    "  s.position, a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
+    "  a.artifact_sha256 IS NOT NULL AS has_artifact, act.stage IS NOT NULL AS commanded,"
+    "  coalesce(act.rank, %(normal)s) AS rank, act.since"
+    "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+    "   AND s.scene_id = a.scene_id"
+    "  LEFT JOIN active act ON act.book_id = a.book_id AND act.chapter_id = a.chapter_id"
+    "   AND act.scene_id = a.scene_id AND act.stage = a.stage"
+    "  WHERE a.book_id = ANY(%(books)s) AND a.state = ANY(%(flight)s))" + _BOOK_ROW + " UNION ALL SELECT * FROM flight"
+)
+
+
+def _gate_row_params(books: Sequence[str]) -> dict[str, Any]:
+    return {
+        "books": list(books),
+        "authorizing": values(AUTHORIZING),
+        "flight": values(IN_FLIGHT),
+        "priorities": [str(p) for p in Priority],
+        "normal": priority_rank(Priority.NORMAL),
+    }
+
+
+def _gate_rows_by_book(books: Sequence[str], rows: Sequence[Any]) -> dict[str, GateRows | None]:
+    heads = {row[0]: row for row in rows if row[1] is None}  # a book's own row (`_BOOK_ROW`): no chapter
+    pairs: dict[str, list[InFlight]] = {book: [] for book in heads}
+    for row in rows:
+        if row[1] is not None and row[0] in pairs:  # pairs of a book whose row is gone: unknown
+            pairs[row[0]].append(InFlight(*row[1:]))
+    found: dict[str, GateRows | None] = dict.fromkeys(books)
+    for book, head in heads.items():
+        in_flight = tuple(pairs[book])
+        commanded = frozenset(i.pair for i in in_flight if i.commanded)
+        found[book] = GateRows(head[7], bool(head[11]), commanded, in_flight)
+    return found
+
+
+class GateReads:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def gate_rows(self, book: str) -> GateRows | None:
+        """Everything a gate pass needs from Postgres, in one statement; None for an unknown book."""
+        found = self.gate_rows_many([book])
+        assert found is not None  # no limit asked
+        return found[book]
+
+    def gate_rows_many(self, books: Sequence[str], limit: int | None = None) -> dict[str, GateRows | None] | None:
+        """`gate_rows` of several books in one statement (a tick's batch); None for an unknown book.
+        With `limit`: None when the books have more in-flight pairs than that (read them page by page).
+
+        Only in-flight pairs are read, each flagged with whether an active command targets it:
+        idle pairs and the targets of finished work cost nothing.
+        """
+        with self.db.read() as conn:
+            rows = conn.execute(
+                _GATE_ROWS + (" LIMIT %(limit)s" if limit is not None else ""),
+                {**_gate_row_params(books), "limit": None if limit is None else limit + len(books) + 1},
+            ).fetchall()
+        if limit is not None and len(rows) > limit + len(books):
+            return None
+        return _gate_rows_by_book(books, rows)
+
+    def gate_row_pages(self, book: str, size: int) -> Iterator[GateRows]:
+        """`gate_rows` of one book, `size` pairs at a time (a server-side cursor of the same statement):
+        a pass over a book of a million pairs holds one page. Nothing for an unknown book."""
+        with self.db.transaction() as conn, conn.cursor(name="gate_rows") as cursor:
+            cursor.itersize = size
+            cursor.execute(_GATE_ROWS, _gate_row_params([book]))
+            head: Any = None
+            while batch := cursor.fetchmany(size):
+                heads = [row for row in batch if row[1] is None]
+                head = heads[0] if heads else head
+                pairs = tuple(InFlight(*row[1:]) for row in batch if row[1] is not None)
+                if head is None:
+                    head = conn.execute(_BOOK_ROW, {"books": [book]}).fetchone()
+                    if head is None:
+                        return
+                yield GateRows(head[7], bool(head[11]), frozenset(i.pair for i in pairs if i.commanded), pairs)
+
+    def in_flight_scene_count(self, book: str) -> int:
+        """How many scenes of the book have a pair in flight."""
+        with self.db.read() as conn:
+            row = conn.execute(
+                "SELECT count(DISTINCT (chapter_id, scene_id)) FROM asset_states"
+                " WHERE book_id = %s AND state = ANY(%s)",
+                (book, values(IN_FLIGHT)),
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    def scenes_in_flight(self, book: str, scenes: Sequence[SceneKey]) -> set[SceneKey]:
+        """Which of `scenes` have a pair in flight."""
+        with self.db.read() as conn:
+            found = conn.execute(
+                "SELECT DISTINCT a.chapter_id, a.scene_id FROM asset_states a"
+                " JOIN unnest(%s::text[], %s::text[]) AS u(c, s) ON a.chapter_id = u.c AND a.scene_id = u.s"
+                " WHERE a.book_id = %s AND a.state = ANY(%s)",
+                ([c for c, _ in scenes], [sc for _, sc in scenes], book, values(IN_FLIGHT)),
+            ).fetchall()
+        return {(c, sc) for c, sc in found}
+
+    def gate_candidates(self, book: str, stages: Sequence[str], limit: int) -> GateRows | None:
+        """The book's first `limit` pending pairs of `stages` that an active command targets, in the order
+        they should get slots, with the facts that decide them: what a refill needs, at a cost that
+        follows `limit` and the number of active commands, not the size of the book. None: unknown book.
+
+        Each active command (most urgent priority first, oldest first) walks its targets in reading
+        order and stops after `limit` pending ones; a pair two commands target comes once, at the first.
+        """
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "WITH cmd AS (SELECT command_id, array_position(%(priorities)s::text[], priority) - 1 AS rank,"
+                "  extract(epoch FROM created_at)::float8 AS since FROM commands"
+                "  WHERE book_id = %(book)s AND status = ANY(%(authorizing)s) AND stage = ANY(%(stages)s)),"
+                " flight AS (SELECT DISTINCT ON (x.chapter_id, x.scene_id, x.stage) x.* FROM cmd CROSS JOIN LATERAL"
+                "  (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position,"
+                "   a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage, a.artifact_sha256 IS NOT NULL, true,"
+                "   cmd.rank, cmd.since FROM scenes s"
+                "   JOIN command_targets t ON t.command_id = cmd.command_id AND t.chapter_id = s.chapter_id"
+                "    AND t.scene_id = s.scene_id"
+                "   JOIN asset_states a ON a.book_id = s.book_id AND a.chapter_id = s.chapter_id"
+                "    AND a.scene_id = s.scene_id AND a.stage = t.stage"
+                "   WHERE s.book_id = %(book)s AND a.state = %(pending)s ORDER BY s.position LIMIT %(limit)s) x"
+                "  ORDER BY x.chapter_id, x.scene_id, x.stage, x.rank, x.since)"
+                + _BOOK_ROW
+                + " UNION ALL (SELECT * FROM flight ORDER BY 13, 14, 7 LIMIT %(limit)s)"
+                " ORDER BY 1, 13, 14 NULLS LAST, 7",
+                {
+                    "book": book,
+                    "books": [book],
+                    "stages": list(stages),
+                    "limit": limit,
+                    "authorizing": values(AUTHORIZING),
+                    "pending": AssetState.PENDING,
+                    "priorities": [str(p) for p in Priority],
+                },
+            ).fetchall()
+        return _gate_rows_by_book([book], rows)[book]

@@ -1,0 +1,79 @@
+"""Dispatch from a book's next candidates: its first few pending pairs in the order they should get slots,
+read with what decides them, at a cost that follows the free slots and not the size of the book.
+
+Used by a refill (a slot freed, `refill.py`) and by the pass over a book too big to hold
+(`paged_pass.py`), which must still fill the slots in reading order. It releases nothing: a candidate
+the gate denies asks for the book's full pass at once (the due index), which releases it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from animastor_tasks.domain.gate import BookFacts, decide
+from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import dispatch
+from animastor_tasks.flow.page import PassReport
+from animastor_tasks.ports import InFlight, Ports
+
+log = logging.getLogger("animastor.gate")
+MAX_ROUNDS = 8  # reads while every candidate read was claimed (the lanes had room for more)
+
+
+def candidate_limit(lane_limits: list[int]) -> int:
+    """Enough candidates to fill every slot of the lanes twice over: pairs the dispatch skips (deferred,
+    already done) rarely outnumber the slots, and a read whose candidates were all claimed reads again."""
+    return max(16, min(256, 2 * sum(lane_limits)))
+
+
+def dispatch_candidates(ports: Ports, report: PassReport, book: str, lane: str | None) -> int | None:
+    """Dispatch the book's next pairs for `lane` (None: any of its lanes) into `report`; how many
+    candidates were read (0: nothing pending), None for an unknown book."""
+    registry = ports.settings.registry
+    specs = [s for s in registry.stages if lane is None or s.queue == lane]
+    limit = candidate_limit([s.lane_limit for s in specs])
+    queues = registry.queues()
+    read = 0
+    for _ in range(MAX_ROUNDS):
+        started, now = time.monotonic(), time.time()
+        rows = ports.assets.gate_candidates(book, [s.name for s in specs], limit)
+        if rows is None:
+            return None
+        if not rows.in_flight:
+            return read
+        read += len(rows.in_flight)
+        snap = ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
+        facts = BookFacts(True, snap.cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
+        authorized: list[InFlight] = []
+        for item in rows.in_flight:
+            reason = decide(facts, item.pair)
+            if reason is None:
+                authorized.append(item)
+            else:
+                report.denied[item.pair] = reason
+        report.authorized.extend(i.pair for i in authorized)
+        report.authorized_count += len(authorized)
+        result = dispatch.dispatch_pending(ports, book, authorized, snap, now=now, handed_lane=lane)
+        report.outcomes.update(result.outcomes)
+        report.dispatched.extend(result.dispatched)
+        report.claimed_lanes |= result.claimed_lanes
+        if result.dispatched:
+            ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
+        _bring_forward(ports, book, bool(report.denied), min(result.deferred_until.values(), default=None), snap.due_at)
+        if report.denied or len(result.dispatched) < len(rows.in_flight) or len(rows.in_flight) < limit:
+            return read
+    return read
+
+
+def _bring_forward(ports: Ports, book: str, denied: bool, deferred_until: float | None, due_at: float | None) -> None:
+    """A denied candidate asks for the book's full pass now (it releases the pair); a deferral this
+    read wrote brings the book's next pass forward if the due index had it later. Never removed
+    here: the pairs a refill did not read are still waiting."""
+    due = time.time() if denied else deferred_until
+    if due is None or (due_at is not None and due_at <= due):
+        return
+    try:
+        ports.book_state.set_due(book, due)
+    except StoreUnavailable as err:  # reconcile's pass over every book with work puts it back
+        log.warning("[COMMAND-GATE] book=%r due index not written: %s", book, err)

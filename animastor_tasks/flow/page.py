@@ -1,0 +1,135 @@
+"""One page of a gate pass: decide the pairs read, release the pending ones that lost their authority,
+hand the authorized pending ones to dispatch, and say when the book's next pass is due.
+
+A book's pass is one page (`gate.py`) unless the book has more pairs in flight than a pass holds at
+once (`PAGE`); then it is a run of pages (`paged_pass.py`). Either way the rule is this one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from animastor_tasks.domain.gate import BookFacts, Denial, decide
+from animastor_tasks.domain.types import Pair
+from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import dispatch
+from animastor_tasks.ports import GateRows, InFlight, Ports, Snapshot
+
+log = logging.getLogger("animastor.gate")
+PAGE = 10_000  # in-flight pairs a pass holds at once
+
+
+@dataclass
+class PassReport:
+    """What a pass did. A paged pass counts what it authorized and denied but keeps no list of them."""
+
+    book: str
+    authorized: list[Pair] = field(default_factory=list)
+    denied: dict[Pair, Denial] = field(default_factory=dict)
+    released: list[Pair] = field(default_factory=list)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    dispatched: list[str] = field(default_factory=list)
+    claimed_lanes: set[str] = field(default_factory=set)
+    error: str | None = None
+    authorized_count: int = 0
+
+
+def pass_rows(
+    ports: Ports,
+    report: PassReport,
+    snap: Snapshot,
+    rows: GateRows,
+    *,
+    dispatch_work: bool,
+    full_lanes: Collection[str],
+    now: float,
+    keep_pairs: bool = True,
+) -> tuple[list[InFlight], dispatch.DispatchResult]:
+    """Decide, release and dispatch the pairs of `rows` into `report`; the pending pairs still waiting and
+    the dispatch's result (for `next_due`)."""
+    book = report.book
+    facts = BookFacts(True, snap.cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
+    pending: list[InFlight] = []
+    denied: dict[Pair, Denial] = {}
+    for item in rows.in_flight:
+        pair = item.pair
+        reason = decide(facts, pair)
+        if reason is None:
+            report.authorized_count += 1
+            if keep_pairs:
+                report.authorized.append(pair)
+            if item.state == AssetState.PENDING:
+                pending.append(item)
+        else:
+            denied[pair] = reason
+    if keep_pairs:
+        report.denied.update(denied)
+    to_release = [i.pair for i in rows.in_flight if i.state == AssetState.PENDING and i.pair in denied]
+    if to_release:
+        released = ports.assets.move_pairs(book, to_release, AssetState.PENDING, AssetState.DIRTY, "gate.released")
+        ports.deferrals.clear_deferrals(book, released)
+        report.released.extend(released)
+        log.info(
+            "[COMMAND-GATE] book=%r released %d pending pair(s) to dirty: %s",
+            book,
+            len(released),
+            _describe(denied, released),
+        )
+    result = dispatch.DispatchResult()
+    if dispatch_work and pending:
+        result = dispatch.dispatch_pending(ports, book, pending, snap, now=now, full_lanes=full_lanes)
+        report.outcomes.update(result.outcomes)
+        report.dispatched.extend(result.dispatched)
+        report.claimed_lanes |= result.claimed_lanes
+    return [i for i in pending if i.pair not in result.gone], result
+
+
+def next_due(snap: Snapshot, waiting: list[InFlight], written: dict[Pair, float], now: float) -> float | None:
+    """When the first of the waiting pairs may go: the earliest deferral end (this pass's, or one read in the
+    snapshot), now when one waits for no deferral (breaker, a Redis loss, a pass that dispatched nothing),
+    and never (None) while none waits."""
+    if not waiting:
+        return None
+    deferred_before = set().union(*snap.deferred.values())
+    untouched = [i for i in waiting if i.pair not in written]
+    ends = [written[i.pair] for i in waiting if i.pair in written]
+    if any(i.pair not in deferred_before for i in untouched):
+        ends.append(now)
+    elif untouched:
+        ends.append(now if snap.first_deferral_end is None else snap.first_deferral_end)
+    return min(ends)
+
+
+def write_due(ports: Ports, book: str, due: float | None, due_at: float | None) -> None:
+    """Keep the book's place in the due index. Written only when the book must come sooner than the index
+    says (or leave it): an earlier entry costs one cheap pass, and a pass over deferred pairs stays free
+    of writes. None: no pass until something happens (a job's end or a new command asks for one)."""
+    try:
+        if due is None and due_at is not None:
+            ports.book_state.set_due(book, None)
+        elif due is not None and (due_at is None or due < due_at):
+            ports.book_state.set_due(book, due)
+    except StoreUnavailable as err:  # reconcile's pass over every book with work puts it back
+        log.warning("[COMMAND-GATE] book=%r due index not written: %s", book, err)
+
+
+def lanes_without_room(ports: Ports) -> set[str]:
+    """The queues whose lanes are full, counted without any lock: enough to refuse (a refusal never
+    overfills a lane), never to claim (a claim counts again under the lane lock)."""
+    registry = ports.settings.registry
+    try:
+        load = ports.assets.lane_load(registry.names())
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] lane load unreadable, every pass counts its own: %s", err)
+        return set()
+    return {s.queue for s in registry.stages if load.get(s.name, 0) >= s.lane_limit}
+
+
+def _describe(denied: dict[Pair, Denial], pairs: list[Pair]) -> str:
+    shown = [f"{c}/{s}:{st}={denied.get((c, s, st), '?')}" for c, s, st in pairs[:5]]
+    more = f" (+{len(pairs) - 5} more)" if len(pairs) > 5 else ""
+    return ", ".join(shown) + more

@@ -1,0 +1,61 @@
+"""The gate pass of a book with more pairs in flight than a pass holds at once (`page.PAGE`).
+
+Its rows come from one statement through a server-side cursor, a page at a time, and each page reads
+what Redis knows of its own pairs only (`pair_snapshot`), so a book of a million pairs costs the
+memory of one page. The lanes are counted again before each page after the first: once they are full,
+the remaining pages defer their pairs without a claim transaction. The book's finished scenes leave
+the active index in reconcile's pass (dispatch_work off), through a scan of the index, not by
+holding every scene of the book.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import page
+from animastor_tasks.ports import Ports
+
+log = logging.getLogger("animastor.gate")
+SCAN_SCENES = 1000  # active scenes checked per round trip when finished ones may be left in the index
+
+
+def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lanes: set[str], now: float) -> None:
+    book = report.book
+    queues = ports.settings.registry.queues()
+    due: float | None = None
+    due_at: float | None = None
+    pages = 0
+    try:
+        for rows in ports.assets.gate_row_pages(book, page.PAGE):
+            snap = ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
+            if pages == 0:
+                due_at = snap.due_at
+            elif dispatch_work:
+                full_lanes = full_lanes | page.lanes_without_room(ports)
+            pages += 1
+            waiting, result = page.pass_rows(
+                ports, report, snap, rows, dispatch_work=dispatch_work, full_lanes=full_lanes, now=now, keep_pairs=False
+            )
+            found = page.next_due(snap, waiting, result.deferred_until, now)
+            due = found if due is None else min(due, found if found is not None else due)
+        if not dispatch_work:  # reconcile's pass, every book with work every 30 s: the counts cost a scan
+            _deactivate_finished(ports, book)
+    except StoreUnavailable as err:
+        report.error = str(err)
+        log.warning(
+            "[COMMAND-GATE] book=%r pass stopped after %d page(s), nothing more authorized: %s", book, pages, err
+        )
+        return
+    if pages:
+        page.write_due(ports, book, due, due_at)
+
+
+def _deactivate_finished(ports: Ports, book: str) -> None:
+    """Active scenes without a pair in flight leave the index; skipped when the counts say there are none."""
+    if ports.book_state.active_scene_count(book) <= ports.assets.in_flight_scene_count(book):
+        return
+    for scenes in ports.book_state.scan_active(book, SCAN_SCENES):
+        finished = set(scenes) - ports.assets.scenes_in_flight(book, scenes)
+        if finished:
+            ports.book_state.deactivate(book, finished)

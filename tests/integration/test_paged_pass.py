@@ -1,0 +1,71 @@
+"""A book with more pairs in flight than a pass holds at once is passed page by page, to the same ends.
+
+Real Postgres, Redis and broker. `page.PAGE` is made small so that a book of a few scenes spans pages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from animastor_tasks.flow import gate, page
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import make_book, states
+from .test_elastic_share import lane, running
+
+
+def generating(rt: Wiring, book: str) -> list[tuple[str, str, str]]:
+    return sorted(p for p, s in states(rt, book).items() if s == "generating")
+
+
+def deferred(rt: Wiring, book: str, bucket: str = "capacity") -> set[str]:
+    return set(rt.redis.client.zrange(rt.redis.keys.deferrals(book, bucket), 0, -1))
+
+
+@pytest.fixture
+def small_pages(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(page, "PAGE", 7)
+    return 7
+
+
+def test_a_big_book_fills_the_free_slots_in_reading_order_and_defers_the_rest(rt: Any, small_pages: int) -> None:
+    lane(rt, lane_limit=3, book_quota=3, window=3)
+    rt.catalog.import_book(make_book("big", chapters=1, scenes=30))  # 30 pending pairs: five pages
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"])
+    assert generating(rt, "big") == [("ch1", f"s{i}", "audio") for i in (1, 2, 3)]
+    # The regenerate's own pass ran paged: every other pair waits with its reason, the book for the lane.
+    assert deferred(rt, "big") == {f"ch1:s{i}:audio" for i in range(4, 31)}
+    assert rt.redis.client.zscore(rt.redis.keys.lane_waiters("gpu.audio"), "big") is not None
+    report = gate.gate_pass(rt.ports, "big")  # a pass over deferred pairs: decides, writes nothing
+    assert report.authorized_count == 30 and report.authorized == [] and report.dispatched == []
+    assert running(rt, "big") == {"big": 3}
+
+
+def test_a_big_book_releases_what_lost_its_authority_on_every_page(rt: Any, small_pages: int) -> None:
+    lane(rt, lane_limit=2)
+    rt.catalog.import_book(make_book("big", chapters=2, scenes=10))
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"])
+    with rt.db.transaction() as conn:  # the layer turned off behind the gate's back
+        conn.execute("UPDATE books SET layer_config = '{\"audio_enabled\": false}' WHERE book_id = 'big'")
+    report = gate.gate_pass(rt.ports, "big")
+    assert len(report.released) == 18  # every pending pair, whichever page it was on
+    assert list(states(rt, "big").values()).count("dirty") == 18
+
+
+def test_a_big_book_s_finished_scenes_leave_the_active_index_in_reconcile_s_pass(rt: Any, small_pages: int) -> None:
+    lane(rt, lane_limit=2)
+    rt.catalog.import_book(make_book("big", chapters=1, scenes=20))
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"])
+    with rt.db.transaction() as conn:  # five scenes finished (as if their jobs had committed)
+        conn.execute(
+            "UPDATE asset_states SET state = 'ready' WHERE book_id = 'big'"
+            " AND scene_id = ANY(ARRAY['s11', 's12', 's13', 's14', 's15'])"
+        )
+    gate.gate_pass(rt.ports, "big")  # a dispatching pass leaves that to reconcile's
+    assert rt.redis.client.scard(rt.redis.keys.active_scenes("big")) == 20
+    gate.gate_pass(rt.ports, "big", dispatch_work=False)  # reconcile's pass
+    active = rt.redis.client.smembers(rt.redis.keys.active_scenes("big"))
+    assert len(active) == 15 and not {f"ch1:s{i}" for i in range(11, 16)} & active
