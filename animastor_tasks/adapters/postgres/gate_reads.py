@@ -83,9 +83,12 @@ class GateReads:
         Only in-flight pairs are read, each flagged with whether an active command targets it:
         idle pairs and the targets of finished work cost nothing.
         """
+        # The limited read is planned as the whole read (a CTE is planned for all its rows): a LIMIT on the
+        # statement itself made the planner pick a fast-start plan, 40% slower for 10k pairs.
+        limited = "WITH g AS MATERIALIZED (" + _GATE_ROWS + ") SELECT * FROM g LIMIT %(limit)s"
         with self.db.read() as conn:
             rows = conn.execute(
-                _GATE_ROWS + (" LIMIT %(limit)s" if limit is not None else ""),
+                _GATE_ROWS if limit is None else limited,
                 {**_gate_row_params(books), "limit": None if limit is None else limit + len(books) + 1},
             ).fetchall()
         if limit is not None and len(rows) > limit + len(books):
