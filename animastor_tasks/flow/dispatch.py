@@ -136,11 +136,7 @@ def _settle_idempotent(
     ports: Ports, book: str, todo: list[InFlight], force: set[Pair], result: DispatchResult, now: float
 ) -> list[InFlight]:
     """Already completed (same inputs, not forced) or already leased pairs are not dispatched."""
-    done = [
-        i.pair
-        for i in todo
-        if i.pair not in force and i.has_artifact and i.ready_hash == i.current_hash
-    ]
+    done = [i.pair for i in todo if i.pair not in force and i.has_artifact and i.ready_hash == i.current_hash]
     if done:
         completed = ports.assets.mark_already_completed(book, done)
         _defer(ports, book, Outcome.ALREADY_COMPLETED, completed, now)

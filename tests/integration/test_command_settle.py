@@ -9,10 +9,9 @@ from dataclasses import replace
 import pytest
 
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import gate
+from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import layers as layers_flow
 from animastor_tasks.flow import reconcile as reconcile_flow
-from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import status as status_flow
 from animastor_tasks.flow.generate import run_job
