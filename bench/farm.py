@@ -86,8 +86,15 @@ class Farm:
 
     def control_cpu_seconds(self) -> float:
         """CPU (user + system) of the control worker, its pool processes and beat, so far."""
+        return self.cpu_seconds(("control", "beat"))
+
+    def gpu_cpu_seconds(self) -> float:
+        """CPU of the GPU workers and their pool processes, so far."""
+        return self.cpu_seconds(tuple(f"gpu{i}" for i in range(len(self.gpu))))
+
+    def cpu_seconds(self, names: Sequence[str]) -> float:
         total = 0.0
-        for name in ("control", "beat"):
+        for name in names:
             pid = self.sup.children[name].pid
             for p in (pid, *_children(pid)):
                 total += proc_cpu_seconds(p) or 0.0
