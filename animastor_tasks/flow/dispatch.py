@@ -186,12 +186,11 @@ def _claim_and_publish(
     lanes = {stage: spec.queue for stage, spec in specs.items()}
     # The fair share binds only while another book waits for the lane (the head of its waiting list).
     waiters = {stage: [b for b in snap.waiters.get(queue, []) if b != book] for stage, queue in lanes.items()}
-    # A book not handed a slot does not jump the books waiting for the lane ahead of it (all of them when it is
-    # not in the line) at its priority or above.
+    # A book not handed a slot does not jump the books waiting for the lane at its priority or above.
     ahead = {
-        stage: min(snap.waiter_ranks[queue][b] for b in others)
+        stage: min(others.values())
         for stage, queue in lanes.items()
-        if queue != handed_lane and (others := _ahead_of(book, snap.waiters.get(queue, [])))
+        if queue != handed_lane and (others := {b: r for b, r in snap.waiter_ranks.get(queue, {}).items() if b != book})
     }
     ranks = {i.pair: i.rank for i in todo}
     with ports.assets.claiming(book, lanes, waiters) as session:
@@ -224,10 +223,6 @@ def _claim_and_publish(
         known = snap.waiters.get(queue)
         if known is None or any(b != book for b in known):
             hand_over(ports, queue, slots, exclude=book)
-
-
-def _ahead_of(book: str, line: list[str]) -> list[str]:
-    return line[: line.index(book)] if book in line else line
 
 
 def slot_order(item: InFlight) -> tuple[int, float, int]:
