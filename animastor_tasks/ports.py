@@ -18,6 +18,8 @@ from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import BookPair, Pair, SceneKey
 from animastor_tasks.domain.vocabulary import AssetState, Priority
 
+# -- records -------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class CommandContext:
@@ -67,7 +69,7 @@ class InFlight:
     commanded: bool  # an active command of this stage targets the scene
     rank: int = 1  # `priority_rank` of the most urgent active command targeting it (0 first)
     since: float | None = None  # when the oldest active command targeting it was created
-    pair: Pair = field(init=False, compare=False)  # made once: a pass over 100k pairs asks 800k times
+    pair: Pair = field(init=False, compare=False)  # made once: a pass over 100k pairs asks for it 800k times
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pair", (self.chapter, self.scene, self.stage))
@@ -140,7 +142,6 @@ class Snapshot:
     # -inf if never. Until every live worker has heartbeated again, "no consumer" is not evidence.
     data_lost_at: float = float("-inf")
     waiters: dict[str, list[str]] = field(default_factory=dict)  # per queue asked for: the head of its waiting list
-    waiter_ranks: dict[str, dict[str, int]] = field(default_factory=dict)  # and each of those books' priority rank
     first_deferral_end: float | None = None  # when the book's earliest live deferral ends (None: none live)
     due_at: float | None = None  # when the due index asks for the book's next pass (None: it does not)
 

@@ -62,17 +62,11 @@ def choose(
     counts: CapacityCounts,
     specs: Mapping[str, StageSpec],
     permits: Mapping[str, int],
-    *,
-    ahead: Mapping[str, int] | None = None,
-    ranks: Mapping[Pair, int] | None = None,
 ) -> CapacityChoice:
     """Take `wanted` in order (reading order within priority: the window's order) while the limits allow.
 
     `permits` caps a stage whose breaker is half-open (one test dispatch); a pair past its
     permit is neither chosen nor refused: it waits for the breaker, not for capacity.
-    `ahead`: per stage, the most urgent priority rank among the other books waiting for its lane (when
-    this pass was not handed a slot of it); a pair no more urgent (`ranks`) does not jump that queue:
-    it is refused like a full lane and its book waits its turn, and the slot goes to the waiting book.
     """
     lane = Counter({stage: int(n) for stage, n in counts.lane.items()})
     quota: Counter[str] = Counter(stage for _, _, stage in counts.book_generating)
@@ -86,7 +80,7 @@ def choose(
         if left.get(stage, 1) <= 0:
             continue
         refusal: Outcome | None = None
-        if lane[stage] >= spec.lane_limit or (ahead and stage in ahead and (ranks or {}).get(pair, 1) >= ahead[stage]):
+        if lane[stage] >= spec.lane_limit:
             refusal = Outcome.LANE_FULL
         elif spec.book_cap is not None and quota[stage] >= spec.book_cap:
             choice.refused.setdefault(Outcome.QUOTA_EXHAUSTED, []).append(pair)

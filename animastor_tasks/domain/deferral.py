@@ -48,8 +48,3 @@ def wait_score(rank: int, since: float) -> float:
     """A book's place on a lane's waiting list: the most urgent priority first, then who waited
     longest (`since`, unix seconds; 0 puts the book at the head of its priority)."""
     return rank * RANK_SCALE + since
-
-
-def rank_of(score: float) -> int:
-    """The priority rank a waiting-list score (`wait_score`) was made with."""
-    return int(score // RANK_SCALE)

@@ -186,15 +186,8 @@ def _claim_and_publish(
     lanes = {stage: spec.queue for stage, spec in specs.items()}
     # The fair share binds only while another book waits for the lane (the head of its waiting list).
     waiters = {stage: [b for b in snap.waiters.get(queue, []) if b != book] for stage, queue in lanes.items()}
-    # A book not handed a slot does not jump the books waiting for the lane at its priority or above.
-    ahead = {
-        stage: min(others.values())
-        for stage, queue in lanes.items()
-        if queue != handed_lane and (others := {b: r for b, r in snap.waiter_ranks.get(queue, {}).items() if b != book})
-    }
-    ranks = {i.pair: i.rank for i in todo}
     with ports.assets.claiming(book, lanes, waiters) as session:
-        choice = capacity.choose(wanted, session.counts, specs, permits, ahead=ahead, ranks=ranks)
+        choice = capacity.choose(wanted, session.counts, specs, permits)
         claims = session.claim(choice.chosen)
         # Still under the lane and book locks: a completion takes them before it frees capacity,
         # so these deferrals can never land after the completion that should clear them, and a
@@ -207,6 +200,7 @@ def _claim_and_publish(
             # Handed a slot that another pass took first: back to the head of its priority, not the end.
             since = 0.0 if lanes[stage] == handed_lane and not taken[stage] else now
             _wait_for_lane(ports, book, lanes[stage], [i for i in todo if i.pair in refused], stage, since)
+        ranks = {i.pair: i.rank for i in todo}
         ports.leases.take_leases([_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims])
         spare = {spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] for s, spec in specs.items()}
     result.claimed_lanes.update(lanes.values())

@@ -157,18 +157,3 @@ def test_the_gate_task_contract_is_unchanged_and_a_batch_passes_each_book(rt) ->
         regenerate_flow.regenerate(rt.ports, book, ["audio"])
     assert tasks.gate_task.run("x")["book_id"] == "x"
     assert tasks.gate_batch.run(["x", "y"]) == 2
-
-
-def test_a_new_book_does_not_take_a_free_slot_from_the_books_waiting_for_it(rt) -> None:
-    lane(rt, lane_limit=2, book_quota=1, window=1)
-    for book in ("a", "b", "c"):
-        rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
-    regenerate_flow.regenerate(rt.ports, "a", ["audio"])  # alone: both slots
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # lane full: waits
-    with rt.db.transaction() as conn:  # a slot frees without a hand-over yet (its job's end is on its way)
-        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'a' AND scene_id = 's1'")
-    regenerate_flow.regenerate(rt.ports, "c", ["audio"])  # arrives now: it must not jump "b"
-    assert running(rt, "a", "b", "c") == {"a": 1}
-    run_control(rt)  # the free slot "c" saw was handed to "b", the head of the line
-    assert running(rt, "a", "b", "c") == {"a": 1, "b": 1}
-    assert "c" in waiting(rt)  # it waits its turn

@@ -53,15 +53,3 @@ def test_the_first_limit_hit_names_the_refusal() -> None:
     counts = CapacityCounts(lane={"audio": 5}, book_generating=[("c", "s0", "audio")])
     choice = choose(wanted(("c", "s1", "audio")), counts, spec(AUDIO, lane_limit=5, book_quota=1, window=1), {})
     assert choice.refused == {Outcome.LANE_FULL: [("c", "s1", "audio")]}
-
-
-def test_a_pass_does_not_jump_books_waiting_at_its_priority_or_above() -> None:
-    counts = CapacityCounts(lane={"audio": 0}, book_generating=[], waiting={"audio": [[]]})
-    pairs = wanted(("c", "s1", "audio"), ("c", "s2", "audio"))
-    ranks = {("c", "s1", "audio"): 0, ("c", "s2", "audio"): 1}  # s1 interactive, s2 normal
-    # Another book waits at normal: the interactive pair goes ahead of it, the normal one waits its turn.
-    choice = choose(pairs, counts, spec(AUDIO, lane_limit=4), {}, ahead={"audio": 1}, ranks=ranks)
-    assert choice.chosen == [(("c", "s1", "audio"), "d0")]
-    assert choice.refused == {Outcome.LANE_FULL: [("c", "s2", "audio")]} and choice.waits_for == {"audio"}
-    # Nobody waiting (or a slot handed to this book): no queue to respect.
-    assert len(choose(pairs, counts, spec(AUDIO, lane_limit=4), {}, ahead={}, ranks=ranks).chosen) == 2

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
-from animastor_tasks.domain.deferral import rank_of
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member, parse_pair_member, parse_scene_member, scene_member
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.ports import Snapshot
@@ -127,7 +126,7 @@ class BookStateStore:
         for queue in queues:
             pipe.zcount(keys.consumers(queue), f"({now}", "+inf")
             pipe.exists(keys.breaker(queue))
-            pipe.zrange(keys.lane_waiters(queue), 0, max(waiters, 1) - 1, withscores=True)
+            pipe.zrange(keys.lane_waiters(queue), 0, max(waiters, 1) - 1)
 
     def _split_replies(self, replies: list[Any], queues: Sequence[str], now: float) -> tuple[list[Any], list[Any]]:
         """Notes the dataset token; the queues' replies, then the books'."""
@@ -154,8 +153,7 @@ class BookStateStore:
             consumers={q: int(per_queue[3 * i]) for i, q in enumerate(queues)},
             breaker_clean={q: not per_queue[3 * i + 1] for i, q in enumerate(queues)},
             data_lost_at=self._data_lost_at,
-            waiters={q: [str(b) for b, _ in per_queue[3 * i + 2]] for i, q in enumerate(queues)},
-            waiter_ranks={q: {str(b): rank_of(s) for b, s in per_queue[3 * i + 2]} for i, q in enumerate(queues)},
+            waiters={q: [str(b) for b in per_queue[3 * i + 2]] for i, q in enumerate(queues)},
             first_deferral_end=min(deferral_ends, default=None),
             due_at=None if due_at is None else float(due_at),
         )
