@@ -9,7 +9,8 @@ That is one tick cycle: whatever the dispatch design asks of the control plane, 
 With `free` set, the jobs the previous cycle dispatched are first run to completion here
 through the contract's `animastor.generate.<stage>` task (builtin generator, instant), untimed,
 so every cycle starts with the lane slots those jobs held freed by real completions; the
-completions' own control messages are part of the cycle that follows.
+completions' own control messages are part of the cycle that follows, their refills included
+(a GPU worker runs those in the finished job's process; here they go to the control queue).
 
 It prints one JSON line: per cycle its wall and CPU seconds, the control tasks it ran, the jobs
 it published to the GPU queues; and the process's peak RSS (VmHWM) before and after.
@@ -93,12 +94,26 @@ class ControlLoop:
         return sum(int(self.channel._size(queue)) for queue in self.queues)
 
     def finish_jobs(self) -> int:
-        """Run every queued GPU job here to completion (untimed); their control messages stay queued."""
+        """Run every queued GPU job here to completion (untimed); their control messages stay queued.
+
+        A job that ends ready refills its slot in its own process; here that refill is sent to the control
+        queue instead (as when it fails in a GPU worker), so the refill work is timed in the next cycle."""
+        from animastor_tasks.flow import refill
+
+        inline = refill.free_slot
+
+        def sent_on(ports: Any, book: str, queue: str, dispatch_id: str, *, here: bool = False) -> None:
+            inline(ports, book, queue, dispatch_id, here=False)
+
+        refill.free_slot = sent_on
         done = 0
-        for queue in self.queues:
-            while (taken := self._take(queue)) is not None:
-                self._apply(*taken)
-                done += 1
+        try:
+            for queue in self.queues:
+                while (taken := self._take(queue)) is not None:
+                    self._apply(*taken)
+                    done += 1
+        finally:
+            refill.free_slot = inline
         return done
 
     def close(self) -> None:
