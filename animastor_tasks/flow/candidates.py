@@ -8,16 +8,13 @@ the gate denies asks for the book's full pass at once (the due index), which rel
 
 from __future__ import annotations
 
-import logging
 import time
 
 from animastor_tasks.domain.gate import BookFacts, decide
-from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import dispatch
+from animastor_tasks.flow import dispatch, page
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import InFlight, Ports
 
-log = logging.getLogger("animastor.gate")
 MAX_ROUNDS = 8  # reads while every candidate read was claimed (the lanes had room for more)
 
 
@@ -60,20 +57,11 @@ def dispatch_candidates(ports: Ports, report: PassReport, book: str, lane: str |
         report.claimed_lanes |= result.claimed_lanes
         if result.dispatched:
             ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
-        _bring_forward(ports, book, bool(report.denied), min(result.deferred_until.values(), default=None), snap.due_at)
+        # A denied candidate asks for the book's full pass now (it releases the pair); a deferral written here
+        # brings the next pass forward. Never removed here: the pairs this read left out still wait.
+        due = time.time() if report.denied else min(result.deferred_until.values(), default=None)
+        if due is not None:
+            page.write_due(ports, book, due, snap.due_at)
         if report.denied or len(result.dispatched) < len(rows.in_flight) or len(rows.in_flight) < limit:
             return read
     return read
-
-
-def _bring_forward(ports: Ports, book: str, denied: bool, deferred_until: float | None, due_at: float | None) -> None:
-    """A denied candidate asks for the book's full pass now (it releases the pair); a deferral this
-    read wrote brings the book's next pass forward if the due index had it later. Never removed
-    here: the pairs a refill did not read are still waiting."""
-    due = time.time() if denied else deferred_until
-    if due is None or (due_at is not None and due_at <= due):
-        return
-    try:
-        ports.book_state.set_due(book, due)
-    except StoreUnavailable as err:  # reconcile's pass over every book with work puts it back
-        log.warning("[COMMAND-GATE] book=%r due index not written: %s", book, err)

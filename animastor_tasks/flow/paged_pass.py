@@ -38,7 +38,7 @@ def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lane
                 ports, report, snap, rows, dispatch_work=dispatch_work, full_lanes=full_lanes, now=now, keep_pairs=False
             )
             found = page.next_due(snap, waiting, result.deferred_until, now)
-            due = found if due is None else min(due, found if found is not None else due)
+            due = min((d for d in (due, found) if d is not None), default=None)
         if not dispatch_work:  # reconcile's pass, every book with work every 30 s: the counts cost a scan
             _deactivate_finished(ports, book)
     except StoreUnavailable as err:
