@@ -39,7 +39,11 @@ def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lane
             )
             found = page.next_due(snap, waiting, result.deferred_until, now)
             due = min((d for d in (due, found) if d is not None), default=None)
-        if not dispatch_work:  # reconcile's pass, every book with work every 30 s: the counts cost a scan
+        if not pages:  # an unknown book (its active index said it was big): off the indexes
+            log.warning("[COMMAND-GATE] book=%r unknown; removed from the active index", book)
+            _deactivate_finished(ports, book)
+            ports.book_state.drop_book_if_idle(book)
+        elif not dispatch_work:  # reconcile's pass, every book with work every 30 s: the counts cost a scan
             _deactivate_finished(ports, book)
     except StoreUnavailable as err:
         report.error = str(err)

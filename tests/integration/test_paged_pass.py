@@ -15,6 +15,7 @@ from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import make_book, states
 from .test_elastic_share import lane, running
+from .test_refill_pass import counting
 
 
 def generating(rt: Wiring, book: str) -> list[tuple[str, str, str]]:
@@ -69,3 +70,23 @@ def test_a_big_book_s_finished_scenes_leave_the_active_index_in_reconcile_s_pass
     gate.gate_pass(rt.ports, "big", dispatch_work=False)  # reconcile's pass
     active = rt.redis.client.smembers(rt.redis.keys.active_scenes("big"))
     assert len(active) == 15 and not {f"ch1:s{i}" for i in range(11, 16)} & active
+
+
+def test_a_book_whose_active_index_is_bigger_than_a_page_makes_no_limited_read_first(rt: Any, small_pages: int) -> None:
+    lane(rt, lane_limit=2)
+    rt.catalog.import_book(make_book("big", chapters=1, scenes=20))
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"])
+    counter = counting(rt)
+    report = gate.gate_pass(rt.ports, "big")
+    assert counter.full_reads == 0  # the active index said 20 scenes: the pages at once
+    assert report.authorized_count == 20 and running(rt, "big") == {"big": 2}
+
+
+def test_an_unknown_book_with_a_big_active_index_leaves_the_indexes(rt: Any, small_pages: int) -> None:
+    lane(rt, lane_limit=2)
+    rt.ports.book_state.activate("gone", [("ch1", f"s{i}") for i in range(20)])  # no such book in Postgres
+    assert "gone" in rt.ports.book_state.active_books()
+    report = gate.gate_pass(rt.ports, "gone")
+    assert report.error is None and report.dispatched == []
+    assert rt.redis.client.scard(rt.redis.keys.active_scenes("gone")) == 0
+    assert "gone" not in rt.ports.book_state.active_books()
