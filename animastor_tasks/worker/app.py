@@ -16,7 +16,7 @@ from celery import Celery, signals
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ConfigError, redact_url
-from animastor_tasks.worker import tracing
+from animastor_tasks.worker import tracing, warm
 from animastor_tasks.worker.logs import LogSetup
 from animastor_tasks.worker.presence import PresenceStep
 
@@ -36,10 +36,20 @@ log = logging.getLogger("animastor.worker")
 log_setup.connect()
 
 # Optional OpenTelemetry (the otel extra, ANIMASTOR_OTEL=1): set up where tasks run, flushed on the way out.
-signals.worker_init.connect(tracing.on_worker_init)
 signals.worker_process_init.connect(tracing.on_process_init)
 signals.worker_process_shutdown.connect(tracing.on_shutdown)
 signals.worker_shutdown.connect(tracing.on_shutdown)
+
+
+@signals.worker_init.connect
+def set_up_solo(sender: Any = None, **_: Any) -> None:
+    """With the solo or thread pool the worker runs the tasks itself: it traces them and warms its
+    connections (a prefork worker's children do, in `fresh_connections`)."""
+    pool = getattr(sender, "pool_cls", None)
+    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+    if not any(word in str(name) for word in ("prefork", "processes")):
+        tracing.setup()
+        warm.warm_up(app)
 
 
 @signals.celeryd_init.connect
@@ -92,3 +102,4 @@ def fresh_connections(**_: Any) -> None:
         wiring.current().ports.book_state.data_lost_at()
     except Exception as err:  # Redis down at fork: noticed at the first gate pass instead
         log.warning("[WORKER] could not read the Redis epoch at start: %s", err)
+    warm.warm_up(app)

@@ -102,14 +102,6 @@ def on_process_init(**_: Any) -> None:
     setup()
 
 
-def on_worker_init(sender: Any = None, **_: Any) -> None:
-    """`worker_init`: with the solo or thread pool the worker runs the tasks itself."""
-    pool = getattr(sender, "pool_cls", None)
-    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
-    if not any(word in str(name) for word in ("prefork", "processes")):
-        setup()
-
-
 def on_shutdown(**_: Any) -> None:
     """`worker_process_shutdown` / `worker_shutdown`: flush the spans still buffered."""
     try:
