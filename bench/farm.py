@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -161,10 +162,28 @@ def wait_ready(farm: Farm, books: Sequence[str], total: int, timeout: float) -> 
     wait_until(lambda: count_state("ready", books) >= total, timeout, f"{total} pairs ready", farm.sup.check)
 
 
-def busy_fraction(rows: Sequence[tuple[str, str, str, str, float]], slots: int) -> tuple[float, float]:
-    """(busy slot-seconds / available slot-seconds from first start to last end, that span)."""
+@dataclass(frozen=True)
+class Busy:
+    """How busy a lane's slots were (journal events `dispatch`, `job.started`, `job.ready`)."""
+
+    fraction: float  # from the first dispatch until the backlog is empty (the last job started)
+    span: float
+    to_last_end: float  # from the first start to the last end: also the tail, when no work waited
+    span_to_last_end: float
+
+
+def busy_fraction(rows: Sequence[tuple[str, str, str, str, float]], slots: int) -> Busy:
+    """Busy slot-seconds (job.started -> job.ready) over available slot-seconds, in two windows.
+
+    The issue's window runs from the first dispatch until the backlog is empty: once the last pair has
+    started no work waits, and the slots that finish before the last job are idle for want of work, not
+    for want of dispatch. The older window (first start to last end) is kept beside it.
+    """
     starts = {d: at for kind, _, _, d, at in rows if kind == "job.started"}
     ends = {d: at for kind, _, _, d, at in rows if kind == "job.ready"}
-    busy = sum(ends[d] - starts[d] for d in ends if d in starts)
-    span = max(ends.values()) - min(starts.values())
-    return busy / (slots * span), span
+    first = min(at for kind, _, _, _, at in rows if kind == "dispatch")
+    empty = max(starts.values())
+    busy = sum(max(0.0, min(ends[d], empty) - max(starts[d], first)) for d in ends if d in starts)
+    whole = sum(ends[d] - starts[d] for d in ends if d in starts)
+    span, span_to_end = empty - first, max(ends.values()) - min(starts.values())
+    return Busy(busy / (slots * span), span, whole / (slots * span_to_end), span_to_end)

@@ -5,8 +5,10 @@ Real processes (`bench.farm`): control worker, beat, one GPU worker of 8 process
 One book of many scenes is regenerated alone; builtin jobs of 0.3 s (2 steps x 0.15 s).
 
 `lone_book_busy_fraction`: busy slot-seconds (job.started -> job.ready, journal) over the 8
-slots' seconds from the first start to the last end; at least 0.95. Beside it, same run: the
-fraction a hard cap at the default quota would allow (4 of 8 = 0.5).
+slots' seconds from the first dispatch until the backlog is empty (the last job started); at
+least 0.95. Beside it, same run: the fraction from the first start to the last end
+(`lone_book_busy_fraction_to_last_end`, the window of earlier runs), and the fraction a hard cap
+at the default quota would allow (4 of 8 = 0.5).
 """
 
 from __future__ import annotations
@@ -34,16 +36,21 @@ def run(ctx: Context) -> BenchResult:
         ctx.log(f"lone_book: {scenes} scenes alone on {SLOTS} slots, jobs {2 * STEP_SECONDS:.1f}s")
         farm.client.regenerate(BOOK, ["audio"], wait=False)
         wait_ready(farm, [BOOK], scenes, scenes * 2 * STEP_SECONDS + 120)
-        rows = events(["job.started", "job.ready"], [BOOK])
+        rows = events(["dispatch", "job.started", "job.ready"], [BOOK])
     finally:
         farm.stop()
-    fraction, span = busy_fraction(rows, SLOTS)
+    busy = busy_fraction(rows, SLOTS)
     result.figure(
         "lone_book_busy_fraction",
-        fraction,
-        baseline=f"{SLOTS} slots x {span:.1f}s; a hard cap at book_quota 4 would give 0.5",
+        busy.fraction,
+        baseline=f"{SLOTS} slots x {busy.span:.1f}s to the last start; a hard cap at book_quota 4 would give 0.5",
         target=f">= {TARGET}",
-        ok=fraction >= TARGET,
+        ok=busy.fraction >= TARGET,
     )
-    result.notes["lone_book"] = {"scenes": scenes, "span_s": round(span, 2), "setup": " ".join(__doc__.split())}
+    result.figure(
+        "lone_book_busy_fraction_to_last_end",
+        busy.to_last_end,
+        baseline=f"{SLOTS} slots x {busy.span_to_last_end:.1f}s, first start to last end (the tail included)",
+    )
+    result.notes["lone_book"] = {"scenes": scenes, "span_s": round(busy.span, 2), "setup": " ".join(__doc__.split())}
     return result
