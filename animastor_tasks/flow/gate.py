@@ -4,9 +4,9 @@ and hand what is authorized to dispatch (the rule for one page of pairs is `page
 A pass reads Postgres once (one statement) and Redis once (one pipeline), whatever the number
 of scenes, up to `page.PAGE` pairs in flight (one outside a tick's batch first asks the size of the
 active index); a bigger book is passed page by page (`paged_pass.py`), so that a pass's memory
-stays bounded. Any read that fails authorizes nothing (fail-closed) and is logged. Each pass keeps its book's place in the due index (when its next
-pass is needed); the beat's tick passes only the books that are due, several per task, so an
-idle book costs nothing.
+stays bounded. Any read that fails authorizes nothing (fail-closed) and is logged. Each pass keeps
+its book's place in the due index (when its next pass is needed); the beat's tick passes only the
+books that are due, several per task, so an idle book costs nothing.
 """
 
 from __future__ import annotations
