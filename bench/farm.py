@@ -17,7 +17,7 @@ from typing import Any
 
 from animastor_tasks.dev.celery_commands import celery_argv
 from animastor_tasks.dev.supervisor import Supervisor, wait_until
-from bench.common import ROOT, bench_env, make_runtime, pg_connect, proc_cpu_seconds
+from bench.common import ROOT, BenchResult, bench_env, make_runtime, pg_connect, proc_cpu_seconds
 
 
 def audio_stage(slots: int, step_seconds: float, **extra: Any) -> dict[str, Any]:
@@ -170,6 +170,21 @@ class Busy:
     span: float
     to_last_end: float  # from the first start to the last end: also the tail, when no work waited
     span_to_last_end: float
+
+    def add_figures(self, result: BenchResult, name: str, slots: int, target: float, baseline: str = "") -> None:
+        """`name` (the issue's window, with its target) and `name`_to_last_end beside it."""
+        result.figure(
+            name,
+            self.fraction,
+            baseline=f"{slots} slots x {self.span:.1f}s from the first dispatch to the last start{baseline}",
+            target=f">= {target}",
+            ok=self.fraction >= target,
+        )
+        result.figure(
+            f"{name}_to_last_end",
+            self.to_last_end,
+            baseline=f"{slots} slots x {self.span_to_last_end:.1f}s, first start to last end (the tail included)",
+        )
 
 
 def busy_fraction(rows: Sequence[tuple[str, str, str, str, float]], slots: int) -> Busy:

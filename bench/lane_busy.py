@@ -104,18 +104,7 @@ def run(ctx: Context) -> BenchResult:
         rt.close()
 
     busy = busy_fraction(rows, SLOTS)
-    result.figure(
-        "lane_busy_fraction",
-        busy.fraction,
-        baseline=f"{SLOTS} slots x {busy.span:.1f}s from the first dispatch to the last start",
-        target=f">= {TARGET_BUSY}",
-        ok=busy.fraction >= TARGET_BUSY,
-    )
-    result.figure(
-        "lane_busy_fraction_to_last_end",
-        busy.to_last_end,
-        baseline=f"{SLOTS} slots x {busy.span_to_last_end:.1f}s, first start to last end (the tail included)",
-    )
+    busy.add_figures(result, "lane_busy_fraction", SLOTS, TARGET_BUSY)
     started = [(book, at) for kind, book, _, _, at in rows if kind == "job.started"]
     first_index: dict[str, int] = {}
     first_at: dict[str, float] = {}

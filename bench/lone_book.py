@@ -40,17 +40,6 @@ def run(ctx: Context) -> BenchResult:
     finally:
         farm.stop()
     busy = busy_fraction(rows, SLOTS)
-    result.figure(
-        "lone_book_busy_fraction",
-        busy.fraction,
-        baseline=f"{SLOTS} slots x {busy.span:.1f}s to the last start; a hard cap at book_quota 4 would give 0.5",
-        target=f">= {TARGET}",
-        ok=busy.fraction >= TARGET,
-    )
-    result.figure(
-        "lone_book_busy_fraction_to_last_end",
-        busy.to_last_end,
-        baseline=f"{SLOTS} slots x {busy.span_to_last_end:.1f}s, first start to last end (the tail included)",
-    )
+    busy.add_figures(result, "lone_book_busy_fraction", SLOTS, TARGET, "; a hard cap at book_quota 4 gives 0.5")
     result.notes["lone_book"] = {"scenes": scenes, "span_s": round(busy.span, 2), "setup": " ".join(__doc__.split())}
     return result
