@@ -3,6 +3,9 @@
 Workers (subprocesses, on the bench stores): one control worker, beat, and as many single-process
 GPU workers as the lane has slots. Many small books are regenerated together on one lane with
 `book_quota` 1, so every book but the first few must be handed a slot another book's job freed.
+"Together": the regenerates are sent without waiting for each other's results. Sent one after the
+other they arrived over 0.7 s, longer than a job, and a book whose command came last then rightly
+queued behind books that had already run a job and rejoined the waiting list before it arrived.
 
 - `lane_busy_fraction`: busy slot-seconds (job.started -> job.ready, from the journal) over the
   slot-seconds available from the first dispatch until the backlog is empty (the last job started).
@@ -87,7 +90,7 @@ def run(ctx: Context) -> BenchResult:
         with pg_connect() as conn:
             sent = float(conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
         for book_id in ids:
-            client.regenerate(book_id, ["audio"])
+            client.regenerate(book_id, ["audio"], wait=False)  # together: none waits for the one before
         total = books * scenes
         ctx.log(f"lane_busy: {books} books x {scenes} scenes on {SLOTS} slots, jobs {2 * STEP_SECONDS:.1f}s")
 

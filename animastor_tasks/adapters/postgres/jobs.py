@@ -32,14 +32,15 @@ class StartTransaction:
     def record_start(self, token: int, dispatch_id: str, lost_starts: int) -> None:
         """Journal the start and keep it open until the job ends (a dead worker never ends it)."""
         chapter, scene, stage = self._pair
-        self._conn.execute(
-            "INSERT INTO job_starts (book_id, chapter_id, scene_id, stage, open_dispatch, lost_starts)"
-            " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (book_id, chapter_id, scene_id, stage) DO UPDATE"
-            " SET open_dispatch = EXCLUDED.open_dispatch, lost_starts = EXCLUDED.lost_starts, updated_at = now()",
-            (self._book, chapter, scene, stage, dispatch_id, lost_starts),
-        )
-        detail = {"token": token, "lost_starts": lost_starts}
-        journal.record(self._conn, "job.started", self._book, detail, pair=self._pair, dispatch_id=dispatch_id)
+        with self._conn.pipeline():  # both rows in one round trip
+            self._conn.execute(
+                "INSERT INTO job_starts (book_id, chapter_id, scene_id, stage, open_dispatch, lost_starts)"
+                " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (book_id, chapter_id, scene_id, stage) DO UPDATE"
+                " SET open_dispatch = EXCLUDED.open_dispatch, lost_starts = EXCLUDED.lost_starts, updated_at = now()",
+                (self._book, chapter, scene, stage, dispatch_id, lost_starts),
+            )
+            detail = {"token": token, "lost_starts": lost_starts}
+            journal.record(self._conn, "job.started", self._book, detail, pair=self._pair, dispatch_id=dispatch_id)
 
 
 class JobStore:
@@ -56,20 +57,21 @@ class JobStore:
         """
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
-            found = conn.execute(
-                "SELECT a.state, a.fencing_token, a.dispatch_id, s.text, s.prompt,"
-                " EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = a.book_id),"
-                " EXISTS (SELECT 1 FROM commands c JOIN command_targets ct ON ct.command_id = c.command_id"
-                "  WHERE c.book_id = a.book_id AND c.status = %s AND ct.chapter_id = a.chapter_id"
-                "  AND ct.scene_id = a.scene_id AND ct.stage = a.stage),"
-                " b.layer_config, j.open_dispatch, coalesce(j.lost_starts, 0)"
-                " FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-                "  AND s.scene_id = a.scene_id JOIN books b ON b.book_id = a.book_id"
-                " LEFT JOIN job_starts j ON j.book_id = a.book_id AND j.chapter_id = a.chapter_id"
-                "  AND j.scene_id = a.scene_id AND j.stage = a.stage"
-                " WHERE a.book_id = %s AND a.chapter_id = %s AND a.scene_id = %s AND a.stage = %s FOR UPDATE OF a",
-                (CommandStatus.ACTIVE, book, chapter, scene, stage),
-            ).fetchone()
+            with conn.pipeline():  # BEGIN and the read in one round trip
+                found = conn.execute(
+                    "SELECT a.state, a.fencing_token, a.dispatch_id, s.text, s.prompt,"
+                    " EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = a.book_id),"
+                    " EXISTS (SELECT 1 FROM commands c JOIN command_targets ct ON ct.command_id = c.command_id"
+                    "  WHERE c.book_id = a.book_id AND c.status = %s AND ct.chapter_id = a.chapter_id"
+                    "  AND ct.scene_id = a.scene_id AND ct.stage = a.stage),"
+                    " b.layer_config, j.open_dispatch, coalesce(j.lost_starts, 0)"
+                    " FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+                    "  AND s.scene_id = a.scene_id JOIN books b ON b.book_id = a.book_id"
+                    " LEFT JOIN job_starts j ON j.book_id = a.book_id AND j.chapter_id = a.chapter_id"
+                    "  AND j.scene_id = a.scene_id AND j.stage = a.stage"
+                    " WHERE a.book_id = %s AND a.chapter_id = %s AND a.scene_id = %s AND a.stage = %s FOR UPDATE OF a",
+                    (CommandStatus.ACTIVE, book, chapter, scene, stage),
+                ).fetchone()
             yield StartTransaction(conn, book, pair, None if found is None else JobRow(*found))
 
     def commit_job(
@@ -78,27 +80,31 @@ class JobStore:
         """`generating -> ready` + the artifact row, only if the token is still current."""
         owned = _owned(book, pair, token, dispatch_id)
         with self.db.transaction() as conn:
-            _lock_capacity(conn, lane, book)
-            done = conn.execute(
-                "UPDATE asset_states a SET state = %(ready)s, artifact_sha256 = %(sha256)s,"
-                " input_hash = s.input_hashes ->> a.stage, error = NULL, updated_at = now() FROM scenes s"
-                f" WHERE {_OWNED} AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-                " AND s.scene_id = a.scene_id",
-                {**owned, "ready": AssetState.READY, "sha256": artifact["sha256"]},
-            ).rowcount
-            if not done:
+            # Pipeline mode: BEGIN, the locks and the update in one round trip, the rows it implies in a
+            # second, then COMMIT (nine round trips before, all of them under the lane's lock).
+            with conn.pipeline():
+                _lock_capacity(conn, lane, book)
+                updated = conn.execute(
+                    "UPDATE asset_states a SET state = %(ready)s, artifact_sha256 = %(sha256)s,"
+                    " input_hash = s.input_hashes ->> a.stage, error = NULL, updated_at = now() FROM scenes s"
+                    f" WHERE {_OWNED} AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+                    " AND s.scene_id = a.scene_id",
+                    {**owned, "ready": AssetState.READY, "sha256": artifact["sha256"]},
+                )
+            if not updated.rowcount:
                 return False
-            conn.execute(
-                "INSERT INTO artifacts (sha256, size_bytes, media_type, book_id, chapter_id, scene_id, stage,"
-                " fencing_token, dispatch_id, generator, duration_ms, path, uri)"
-                " VALUES (%(sha256)s, %(size)s, %(media_type)s, %(book)s, %(chapter)s, %(scene)s, %(stage)s,"
-                " %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s, %(uri)s)",
-                {**owned, "uri": None, **artifact},
-            )
-            detail = {"token": token, "sha256": artifact["sha256"]}
-            journal.record(conn, "job.ready", book, detail, pair=pair, dispatch_id=dispatch_id)
-            _end_start(conn, book, pair, None)
-            settle_commands(conn, book)
+            with conn.pipeline():
+                conn.execute(
+                    "INSERT INTO artifacts (sha256, size_bytes, media_type, book_id, chapter_id, scene_id, stage,"
+                    " fencing_token, dispatch_id, generator, duration_ms, path, uri)"
+                    " VALUES (%(sha256)s, %(size)s, %(media_type)s, %(book)s, %(chapter)s, %(scene)s, %(stage)s,"
+                    " %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s, %(uri)s)",
+                    {**owned, "uri": None, **artifact},
+                )
+                detail = {"token": token, "sha256": artifact["sha256"]}
+                journal.record(conn, "job.ready", book, detail, pair=pair, dispatch_id=dispatch_id)
+                _end_start(conn, book, pair, None)
+                settle_commands(conn, book)
         return True
 
     def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool:
