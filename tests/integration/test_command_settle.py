@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from animastor_tasks.adapters.postgres.commands import settle_commands
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import layers as layers_flow
@@ -97,3 +98,17 @@ def test_commands_json_carries_the_released_counts(rt, book) -> None:
     [row] = json.loads(cli("commands", book, "--json").stdout)
     assert row["status"] == "active"  # four targets are still generating
     assert row["progress"]["released"] == 2 and row["progress"]["released_reasons"] == {"layer_disabled": 2}
+
+
+def test_a_command_settles_beside_another_command_s_pairs_in_flight(rt, book) -> None:
+    # The settle looks only at commands none of whose own targets is in flight: the image command's
+    # pending pairs must not hold the audio command back, and its own in-flight pairs must hold it.
+    advertise(rt, "gpu.image")
+    audio = regenerate_flow.regenerate(rt.ports, book, ["audio"])["commands"][0]["command_id"]
+    image = regenerate_flow.regenerate(rt.ports, book, ["image"])["commands"][0]["command_id"]
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = %s AND stage = 'audio'", (book,))
+        conn.execute("UPDATE asset_states SET state = 'pending' WHERE book_id = %s AND stage = 'image'", (book,))
+        assert settle_commands(conn, book) == [audio]
+    assert command(rt, book, audio)["status"] == "completed"
+    assert command(rt, book, image)["status"] == "active"

@@ -332,13 +332,21 @@ def settle_commands(conn: psycopg.Connection[Any], book: str) -> list[str]:
     """Active commands none of whose targets can still progress become completed or failed
     (`domain.targets.settle`), in the caller's transaction: the one that made the last target terminal
     or released it. Returns the settled command ids."""
+    # Only a command none of whose targets is in flight can settle, and most of a command's life one is:
+    # the in-flight pairs (a partial index) find it at once, so a job's commit, which settles under the
+    # lane's lock, does not count every target of its command (0.5 ms at 160 targets, 3 ms at 1,000).
     rows = conn.execute(
-        "SELECT t.command_id, t.released, a.state, count(*) FROM commands c"
+        "WITH open_in_flight AS (SELECT chapter_id, scene_id, stage FROM asset_states"
+        "  WHERE book_id = %(book)s AND state = ANY(%(flight)s) OFFSET 0)"
+        " SELECT t.command_id, t.released, a.state, count(*) FROM commands c"
         " JOIN command_targets t ON t.command_id = c.command_id"
         " LEFT JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
         "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
-        " WHERE c.book_id = %s AND c.status = %s GROUP BY 1, 2, 3",
-        (book, ACTIVE),
+        " WHERE c.book_id = %(book)s AND c.status = %(active)s AND NOT EXISTS (SELECT 1 FROM open_in_flight f"
+        "  JOIN command_targets o ON o.command_id = c.command_id AND o.chapter_id = f.chapter_id"
+        "   AND o.scene_id = f.scene_id AND o.stage = f.stage WHERE o.released IS NULL)"
+        " GROUP BY 1, 2, 3",
+        {"book": book, "active": ACTIVE, "flight": values(IN_FLIGHT)},
     ).fetchall()
     tallies: dict[str, dict[str, Any]] = defaultdict(lambda: {"total": 0, "ready": 0, "failed": 0, "released": {}})
     for cid, released, state, count in rows:
