@@ -34,7 +34,7 @@ def _tone_hz(token: str) -> float:
 @functools.lru_cache(maxsize=512)
 def _tone(hz: float, n: int, sample_rate: int) -> array[int]:
     """`n` samples of one word's tone with its fades. Cached: a word comes back in scene after scene,
-    and the samples cost a sine each (4 ms of CPU per job of a 0.3 s WAV before the cache)."""
+    and the samples cost a sine each (0.7 ms of CPU per 0.3 s WAV before the cache, 0.01-0.12 ms after)."""
     step = 2.0 * math.pi * hz / sample_rate
     segment = [_AMPLITUDE * math.sin(step * j) for j in range(n)]
     fade = min(n // 2, int(sample_rate * _FADE_SECONDS))
