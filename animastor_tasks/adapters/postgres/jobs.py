@@ -80,31 +80,30 @@ class JobStore:
         """`generating -> ready` + the artifact row, only if the token is still current."""
         owned = _owned(book, pair, token, dispatch_id)
         with self.db.transaction() as conn:
-            # Pipeline mode: BEGIN, the locks and the update in one round trip, the rows it implies in a
-            # second, then COMMIT (nine round trips before, all of them under the lane's lock).
+            # Pipeline mode: BEGIN, the locks, the update with its artifact row, the journal, the start's end
+            # and the settle read reach the server in one round trip, then COMMIT: two round trips under the
+            # lane's and the book's locks, which every claim of the lane waits for (three before, nine before
+            # that). A stale token matches no row: the transaction is rolled back and nothing of it stays.
             with conn.pipeline():
                 _lock_capacity(conn, lane, book)
-                updated = conn.execute(
-                    "UPDATE asset_states a SET state = %(ready)s, artifact_sha256 = %(sha256)s,"
+                committed = conn.execute(
+                    "WITH done AS (UPDATE asset_states a SET state = %(ready)s, artifact_sha256 = %(sha256)s,"
                     " input_hash = s.input_hashes ->> a.stage, error = NULL, updated_at = now() FROM scenes s"
                     f" WHERE {_OWNED} AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-                    " AND s.scene_id = a.scene_id",
-                    {**owned, "ready": AssetState.READY, "sha256": artifact["sha256"]},
-                )
-            if not updated.rowcount:
-                return False
-            with conn.pipeline():
-                conn.execute(
-                    "INSERT INTO artifacts (sha256, size_bytes, media_type, book_id, chapter_id, scene_id, stage,"
+                    " AND s.scene_id = a.scene_id RETURNING a.book_id)"
+                    " INSERT INTO artifacts (sha256, size_bytes, media_type, book_id, chapter_id, scene_id, stage,"
                     " fencing_token, dispatch_id, generator, duration_ms, path, uri)"
-                    " VALUES (%(sha256)s, %(size)s, %(media_type)s, %(book)s, %(chapter)s, %(scene)s, %(stage)s,"
-                    " %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s, %(uri)s)",
-                    {**owned, "uri": None, **artifact},
+                    " SELECT %(sha256)s, %(size)s, %(media_type)s, %(book)s, %(chapter)s, %(scene)s, %(stage)s,"
+                    " %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s, %(uri)s FROM done",
+                    {**owned, "ready": AssetState.READY, "uri": None, **artifact},
                 )
                 detail = {"token": token, "sha256": artifact["sha256"]}
                 journal.record(conn, "job.ready", book, detail, pair=pair, dispatch_id=dispatch_id)
                 _end_start(conn, book, pair, None)
                 settle_commands(conn, book)
+            if not committed.rowcount:
+                conn.rollback()
+                return False
         return True
 
     def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool:
