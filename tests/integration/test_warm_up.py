@@ -23,6 +23,37 @@ def test_the_warm_up_leaves_a_postgres_and_a_broker_connection_open(rt: Any) -> 
         assert producer.connection.connected
 
 
+def test_the_warm_up_makes_the_job_paths_reads_and_writes_nothing(
+    rt: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    for port, method in (("generators", "load"), ("jobs", "starting"), ("assets", "gate_candidates")):
+        real = getattr(getattr(rt.ports, port), method)
+        monkeypatch.setattr(getattr(rt.ports, port), method, _recorded(calls, f"{port}.{method}", real))
+    epoch = rt.redis.keys.epoch()
+    rt.redis.client.set(epoch, "before")  # the one key a first snapshot may write (SETNX): here already
+    with caplog.at_level(logging.DEBUG, logger="animastor.worker"):
+        warm.warm_up(rt.ports.publisher.app).join(10)
+    assert [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()] == []
+    assert sorted(rt.redis.client.scan_iter()) == [epoch]
+    with rt.db.read() as conn:
+        rows = conn.execute(
+            "SELECT (SELECT count(*) FROM events) + (SELECT count(*) FROM asset_states)"
+            " + (SELECT count(*) FROM job_starts) + (SELECT count(*) FROM books)"
+        ).fetchone()[0]
+    assert rows == 0
+    stages = len(rt.ports.settings.registry.stages)
+    assert sorted(calls) == sorted(["jobs.starting", "assets.gate_candidates"] + ["generators.load"] * stages)
+
+
+def _recorded(calls: list[str], name: str, real: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    return call
+
+
 def test_stores_that_are_down_at_start_fail_nothing(
     settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
