@@ -32,7 +32,6 @@ from animastor_tasks.ports import Ports
 from animastor_tasks.worker import wiring
 from animastor_tasks.worker.app import app, settings
 
-
 PROGRESS_SECONDS = 0.5
 
 
