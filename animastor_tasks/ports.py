@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.capacity import CapacityCounts
@@ -52,9 +52,9 @@ class NewCommands:
     superseded: list[tuple[Pair, str | None]] = field(default_factory=list)  # with the job's dispatch id, to stop
 
 
-@dataclass(frozen=True, slots=True)
-class InFlight:
-    """A pending or generating pair as a gate pass sees it."""
+class InFlight(NamedTuple):
+    """A pending or generating pair as a gate pass sees it. A named tuple: a pass over a big book builds
+    100k of them (a frozen dataclass took 2.0 µs each, this 0.5)."""
 
     chapter: str
     scene: str
@@ -67,12 +67,9 @@ class InFlight:
     current_hash: str | None  # hash of the scene's current inputs
     has_artifact: bool
     commanded: bool  # an active command of this stage targets the scene
-    rank: int = 1  # `priority_rank` of the most urgent active command targeting it (0 first)
-    since: float | None = None  # when the oldest active command targeting it was created
-    pair: Pair = field(init=False, compare=False)  # made once: a pass over 100k pairs asks for it 800k times
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "pair", (self.chapter, self.scene, self.stage))
+    rank: int  # `priority_rank` of the most urgent active command targeting it (0 first)
+    since: float | None  # when the oldest active command targeting it was created
+    pair: Pair  # (chapter, scene, stage), made once: a pass over 100k pairs asks for it 800k times
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,17 @@ def _gate_row_params(books: Sequence[str]) -> dict[str, Any]:
     }
 
 
+def _in_flight(row: Sequence[Any]) -> InFlight:
+    """A gate row's pair: the columns after the book id, and the pair they name."""
+    return InFlight._make((*row[1:], (row[1], row[2], row[3])))
+
+
 def _gate_rows_by_book(books: Sequence[str], rows: Sequence[Any]) -> dict[str, GateRows | None]:
     heads = {row[0]: row for row in rows if row[1] is None}  # a book's own row (`_BOOK_ROW`): no chapter
     pairs: dict[str, list[InFlight]] = {book: [] for book in heads}
     for row in rows:
         if row[1] is not None and row[0] in pairs:  # pairs of a book whose row is gone: unknown
-            pairs[row[0]].append(InFlight(*row[1:]))
+            pairs[row[0]].append(_in_flight(row))
     found: dict[str, GateRows | None] = dict.fromkeys(books)
     for book, head in heads.items():
         in_flight = tuple(pairs[book])
@@ -105,7 +110,7 @@ class GateReads:
             while batch := cursor.fetchmany(size):
                 heads = [row for row in batch if row[1] is None]
                 head = heads[0] if heads else head
-                pairs = tuple(InFlight(*row[1:]) for row in batch if row[1] is not None)
+                pairs = tuple(_in_flight(row) for row in batch if row[1] is not None)
                 if head is None:
                     head = conn.execute(_BOOK_ROW, {"books": [book]}).fetchone()
                     if head is None:
