@@ -110,12 +110,12 @@ def run_job(
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
         result["gpu"] = os.environ["CUDA_VISIBLE_DEVICES"]  # which GPU ran it, for Flower and operators
     # The queued lease this dispatch took must still be ours; held, it becomes the running job's lease (TTL,
-    # renewed every TTL/3) before the delivery ends the undelivered marker, so a worker that dies in between
-    # leaves a job whose lease lapses and whose marker lets reconcile find it (domain/liveness.py).
-    if not ports.leases.renew_lease(job.lease_pair, job.dispatch_id, spec.lease_ttl):
+    # renewed every TTL/3) in the same atomic step that ends the undelivered marker, so a worker that dies
+    # after it leaves a job whose lease lapses (domain/liveness.py).
+    held, owned, cancelled = ports.leases.start_delivery(job.lease_pair, job.dispatch_id, worker, spec.lease_ttl)
+    if not held:
         # Gone: the pair was taken over (or released) while the job waited, so it must not start.
         return _reject(ports, job, "lease lost before start", result)
-    owned, cancelled = ports.leases.claim_delivery(job.dispatch_id, worker, spec.lease_ttl, job.book_id)
     if not owned:
         log.warning("[GENERATE] %s duplicate delivery while another copy runs; not run again", job.describe())
         ports.counters.add({f"job:duplicate_delivery:{job.stage}": 1})

@@ -81,13 +81,16 @@ def test_a_job_whose_queued_lease_is_gone_never_starts(rt: Wiring, tmp_path: Pat
     result = run_job(rt.ports, job, worker="w")
     assert result["outcome"] == "fence_rejected" and result["reason"] == "lease lost before start"
     assert events(rt, "job.started") == []
+    # The delivery took no running marker for the dead dispatch, and ended its undelivered one (it left its queue).
+    assert rt.redis.client.exists(rt.redis.keys.running(job.dispatch_id)) == 0
+    assert rt.ports.leases.undelivered([job.dispatch_id]) == [None]
 
 
 def test_the_tick_takes_over_a_started_job_whose_lease_lapsed(rt: Wiring, tmp_path: Path) -> None:
     """Old code: only reconcile (every 30 s) noticed; the tick left the pair `generating`."""
     job = one_job(rt, tmp_path, lease_ttl=1)
-    owned, _ = rt.ports.leases.claim_delivery(job.dispatch_id, "w", 1, "b")  # a worker took it ...
-    assert owned and rt.ports.leases.renew_lease(job.lease_pair, job.dispatch_id, 0.3)  # ... and was cut off
+    held, owned, _ = rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, "w", 1)  # a worker took it
+    assert held and owned and rt.ports.leases.renew_lease(job.lease_pair, job.dispatch_id, 0.3)  # ... cut off
     tick(rt)
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"  # its lease is still live
     time.sleep(0.4)

@@ -35,6 +35,7 @@ class RedisConnection:
         self.breaker_acquire_script = self.client.register_script(_script("breaker_acquire"))
         self.breaker_record_script = self.client.register_script(_script("breaker_record"))
         self.breaker_release_script = self.client.register_script(_script("breaker_release"))
+        self.start_delivery_script = self.client.register_script(_script("start_delivery"))
 
     @contextmanager
     def errors(self) -> Iterator[None]:

@@ -74,20 +74,22 @@ class LeaseStore:
             self.conn.run(lambda: self.conn.release_script(keys=[self.conn.keys.lease(*pair)], args=[dispatch_id]))
         )
 
-    def claim_delivery(self, dispatch_id: str, worker: str, ttl: int, book: str) -> tuple[bool, bool]:
-        """(this delivery owns the dispatch, the book is cancelled), in one round trip.
+    def start_delivery(self, pair: BookPair, dispatch_id: str, worker: str, ttl: int) -> tuple[bool, bool, bool]:
+        """(the dispatch still held the pair's lease, now the running job's for `ttl`; this delivery owns the
+        dispatch; the book is cancelled), in one atomic round trip (`lua/start_delivery.lua`).
 
         A second delivery of a dispatch that is still running (broker redelivery after a
-        visibility timeout) finds the marker and does not run again. Any delivery ends the
+        visibility timeout) finds the running marker and does not run again. Any delivery ends the
         dispatch's undelivered marker: the job has left its queue.
         """
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=False)
-            pipe.set(self.conn.keys.running(dispatch_id), worker, nx=True, ex=ttl)
-            pipe.exists(self.conn.keys.cancel_flag(book))
-            pipe.delete(self.conn.keys.queued(dispatch_id))
-            owned, cancelled, _ = pipe.execute()
-        return bool(owned), bool(cancelled)
+        keys = self.conn.keys
+        lease, running, queued = keys.lease(*pair), keys.running(dispatch_id), keys.queued(dispatch_id)
+        held, owned, cancelled = self.conn.run(
+            lambda: self.conn.start_delivery_script(
+                keys=[lease, running, queued, keys.cancel_flag(pair[0])], args=[dispatch_id, ttl * 1000, worker, ttl]
+            )
+        )
+        return bool(held), bool(owned), bool(cancelled)
 
     def touch_delivery(self, dispatch_id: str, ttl: int) -> None:
         self.conn.run(lambda: self.conn.client.expire(self.conn.keys.running(dispatch_id), ttl))
