@@ -11,6 +11,9 @@ queued behind books that had already run a job and rejoined the waiting list bef
   slot-seconds available from the first dispatch until the backlog is empty (the last job started).
   1.0 is every slot busy throughout. `lane_busy_fraction_to_last_end`: the same from the first start
   to the last end (the window of earlier runs; it also counts the tail, when no work waits).
+  `lane_busy_fraction_raw_celery`: the ceiling of bare Celery (`bench.rawchain`) on as many
+  single-process workers, the same number of jobs of the same length, each job sending the next at
+  its end, in the same window.
 - `first_start_index_worst`: the index (in start order) of the job at which the last book first
   started; round robin gives about the number of books.
 - `first_start_wait_worst_s`: the longest wait from sending the regenerates to a book's first start.
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from animastor_tasks.dev.celery_commands import celery_argv
 from animastor_tasks.dev.supervisor import Supervisor, wait_until
+from bench import rawchain
 from bench.common import ROOT, BenchResult, Context, bench_env, make_runtime, pg_connect
 from bench.farm import audio_stage, busy_fraction, events
 
@@ -106,8 +110,14 @@ def run(ctx: Context) -> BenchResult:
         workers.stop_all()
         rt.close()
 
+    raw = rawchain.measure([1] * SLOTS, total, 2 * STEP_SECONDS)
+    result.figure(
+        "lane_busy_fraction_raw_celery",
+        raw.fraction,
+        baseline=f"bare Celery on {SLOTS} single-process workers, the same jobs and window; each sends the next",
+    )
     busy = busy_fraction(rows, SLOTS)
-    busy.add_figures(result, "lane_busy_fraction", SLOTS, TARGET_BUSY)
+    busy.add_figures(result, "lane_busy_fraction", SLOTS, TARGET_BUSY, f"; bare Celery {raw.fraction:.3f}")
     started = [(book, at) for kind, book, _, _, at in rows if kind == "job.started"]
     first_index: dict[str, int] = {}
     first_at: dict[str, float] = {}
