@@ -32,8 +32,6 @@ from animastor_tasks.ports import Ports
 from animastor_tasks.worker import wiring
 from animastor_tasks.worker.app import app, settings
 
-PROGRESS_SECONDS = 0.5
-
 
 def ports() -> Ports:
     return wiring.current().ports
@@ -106,13 +104,11 @@ def _register_generate(spec: StageSpec) -> None:
     def generate(
         self: Task, book_id: str, chapter_id: str, scene_id: str, stage: str, dispatch_id: str, fencing_token: int
     ) -> dict[str, Any]:
-        last = [time.monotonic()]
+        last = [0.0]
 
         def progress(fraction: float) -> None:
-            # Every PROGRESS_SECONDS at most, counted from the start: a short job reports none (its
-            # SUCCESS follows at once), and 100% is never sent (the job's end says it better).
             now = time.monotonic()
-            if now - last[0] >= PROGRESS_SECONDS and fraction < 1.0:
+            if now - last[0] >= 0.5 or fraction >= 1.0:
                 last[0] = now
                 meta = {
                     "book_id": book_id,
