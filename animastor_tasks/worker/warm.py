@@ -55,7 +55,7 @@ def _warm(app: Celery, ping_postgres: Callable[[], None], ports: Ports) -> None:
 
 def job_path_reads(ports: Ports) -> None:
     """Once each, on `NO_BOOK`: the reads of a job's start, of a refill and of its claim's count. Nothing is
-    written (a lease that is not held is not renewed)."""
+    written: the delivery finds no lease, so it renews none and takes no running marker."""
     registry = ports.settings.registry
     stages = [spec.name for spec in registry.stages]
     pair = ("warm-up", "warm-up", stages[0])
@@ -64,7 +64,7 @@ def job_path_reads(ports: Ports) -> None:
     ports.assets.gate_candidates(NO_BOOK, stages, 1)
     ports.assets.lane_load(stages)
     ports.book_state.pair_snapshot(NO_BOOK, [pair], time.time(), registry.queues())
-    ports.leases.renew_lease((NO_BOOK, *pair), "warm-up", 1)
+    ports.leases.start_delivery((NO_BOOK, *pair), "warm-up", "warm-up", 1)  # the job start's Redis step
 
 
 def _generators(ports: Ports) -> None:
