@@ -19,32 +19,22 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from celery import Celery
 
 from animastor_tasks.dev.celery_commands import celery_argv
 from animastor_tasks.dev.supervisor import Supervisor, wait_until
-from bench.common import REDIS_URL, ROOT, bench_env
+from bench.common import ROOT, bench_env
 from bench.farm import Busy, busy_fraction
+from bench.rawhop import BROKER, PREFIX, bench_app
 
 QUEUE = "bench.rawchain"
 TASK = "bench.rawchain.job"
-PREFIX = os.environ.get("ANIMASTOR_KEY_PREFIX", "bench")
-BROKER = os.environ.get("ANIMASTOR_BROKER_URL", REDIS_URL)
 
-app = Celery(
-    "bench_rawchain", broker=BROKER, backend=os.environ.get("ANIMASTOR_REDIS_URL", BROKER), set_as_current=False
-)
-app.conf.update(
-    task_serializer="json",
-    accept_content=["json"],
-    result_serializer="json",
-    result_accept_content=["json"],
-    task_default_queue=QUEUE,
-    worker_prefetch_multiplier=1,
+app = bench_app(
+    "bench_rawchain",
+    QUEUE,
+    os.environ.get("ANIMASTOR_REDIS_URL", BROKER),
     task_acks_late=True,
     worker_send_task_events=True,
-    worker_hijack_root_logger=False,
-    broker_connection_retry_on_startup=True,
     result_expires=3600,
 )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import redis
 from celery import Celery
@@ -25,27 +26,31 @@ PRODUCT_TASK = "bench.rawhop.noop_product"
 BROKER = os.environ.get("ANIMASTOR_BROKER_URL", "redis://127.0.0.1:6379/13")
 PREFIX = os.environ.get("ANIMASTOR_KEY_PREFIX", "bench")
 
-app = Celery("bench_rawhop", broker=BROKER)
-app.conf.update(
-    task_serializer="json",
-    accept_content=["json"],
-    task_ignore_result=True,
-    task_default_queue=QUEUE,
-    worker_prefetch_multiplier=1,
-    worker_hijack_root_logger=False,
-    broker_connection_retry_on_startup=True,
-)
 
-product_app = Celery("bench_rawhop_product", broker=BROKER, backend=os.environ.get("ANIMASTOR_REDIS_URL", BROKER))
-product_app.conf.update(
-    task_serializer="json",
-    accept_content=["json"],
-    result_serializer="json",
-    result_accept_content=["json"],
-    task_default_queue=PRODUCT_QUEUE,
-    worker_prefetch_multiplier=1,
-    worker_hijack_root_logger=False,
-    broker_connection_retry_on_startup=True,
+def bench_app(name: str, queue: str, backend: str | None = None, **conf: Any) -> Celery:
+    """A bench-only app on the bench broker: JSON only, prefetch 1, `queue` by default, `conf` on top. Never
+    the process's current app: importing a benchmark leaves animastor's own app alone."""
+    celery_app = Celery(name, broker=BROKER, backend=backend, set_as_current=False)
+    celery_app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        result_accept_content=["json"],
+        task_default_queue=queue,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        **conf,
+    )
+    return celery_app
+
+
+app = bench_app("bench_rawhop", QUEUE, task_ignore_result=True)
+
+product_app = bench_app(
+    "bench_rawhop_product",
+    PRODUCT_QUEUE,
+    os.environ.get("ANIMASTOR_REDIS_URL", BROKER),
     task_acks_late=False,
     task_track_started=True,
     worker_send_task_events=True,
