@@ -33,6 +33,7 @@ BENCHES = (
     "lone_book",
     "interactive",
     "idle_books",
+    "refill_read",
     "throughput",
 )
 RESULTS = os.path.join(ROOT, "bench", "results.json")

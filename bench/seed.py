@@ -101,7 +101,7 @@ def load_books(
                             extra = "0\t\\N\th0\ta0"
                         else:
                             extra = "0\t\\N\t\\N\t\\N"
-                        yield f"{s.book_id}\t{chapter}\t{scene}\t{stage}\t{state}\t{extra}\n"
+                        yield f"{s.book_id}\t{chapter}\t{scene}\t{stage}\t{i}\t{state}\t{extra}\n"
 
         counts["asset_states"] = _copy(
             cur,
@@ -111,6 +111,7 @@ def load_books(
                 "chapter_id",
                 "scene_id",
                 "stage",
+                "position",
                 "state",
                 "fencing_token",
                 "dispatch_id",

@@ -108,8 +108,8 @@ class Catalog:
     @staticmethod
     def _ensure_asset_rows(conn: psycopg.Connection, book_id: str, stages: list[str]) -> None:
         conn.execute(
-            "INSERT INTO asset_states (book_id, chapter_id, scene_id, stage)"
-            " SELECT s.book_id, s.chapter_id, s.scene_id, st FROM scenes s, unnest(%s::text[]) st"
+            "INSERT INTO asset_states (book_id, chapter_id, scene_id, stage, position)"
+            " SELECT s.book_id, s.chapter_id, s.scene_id, st, s.position FROM scenes s, unnest(%s::text[]) st"
             " WHERE s.book_id = %s ON CONFLICT DO NOTHING",
             (stages, book_id),
         )

@@ -74,10 +74,15 @@ class CommandStore:
                         " SELECT %s, %s, c, s, %s FROM unnest(%s::text[], %s::text[]) AS t(c, s)",
                         (command_id, book, stage, chapters, scene_ids),
                     )
+                    # Only the missing rows are inserted: a new row looks up its scene's position (0006).
                     conn.execute(
                         "INSERT INTO asset_states (book_id, chapter_id, scene_id, stage)"
-                        " SELECT %s, c, s, %s FROM unnest(%s::text[], %s::text[]) AS t(c, s) ON CONFLICT DO NOTHING",
-                        (book, stage, chapters, scene_ids),
+                        " SELECT %(book)s, c, s, %(stage)s"
+                        " FROM unnest(%(chapters)s::text[], %(scenes)s::text[]) AS t(c, s)"
+                        " WHERE NOT EXISTS (SELECT 1 FROM asset_states a WHERE a.book_id = %(book)s"
+                        "  AND a.chapter_id = t.c AND a.scene_id = t.s AND a.stage = %(stage)s)"
+                        " ON CONFLICT DO NOTHING",
+                        {"book": book, "stage": stage, "chapters": chapters, "scenes": scene_ids},
                     )
                     queue = values(states_taking(Take.QUEUE, force))
                     conn.execute(

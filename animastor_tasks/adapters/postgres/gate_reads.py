@@ -148,18 +148,21 @@ class GateReads:
         """
         with self.db.read() as conn:
             rows = conn.execute(
-                "WITH cmd AS (SELECT command_id, array_position(%(priorities)s::text[], priority) - 1 AS rank,"
+                "WITH cmd AS (SELECT command_id, stage, array_position(%(priorities)s::text[], priority) - 1 AS rank,"
                 "  extract(epoch FROM created_at)::float8 AS since FROM commands"
                 "  WHERE book_id = %(book)s AND status = ANY(%(authorizing)s) AND stage = ANY(%(stages)s)),"
+                # Each command walks the pending pairs of its stage in reading order (the pending-only index of
+                # 0006), keeps those it targets and stops at the limit: done pairs are never read.
                 " flight AS (SELECT DISTINCT ON (x.chapter_id, x.scene_id, x.stage) x.* FROM cmd CROSS JOIN LATERAL"
-                "  (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position,"
+                "  (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, a.position,"
                 "   a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage, a.artifact_sha256 IS NOT NULL, true,"
-                "   cmd.rank, cmd.since FROM scenes s"
-                "   JOIN command_targets t ON t.command_id = cmd.command_id AND t.chapter_id = s.chapter_id"
-                "    AND t.scene_id = s.scene_id"
-                "   JOIN asset_states a ON a.book_id = s.book_id AND a.chapter_id = s.chapter_id"
-                "    AND a.scene_id = s.scene_id AND a.stage = t.stage"
-                "   WHERE s.book_id = %(book)s AND a.state = %(pending)s ORDER BY s.position LIMIT %(limit)s) x"
+                "   cmd.rank, cmd.since FROM asset_states a"
+                "   JOIN command_targets t ON t.command_id = cmd.command_id AND t.chapter_id = a.chapter_id"
+                "    AND t.scene_id = a.scene_id"
+                "   JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
+                # `pending` as a literal: a parameter cannot match the partial index in a generic plan.
+                f"   WHERE a.book_id = %(book)s AND a.stage = cmd.stage AND a.state = '{AssetState.PENDING}'"
+                "   ORDER BY a.position LIMIT %(limit)s) x"
                 "  ORDER BY x.chapter_id, x.scene_id, x.stage, x.rank, x.since)"
                 + _BOOK_ROW
                 + " UNION ALL (SELECT * FROM flight ORDER BY 13, 14, 7 LIMIT %(limit)s)"
@@ -170,7 +173,6 @@ class GateReads:
                     "stages": list(stages),
                     "limit": limit,
                     "authorizing": values(AUTHORIZING),
-                    "pending": AssetState.PENDING,
                     "priorities": [str(p) for p in Priority],
                 },
             ).fetchall()

@@ -1,0 +1,100 @@
+"""A refill's candidate read costs what the free slots need, not what the book holds.
+
+Real Postgres: the rows of `asset_states` the read fetches are counted by the server itself
+(`pg_stat_xact_user_tables`, within the read's own transaction), under the plan a fresh
+statement gets and under the generic plan a prepared one settles on after a few runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+import psycopg
+import pytest
+
+from animastor_tasks.adapters.postgres.gate_reads import GateReads
+from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.domain.book import book_to_dict, parse_book
+from animastor_tasks.flow import regenerate as regenerate_flow
+
+from .helpers import advertise, make_book
+
+LIMIT = 16
+
+
+class _InOneTransaction:
+    """Stands in for the pool: every read runs on one connection, in one transaction the test can inspect."""
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self.conn = conn
+
+    @contextmanager
+    def read(self) -> Iterator[psycopg.Connection]:
+        yield self.conn
+
+
+def fetched(conn: psycopg.Connection) -> int:
+    row = conn.execute(
+        "SELECT coalesce(sum(seq_tup_read), 0) + coalesce(sum(idx_tup_fetch), 0)"
+        " FROM pg_stat_xact_user_tables WHERE relname = 'asset_states'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("plan", ["force_custom_plan", "force_generic_plan"])
+def test_the_candidate_read_fetches_about_the_limit_from_a_book_of_thousands_of_pending_pairs(
+    rt: Any, plan: str
+) -> None:
+    rt.catalog.import_book(make_book("big", chapters=4, scenes=500))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"])
+    with rt.db.transaction() as conn:  # the first chapter done, as its jobs would leave it
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'big' AND chapter_id = 'ch1'")
+    with psycopg.connect(rt.settings.database_url, prepare_threshold=0) as conn:
+        conn.execute(f"SET plan_cache_mode = {plan}")
+        reads = GateReads(cast(Database, _InOneTransaction(conn)))
+        for _ in range(3):  # prepared from the first run (threshold 0): the plan the mode forces
+            reads.gate_candidates("big", ["audio"], LIMIT)
+        before = fetched(conn)
+        rows = reads.gate_candidates("big", ["audio"], LIMIT)
+        cost = fetched(conn) - before
+    assert rows is not None
+    # The candidates are the first pending pairs in reading order: chapter 2 from its start.
+    assert [i.pair for i in rows.in_flight] == [("ch2", f"s{n}", "audio") for n in range(1, LIMIT + 1)]
+    # 1,500 pairs are pending; the read fetches the limit's worth, with room for the skipped ones.
+    assert cost <= 4 * LIMIT, f"fetched {cost} asset rows for {LIMIT} candidates"
+
+
+def misplaced(rt: Any, book: str) -> int:
+    """Pairs whose position is not their scene's."""
+    with rt.db.read() as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM asset_states a JOIN scenes s ON s.book_id = a.book_id"
+            " AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
+            " WHERE a.book_id = %s AND a.position IS DISTINCT FROM s.position",
+            (book,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_reimport_that_reorders_the_scenes_reorders_the_candidates(rt: Any) -> None:
+    book = make_book("moved", chapters=1, scenes=6)
+    rt.catalog.import_book(book)
+    raw = book_to_dict(book)
+    raw["chapters"][0]["scenes"].reverse()
+    reordered = parse_book(raw)
+    rt.catalog.import_book(reordered)
+    assert misplaced(rt, "moved") == 0
+    with rt.db.transaction() as conn:  # a stage added after the import: its rows come with the command
+        conn.execute("DELETE FROM asset_states WHERE book_id = 'moved' AND stage = 'audio'")
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "moved", ["audio"])
+    assert misplaced(rt, "moved") == 0
+    rows = rt.ports.assets.gate_candidates("moved", ["audio"], LIMIT)
+    assert rows is not None
+    pending = [i.pair[1] for i in rows.in_flight]
+    assert pending == sorted(pending, key=lambda scene: -int(scene[1:]))  # reading order: s6 first now
