@@ -16,6 +16,7 @@ import psycopg
 
 from animastor_tasks.adapters.postgres import journal
 from animastor_tasks.adapters.postgres.commands import settle_commands
+from animastor_tasks.adapters.postgres.literals import sql_text
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.keys import book_lock, lane_lock
 from animastor_tasks.domain.types import Pair
@@ -62,7 +63,8 @@ class JobStore:
                     "SELECT a.state, a.fencing_token, a.dispatch_id, s.text, s.prompt,"
                     " EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = a.book_id),"
                     " EXISTS (SELECT 1 FROM commands c JOIN command_targets ct ON ct.command_id = c.command_id"
-                    "  WHERE c.book_id = a.book_id AND c.status = %s AND ct.chapter_id = a.chapter_id"
+                    f"  WHERE c.book_id = a.book_id AND c.status = {sql_text(CommandStatus.ACTIVE)}"
+                    "  AND ct.chapter_id = a.chapter_id"
                     "  AND ct.scene_id = a.scene_id AND ct.stage = a.stage),"
                     " b.layer_config, j.open_dispatch, coalesce(j.lost_starts, 0)"
                     " FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
@@ -70,7 +72,7 @@ class JobStore:
                     " LEFT JOIN job_starts j ON j.book_id = a.book_id AND j.chapter_id = a.chapter_id"
                     "  AND j.scene_id = a.scene_id AND j.stage = a.stage"
                     " WHERE a.book_id = %s AND a.chapter_id = %s AND a.scene_id = %s AND a.stage = %s FOR UPDATE OF a",
-                    (CommandStatus.ACTIVE, book, chapter, scene, stage),
+                    (book, chapter, scene, stage),
                 ).fetchone()
             yield StartTransaction(conn, book, pair, None if found is None else JobRow(*found))
 
@@ -152,7 +154,8 @@ class JobStore:
 # The pair is still this job's: generating under its token and dispatch id.
 _OWNED = (
     "a.book_id = %(book)s AND a.chapter_id = %(chapter)s AND a.scene_id = %(scene)s AND a.stage = %(stage)s"
-    " AND a.state = %(generating)s AND a.fencing_token = %(token)s AND a.dispatch_id = %(dispatch_id)s"
+    f" AND a.state = {sql_text(AssetState.GENERATING)}"
+    " AND a.fencing_token = %(token)s AND a.dispatch_id = %(dispatch_id)s"
 )
 
 
@@ -163,7 +166,6 @@ def _owned(book: str, pair: Pair, token: int, dispatch_id: str) -> dict[str, Any
         "chapter": chapter,
         "scene": scene,
         "stage": stage,
-        "generating": AssetState.GENERATING,
         "token": token,
         "dispatch_id": dispatch_id,
     }

@@ -28,3 +28,7 @@ CREATE TRIGGER scenes_position AFTER UPDATE OF position ON scenes
 
 ALTER TABLE asset_states ALTER COLUMN position SET NOT NULL;
 CREATE INDEX asset_states_pending_order ON asset_states (book_id, stage, position) WHERE state = 'pending';
+
+-- The generating pairs alone: a claim counts its lanes' running jobs and its books' under the lane lock,
+-- and through the in-flight index that count read every pending pair of every book as well.
+CREATE INDEX asset_states_generating ON asset_states (book_id, stage) WHERE state = 'generating';
