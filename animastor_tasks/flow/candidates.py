@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import time
 
-from animastor_tasks.domain.gate import BookFacts, decide
 from animastor_tasks.flow import dispatch, page
 from animastor_tasks.flow.page import PassReport
-from animastor_tasks.ports import InFlight, Ports
+from animastor_tasks.ports import Ports
 
 MAX_ROUNDS = 8  # reads while every candidate read was claimed (the lanes had room for more)
 
@@ -41,16 +40,7 @@ def dispatch_candidates(ports: Ports, report: PassReport, book: str, lane: str |
             return read
         read += len(rows.in_flight)
         snap = ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
-        facts = BookFacts(True, snap.cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
-        authorized: list[InFlight] = []
-        for item in rows.in_flight:
-            reason = decide(facts, item.pair)
-            if reason is None:
-                authorized.append(item)
-            else:
-                report.denied[item.pair] = reason
-        report.authorized.extend(i.pair for i in authorized)
-        report.authorized_count += len(authorized)
+        authorized, _ = page.judge(snap, rows, report)
         result = dispatch.dispatch_pending(ports, book, authorized, snap, now=now, handed_lane=lane)
         report.outcomes.update(result.outcomes)
         report.dispatched.extend(result.dispatched)

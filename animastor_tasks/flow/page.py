@@ -52,22 +52,8 @@ def pass_rows(
     """Decide, release and dispatch the pairs of `rows` into `report`; the pending pairs still waiting and
     the dispatch's result (for `next_due`)."""
     book = report.book
-    facts = BookFacts(True, snap.cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
-    pending: list[InFlight] = []
-    denied: dict[Pair, Denial] = {}
-    for item in rows.in_flight:
-        pair = item.pair
-        reason = decide(facts, pair)
-        if reason is None:
-            report.authorized_count += 1
-            if keep_pairs:
-                report.authorized.append(pair)
-            if item.state == AssetState.PENDING:
-                pending.append(item)
-        else:
-            denied[pair] = reason
-    if keep_pairs:
-        report.denied.update(denied)
+    authorized, denied = judge(snap, rows, report, keep_pairs=keep_pairs)
+    pending = [i for i in authorized if i.state == AssetState.PENDING]
     to_release = [i.pair for i in rows.in_flight if i.state == AssetState.PENDING and i.pair in denied]
     if to_release:
         released = ports.assets.move_pairs(book, to_release, AssetState.PENDING, AssetState.DIRTY, "gate.released")
@@ -86,6 +72,27 @@ def pass_rows(
         report.dispatched.extend(result.dispatched)
         report.claimed_lanes |= result.claimed_lanes
     return [i for i in pending if i.pair not in result.gone], result
+
+
+def judge(
+    snap: Snapshot, rows: GateRows, report: PassReport, *, keep_pairs: bool = True
+) -> tuple[list[InFlight], dict[Pair, Denial]]:
+    """The gate rule over the pairs read, counted into `report` (their pairs listed too, unless the pass
+    is paged): the authorized pairs and why each other one is denied."""
+    facts = BookFacts(True, snap.cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
+    authorized: list[InFlight] = []
+    denied: dict[Pair, Denial] = {}
+    for item in rows.in_flight:
+        reason = decide(facts, item.pair)
+        if reason is None:
+            authorized.append(item)
+        else:
+            denied[item.pair] = reason
+    report.authorized_count += len(authorized)
+    if keep_pairs:
+        report.authorized.extend(i.pair for i in authorized)
+        report.denied.update(denied)
+    return authorized, denied
 
 
 def next_due(snap: Snapshot, waiting: list[InFlight], written: dict[Pair, float], now: float) -> float | None:
