@@ -154,6 +154,8 @@ def pair_member(chapter: str, scene: str, stage: str) -> str:
 
 def parse_pair_member(member: str) -> tuple[str, str, str]:
     chapter, scene, stage = member.split(SEP)
+    if "%" not in member:  # most members need no unquoting: a pass parses thousands of them
+        return chapter, scene, stage
     return decode(chapter), decode(scene), decode(stage)
 
 
@@ -163,6 +165,8 @@ def scene_member(chapter: str, scene: str) -> str:
 
 def parse_scene_member(member: str) -> tuple[str, str]:
     chapter, scene = member.split(SEP)
+    if "%" not in member:
+        return chapter, scene
     return decode(chapter), decode(scene)
 
 
