@@ -52,7 +52,12 @@ def test_job_longer_than_the_visibility_timeout_is_not_committed_twice(make_stac
             what="the long job started",
         )
         dispatch_id = started[0]["dispatch_id"]
-        assert any(" started on " in line for line in generate_lines(first, dispatch_id))
+        # The start's event commits a moment before the worker logs it: wait for the line, do not race it.
+        wait_for(
+            lambda d=dispatch_id: any(" started on " in line for line in generate_lines(first, d)),
+            5,
+            what="the first worker logged the start",
+        )
         time.sleep(VISIBILITY + 0.3)  # unacked for longer than the short visibility timeout
         second = cluster.gpu("image", env=short)  # its consumer start sweeps and restores the message
         lines = wait_for(
