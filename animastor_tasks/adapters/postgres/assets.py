@@ -14,10 +14,9 @@ from typing import Any
 
 import psycopg
 
-from animastor_tasks.adapters.postgres import journal
+from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.commands import lock_book, release_targets, settle_commands
 from animastor_tasks.adapters.postgres.gate_reads import GateReads
-from animastor_tasks.adapters.postgres.literals import sql_text
 from animastor_tasks.domain.capacity import CapacityCounts
 from animastor_tasks.domain.keys import claim_locks
 from animastor_tasks.domain.types import Pair
@@ -27,7 +26,6 @@ from animastor_tasks.domain.vocabulary import (
 )
 from animastor_tasks.ports import Claim, GeneratingRow
 
-GENERATING = sql_text(AssetState.GENERATING)
 _PAIRS_CTE = "WITH p(chapter_id, scene_id, stage) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
 
 
@@ -57,7 +55,7 @@ class ClaimTransaction:
             " changed AS (UPDATE asset_states a SET state = %(generating)s, fencing_token = a.fencing_token + 1,"
             "  dispatch_id = p.dispatch_id, updated_at = now() FROM p"
             "  WHERE a.book_id = %(book)s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
-            f"  AND a.stage = p.stage AND a.state = {sql_text(AssetState.PENDING)}"
+            f"  AND a.stage = p.stage AND a.state = {literals.PENDING}"
             "  RETURNING a.chapter_id, a.scene_id, a.stage, a.fencing_token, a.dispatch_id),"
             + journal.EVENTS_FROM_CHANGED
             + " SELECT chapter_id, scene_id, stage, fencing_token, dispatch_id FROM changed",
@@ -127,10 +125,10 @@ class AssetStore(GateReads):
                 (claim_locks(lanes.values(), book),),
             )
             rows = conn.execute(
-                f"SELECT stage, NULL, NULL, NULL, count(*) FROM asset_states WHERE state = {GENERATING}"
+                f"SELECT stage, NULL, NULL, NULL, count(*) FROM asset_states WHERE state = {literals.GENERATING}"
                 " AND stage = ANY(%(stages)s) GROUP BY stage"
                 " UNION ALL SELECT stage, book_id, chapter_id, scene_id, NULL FROM asset_states"
-                f" WHERE book_id = ANY(%(books)s) AND state = {GENERATING}",
+                f" WHERE book_id = ANY(%(books)s) AND state = {literals.GENERATING}",
                 {"stages": stages, "books": [book, *others]},
             ).fetchall()
             running: dict[str, list[Pair]] = {}
@@ -151,7 +149,7 @@ class AssetStore(GateReads):
         (a refusal), never to claim (a claim counts again under the lane lock)."""
         with self.db.read() as conn:
             rows = conn.execute(
-                f"SELECT stage, count(*) FROM asset_states WHERE state = {GENERATING}"
+                f"SELECT stage, count(*) FROM asset_states WHERE state = {literals.GENERATING}"
                 " AND stage = ANY(%s) GROUP BY stage",
                 (list(stages),),
             ).fetchall()

@@ -14,8 +14,7 @@ from typing import Any
 
 import psycopg
 
-from animastor_tasks.adapters.postgres import journal
-from animastor_tasks.adapters.postgres.literals import sql_list, sql_text
+from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.gate import BookFacts
 from animastor_tasks.domain.keys import book_lock
@@ -343,12 +342,12 @@ def settle_commands(conn: psycopg.Connection[Any], book: str) -> list[str]:
     # lane's lock, does not count every target of its command (0.5 ms at 160 targets, 3 ms at 1,000).
     rows = conn.execute(
         "WITH open_in_flight AS (SELECT chapter_id, scene_id, stage FROM asset_states"
-        f"  WHERE book_id = %(book)s AND state IN {sql_list(IN_FLIGHT)} OFFSET 0)"
+        f"  WHERE book_id = %(book)s AND state IN {literals.IN_FLIGHT_STATES} OFFSET 0)"
         " SELECT t.command_id, t.released, a.state, count(*) FROM commands c"
         " JOIN command_targets t ON t.command_id = c.command_id"
         " LEFT JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
         "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
-        f" WHERE c.book_id = %(book)s AND c.status = {sql_text(ACTIVE)} AND NOT EXISTS (SELECT 1 FROM open_in_flight f"
+        f" WHERE c.book_id = %(book)s AND c.status = {literals.ACTIVE} AND NOT EXISTS (SELECT 1 FROM open_in_flight f"
         "  JOIN command_targets o ON o.command_id = c.command_id AND o.chapter_id = f.chapter_id"
         "   AND o.scene_id = f.scene_id AND o.stage = f.stage WHERE o.released IS NULL)"
         " GROUP BY 1, 2, 3",

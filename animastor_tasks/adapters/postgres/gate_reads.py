@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from animastor_tasks.adapters.postgres.literals import sql_list, sql_text
+from animastor_tasks.adapters.postgres import literals
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.types import SceneKey
-from animastor_tasks.domain.vocabulary import AUTHORIZING, IN_FLIGHT, AssetState, Priority, priority_rank, values
+from animastor_tasks.domain.vocabulary import IN_FLIGHT, Priority, priority_rank, values
 from animastor_tasks.ports import GateRows, InFlight
 
 # A book's own row among its gate rows (no chapter): its layers (8th column) and its tombstone (12th).
@@ -34,7 +34,7 @@ _GATE_ROWS = (
     "  min(array_position(%(priorities)s::text[], c.priority)) - 1 AS rank,"
     "  extract(epoch FROM min(c.created_at))::float8 AS since FROM commands c"
     "  JOIN command_targets t ON t.command_id = c.command_id"
-    f"  WHERE c.book_id = ANY(%(books)s) AND c.status IN {sql_list(AUTHORIZING)} GROUP BY 1, 2, 3, 4),"
+    f"  WHERE c.book_id = ANY(%(books)s) AND c.status IN {literals.AUTHORIZING_STATUSES} GROUP BY 1, 2, 3, 4),"
     " flight AS (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token,"
     "  s.position, a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
     "  a.artifact_sha256 IS NOT NULL AS has_artifact, act.stage IS NOT NULL AS commanded,"
@@ -43,16 +43,20 @@ _GATE_ROWS = (
     "   AND s.scene_id = a.scene_id"
     "  LEFT JOIN active act ON act.book_id = a.book_id AND act.chapter_id = a.chapter_id"
     "   AND act.scene_id = a.scene_id AND act.stage = a.stage"
-    f"  WHERE a.book_id = ANY(%(books)s) AND a.state IN {sql_list(IN_FLIGHT)})"
+    f"  WHERE a.book_id = ANY(%(books)s) AND a.state IN {literals.IN_FLIGHT_STATES})"
     + _BOOK_ROW
     + " UNION ALL SELECT * FROM flight"
 )
 
 
+# The priorities in rank order, for `array_position` (an array parameter: the order is the point).
+_PRIORITIES = [str(p) for p in Priority]
+
+
 def _gate_row_params(books: Sequence[str]) -> dict[str, Any]:
     return {
         "books": list(books),
-        "priorities": [str(p) for p in Priority],
+        "priorities": _PRIORITIES,
         "normal": priority_rank(Priority.NORMAL),
     }
 
@@ -155,7 +159,8 @@ class GateReads:
             rows = conn.execute(
                 "WITH cmd AS (SELECT command_id, stage, array_position(%(priorities)s::text[], priority) - 1 AS rank,"
                 "  extract(epoch FROM created_at)::float8 AS since FROM commands"
-                f"  WHERE book_id = %(book)s AND status IN {sql_list(AUTHORIZING)} AND stage = ANY(%(stages)s)),"
+                f"  WHERE book_id = %(book)s AND status IN {literals.AUTHORIZING_STATUSES}"
+                "  AND stage = ANY(%(stages)s)),"
                 # Each command walks the pending pairs of its stage in reading order (the pending-only index of
                 # 0006), keeps those it targets and stops at the limit: done pairs are never read.
                 " flight AS (SELECT DISTINCT ON (x.chapter_id, x.scene_id, x.stage) x.* FROM cmd CROSS JOIN LATERAL"
@@ -165,7 +170,7 @@ class GateReads:
                 "   JOIN command_targets t ON t.command_id = cmd.command_id AND t.chapter_id = a.chapter_id"
                 "    AND t.scene_id = a.scene_id"
                 "   JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
-                f"   WHERE a.book_id = %(book)s AND a.stage = cmd.stage AND a.state = {sql_text(AssetState.PENDING)}"
+                f"   WHERE a.book_id = %(book)s AND a.stage = cmd.stage AND a.state = {literals.PENDING}"
                 f"   ORDER BY a.position LIMIT {int(limit)}) x"
                 "  ORDER BY x.chapter_id, x.scene_id, x.stage, x.rank, x.since)"
                 + _ONE_BOOK_ROW
@@ -174,7 +179,7 @@ class GateReads:
                 {
                     "book": book,
                     "stages": list(stages),
-                    "priorities": [str(p) for p in Priority],
+                    "priorities": _PRIORITIES,
                 },
             ).fetchall()
         return _gate_rows_by_book([book], rows)[book]

@@ -14,13 +14,12 @@ from typing import Any
 
 import psycopg
 
-from animastor_tasks.adapters.postgres import journal
+from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.commands import settle_commands
-from animastor_tasks.adapters.postgres.literals import sql_text
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.keys import book_lock, lane_lock
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import AssetState, CommandStatus, transition
+from animastor_tasks.domain.vocabulary import AssetState, transition
 from animastor_tasks.ports import JobRow
 
 
@@ -63,7 +62,7 @@ class JobStore:
                     "SELECT a.state, a.fencing_token, a.dispatch_id, s.text, s.prompt,"
                     " EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = a.book_id),"
                     " EXISTS (SELECT 1 FROM commands c JOIN command_targets ct ON ct.command_id = c.command_id"
-                    f"  WHERE c.book_id = a.book_id AND c.status = {sql_text(CommandStatus.ACTIVE)}"
+                    f"  WHERE c.book_id = a.book_id AND c.status = {literals.ACTIVE}"
                     "  AND ct.chapter_id = a.chapter_id"
                     "  AND ct.scene_id = a.scene_id AND ct.stage = a.stage),"
                     " b.layer_config, j.open_dispatch, coalesce(j.lost_starts, 0)"
@@ -154,7 +153,7 @@ class JobStore:
 # The pair is still this job's: generating under its token and dispatch id.
 _OWNED = (
     "a.book_id = %(book)s AND a.chapter_id = %(chapter)s AND a.scene_id = %(scene)s AND a.stage = %(stage)s"
-    f" AND a.state = {sql_text(AssetState.GENERATING)}"
+    f" AND a.state = {literals.GENERATING}"
     " AND a.fencing_token = %(token)s AND a.dispatch_id = %(dispatch_id)s"
 )
 

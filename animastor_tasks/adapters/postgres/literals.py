@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from animastor_tasks.domain.vocabulary import AUTHORIZING, IN_FLIGHT, AssetState, CommandStatus
+
 
 def sql_text(value: str) -> str:
     """`value` as a quoted SQL literal; a vocabulary value is a bare lower-case word."""
@@ -22,3 +24,11 @@ def sql_text(value: str) -> str:
 def sql_list(values: Iterable[str]) -> str:
     """`values` as a parenthesized list of SQL literals, for `IN`."""
     return "(" + ", ".join(sql_text(v) for v in sorted(values)) + ")"
+
+
+# The values the statements name, quoted once at import rather than on every run of a statement.
+PENDING = sql_text(AssetState.PENDING)
+GENERATING = sql_text(AssetState.GENERATING)
+ACTIVE = sql_text(CommandStatus.ACTIVE)
+IN_FLIGHT_STATES = sql_list(IN_FLIGHT)
+AUTHORIZING_STATUSES = sql_list(AUTHORIZING)
