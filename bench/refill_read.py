@@ -12,6 +12,7 @@ its limit (before migration 0006 it read every pending pair: 5.3 ms at 1,000, 22
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from bench.common import BenchResult, Context, make_runtime, median
 from bench.seed import BookShape, add_command, load_books
@@ -22,8 +23,8 @@ WARM_UP = 10
 TARGET_RATIO = 2.0
 
 
-def _time_read(rt: object, book: str) -> float:
-    assets = rt.ports.assets  # type: ignore[attr-defined]
+def _time_read(rt: Any, book: str) -> float:
+    assets = rt.ports.assets
     for _ in range(WARM_UP):
         assets.gate_candidates(book, ["audio"], CANDIDATES)
     times = []
