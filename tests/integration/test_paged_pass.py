@@ -5,11 +5,12 @@ Real Postgres, Redis and broker. `page.PAGE` is made small so that a book of a f
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
-from animastor_tasks.flow import gate, page
+from animastor_tasks.flow import gate, page, paged_pass
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
 
@@ -90,3 +91,38 @@ def test_an_unknown_book_with_a_big_active_index_leaves_the_indexes(rt: Any, sma
     assert report.error is None and report.dispatched == []
     assert rt.redis.client.scard(rt.redis.keys.active_scenes("gone")) == 0
     assert "gone" not in rt.ports.book_state.active_books()
+
+
+def open_transactions(rt: Wiring) -> int:
+    """Sessions of the test database, other than this query's own, left inside a transaction."""
+    with rt.db.read() as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%'"
+        ).fetchone()
+    return int(row[0]) if row else -1
+
+
+def test_pages_read_ahead_end_their_transaction_when_the_pass_stops_early(rt: Any, small_pages: int) -> None:
+    lane(rt, lane_limit=2)
+    rt.catalog.import_book(make_book("big", chapters=1, scenes=30))
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"])
+    pages = paged_pass._read_ahead(rt.ports, "big", time.time(), rt.ports.settings.registry.queues())
+    rows, snap = next(pages)  # the second page is being read meanwhile, in the cursor's transaction
+    assert len(rows.in_flight) == 6  # and the book's own row
+    assert snap.deferred["capacity"] == {i.pair for i in rows.in_flight} - set(generating(rt, "big"))
+    assert open_transactions(rt) == 1
+    pages.close()  # a pass stopped by an error after its first page
+    assert open_transactions(rt) == 0
+
+
+def test_every_page_is_read_once_in_order_with_its_own_snapshot(rt: Any, small_pages: int) -> None:
+    lane(rt, lane_limit=2)
+    rt.catalog.import_book(make_book("big", chapters=1, scenes=30))
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"])
+    read = list(paged_pass._read_ahead(rt.ports, "big", time.time(), rt.ports.settings.registry.queues()))
+    pairs = [i.pair for rows, _ in read for i in rows.in_flight]
+    assert sorted(pairs) == sorted(("ch1", f"s{i}", "audio") for i in range(1, 31)) and len(pairs) == 30
+    for rows, snap in read:  # each snapshot holds the deferrals of its own page's pairs, no other
+        assert snap.deferred["capacity"] == {i.pair for i in rows.in_flight} - set(generating(rt, "big"))
+    assert open_transactions(rt) == 0

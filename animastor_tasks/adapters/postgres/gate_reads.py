@@ -6,7 +6,7 @@ Read-only: the moves and the claim are `assets.py`'s.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 from animastor_tasks.adapters.postgres import literals
@@ -109,7 +109,7 @@ class GateReads:
             return None
         return _gate_rows_by_book(books, rows)
 
-    def gate_row_pages(self, book: str, size: int) -> Iterator[GateRows]:
+    def gate_row_pages(self, book: str, size: int) -> Generator[GateRows, None, None]:
         """`gate_rows` of one book, `size` pairs at a time (a server-side cursor of the same statement):
         a pass over a book of a million pairs holds one page. Nothing for an unknown book."""
         with self.db.transaction() as conn, conn.cursor(name="gate_rows") as cursor:
