@@ -11,10 +11,11 @@ An unreadable registry proves no command: nothing is authorized.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
+from typing import Protocol, TypeVar
 
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import AUTHORIZING, AssetState
@@ -110,6 +111,34 @@ def decide(facts: BookFacts, pair: Pair) -> Denial | None:
     if stage in facts.disabled_stages:
         return Denial.LAYER_DISABLED
     return None
+
+
+class HasPair(Protocol):
+    @property
+    def pair(self) -> Pair: ...
+
+
+Item = TypeVar("Item", bound=HasPair)
+
+
+def decide_all(facts: BookFacts, items: Sequence[Item]) -> tuple[list[Item], dict[Pair, Denial]]:
+    """`decide` over a pass's pairs: the authorized items in their order, and why each other pair is denied.
+    The same answers; in the usual case (not cancelled, no layer off) one set lookup per pair."""
+    if facts.cancelled or not facts.registry_readable or facts.disabled_stages:
+        authorized: list[Item] = []
+        denied: dict[Pair, Denial] = {}
+        for item in items:
+            reason = decide(facts, item.pair)
+            if reason is None:
+                authorized.append(item)
+            else:
+                denied[item.pair] = reason
+        return authorized, denied
+    commanded = facts.commanded
+    authorized = [item for item in items if item.pair in commanded]
+    if len(authorized) == len(items):
+        return authorized, {}
+    return authorized, {item.pair: Denial.NO_ACTIVE_TASK for item in items if item.pair not in commanded}
 
 
 def authorize_scene(facts: BookFacts, chapter: str, scene: str, stages: Iterable[str]) -> SceneAuthorization:

@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 
 from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import candidates, dispatch, page, paged_pass, takeover
+from animastor_tasks.flow import candidates, collector, dispatch, page, paged_pass, takeover
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import GateRows, Ports, Snapshot
 
@@ -44,7 +44,8 @@ def gate_pass(
     books' (see `gate_batch`).
     """
     started = time.monotonic()
-    report = _gate_pass(ports, book, dispatch_work=dispatch_work, full_lanes=full_lanes, known=known)
+    with collector.paused():
+        report = _gate_pass(ports, book, dispatch_work=dispatch_work, full_lanes=full_lanes, known=known)
     if report.released or any(outcome != Outcome.DEFERRED for outcome in report.outcomes):
         ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
     return report
@@ -145,7 +146,8 @@ def gate_batch(ports: Ports, books: Sequence[str]) -> list[PassReport]:
     reports: list[PassReport] = []
     for first in range(0, len(books), READ_AHEAD_BOOKS):
         group = books[first : first + READ_AHEAD_BOOKS]
-        read = _read_facts(ports, group)
+        with collector.paused():
+            read = _read_facts(ports, group)
         for book in group:
             try:
                 reports.append(gate_pass(ports, book, full_lanes=full, known=read.get(book)))

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from animastor_tasks.domain.gate import BookFacts, Denial, decide
+from animastor_tasks.domain.gate import BookFacts, Denial, decide_all
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import StoreUnavailable
@@ -54,7 +54,9 @@ def pass_rows(
     book = report.book
     authorized, denied = judge(snap, rows, report, keep_pairs=keep_pairs)
     pending = [i for i in authorized if i.state == AssetState.PENDING]
-    to_release = [i.pair for i in rows.in_flight if i.state == AssetState.PENDING and i.pair in denied]
+    to_release: list[Pair] = []
+    if denied:  # most passes deny nothing: skip a walk of the page
+        to_release = [i.pair for i in rows.in_flight if i.state == AssetState.PENDING and i.pair in denied]
     if to_release:
         released = ports.assets.move_pairs(book, to_release, AssetState.PENDING, AssetState.DIRTY, "gate.released")
         ports.deferrals.clear_deferrals(book, released)
@@ -71,7 +73,7 @@ def pass_rows(
         report.outcomes.update(result.outcomes)
         report.dispatched.extend(result.dispatched)
         report.claimed_lanes |= result.claimed_lanes
-    return [i for i in pending if i.pair not in result.gone], result
+    return ([i for i in pending if i.pair not in result.gone] if result.gone else pending), result
 
 
 def judge(
@@ -80,14 +82,7 @@ def judge(
     """The gate rule over the pairs read, counted into `report` (their pairs listed too, unless the pass
     is paged): the authorized pairs and why each other one is denied."""
     facts = BookFacts(True, snap.cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
-    authorized: list[InFlight] = []
-    denied: dict[Pair, Denial] = {}
-    for item in rows.in_flight:
-        reason = decide(facts, item.pair)
-        if reason is None:
-            authorized.append(item)
-        else:
-            denied[item.pair] = reason
+    authorized, denied = decide_all(facts, rows.in_flight)
     report.authorized_count += len(authorized)
     if keep_pairs:
         report.authorized.extend(i.pair for i in authorized)
@@ -101,10 +96,10 @@ def next_due(snap: Snapshot, waiting: list[InFlight], written: dict[Pair, float]
     and never (None) while none waits."""
     if not waiting:
         return None
-    deferred_before = set().union(*snap.deferred.values())
-    untouched = [i for i in waiting if i.pair not in written]
-    ends = [written[i.pair] for i in waiting if i.pair in written]
-    if any(i.pair not in deferred_before for i in untouched):
+    pairs = {i.pair for i in waiting}  # one loop over a page's pairs; the rest are set operations
+    ends = [end for pair, end in written.items() if pair in pairs]
+    untouched = pairs.difference(written)
+    if untouched.difference(*snap.deferred.values()):
         ends.append(now)
     elif untouched:
         ends.append(now if snap.first_deferral_end is None else snap.first_deferral_end)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import pytest
 
@@ -14,6 +15,7 @@ from animastor_tasks.domain.gate import (
     authorize_scene,
     commanded_pairs,
     decide,
+    decide_all,
     decide_job_start,
     parse_layers,
 )
@@ -139,3 +141,33 @@ def test_job_start_refuses_a_cancelled_book_before_anything_else() -> None:
     book = BookFacts(True, cancel_flag=True, commanded=frozenset({PAIR}))
     assert decide_job_start(JobStartFacts(book, found=False), PAIR, 7, "d-7") == Denial.CANCELLED
     assert decide_job_start(JobStartFacts(BookFacts(True), found=False), PAIR, 7, "d-7") == Denial.UNKNOWN_PAIR
+
+
+Pair = tuple[str, str, str]
+PAIRS: list[Pair] = [(c, s, st) for c in ("ch1", "ch2") for s in ("s1", "s2") for st in ("audio", "image")]
+
+
+class Row(NamedTuple):
+    pair: Pair
+
+
+COMMANDED: dict[str, frozenset[Pair]] = {
+    "none": frozenset(),
+    "all": frozenset(PAIRS),
+    "audio": frozenset(p for p in PAIRS if p[2] == "audio"),
+    "every_other": frozenset(PAIRS[::2]),
+}
+
+
+@pytest.mark.parametrize(
+    "commanded,layer,cancel,readable", list(itertools.product(COMMANDED, LAYERS, CANCELS, (True, False)))
+)
+def test_deciding_a_pass_s_pairs_at_once_agrees_with_deciding_each(
+    commanded: str, layer: str, cancel: str, readable: bool
+) -> None:
+    flag, tombstone = CANCELS[cancel]
+    facts = BookFacts(readable, flag, tombstone, LAYERS[layer], COMMANDED[commanded])
+    items = [Row(p) for p in reversed(PAIRS)]
+    authorized, denied = decide_all(facts, items)
+    assert authorized == [i for i in items if decide(facts, i.pair) is None]
+    assert denied == {i.pair: decide(facts, i.pair) for i in items if decide(facts, i.pair) is not None}
