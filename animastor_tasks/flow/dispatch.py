@@ -63,12 +63,9 @@ def dispatch_pending(
             for p in snap.deferred.get(DeferralBucket.CAPACITY, set())
             if p[2] in registry and registry.get(p[2]).queue == handed_lane
         }
-    todo: list[InFlight] = []
-    for item in pending:
-        if item.pair in deferred_pairs:
-            result.outcomes[Outcome.DEFERRED] += 1
-        else:
-            todo.append(item)
+    todo = [item for item in pending if item.pair not in deferred_pairs]
+    if len(todo) < len(pending):
+        result.outcomes[Outcome.DEFERRED] += len(pending) - len(todo)
     if not todo:
         count_outcomes(ports, result.outcomes)
         return result

@@ -96,7 +96,7 @@ def _gate_pass(
         ports, report, snap, rows, dispatch_work=dispatch_work, full_lanes=full_lanes, now=now
     )
     released = set(report.released)
-    busy = {(i.chapter, i.scene) for i in rows.in_flight if i.pair not in released}
+    busy = {i.pair[:2] for i in rows.in_flight if not released or i.pair not in released}
     idle = snap.active - busy
     if idle:
         ports.book_state.deactivate(book, idle)
