@@ -14,16 +14,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Sequence
+from concurrent.futures import Future
+from functools import partial
 
 from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import candidates, collector, dispatch, page, paged_pass, takeover
+from animastor_tasks.flow import candidates, collector, dispatch, page, paged_pass, read_ahead, takeover
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import GateRows, Ports, Snapshot
 
 log = logging.getLogger("animastor.gate")
 BATCH_BOOKS = 50  # books per gate task sent by the tick
 READ_AHEAD_BOOKS = 10  # books of a batch whose facts are read together (kept small: facts age while passes run)
+OVERLAP_PAIRS = 1000  # from this many pairs (by the active index) a pass reads Redis and Postgres at once
 Facts = tuple[Snapshot, GateRows | None]
 __all__ = ["PassReport", "gate_batch", "gate_pass", "pass_on_slot", "tick"]
 
@@ -67,11 +70,14 @@ def _gate_pass(
     if known is not None:
         snap, rows = known
     else:
+        snap_ahead: Future[Snapshot] | None = None
         try:
             # A book whose active scenes may hold more pairs than a page goes to the pages at once: a limited
             # read that finds too many rows is thrown away (a tenth of the pass of a book of 100k pairs).
-            big = ports.book_state.active_scene_count(book) * len(ports.settings.registry.stages) > page.PAGE
-            read = None if big else ports.assets.gate_rows_many([book], limit=page.PAGE)
+            pairs = ports.book_state.active_scene_count(book) * len(ports.settings.registry.stages)
+            if OVERLAP_PAIRS <= pairs <= page.PAGE:  # its snapshot is read while its rows come back
+                snap_ahead = read_ahead.submit(partial(_snapshot, ports, book, now))
+            read = None if pairs > page.PAGE else ports.assets.gate_rows_many([book], limit=page.PAGE)
         except StoreUnavailable as err:
             report.error = str(err)
             log.warning("[COMMAND-GATE] book=%r registry unreadable, nothing authorized: %s", book, err)
@@ -81,7 +87,7 @@ def _gate_pass(
             return report
         rows = read[book]
         try:
-            snap = ports.book_state.book_snapshots([book], now, ports.settings.registry.queues())[book]
+            snap = _snapshot(ports, book, now) if snap_ahead is None else snap_ahead.result()
         except StoreUnavailable as err:
             report.error = str(err)
             log.warning("[COMMAND-GATE] book=%r coordination unreadable, nothing authorized: %s", book, err)
@@ -104,6 +110,10 @@ def _gate_pass(
             ports.book_state.drop_book_if_idle(book)
     page.write_due(ports, book, page.next_due(snap, waiting, result.deferred_until, now), snap.due_at)
     return report
+
+
+def _snapshot(ports: Ports, book: str, now: float) -> Snapshot:
+    return ports.book_state.book_snapshots([book], now, ports.settings.registry.queues())[book]
 
 
 def _paged(ports: Ports, report: PassReport, *, dispatch_work: bool, full_lanes: set[str], now: float) -> None:

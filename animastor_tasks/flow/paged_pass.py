@@ -4,7 +4,7 @@ Its rows come from one statement through a server-side cursor, a page at a time,
 what Redis knows of its own pairs only (`pair_snapshot`), so a book of a million pairs costs the
 memory of one page. The lanes are counted again before each page after the first: once they are full,
 the remaining pages defer their pairs without a claim transaction. The next page and its snapshot are
-read (a thread) while this one is decided: the rows come from one statement's snapshot anyway, and facts
+read (`read_ahead`) while this one is decided: the rows come from one statement's snapshot anyway, and facts
 read a little early are as safe as a pass's own (see `gate._read_facts`). The book's finished scenes leave
 the active index in reconcile's pass (dispatch_work off), through a scan of the index, not by
 holding every scene of the book.
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import page
+from animastor_tasks.flow import page, read_ahead
 from animastor_tasks.ports import GateRows, Ports, Snapshot
 
 log = logging.getLogger("animastor.gate")
@@ -31,7 +31,7 @@ def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lane
     due_at: float | None = None
     pages = 0
     try:
-        for rows, snap in _read_ahead(ports, book, now, queues):
+        for rows, snap in _pages(ports, book, now, queues):
             if pages == 0:
                 due_at = snap.due_at
             elif dispatch_work:
@@ -58,7 +58,7 @@ def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lane
         page.write_due(ports, book, due, due_at)
 
 
-def _read_ahead(ports: Ports, book: str, now: float, queues: Sequence[str]) -> Iterator[tuple[GateRows, Snapshot]]:
+def _pages(ports: Ports, book: str, now: float, queues: Sequence[str]) -> Iterator[tuple[GateRows, Snapshot]]:
     """The book's pages, each with its snapshot; the next one is read while the caller decides this one.
     The waits for Postgres and Redis (a third of a page's time) overlap the caller's work."""
     pages = ports.assets.gate_row_pages(book, page.PAGE)
@@ -69,13 +69,13 @@ def _read_ahead(ports: Ports, book: str, now: float, queues: Sequence[str]) -> I
             return None
         return rows, ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
 
+    ahead = read_ahead.submit(read_next)
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="gate-read-ahead") as reader:
-            ahead = reader.submit(read_next)
-            while (read := ahead.result()) is not None:
-                ahead = reader.submit(read_next)
-                yield read
-    finally:  # after the reader has stopped: the cursor's transaction ends in this thread
+        while (read := ahead.result()) is not None:
+            ahead = read_ahead.submit(read_next)
+            yield read
+    finally:  # once the reader has stopped: the cursor's transaction ends in this thread
+        wait([ahead])
         pages.close()
 
 

@@ -107,7 +107,7 @@ def test_pages_read_ahead_end_their_transaction_when_the_pass_stops_early(rt: An
     lane(rt, lane_limit=2)
     rt.catalog.import_book(make_book("big", chapters=1, scenes=30))
     regenerate_flow.regenerate(rt.ports, "big", ["audio"])
-    pages = paged_pass._read_ahead(rt.ports, "big", time.time(), rt.ports.settings.registry.queues())
+    pages = paged_pass._pages(rt.ports, "big", time.time(), rt.ports.settings.registry.queues())
     rows, snap = next(pages)  # the second page is being read meanwhile, in the cursor's transaction
     assert len(rows.in_flight) == 6  # and the book's own row
     assert snap.deferred["capacity"] == {i.pair for i in rows.in_flight} - set(generating(rt, "big"))
@@ -120,7 +120,7 @@ def test_every_page_is_read_once_in_order_with_its_own_snapshot(rt: Any, small_p
     lane(rt, lane_limit=2)
     rt.catalog.import_book(make_book("big", chapters=1, scenes=30))
     regenerate_flow.regenerate(rt.ports, "big", ["audio"])
-    read = list(paged_pass._read_ahead(rt.ports, "big", time.time(), rt.ports.settings.registry.queues()))
+    read = list(paged_pass._pages(rt.ports, "big", time.time(), rt.ports.settings.registry.queues()))
     pairs = [i.pair for rows, _ in read for i in rows.in_flight]
     assert sorted(pairs) == sorted(("ch1", f"s{i}", "audio") for i in range(1, 31)) and len(pairs) == 30
     for rows, snap in read:  # each snapshot holds the deferrals of its own page's pairs, no other
