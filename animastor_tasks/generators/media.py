@@ -102,18 +102,25 @@ def render_png(prompt: str, *, width: int = 64, height: int = 64) -> bytes:
     left, right, bottom = digest[0:3], digest[3:6], digest[6:9]
     pattern = digest[9:]
     cell = max(1, min(width, height) // 8)
+    fxs = [x / (width - 1) if width > 1 else 0.0 for x in range(width)]
+    # The gradient across a row, per channel: computed once per column, not once per pixel (5 ms of CPU
+    # per 64x64 image before). Each value is the same float expression as ever, so the bytes are too.
+    across = [[left[ch] * (1.0 - fx) + right[ch] * fx for fx in fxs] for ch in range(3)]
+    columns = [x // cell for x in range(width)]
+    checkers = {  # the checker's lift across a row, per row of cells
+        cy: [96 if (pattern[(cx + 8 * cy) % len(pattern)] >> ((cx + cy) % 8)) & 1 else 0 for cx in columns]
+        for cy in range((height - 1) // cell + 1)
+    }
     raw = bytearray()
+    row = bytearray(3 * width)
     for y in range(height):
-        raw.append(0)  # filter type "None" for every scanline
         fy = y / (height - 1) if height > 1 else 0.0
-        for x in range(width):
-            fx = x / (width - 1) if width > 1 else 0.0
-            cx, cy = x // cell, y // cell
-            lit = (pattern[(cx + 8 * cy) % len(pattern)] >> ((cx + cy) % 8)) & 1
-            for ch in range(3):
-                value = left[ch] * (1.0 - fx) + right[ch] * fx
-                value = value * (1.0 - 0.5 * fy) + bottom[ch] * 0.5 * fy
-                raw.append((int(value) + (96 if lit else 0)) % 256)
+        down, lit = 1.0 - 0.5 * fy, checkers[y // cell]
+        for ch in range(3):
+            lift = bottom[ch] * 0.5 * fy
+            row[ch::3] = bytes([(int(v * down + lift) + extra) % 256 for v, extra in zip(across[ch], lit, strict=True)])
+        raw.append(0)  # filter type "None" for every scanline
+        raw += row
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
     return (
         PNG_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(bytes(raw), 9)) + _chunk(b"IEND", b"")
