@@ -1,11 +1,11 @@
 """The gate pass of a book with more pairs in flight than a pass holds at once (`page.PAGE`).
 
-Its rows come from one statement through a server-side cursor, a page at a time, and each page reads
-what Redis knows of its own pairs only (`pair_snapshot`), so a book of a million pairs costs the
-memory of one page. The lanes are counted again before each page after the first: once they are full,
-the remaining pages defer their pairs without a claim transaction. The next page and its snapshot are
-read (`read_ahead`) while this one is decided: the rows come from one statement's snapshot anyway, and facts
-read a little early are as safe as a pass's own (see `gate._read_facts`). The book's finished scenes leave
+Its rows come from one statement through a server-side cursor, half a page at a time, and each read
+holds what Redis knows of its own pairs only (`pair_snapshot`). The next read and its snapshot are
+taken (`read_ahead`) while this one is decided, so a book of a million pairs costs the memory of one
+page: the rows come from one statement's snapshot anyway, and facts read a little early are as safe as
+a pass's own (see `gate._read_facts`). The lanes are counted again before each read after the first:
+once they are full, the rest defer their pairs without a claim transaction. The book's finished scenes leave
 the active index in reconcile's pass (dispatch_work off), through a scan of the index, not by
 holding every scene of the book.
 """
@@ -61,7 +61,7 @@ def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lane
 def _pages(ports: Ports, book: str, now: float, queues: Sequence[str]) -> Iterator[tuple[GateRows, Snapshot]]:
     """The book's pages, each with its snapshot; the next one is read while the caller decides this one.
     The waits for Postgres and Redis (a third of a page's time) overlap the caller's work."""
-    pages = ports.assets.gate_row_pages(book, page.PAGE)
+    pages = ports.assets.gate_row_pages(book, page.PAGE // 2)  # one read ahead: a page's rows at most
 
     def read_next() -> tuple[GateRows, Snapshot] | None:
         rows = next(pages, None)
