@@ -43,14 +43,16 @@ def refill(ports: Ports, book: str, lane: str | None = None) -> PassReport:
 def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str, *, here: bool = False) -> None:
     """A job of `book` ended and its slot is free, now: the book that waited longest for the lane gets it
     and `book` queues behind the waiters at the priority its job was dispatched with (both in one atomic
-    step); with nobody waiting, the book's own pairs waiting for capacity go.
+    step); with nobody waiting, the book's own pairs waiting for capacity go. A book whose job was more
+    urgent than every waiter keeps the slot for its own next pair (a free slot goes to the most urgent
+    work waiting), and hands it on if it has none.
 
     `here` (a job that ended ready): the refill runs in the process whose job ended, so the slot waits
     for no control-queue hop; a refill that fails here is sent to the control worker. Otherwise (a job
     that failed or gave its pair back) it is sent at once: a pair given back is not re-run in a tight loop."""
     waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
     if waiters:
-        _refill_for(ports, waiters[0], queue, here)
+        _refill_for(ports, waiters[0], queue, here)  # `book` itself when it outranks the waiters
         return
     # Every stage: the scene window is shared by the book's stages, so a finished audio job
     # can free the slot an image pair was deferred for (window_full).

@@ -137,7 +137,9 @@ def test_book_cap_is_a_hard_cap_even_alone(rt) -> None:
 
 
 @pytest.mark.parametrize("priority", ["interactive", "bulk"])
-def test_a_finishing_book_queues_again_at_the_priority_of_its_job(rt, priority: str) -> None:
+def test_a_finishing_book_queues_again_at_the_priority_of_its_job_or_keeps_a_slot_it_outranks(
+    rt, priority: str
+) -> None:
     lane(rt, lane_limit=1, book_quota=1, window=1)
     for book in ("runner", "waiter"):
         rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
@@ -145,9 +147,12 @@ def test_a_finishing_book_queues_again_at_the_priority_of_its_job(rt, priority: 
     regenerate_flow.regenerate(rt.ports, "waiter", ["audio"])
     rt.redis.client.zrem(rt.redis.keys.lane_waiters("gpu.audio"), "runner")  # as if it had just been handed
     finish_one(rt, "runner")
-    assert running(rt, "runner", "waiter") == {"waiter": 1}
-    rank = {"interactive": 0, "bulk": 2}[priority]
-    assert int(waiting(rt)["runner"] // 1e10) == rank
+    if priority == "bulk":  # the normal waiter is more urgent: the slot is its turn
+        assert running(rt, "runner", "waiter") == {"waiter": 1}
+        assert int(waiting(rt)["runner"] // 1e10) == 2
+    else:  # the runner's next scene is more urgent than the waiter: it keeps the slot; the waiter waits on
+        assert running(rt, "runner", "waiter") == {"runner": 1}
+        assert "waiter" in waiting(rt)
 
 
 def test_the_gate_task_contract_is_unchanged_and_a_batch_passes_each_book(rt) -> None:
@@ -157,3 +162,17 @@ def test_the_gate_task_contract_is_unchanged_and_a_batch_passes_each_book(rt) ->
         regenerate_flow.regenerate(rt.ports, book, ["audio"])
     assert tasks.gate_task.run("x")["book_id"] == "x"
     assert tasks.gate_batch.run(["x", "y"]) == 2
+
+
+def test_a_reader_s_next_interactive_scene_takes_the_slot_its_last_one_freed_before_bulk_waiters(rt) -> None:
+    lane(rt, lane_limit=1, book_quota=10, window=10)
+    for book in ("reader", "bulk"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], [["ch1", "s1"]], priority="interactive")
+    regenerate_flow.regenerate(rt.ports, "bulk", ["audio"], priority="bulk")  # waits for the lane
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], [["ch1", "s2"]], priority="interactive")
+    finish_one(rt, "reader")
+    assert states(rt, "reader")[("ch1", "s2", "audio")] == "generating"
+    assert running(rt, "reader", "bulk") == {"reader": 1} and "bulk" in waiting(rt)
+    finish_one(rt, "reader")  # nothing more of the reader's: the slot goes on to the bulk book
+    assert running(rt, "reader", "bulk") == {"bulk": 1}

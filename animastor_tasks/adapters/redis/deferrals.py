@@ -78,7 +78,8 @@ class DeferralStore:
 
         `requeue_from`: the dispatch id of the job whose end freed the slot; when a book is taken,
         `exclude` (that job's book) queues behind the waiters at the priority its dispatch was made
-        with (keeping its place if it waits already), so books take turns.
+        with (keeping its place if it waits already), so books take turns. When that priority is more
+        urgent than the head's, `exclude` keeps the slot: the answer is `[exclude]`, the list unchanged.
         """
         keys = [self.conn.keys.lane_waiters(queue), self.conn.keys.dispatch(requeue_from) if requeue_from else ""]
         args: list[str | float] = [count, exclude or "", time.time(), RANK_SCALE, priority_rank(Priority.NORMAL)]
