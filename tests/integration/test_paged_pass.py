@@ -108,11 +108,13 @@ def test_pages_read_ahead_end_their_transaction_when_the_pass_stops_early(rt: An
     rt.catalog.import_book(make_book("big", chapters=1, scenes=30))
     regenerate_flow.regenerate(rt.ports, "big", ["audio"])
     pages = paged_pass._pages(rt.ports, "big", time.time(), rt.ports.settings.registry.queues())
-    rows, snap = next(pages)  # the second page is being read meanwhile, in the cursor's transaction
-    assert len(rows.in_flight) == small_pages // 2 - 1  # a read is half a page; the first holds the book's own row
-    assert snap.deferred["capacity"] == {i.pair for i in rows.in_flight} - set(generating(rt, "big"))
-    assert open_transactions(rt) == 1
-    pages.close()  # a pass stopped by an error after its first page
+    try:
+        rows, snap = next(pages)  # the second page is being read meanwhile, in the cursor's transaction
+        assert len(rows.in_flight) == small_pages // 2 - 1  # a read is half a page; the first holds the book's row
+        assert snap.deferred["capacity"] == {i.pair for i in rows.in_flight} - set(generating(rt, "big"))
+        assert open_transactions(rt) == 1
+    finally:
+        pages.close()  # a pass stopped by an error after its first page (and the test's own cursor, if it fails)
     assert open_transactions(rt) == 0
 
 
