@@ -54,6 +54,7 @@ class Settings:
     retry_backoff_base: float = 1.0
     retry_backoff_max: float = 30.0
     worker_lost_limit: int = 3
+    job_chain_seconds: float = 30.0  # a ready job's process runs its slot's next job itself this long into its task
     inference_api_key: str = ""
     db_pool_max: int = 8
 
@@ -91,6 +92,7 @@ class Settings:
             retry_backoff_base=_number(env, "ANIMASTOR_RETRY_BACKOFF_BASE", 1.0, minimum=0.0),
             retry_backoff_max=_number(env, "ANIMASTOR_RETRY_BACKOFF_MAX", 30.0, minimum=0.0),
             worker_lost_limit=_integer(env, "ANIMASTOR_WORKER_LOST_LIMIT", 3, minimum=1),
+            job_chain_seconds=_number(env, "ANIMASTOR_JOB_CHAIN_SECONDS", 30.0, minimum=0.0),
             inference_api_key=env.get("ANIMASTOR_INFERENCE_API_KEY", ""),
             db_pool_max=int(_number(env, "ANIMASTOR_DB_POOL_MAX", 8, minimum=1)),
         )
@@ -105,6 +107,12 @@ class Settings:
                 f"ANIMASTOR_VISIBILITY_TIMEOUT, got {self.job_soft_time_limit} < {self.job_time_limit} < "
                 f"{self.visibility_timeout}"
             )
+
+    @property
+    def chain_budget_seconds(self) -> float:
+        """How far into its task a GPU process may still start its freed slot's next job itself
+        (`worker/chain.py`): that job shares the task's time limits, so at most a tenth of the soft one."""
+        return min(self.job_chain_seconds, self.job_soft_time_limit / 10)
 
     @property
     def deferral_windows(self) -> DeferralWindows:

@@ -62,17 +62,21 @@ def choose(
     counts: CapacityCounts,
     specs: Mapping[str, StageSpec],
     permits: Mapping[str, int],
+    room: Mapping[str, int] | None = None,
 ) -> CapacityChoice:
     """Take `wanted` in order (reading order within priority: the window's order) while the limits allow.
 
     `permits` caps a stage whose breaker is half-open (one test dispatch); a pair past its
     permit is neither chosen nor refused: it waits for the breaker, not for capacity.
+    `room` caps the slots of a stage's lane this claim may take (a finished job's own slot): past
+    it the lane is full for this claim, and the pair waits for the lane like any refused by it.
     """
     lane = Counter({stage: int(n) for stage, n in counts.lane.items()})
     quota: Counter[str] = Counter(stage for _, _, stage in counts.book_generating)
     window = {(chapter, scene) for chapter, scene, _ in counts.book_generating}
     shared = {stage: contested(stage, counts, spec) for stage, spec in specs.items()}
     left = dict(permits)
+    slots = dict(room or {})
     choice = CapacityChoice()
     for pair, dispatch_id in wanted:
         chapter, scene, stage = pair
@@ -80,7 +84,7 @@ def choose(
         if left.get(stage, 1) <= 0:
             continue
         refusal: Outcome | None = None
-        if lane[stage] >= spec.lane_limit:
+        if lane[stage] >= spec.lane_limit or slots.get(stage, 1) <= 0:
             refusal = Outcome.LANE_FULL
         elif spec.book_cap is not None and quota[stage] >= spec.book_cap:
             choice.refused.setdefault(Outcome.QUOTA_EXHAUSTED, []).append(pair)
@@ -99,4 +103,6 @@ def choose(
         window.add((chapter, scene))
         if stage in left:
             left[stage] -= 1
+        if stage in slots:
+            slots[stage] -= 1
     return choice

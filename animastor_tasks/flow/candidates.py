@@ -23,9 +23,12 @@ def candidate_limit(lane_limits: list[int]) -> int:
     return max(16, min(256, 2 * sum(lane_limits)))
 
 
-def dispatch_candidates(ports: Ports, report: PassReport, book: str, lane: str | None) -> int | None:
+def dispatch_candidates(
+    ports: Ports, report: PassReport, book: str, lane: str | None, one_slot_of: str | None = None
+) -> int | None:
     """Dispatch the book's next pairs for `lane` (None: any of its lanes) into `report`; how many
-    candidates were read (0: nothing pending), None for an unknown book."""
+    candidates were read (0: nothing pending), None for an unknown book. `one_slot_of`: see
+    `dispatch.dispatch_pending`."""
     registry = ports.settings.registry
     specs = [s for s in registry.stages if lane is None or s.queue == lane]
     limit = candidate_limit([s.lane_limit for s in specs])
@@ -41,7 +44,9 @@ def dispatch_candidates(ports: Ports, report: PassReport, book: str, lane: str |
         read += len(rows.in_flight)
         snap = ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
         authorized, _ = page.judge(snap, rows, report)
-        result = dispatch.dispatch_pending(ports, book, authorized, snap, now=now, handed_lane=lane)
+        result = dispatch.dispatch_pending(
+            ports, book, authorized, snap, now=now, handed_lane=lane, one_slot_of=one_slot_of
+        )
         report.outcomes.update(result.outcomes)
         report.dispatched.extend(result.dispatched)
         report.claimed_lanes |= result.claimed_lanes

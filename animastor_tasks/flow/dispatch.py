@@ -49,9 +49,11 @@ def dispatch_pending(
     now: float,
     handed_lane: str | None = None,
     full_lanes: Collection[str] = (),
+    one_slot_of: str | None = None,
 ) -> DispatchResult:
     """`full_lanes`: queues seen without room (lock-free) by the caller; their pairs wait for a
-    slot without a claim transaction (see `_wait_without_claim`)."""
+    slot without a claim transaction (see `_wait_without_claim`). `one_slot_of`: the lane of the slot
+    a finished job freed in this process, which claims one pair of it at most (see `refill.free_slot`)."""
     result = DispatchResult()
     deferred_pairs = set().union(*snap.deferred.values())
     if handed_lane is not None:
@@ -121,7 +123,7 @@ def dispatch_pending(
         _wait_without_claim(ports, book, [i for i in todo if i.stage in crowded], specs, result, now)
         todo = [i for i in todo if i.stage not in crowded]
     if todo:
-        _claim_and_publish(ports, book, todo, specs, permits, snap, result, now, handed_lane)
+        _claim_and_publish(ports, book, todo, specs, permits, snap, result, now, handed_lane, one_slot_of)
     for stage in permits.keys() - result.claimed_stages:
         # The test permit found nothing to test (done already, or no room): give it back for the next pass.
         ports.breaker.breaker_release(specs[stage].queue)
@@ -177,14 +179,20 @@ def _claim_and_publish(
     result: DispatchResult,
     now: float,
     handed_lane: str | None,
+    one_slot_of: str | None,
 ) -> None:
     todo = sorted(todo, key=slot_order)
+    room = {s: 1 for s, spec in specs.items() if spec.queue == one_slot_of}
     wanted = [(i.pair, uuid.uuid4().hex) for i in todo]  # 128 random bits: never guessable nor reused
     lanes = {stage: spec.queue for stage, spec in specs.items()}
     # The fair share binds only while another book waits for the lane (the head of its waiting list).
     waiters = {stage: [b for b in snap.waiters.get(queue, []) if b != book] for stage, queue in lanes.items()}
     with ports.assets.claiming(book, lanes, waiters) as session:
-        choice = capacity.choose(wanted, session.counts, specs, permits)
+        # A pair a concurrent pass of the book claimed since this one read it would take a slot of the choice
+        # and then fail the claim's compare-and-set: under the book lock its own generating pairs say which.
+        taken_meanwhile = set(session.counts.book_generating)
+        chosen = [w for w in wanted if w[0] not in taken_meanwhile] if taken_meanwhile else wanted
+        choice = capacity.choose(chosen, session.counts, specs, permits, room)
         claims = session.claim(choice.chosen)
         # Still under the lane and book locks: a completion takes them before it frees capacity,
         # so these deferrals can never land after the completion that should clear them, and a
@@ -210,7 +218,11 @@ def _claim_and_publish(
     for queue, slots in spare.items():
         # Slots this book cannot use (its cap, nothing more pending) go to the books waiting for the
         # lane at once: a free slot never waits for a deferral to expire. The snapshot read the head
-        # of each waiting list already: an empty one costs no second read.
+        # of each waiting list already: an empty one costs no second read. Of a lane whose one freed slot
+        # this process refills, only that slot is handed on (when unused): the others are those of jobs
+        # ending elsewhere, theirs to refill.
+        if queue == one_slot_of:
+            slots = min(slots, 1 - sum(taken[s] for s, spec in specs.items() if spec.queue == queue))
         known = snap.waiters.get(queue)
         if known is None or any(b != book for b in known):
             hand_over(ports, queue, slots, exclude=book)

@@ -19,12 +19,13 @@ from animastor_tasks.ports import Ports
 log = logging.getLogger("animastor.gate")
 
 
-def refill(ports: Ports, book: str, lane: str | None = None) -> PassReport:
+def refill(ports: Ports, book: str, lane: str | None = None, *, one_slot_of: str | None = None) -> PassReport:
     """Dispatch the book's next pairs for a freed slot of `lane` (None: of any lane, as when the book's
-    own job ended and its scene window moved). A slot the book has no use for is handed on."""
+    own job ended and its scene window moved). A slot the book has no use for is handed on.
+    `one_slot_of`: the lane of the one slot this process freed (see `free_slot`)."""
     report = PassReport(book)
     try:
-        read = candidates.dispatch_candidates(ports, report, book, lane)
+        read = candidates.dispatch_candidates(ports, report, book, lane, one_slot_of)
         if read is None or (lane is None and read == 0):
             # The book is gone, or its own job ended with nothing of it pending: the full pass is cheap
             # then, and it is the one that deactivates finished scenes and takes the book off the indexes.
@@ -48,22 +49,25 @@ def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str, *, here: bo
     work waiting), and hands it on if it has none.
 
     `here` (a job that ended ready): the refill runs in the process whose job ended, so the slot waits
-    for no control-queue hop; a refill that fails here is sent to the control worker. Otherwise (a job
-    that failed or gave its pair back) it is sent at once: a pair given back is not re-run in a tight loop."""
+    for no control-queue hop, and it claims one pair of the lane at most: the slot this process freed
+    (and may run the job of itself, `worker/chain.py`). Other free slots of the lane are those of jobs
+    ending elsewhere, each refilled by its own process. A refill that fails here is sent to the control
+    worker. Otherwise (a job that failed or gave its pair back) it is sent at once: a pair given back
+    is not re-run in a tight loop."""
     waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
     if waiters:
-        _refill_for(ports, waiters[0], queue, here)  # `book` itself when it outranks the waiters
+        _refill_for(ports, waiters[0], queue, queue, here)  # `book` itself when it outranks the waiters
         return
     # Every stage: the scene window is shared by the book's stages, so a finished audio job
     # can free the slot an image pair was deferred for (window_full).
     ports.deferrals.clear_bucket(book, DeferralBucket.CAPACITY)
-    _refill_for(ports, book, None, here)
+    _refill_for(ports, book, None, queue, here)
 
 
-def _refill_for(ports: Ports, book: str, lane: str | None, here: bool) -> None:
+def _refill_for(ports: Ports, book: str, lane: str | None, freed: str, here: bool) -> None:
     if here:
         try:
-            if refill(ports, book, lane).error is None:
+            if refill(ports, book, lane, one_slot_of=freed).error is None:
                 return
         except Exception as err:  # the control worker tries again; the job itself is done
             log.warning("[COMMAND-GATE] book=%r refill after a job failed here, sent on: %s", book, err)

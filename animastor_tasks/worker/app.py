@@ -16,7 +16,7 @@ from celery import Celery, signals
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ConfigError, redact_url
-from animastor_tasks.worker import tracing, warm
+from animastor_tasks.worker import chain, tracing, warm
 from animastor_tasks.worker.logs import LogSetup
 from animastor_tasks.worker.presence import PresenceStep
 
@@ -39,6 +39,10 @@ log_setup.connect()
 signals.worker_process_init.connect(tracing.on_process_init)
 signals.worker_process_shutdown.connect(tracing.on_shutdown)
 signals.worker_shutdown.connect(tracing.on_shutdown)
+# Jobs a process runs for its own freed slot (worker/chain.py): announced when the worker announces tasks, none
+# started once it shuts down.
+signals.worker_init.connect(chain.remember_task_events)
+signals.worker_shutting_down.connect(chain.stop_keeping)
 
 
 @signals.worker_init.connect

@@ -12,12 +12,13 @@
 | animastor.tick              | animastor.control   | (none; beat)                                                |
 | animastor.reconcile         | animastor.control   | (none; beat)                                                |
 | animastor.generate.<stage>  | the stage's queue   | book_id, chapter_id, scene_id, stage, dispatch_id,          |
-|                             |                     | fencing_token                                               |
+|                             |                     | fencing_token (its process may run the next job of its      |
+|                             |                     | freed slot in the same task: worker/chain.py)               |
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task
@@ -29,7 +30,7 @@ from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import Job, run_job
 from animastor_tasks.ports import Ports
-from animastor_tasks.worker import wiring
+from animastor_tasks.worker import chain, wiring
 from animastor_tasks.worker.app import app, settings
 
 
@@ -104,24 +105,13 @@ def _register_generate(spec: StageSpec) -> None:
     def generate(
         self: Task, book_id: str, chapter_id: str, scene_id: str, stage: str, dispatch_id: str, fencing_token: int
     ) -> dict[str, Any]:
-        last = [0.0]
+        worker = self.request.hostname or "unknown"
 
-        def progress(fraction: float) -> None:
-            now = time.monotonic()
-            if now - last[0] >= 0.5 or fraction >= 1.0:
-                last[0] = now
-                meta = {
-                    "book_id": book_id,
-                    "chapter_id": chapter_id,
-                    "scene_id": scene_id,
-                    "stage": stage,
-                    "percent": round(fraction * 100, 1),
-                }
-                self.update_state(state="PROGRESS", meta=meta)
-                self.send_event("task-progress", **meta)
+        def run(job_ports: Ports, job: Job, progress: Callable[[float], None]) -> dict[str, Any]:
+            return run_job(job_ports, job, worker=worker, progress=progress)
 
         job = Job(book_id, chapter_id, scene_id, stage, dispatch_id, int(fencing_token))
-        return run_job(ports(), job, worker=self.request.hostname or "unknown", progress=progress)
+        return chain.run_chain(self, ports(), spec.queue, job, run)
 
 
 for _spec in settings.stages:

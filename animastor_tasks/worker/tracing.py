@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from importlib import metadata
 from typing import Any
 
@@ -95,6 +96,28 @@ def shutdown() -> None:
 
     CeleryInstrumentor().uninstrument()
     provider.shutdown()
+
+
+def current_context() -> Any:
+    """The trace context here and now (None when tracing is off), to continue it later with `span`."""
+    if _provider is None:
+        return None
+    from opentelemetry import context
+
+    return context.get_current()
+
+
+@contextmanager
+def span(name: str, parent: Any, **attributes: str) -> Iterator[None]:
+    """A span around work that is not a Celery task run of its own (a job run in its predecessor's task,
+    `worker/chain.py`), a child of `parent` (`current_context()` where the work was decided); nothing
+    when tracing is off."""
+    if _provider is None:
+        yield
+        return
+    tracer = _provider.get_tracer("animastor_tasks")
+    with tracer.start_as_current_span(name, context=parent, attributes=attributes):
+        yield
 
 
 def on_process_init(**_: Any) -> None:

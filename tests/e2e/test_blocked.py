@@ -57,12 +57,16 @@ def run_blocked(
     assert depth("gpu.image") == 0
     if pushes is not None:
         assert pushes("gpu.image") == 0, "a job was published to gpu.image with no consumer"
-        assert pushes("gpu.audio") == 20, "the tap must see every audio publish (sanity check of the tap)"
-    assert [e for e in stack.events("dispatch", book.book_id) if e["stage"] == "image"] == []
+        # Sanity check of the tap: it sees the audio publishes. A job claimed for the slot its process's
+        # last job freed is run there without a publish (worker/chain.py), so some of the 20 are not.
+        assert 1 <= pushes("gpu.audio") <= 20, pushes("gpu.audio")
+    dispatches = stack.events("dispatch", book.book_id)
+    assert [e for e in dispatches if e["stage"] == "image"] == []
+    assert len([e for e in dispatches if e["stage"] == "audio"]) == 20
     assert stack.events("job.started", book.book_id) and all(
         e["stage"] == "audio" for e in stack.events("job.started", book.book_id)
     )
-    seen = "0 image publishes, 20 audio (broker tap)" if pushes else "image queue depth 0 (no tap)"
+    seen = f"0 image publishes, {pushes('gpu.audio')} audio (broker tap)" if pushes else "image queue depth 0 (no tap)"
     figure(f"{label}: image BLOCKED {blocked_after * 1000:.0f} ms after regenerate; {seen}")
 
     # A worker for the stage and a new explicit command: the stage runs.

@@ -86,9 +86,10 @@ def test_one_trace_from_regenerate_through_gate_to_each_job(traced: tuple[Any, I
     for job in jobs:
         assert job.context.trace_id == root.context.trace_id
         chain = ancestry(job)
-        assert chain[1] == "apply_async/animastor.generate.audio", chain  # published by dispatch...
+        # Published by dispatch, or run next by the process whose job freed its slot (worker/chain.py)...
+        assert chain[1] in ("apply_async/animastor.generate.audio", "run/animastor.generate.audio"), chain
         assert "run/animastor.regenerate" in chain, chain  # ...of a pass the regenerate started, or a refill
         assert chain[-1] == root.name, chain
         depths.append(chain.count("run/animastor.generate.audio"))
-    # regenerate -> job 1 -> (its refill publishes) job 2 -> job 3: each job is the parent of the next.
+    # regenerate -> job 1 -> (its refill claims) job 2 -> job 3: each job is the parent of the next.
     assert sorted(depths) == [1, 2, 3], depths

@@ -53,3 +53,12 @@ def test_the_first_limit_hit_names_the_refusal() -> None:
     counts = CapacityCounts(lane={"audio": 5}, book_generating=[("c", "s0", "audio")])
     choice = choose(wanted(("c", "s1", "audio")), counts, spec(AUDIO, lane_limit=5, book_quota=1, window=1), {})
     assert choice.refused == {Outcome.LANE_FULL: [("c", "s1", "audio")]}
+
+
+def test_the_room_of_one_freed_slot_takes_one_pair_and_the_rest_wait_for_the_lane() -> None:
+    counts = CapacityCounts(lane={"audio": 1}, book_generating=[])
+    pairs = wanted(("c", "s1", "audio"), ("c", "s2", "audio"), ("c", "s3", "audio"))
+    choice = choose(pairs, counts, spec(AUDIO, lane_limit=8), {}, room={"audio": 1})
+    assert [pair for pair, _ in choice.chosen] == [("c", "s1", "audio")]
+    assert choice.refused == {Outcome.LANE_FULL: [("c", "s2", "audio"), ("c", "s3", "audio")]}
+    assert choice.waits_for == {"audio"}  # the book queues for the lane's next freed slot

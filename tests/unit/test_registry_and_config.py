@@ -63,6 +63,15 @@ def test_password_never_shown() -> None:
     assert "hunter2" not in json.dumps(described)
 
 
+def test_a_job_run_in_its_predecessors_task_starts_within_a_tenth_of_the_soft_time_limit() -> None:
+    assert Settings.from_env({}).chain_budget_seconds == 30.0
+    assert Settings.from_env({"ANIMASTOR_JOB_CHAIN_SECONDS": "0"}).chain_budget_seconds == 0.0
+    short = {"ANIMASTOR_JOB_SOFT_TIME_LIMIT": "60", "ANIMASTOR_JOB_TIME_LIMIT": "90"}
+    assert Settings.from_env(short).chain_budget_seconds == 6.0
+    with pytest.raises(ConfigError, match="ANIMASTOR_JOB_CHAIN_SECONDS"):
+        Settings.from_env({"ANIMASTOR_JOB_CHAIN_SECONDS": "-1"})
+
+
 def test_settings_are_frozen() -> None:
     with pytest.raises(AttributeError):
         Settings().key_prefix = "x"  # type: ignore[misc]

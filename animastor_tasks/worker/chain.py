@@ -1,0 +1,194 @@
+"""A GPU process whose job ended ready runs its freed slot's next job itself, with no broker hop.
+
+The refill after a ready job already runs in the job's own process (`refill.free_slot`) and claims
+the pair the freed slot goes to. Published, that job would wait for the finished task to be
+acknowledged and for the worker to fetch the message and hand it to a free child: about as long
+again as the claim, while the free GPU is this very process's. So the first job the refill claims
+for this process's queue is kept and run here next, as if delivered: the same lease, start check,
+fencing and journal. Flower sees it received, started and ended under its own id, and its result
+is stored under that id.
+
+A job is kept only
+- when no message waits in the queue: a kept job must not overtake one dispatched before it (a lane
+  with more slots than worker processes holds a backlog in the broker);
+- while the task is younger than `Settings.chain_budget_seconds`: a kept job shares its task's time
+  limits;
+- unless the worker is shutting down: its running job finishes, and the next one goes to the broker.
+
+A job claimed but not run (the task failed after its refill) is published after all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from celery import Celery, Task
+
+from animastor_tasks.flow.generate import Job
+from animastor_tasks.ports import Ports, Publisher
+from animastor_tasks.worker import tracing
+
+log = logging.getLogger("animastor.generate")
+
+RunJob = Callable[[Ports, Job, Callable[[float], None]], dict[str, Any]]
+
+
+class _Events:
+    on = False  # the worker sends task events (`-E`); set in the worker before its children fork
+
+
+# One shared byte, mapped before the pool forks: the worker sets it when it starts shutting down, and
+# the children running its tasks see it at once (a prefork child hears of a warm shutdown no other way).
+_shutting_down = mmap.mmap(-1, 1)
+
+
+def remember_task_events(sender: Any = None, **_: Any) -> None:
+    """`worker_init`: whether this worker announces its tasks, so kept jobs are announced alike."""
+    _Events.on = bool(getattr(sender, "task_events", False))
+
+
+def stop_keeping(**_: Any) -> None:
+    """`worker_shutting_down`: no process of this worker starts another job of its own."""
+    _shutting_down[0] = 1
+
+
+def keeping() -> bool:
+    return _shutting_down[0] == 0
+
+
+class KeepingPublisher:
+    """The process's publisher while its job ends: keeps the first job claimed for `queue` (see above)."""
+
+    def __init__(self, inner: Publisher, app: Celery, queue: str, deadline: float) -> None:
+        self.inner, self.app, self.queue, self.deadline = inner, app, queue, deadline
+        self.kept: Job | None = None
+        self.task_name = ""
+        self.trace: Any = None  # where the job was claimed: its run continues that trace
+
+    def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None:
+        keep = self.kept is None and queue == self.queue and time.monotonic() < self.deadline and keeping()
+        if keep and self._none_waits():
+            self.kept = Job(**{**kwargs, "fencing_token": int(kwargs["fencing_token"])})
+            self.task_name = task_name
+            self.trace = tracing.current_context()
+            return
+        self.inner.publish_job(task_name, queue, dispatch_id, kwargs)
+
+    def _none_waits(self) -> bool:
+        """No message ready in the queue (a broker that cannot tell: treat it as one waiting)."""
+        try:
+            with self.app.pool.acquire(block=True) as conn:
+                try:
+                    return int(conn.default_channel.queue_declare(queue=self.queue, passive=True).message_count) == 0
+                except conn.channel_errors:  # no such queue (Redis drops an empty one): nothing waits
+                    if conn.transport.driver_type == "amqp":
+                        conn.close()  # the broker closed the channel with its 404
+                    return True
+        except Exception as err:
+            log.debug("[GENERATE] queue %s not counted (%s); the next job is published", self.queue, err)
+            return False
+
+    def publish_kept(self) -> None:
+        if self.kept is not None:
+            job, self.kept = self.kept, None
+            self.inner.publish_job(self.task_name, self.queue, job.dispatch_id, dataclasses.asdict(job))
+
+    def revoke(self, dispatch_ids: Sequence[str]) -> None:
+        self.inner.revoke(dispatch_ids)
+
+    def enqueue_refill(self, book_id: str, lane: str | None = None) -> None:
+        self.inner.enqueue_refill(book_id, lane)
+
+    def enqueue_gates(self, book_ids: Sequence[str]) -> None:
+        self.inner.enqueue_gates(book_ids)
+
+
+def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> dict[str, Any]:
+    """Run `first`, then each job its freed slot was kept for here; `first`'s result is the task's."""
+    deadline = time.monotonic() + ports.settings.chain_budget_seconds
+    keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
+    try:
+        result = run(dataclasses.replace(ports, publisher=keeper), first, progress_reporter(task, first))
+    except BaseException:
+        _quietly_publish(keeper)
+        raise
+    while keeper.kept is not None:
+        job, name, trace = keeper.kept, keeper.task_name, keeper.trace
+        keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
+        if not _run_kept(task, dataclasses.replace(ports, publisher=keeper), job, name, trace, run):
+            _quietly_publish(keeper)
+            break
+    return result
+
+
+def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: RunJob) -> bool:
+    """A kept job, announced and recorded under its own id like a delivered one; False when it raised."""
+    fields = dataclasses.asdict(job)
+    _announce(task, "task-received", job.dispatch_id, name=name, args="()", kwargs=repr(fields), retries=0)
+    _announce(task, "task-started", job.dispatch_id, pid=os.getpid())
+    started = time.monotonic()
+    try:
+        with tracing.span(f"run/{name}", trace, **{"celery.task_name": name, "messaging.message.id": job.dispatch_id}):
+            outcome = run(ports, job, progress_reporter(task, job))
+    except Exception as err:
+        log.exception("[GENERATE] %s raised in its predecessor's task", job.describe())
+        _announce(task, "task-failed", job.dispatch_id, exception=repr(err), traceback=traceback.format_exc())
+        _record(task.backend.mark_as_failure, job.dispatch_id, err)
+        return False
+    _announce(task, "task-succeeded", job.dispatch_id, result=repr(outcome), runtime=time.monotonic() - started)
+    _record(task.backend.mark_as_done, job.dispatch_id, outcome)
+    return True
+
+
+def progress_reporter(task: Task, job: Job) -> Callable[[float], None]:
+    """Progress for Flower under the job's own id: its result's PROGRESS state and a `task-progress`
+    event, at most every half second."""
+    last = [0.0]
+
+    def report(fraction: float) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.5 or fraction >= 1.0:
+            last[0] = now
+            meta = {
+                "book_id": job.book_id,
+                "chapter_id": job.chapter_id,
+                "scene_id": job.scene_id,
+                "stage": job.stage,
+                "percent": round(fraction * 100, 1),
+            }
+            task.update_state(task_id=job.dispatch_id, state="PROGRESS", meta=meta)
+            with task.app.events.default_dispatcher(hostname=task.request.hostname) as dispatcher:
+                dispatcher.send("task-progress", uuid=job.dispatch_id, **meta)
+
+    return report
+
+
+def _announce(task: Task, kind: str, dispatch_id: str, **fields: Any) -> None:
+    if not _Events.on:
+        return
+    try:
+        with task.app.events.default_dispatcher(hostname=task.request.hostname) as dispatcher:
+            dispatcher.send(kind, uuid=dispatch_id, **fields)
+    except Exception as err:  # an event lost costs only Flower's view
+        log.debug("[GENERATE] %s event for %s not sent: %s", kind, dispatch_id, err)
+
+
+def _record(store: Callable[..., Any], dispatch_id: str, value: Any) -> None:
+    try:
+        store(dispatch_id, value)
+    except Exception as err:
+        log.warning("[GENERATE] result of %s not stored: %s", dispatch_id, err)
+
+
+def _quietly_publish(keeper: KeepingPublisher) -> None:
+    try:
+        keeper.publish_kept()
+    except Exception as err:  # its queued lease lapses through reconcile: the broker never held it
+        log.warning("[GENERATE] kept job not published (%s); reconcile takes it over", err)

@@ -1,0 +1,223 @@
+"""A finished job's process refills its own slot and runs that job itself (`worker/chain.py`).
+
+Real Postgres, Redis and broker. The flow tests run the refill in-process; the worker tests run the
+real tasks in a Celery worker thread (solo pool: one process, one slot) on the real broker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import signals
+from celery.contrib.testing.worker import start_worker
+
+from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.flow import refill
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.generate import Job
+from animastor_tasks.ports import GateRows
+from animastor_tasks.worker import chain, wiring
+from tests.support import wait_for
+
+from .helpers import advertise, fake_artifact, make_book, states
+from .test_elastic_share import lane, waiting
+
+AUDIO = "gpu.audio"
+
+
+def generating(rt: Any, book: str) -> list[str]:
+    return sorted(s for (_, s, _), state in states(rt, book).items() if state == "generating")
+
+
+def commit_ready(rt: Any, book: str, scene: str) -> str:
+    """The job of `scene` commits its output (what `run_job` does before it frees the slot); its dispatch id."""
+    with rt.db.transaction() as conn:
+        dispatch_id, token = conn.execute(
+            "SELECT dispatch_id, fencing_token FROM asset_states WHERE book_id = %s AND scene_id = %s",
+            (book, scene),
+        ).fetchone()
+    pair = ("ch1", scene, "audio")
+    assert rt.ports.jobs.commit_job(book, pair, token, dispatch_id, fake_artifact(scene), AUDIO)
+    return str(dispatch_id)
+
+
+def test_a_refill_in_the_finished_jobs_process_fills_its_own_slot_and_leaves_the_others_to_theirs(rt) -> None:
+    lane(rt, lane_limit=4, book_quota=4, window=4)
+    rt.catalog.import_book(make_book("solo", chapters=1, scenes=10))
+    regenerate_flow.regenerate(rt.ports, "solo", ["audio"])
+    assert generating(rt, "solo") == ["s1", "s2", "s3", "s4"]
+    # Two jobs end at once: two slots are free, and each finishing process refills one.
+    first, second = commit_ready(rt, "solo", "s1"), commit_ready(rt, "solo", "s2")
+    refill.free_slot(rt.ports, "solo", AUDIO, first, here=True)
+    assert generating(rt, "solo") == ["s3", "s4", "s5"]  # one slot: s2's process refills its own
+    assert "solo" in waiting(rt)  # the pairs past it wait for the lane, as refused by it
+    refill.free_slot(rt.ports, "solo", AUDIO, second, here=True)
+    assert generating(rt, "solo") == ["s3", "s4", "s5", "s6"]
+
+
+class StaleCandidates:
+    """The real asset store, except that every candidate read answers what the first one read."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.first = inner, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def gate_candidates(self, book: str, stages: Any, limit: int) -> GateRows | None:
+        if self.first is None:
+            self.first = self.inner.gate_candidates(book, stages, limit)
+        return self.first
+
+
+def test_a_refill_that_read_before_another_claimed_takes_the_next_pair_not_nothing(rt) -> None:
+    """Two finishing processes read the same candidates; the second to claim skips the pair the first took."""
+    lane(rt, lane_limit=4, book_quota=4, window=4)
+    rt.catalog.import_book(make_book("race", chapters=1, scenes=10))
+    regenerate_flow.regenerate(rt.ports, "race", ["audio"])
+    first, second = commit_ready(rt, "race", "s1"), commit_ready(rt, "race", "s2")
+    rt.ports = replace(rt.ports, assets=StaleCandidates(rt.ports.assets))
+    refill.free_slot(rt.ports, "race", AUDIO, first, here=True)
+    refill.free_slot(rt.ports, "race", AUDIO, second, here=True)  # its candidates still say s5 is pending
+    assert generating(rt, "race") == ["s3", "s4", "s5", "s6"]
+
+
+def test_a_job_kept_for_a_task_that_then_fails_is_published_after_all(rt) -> None:
+    from animastor_tasks.worker.tasks import app
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
+
+    def run(ports: Any, job: Job, progress: Any) -> dict[str, Any]:
+        ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, chain_kwargs(kept))
+        raise RuntimeError("the task fails after its refill")
+
+    task = app.tasks["animastor.generate.audio"]
+    with pytest.raises(RuntimeError):
+        chain.run_chain(task, rt.ports, AUDIO, Job("b", "ch1", "s1", "audio", "d1" * 16, 3), run)
+    client = redis.Redis.from_url(rt.settings.broker_url)
+    try:
+        messages = [json.loads(raw) for raw in client.lrange(AUDIO, 0, -1)]
+    finally:
+        client.close()
+    assert [m["headers"]["id"] for m in messages] == [kept.dispatch_id]
+
+
+def chain_kwargs(job: Job) -> dict[str, Any]:
+    return {
+        "book_id": job.book_id,
+        "chapter_id": job.chapter_id,
+        "scene_id": job.scene_id,
+        "stage": job.stage,
+        "dispatch_id": job.dispatch_id,
+        "fencing_token": job.fencing_token,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A real worker (one process, solo pool)
+
+
+@pytest.fixture
+def one_process(rt: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    """A factory: a worker thread consuming the control and audio queues, with the given lane and chain budget."""
+    from animastor_tasks.worker.tasks import app
+
+    monkeypatch.setenv("ANIMASTOR_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
+    workers: list[Any] = []
+
+    def start(lane_limit: int, step_seconds: float, chain_seconds: float) -> Any:
+        stage = {
+            "queue": AUDIO,
+            "input": "text",
+            "media_type": "audio/wav",
+            "lane_limit": lane_limit,
+            "book_quota": lane_limit,
+            "window": lane_limit,
+            "params": {"steps": 1, "step_seconds": step_seconds},
+        }
+        monkeypatch.setenv("ANIMASTOR_STAGES", json.dumps({"audio": stage}))
+        monkeypatch.setenv("ANIMASTOR_JOB_CHAIN_SECONDS", str(chain_seconds))
+        wiring.reset()
+        runtime = wiring.current()
+        advertise(runtime, AUDIO, CONTROL_QUEUE)
+        worker = start_worker(app, perform_ping_check=False, queues=[CONTROL_QUEUE, AUDIO], shutdown_timeout=30)
+        worker.__enter__()
+        workers.append(worker)
+        return runtime
+
+    try:
+        yield start
+    finally:
+        for worker in workers:
+            worker.__exit__(None, None, None)
+        wiring.reset()
+
+
+@pytest.fixture
+def task_runs() -> Iterator[list[str]]:
+    """The ids of the GPU tasks Celery ran (one per message delivered)."""
+    ran: list[str] = []
+
+    def count(sender: Any = None, task_id: str = "", **_: Any) -> None:
+        if getattr(sender, "name", "").startswith("animastor.generate."):
+            ran.append(task_id)
+
+    signals.task_prerun.connect(count, weak=False)
+    try:
+        yield ran
+    finally:
+        signals.task_prerun.disconnect(count)
+
+
+def run_book(runtime: Any, book: str, scenes: int) -> list[tuple[str, str]]:
+    """Regenerate `book`'s audio through the worker; (scene, dispatch id) of each job in the order they started."""
+    from animastor_tasks.worker.tasks import regenerate
+
+    runtime.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate.apply_async(kwargs={"book_id": book, "stages": ["audio"]})
+
+    def done() -> bool:
+        rows = runtime.ports.commands.commands(book=book)
+        return bool(rows) and all(r.status == "completed" for r in rows)
+
+    wait_for(done, 60, f"the audio command of {book} completed")
+    with runtime.db.transaction() as conn:
+        rows = conn.execute(
+            "SELECT scene_id, dispatch_id FROM events WHERE kind = 'job.started' AND book_id = %s ORDER BY at, id",
+            (book,),
+        ).fetchall()
+    return [(str(s), str(d)) for s, d in rows]
+
+
+def test_a_process_whose_job_ends_runs_its_slots_next_job_itself_each_under_its_own_id(one_process, task_runs) -> None:
+    from animastor_tasks.worker.tasks import app
+
+    runtime = one_process(lane_limit=1, step_seconds=0, chain_seconds=30)
+    started = run_book(runtime, "chained", 3)
+    assert [s for s, _ in started] == ["s1", "s2", "s3"]
+    assert task_runs == [started[0][1]]  # one message delivered: the refills kept the next two here
+    for _, dispatch_id in started:  # Flower and clients find each job's result under its own id
+        result = app.AsyncResult(dispatch_id)
+        wait_for(lambda r=result: r.ready(), 10, f"result of {dispatch_id}")
+        assert result.result["outcome"] == "ready", result.result
+
+
+def test_without_a_chain_budget_every_job_is_a_delivered_task(one_process, task_runs) -> None:
+    runtime = one_process(lane_limit=1, step_seconds=0, chain_seconds=0)
+    started = run_book(runtime, "unchained", 3)
+    assert task_runs == [d for _, d in started]
+
+
+def test_a_kept_job_never_overtakes_one_waiting_in_the_queue(one_process, task_runs) -> None:
+    """Two slots, one process: a job always waits in the queue, so each refill publishes behind it."""
+    runtime = one_process(lane_limit=2, step_seconds=0.1, chain_seconds=30)
+    started = run_book(runtime, "queued", 5)
+    assert [s for s, _ in started] == ["s1", "s2", "s3", "s4", "s5"]  # the order they were dispatched in
+    assert len(task_runs) >= 4, task_runs  # at most the last job, claimed with the queue empty, ran kept
