@@ -44,8 +44,11 @@ def dispatch_candidates(
         read += len(rows.in_flight)
         snap = ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
         authorized, _ = page.judge(snap, rows, report)
+        # The slot a finished job freed in this process is this book's: its pairs that a concurrent claim
+        # deferred for that lane (`lane_full`, past the claim's one slot) may take it.
+        handed = lane if lane is not None else one_slot_of
         result = dispatch.dispatch_pending(
-            ports, book, authorized, snap, now=now, handed_lane=lane, one_slot_of=one_slot_of
+            ports, book, authorized, snap, now=now, handed_lane=handed, one_slot_of=one_slot_of
         )
         report.outcomes.update(result.outcomes)
         report.dispatched.extend(result.dispatched)

@@ -61,6 +61,19 @@ def test_a_refill_in_the_finished_jobs_process_fills_its_own_slot_and_leaves_the
     assert generating(rt, "solo") == ["s3", "s4", "s5", "s6"]
 
 
+def test_a_refill_whose_book_a_concurrent_claim_deferred_for_the_lane_still_fills_its_slot(rt) -> None:
+    """Two jobs end at once: the second refill cleared the book's capacity deferrals before the first
+    one's claim deferred the pairs past its one slot (`lane_full`); the second slot is still filled."""
+    lane(rt, lane_limit=4, book_quota=4, window=4)
+    rt.catalog.import_book(make_book("late", chapters=1, scenes=10))
+    regenerate_flow.regenerate(rt.ports, "late", ["audio"])
+    first, _ = commit_ready(rt, "late", "s1"), commit_ready(rt, "late", "s2")
+    refill.free_slot(rt.ports, "late", AUDIO, first, here=True)  # claims s5, defers s6... for the lane
+    assert rt.redis.client.zscore(rt.redis.keys.deferrals("late", "capacity"), "ch1:s6:audio") is not None
+    refill.refill(rt.ports, "late", None, one_slot_of=AUDIO)  # the second refill, past its bucket clear
+    assert generating(rt, "late") == ["s3", "s4", "s5", "s6"]
+
+
 class StaleCandidates:
     """The real asset store, except that every candidate read answers what the first one read."""
 
