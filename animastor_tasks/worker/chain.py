@@ -88,9 +88,7 @@ class KeepingPublisher:
                 try:
                     return int(conn.default_channel.queue_declare(queue=self.queue, passive=True).message_count) == 0
                 except conn.channel_errors:  # no such queue (Redis drops an empty one): nothing waits
-                    if conn.transport.driver_type == "amqp":
-                        conn.close()  # the broker closed the channel with its 404
-                    return True
+                    return True  # (py-amqp reopens the channel the broker closed with its 404)
         except Exception as err:
             log.debug("[GENERATE] queue %s not counted (%s); the next job is published", self.queue, err)
             return False
