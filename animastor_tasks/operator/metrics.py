@@ -34,7 +34,13 @@ from animastor_tasks.worker.wiring import Wiring
 log = logging.getLogger("animastor.metrics")
 
 # A refused job is counted as the dispatch outcome `fence_rejected`, not as a job event.
-JOB_EVENTS = ("started", "retry", "worker_lost", *(str(o) for o in JobOutcome if o is not JobOutcome.FENCE_REJECTED))
+JOB_EVENTS = (
+    "started",
+    "retry",
+    "worker_lost",
+    "kept",  # run by the process whose slot it was claimed for, without a broker message (worker/chain.py)
+    *(str(o) for o in JobOutcome if o is not JobOutcome.FENCE_REJECTED),
+)
 #: Histograms the flows record with `Counters.observe`: name -> help text.
 HISTOGRAMS = {
     "gate_pass_seconds": "Duration of gate passes that released or dispatched work (animastor.gate).",

@@ -142,6 +142,7 @@ def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: Ru
         return False
     _announce(task, "task-succeeded", job.dispatch_id, result=repr(outcome), runtime=time.monotonic() - started)
     _record(task.backend.mark_as_done, job.dispatch_id, outcome)
+    _record(ports.counters.add, {f"job:kept:{job.stage}": 1})  # animastor_jobs_total{event="kept"}
     return True
 
 
@@ -178,11 +179,12 @@ def _announce(task: Task, kind: str, dispatch_id: str, **fields: Any) -> None:
         log.debug("[GENERATE] %s event for %s not sent: %s", kind, dispatch_id, err)
 
 
-def _record(store: Callable[..., Any], dispatch_id: str, value: Any) -> None:
+def _record(store: Callable[..., Any], *args: Any) -> None:
+    """Bookkeeping of a kept job that ran (its result, a counter): a store that fails is logged, nothing more."""
     try:
-        store(dispatch_id, value)
+        store(*args)
     except Exception as err:
-        log.warning("[GENERATE] result of %s not stored: %s", dispatch_id, err)
+        log.warning("[GENERATE] %s not recorded: %s", args[0], err)
 
 
 def _quietly_publish(keeper: KeepingPublisher) -> None:

@@ -216,6 +216,7 @@ def test_a_process_whose_job_ends_runs_its_slots_next_job_itself_each_under_its_
     started = run_book(runtime, "chained", 3)
     assert [s for s, _ in started] == ["s1", "s2", "s3"]
     assert task_runs == [started[0][1]]  # one message delivered: the refills kept the next two here
+    assert runtime.redis.client.hget(runtime.redis.keys.metrics(), "job:kept:audio") == "2"
     for _, dispatch_id in started:  # Flower and clients find each job's result under its own id
         result = app.AsyncResult(dispatch_id)
         wait_for(lambda r=result: r.ready(), 10, f"result of {dispatch_id}")
@@ -226,6 +227,7 @@ def test_without_a_chain_budget_every_job_is_a_delivered_task(one_process, task_
     runtime = one_process(lane_limit=1, step_seconds=0, chain_seconds=0)
     started = run_book(runtime, "unchained", 3)
     assert task_runs == [d for _, d in started]
+    assert runtime.redis.client.hget(runtime.redis.keys.metrics(), "job:kept:audio") is None
 
 
 def test_a_kept_job_never_overtakes_one_waiting_in_the_queue(one_process, task_runs) -> None:
