@@ -191,8 +191,8 @@ def _claim_and_publish(
         # A pair a concurrent pass of the book claimed since this one read it would take a slot of the choice
         # and then fail the claim's compare-and-set: under the book lock its own generating pairs say which.
         taken_meanwhile = set(session.counts.book_generating)
-        chosen = [w for w in wanted if w[0] not in taken_meanwhile] if taken_meanwhile else wanted
-        choice = capacity.choose(chosen, session.counts, specs, permits, room)
+        unclaimed = [w for w in wanted if w[0] not in taken_meanwhile] if taken_meanwhile else wanted
+        choice = capacity.choose(unclaimed, session.counts, specs, permits, room)
         claims = session.claim(choice.chosen)
         # Still under the lane and book locks: a completion takes them before it frees capacity,
         # so these deferrals can never land after the completion that should clear them, and a

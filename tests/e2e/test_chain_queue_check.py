@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import asdict
 
 import pytest
 from celery import Celery
 from kombu import Connection, Producer
 
+from animastor_tasks.flow.generate import Job
 from animastor_tasks.worker.chain import KeepingPublisher
 
 pytestmark = pytest.mark.e2e
@@ -26,14 +28,8 @@ class Published:
 
 
 def kwargs(dispatch_id: str) -> dict[str, object]:
-    return {
-        "book_id": "b",
-        "chapter_id": "c",
-        "scene_id": "s",
-        "stage": "audio",
-        "dispatch_id": dispatch_id,
-        "fencing_token": 1,
-    }
+    """A job's kwargs as dispatch sends them."""
+    return asdict(Job("b", "c", "s", "audio", dispatch_id, 1))
 
 
 def check(url: str) -> None:

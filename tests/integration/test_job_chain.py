@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,7 @@ def test_a_job_kept_for_a_task_that_then_fails_is_published_after_all(rt) -> Non
     kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
 
     def run(ports: Any, job: Job, progress: Any) -> dict[str, Any]:
-        ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, chain_kwargs(kept))
+        ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
         raise RuntimeError("the task fails after its refill")
 
     task = app.tasks["animastor.generate.audio"]
@@ -120,17 +120,6 @@ def test_a_job_kept_for_a_task_that_then_fails_is_published_after_all(rt) -> Non
     finally:
         client.close()
     assert [m["headers"]["id"] for m in messages] == [kept.dispatch_id]
-
-
-def chain_kwargs(job: Job) -> dict[str, Any]:
-    return {
-        "book_id": job.book_id,
-        "chapter_id": job.chapter_id,
-        "scene_id": job.scene_id,
-        "stage": job.stage,
-        "dispatch_id": job.dispatch_id,
-        "fencing_token": job.fencing_token,
-    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
