@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from animastor_tasks.domain.deferral import compute_backoff
@@ -38,6 +39,14 @@ from animastor_tasks.flow import refill
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
 
 log = logging.getLogger("animastor.generate")
+
+# Where a job's bookkeeping after its verdict goes (its lease, counters, the end of its delivery): done at once,
+# or beside the start of the next job this process runs (worker/chain.py), which waits for none of it.
+Later = Callable[[Callable[[], object]], None]
+
+
+def at_once(step: Callable[[], object]) -> None:
+    step()
 
 
 @dataclass(frozen=True)
@@ -103,7 +112,12 @@ class Watcher(threading.Thread):
 
 
 def run_job(
-    ports: Ports, job: Job, *, worker: str, progress: Callable[[float], None] = lambda _: None
+    ports: Ports,
+    job: Job,
+    *,
+    worker: str,
+    progress: Callable[[float], None] = lambda _: None,
+    later: Later = at_once,
 ) -> dict[str, Any]:
     spec = ports.settings.registry.get(job.stage)
     result: dict[str, Any] = {"dispatch_id": job.dispatch_id, "book_id": job.book_id, "stage": job.stage}
@@ -121,9 +135,9 @@ def run_job(
         ports.counters.add({f"job:duplicate_delivery:{job.stage}": 1})
         return {**result, "outcome": JobOutcome.DUPLICATE_DELIVERY}
     try:
-        return _run_owned(ports, job, spec, worker, _guarded(progress, job), result, cancel_flag=cancelled)
+        return _run_owned(ports, job, spec, worker, _guarded(progress, job), result, cancel_flag=cancelled, later=later)
     finally:
-        _quietly("end delivery", ports.leases.end_delivery, job.dispatch_id)
+        later(partial(_quietly, "end delivery", ports.leases.end_delivery, job.dispatch_id))
 
 
 def _reject(ports: Ports, job: Job, why: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -171,6 +185,7 @@ def _run_owned(
     result: dict[str, Any],
     *,
     cancel_flag: bool,
+    later: Later,
 ) -> dict[str, Any]:
     denial, row, worker_lost = _start(ports, job, cancel_flag)
     if denial is not None or row is None:
@@ -217,13 +232,18 @@ def _run_owned(
         _quietly("free capacity", _free_capacity, ports, job, spec, True)  # first: a free slot waits for no bookkeeping
     finally:
         watcher.done.set()
-        watcher.join(timeout=2)
-        ports.counters.observe(f"job_seconds:{job.stage}", time.monotonic() - started)
-        _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
-    _quietly("clear deferrals", ports.deferrals.clear_deferrals, job.book_id, [job.pair])
-    ports.counters.add({f"job:ready:{job.stage}": 1})
+        later(partial(_wind_down, ports, job, watcher, time.monotonic() - started))
+    later(partial(_quietly, "clear deferrals", ports.deferrals.clear_deferrals, job.book_id, [job.pair]))
+    later(partial(ports.counters.add, {f"job:ready:{job.stage}": 1}))
     log.info("[GENERATE] %s ready sha256=%s attempts=%d", job.describe(), artifact["sha256"], attempts)
     return {**result, "outcome": JobOutcome.READY, "sha256": artifact["sha256"], "attempts": attempts}
+
+
+def _wind_down(ports: Ports, job: Job, watcher: Watcher, seconds: float) -> None:
+    """The run is over: its watcher ends, its time is counted and its lease released."""
+    watcher.join(timeout=2)
+    ports.counters.observe(f"job_seconds:{job.stage}", seconds)
+    _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
 
 
 def _free_capacity(ports: Ports, job: Job, spec: StageSpec, ready: bool = False) -> None:

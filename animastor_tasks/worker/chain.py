@@ -16,6 +16,10 @@ A job is kept only
 - unless the worker is shutting down: its running job finishes, and the next one goes to the broker.
 
 A job claimed but not run (the task failed after its refill) is published after all.
+
+The bookkeeping of a job that ended with a job kept to follow it (its lease, counters, result and
+Flower's events) is done in a thread while the next job starts (`Aftermath`): the free GPU waits for
+none of it, and the task returns only once all of it is done.
 """
 
 from __future__ import annotations
@@ -24,20 +28,22 @@ import dataclasses
 import logging
 import mmap
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from celery import Celery, Task
 
-from animastor_tasks.flow.generate import Job
+from animastor_tasks.flow.generate import Job, Later
 from animastor_tasks.ports import Ports, Publisher
 from animastor_tasks.worker import tracing
 
 log = logging.getLogger("animastor.generate")
 
-RunJob = Callable[[Ports, Job, Callable[[float], None]], dict[str, Any]]
+RunJob = Callable[[Ports, Job, Callable[[float], None], Later], dict[str, Any]]
 
 
 class _Events:
@@ -112,37 +118,96 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
     """Run `first`, then each job its freed slot was kept for here; `first`'s result is the task's."""
     deadline = time.monotonic() + ports.settings.chain_budget_seconds
     keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
+    aftermath = Aftermath(keeper)
     try:
-        result = run(dataclasses.replace(ports, publisher=keeper), first, progress_reporter(task, first))
-    except BaseException:
-        _quietly_publish(keeper)
-        raise
-    while keeper.kept is not None:
-        job, name, trace = keeper.kept, keeper.task_name, keeper.trace
-        keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
-        if not _run_kept(task, dataclasses.replace(ports, publisher=keeper), job, name, trace, run):
+        try:
+            result = run(dataclasses.replace(ports, publisher=keeper), first, progress_reporter(task, first), aftermath)
+        except BaseException:
             _quietly_publish(keeper)
-            break
+            raise
+        while keeper.kept is not None:
+            job, name, trace = keeper.kept, keeper.task_name, keeper.trace
+            keeper = aftermath.keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
+            fields = dataclasses.asdict(job)
+            aftermath(
+                partial(
+                    _announce,
+                    task,
+                    "task-received",
+                    job.dispatch_id,
+                    name=name,
+                    args="()",
+                    kwargs=repr(fields),
+                    retries=0,
+                )
+            )
+            aftermath(partial(_announce, task, "task-started", job.dispatch_id, pid=os.getpid()))
+            aftermath.begin()
+            ran = _run_kept(task, dataclasses.replace(ports, publisher=keeper), job, name, trace, run, aftermath)
+            aftermath.end()
+            if not ran:
+                _quietly_publish(keeper)
+                break
+    finally:
+        aftermath.finish()
     return result
 
 
-def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: RunJob) -> bool:
-    """A kept job, announced and recorded under its own id like a delivered one; False when it raised."""
-    fields = dataclasses.asdict(job)
-    _announce(task, "task-received", job.dispatch_id, name=name, args="()", kwargs=repr(fields), retries=0)
-    _announce(task, "task-started", job.dispatch_id, pid=os.getpid())
+class Aftermath:
+    """`generate.Later` for a chain: a step given while a job is kept to run next waits for `begin`, which
+    runs the steps in a thread beside that job's start; any other step runs at once."""
+
+    def __init__(self, keeper: KeepingPublisher) -> None:
+        self.keeper = keeper
+        self.steps: list[Callable[[], object]] = []
+        self.thread: threading.Thread | None = None
+
+    def __call__(self, step: Callable[[], object]) -> None:
+        if self.keeper.kept is None:
+            step()
+        else:
+            self.steps.append(step)
+
+    def begin(self) -> None:
+        steps, self.steps = self.steps, []
+        self.thread = threading.Thread(target=_run_steps, args=(steps,), name="aftermath", daemon=True)
+        self.thread.start()
+
+    def end(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def finish(self) -> None:
+        """Before the task returns or raises: every step given is done."""
+        self.end()
+        steps, self.steps = self.steps, []
+        _run_steps(steps)
+
+
+def _run_steps(steps: Sequence[Callable[[], object]]) -> None:
+    for step in steps:
+        try:
+            step()
+        except Exception as err:  # bookkeeping: a store that fails is logged, as by generate._quietly
+            log.warning("[GENERATE] bookkeeping after a job skipped: %s: %s", type(err).__name__, err)
+
+
+def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: RunJob, later: Later) -> bool:
+    """A kept job, recorded under its own id like a delivered one; False when it raised."""
     started = time.monotonic()
     try:
         with tracing.span(f"run/{name}", trace, **{"celery.task_name": name, "messaging.message.id": job.dispatch_id}):
-            outcome = run(ports, job, progress_reporter(task, job))
+            outcome = run(ports, job, progress_reporter(task, job), later)
     except Exception as err:
         log.exception("[GENERATE] %s raised in its predecessor's task", job.describe())
         _announce(task, "task-failed", job.dispatch_id, exception=repr(err), traceback=traceback.format_exc())
         _record(task.backend.mark_as_failure, job.dispatch_id, err)
         return False
-    _announce(task, "task-succeeded", job.dispatch_id, result=repr(outcome), runtime=time.monotonic() - started)
-    _record(task.backend.mark_as_done, job.dispatch_id, outcome)
-    _record(ports.counters.add, {f"job:kept:{job.stage}": 1})  # animastor_jobs_total{event="kept"}
+    runtime = time.monotonic() - started
+    later(partial(_announce, task, "task-succeeded", job.dispatch_id, result=repr(outcome), runtime=runtime))
+    later(partial(_record, task.backend.mark_as_done, job.dispatch_id, outcome))
+    later(partial(_record, ports.counters.add, {f"job:kept:{job.stage}": 1}))  # animastor_jobs_total{event="kept"}
     return True
 
 

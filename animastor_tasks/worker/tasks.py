@@ -28,7 +28,7 @@ from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.flow.generate import Job, Later, run_job
 from animastor_tasks.ports import Ports
 from animastor_tasks.worker import chain, wiring
 from animastor_tasks.worker.app import app, settings
@@ -107,8 +107,8 @@ def _register_generate(spec: StageSpec) -> None:
     ) -> dict[str, Any]:
         worker = self.request.hostname or "unknown"
 
-        def run(job_ports: Ports, job: Job, progress: Callable[[float], None]) -> dict[str, Any]:
-            return run_job(job_ports, job, worker=worker, progress=progress)
+        def run(job_ports: Ports, job: Job, progress: Callable[[float], None], later: Later) -> dict[str, Any]:
+            return run_job(job_ports, job, worker=worker, progress=progress, later=later)
 
         job = Job(book_id, chapter_id, scene_id, stage, dispatch_id, int(fencing_token))
         return chain.run_chain(self, ports(), spec.queue, job, run)

@@ -107,7 +107,7 @@ def test_a_job_kept_for_a_task_that_then_fails_is_published_after_all(rt) -> Non
     lane(rt, lane_limit=1, book_quota=1, window=1)
     kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
 
-    def run(ports: Any, job: Job, progress: Any) -> dict[str, Any]:
+    def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
         ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
         raise RuntimeError("the task fails after its refill")
 
