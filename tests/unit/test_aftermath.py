@@ -1,0 +1,47 @@
+"""The bookkeeping of a job that a kept job follows runs beside that job's start, never after the task."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from animastor_tasks.worker.chain import Aftermath
+
+
+class Keeper:
+    kept: Any = None
+
+
+def test_a_step_runs_at_once_when_no_job_is_kept_to_follow() -> None:
+    done: list[str] = []
+    Aftermath(Keeper())(lambda: done.append("now"))
+    assert done == ["now"]
+
+
+def test_steps_given_while_a_job_is_kept_wait_for_begin_and_run_in_order_in_another_thread() -> None:
+    keeper = Keeper()
+    keeper.kept = object()
+    aftermath = Aftermath(keeper)
+    ran: list[tuple[str, str]] = []
+    for name in ("lease", "counter", "result"):
+        aftermath(lambda name=name: ran.append((name, threading.current_thread().name)))
+    assert ran == []
+    aftermath.begin()
+    aftermath.end()
+    assert ran == [("lease", "aftermath"), ("counter", "aftermath"), ("result", "aftermath")]
+
+
+def test_a_failing_step_is_logged_and_the_rest_still_run(caplog) -> None:
+    keeper = Keeper()
+    keeper.kept = object()
+    aftermath = Aftermath(keeper)
+    ran: list[str] = []
+
+    def broken() -> None:
+        raise ConnectionError("redis down")
+
+    aftermath(broken)
+    aftermath(lambda: ran.append("after"))
+    aftermath.finish()  # the task ends: what is left runs before it returns
+    assert ran == ["after"]
+    assert "redis down" in caplog.text
