@@ -40,13 +40,17 @@ from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, P
 
 log = logging.getLogger("animastor.generate")
 
-# Where a job's bookkeeping after its verdict goes (its lease, counters, the end of its delivery): done at once,
-# or beside the start of the next job this process runs (worker/chain.py), which waits for none of it.
-Later = Callable[[Callable[[], object]], None]
 
+class Later:
+    """Where a job's bookkeeping after its verdict goes (its lease, counters, the end of its delivery): done
+    at once here. worker/chain.py holds it back while the next job this process runs starts, and runs it
+    once that job has passed its start check, so the free GPU waits for none of it."""
 
-def at_once(step: Callable[[], object]) -> None:
-    step()
+    def __call__(self, step: Callable[[], object]) -> None:
+        step()
+
+    def job_started(self) -> None:
+        """The job's start check is over (passed or not): bookkeeping held back may run now."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,9 @@ def run_job(
     *,
     worker: str,
     progress: Callable[[float], None] = lambda _: None,
-    later: Later = at_once,
+    later: Later | None = None,
 ) -> dict[str, Any]:
+    later = later or Later()
     spec = ports.settings.registry.get(job.stage)
     result: dict[str, Any] = {"dispatch_id": job.dispatch_id, "book_id": job.book_id, "stage": job.stage}
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
@@ -127,6 +132,8 @@ def run_job(
     # renewed every TTL/3) in the same atomic step that ends the undelivered marker, so a worker that dies
     # after it leaves a job whose lease lapses (domain/liveness.py).
     held, owned, cancelled = ports.leases.start_delivery(job.lease_pair, job.dispatch_id, worker, spec.lease_ttl)
+    if not held or not owned:
+        later.job_started()
     if not held:
         # Gone: the pair was taken over (or released) while the job waited, so it must not start.
         return _reject(ports, job, "lease lost before start", result)
@@ -188,6 +195,7 @@ def _run_owned(
     later: Later,
 ) -> dict[str, Any]:
     denial, row, worker_lost = _start(ports, job, cancel_flag)
+    later.job_started()
     if denial is not None or row is None:
         return _reject(ports, job, denial or Denial.UNKNOWN_PAIR, result)
     if worker_lost is not None:

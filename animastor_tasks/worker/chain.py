@@ -142,7 +142,6 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
                 )
             )
             aftermath(partial(_announce, task, "task-started", job.dispatch_id, pid=os.getpid()))
-            aftermath.begin()
             ran = _run_kept(task, dataclasses.replace(ports, publisher=keeper), job, name, trace, run, aftermath)
             aftermath.end()
             if not ran:
@@ -153,9 +152,9 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
     return result
 
 
-class Aftermath:
-    """`generate.Later` for a chain: a step given while a job is kept to run next waits for `begin`, which
-    runs the steps in a thread beside that job's start; any other step runs at once."""
+class Aftermath(Later):
+    """`generate.Later` for a chain: a step given while a job is kept to run next is held back until that
+    job has passed its start check, then run in a thread beside it; any other step runs at once."""
 
     def __init__(self, keeper: KeepingPublisher) -> None:
         self.keeper = keeper
@@ -168,7 +167,9 @@ class Aftermath:
         else:
             self.steps.append(step)
 
-    def begin(self) -> None:
+    def job_started(self) -> None:
+        if not self.steps or self.thread is not None:
+            return
         steps, self.steps = self.steps, []
         self.thread = threading.Thread(target=_run_steps, args=(steps,), name="aftermath", daemon=True)
         self.thread.start()

@@ -26,7 +26,7 @@ def test_steps_given_while_a_job_is_kept_wait_for_begin_and_run_in_order_in_anot
     for name in ("lease", "counter", "result"):
         aftermath(lambda name=name: ran.append((name, threading.current_thread().name)))
     assert ran == []
-    aftermath.begin()
+    aftermath.job_started()
     aftermath.end()
     assert ran == [("lease", "aftermath"), ("counter", "aftermath"), ("result", "aftermath")]
 
