@@ -194,19 +194,21 @@ def _claim_and_publish(
         unclaimed = [w for w in wanted if w[0] not in taken_meanwhile] if taken_meanwhile else wanted
         choice = capacity.choose(unclaimed, session.counts, specs, permits, room)
         claims = session.claim(choice.chosen)
+        taken = Counter(c.stage for c in claims)
         # Still under the lane and book locks: a completion takes them before it frees capacity,
         # so these deferrals can never land after the completion that should clear them, and a
-        # claimed pair is never without its lease for reconcile to see.
-        for outcome, pairs in choice.refused.items():
-            _defer(ports, book, outcome, pairs, now, result)
-        taken = Counter(c.stage for c in claims)
-        refused = {pair for pairs in choice.refused.values() for pair in pairs}
-        for stage in choice.waits_for:
-            # Handed a slot that another pass took first: back to the head of its priority, not the end.
-            since = 0.0 if lanes[stage] == handed_lane and not taken[stage] else now
-            _wait_for_lane(ports, book, lanes[stage], [i for i in todo if i.pair in refused], stage, since)
-        ranks = {i.pair: i.rank for i in todo}
-        ports.leases.take_leases([_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims])
+        # claimed pair is never without its lease for reconcile to see. One Redis round trip.
+        with ports.leases.batched():
+            for outcome, pairs in choice.refused.items():
+                _defer(ports, book, outcome, pairs, now, result)
+            refused = {pair for pairs in choice.refused.values() for pair in pairs}
+            for stage in choice.waits_for:
+                # Handed a slot that another pass took first: back to the head of its priority, not the end.
+                since = 0.0 if lanes[stage] == handed_lane and not taken[stage] else now
+                _wait_for_lane(ports, book, lanes[stage], [i for i in todo if i.pair in refused], stage, since)
+            ranks = {i.pair: i.rank for i in todo}
+            ports.leases.take_leases([_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims])
+            ports.deferrals.clear_deferrals(book, [c.pair for c in claims])  # they wait no longer
         spare = {spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] for s, spec in specs.items()}
     result.claimed_lanes.update(lanes.values())
     result.claimed_stages.update(c.stage for c in claims)
@@ -294,8 +296,6 @@ def _publish(
             claim.token,
             spec.queue,
         )
-    # Bookkeeping after the jobs are on their way, so it never delays their start.
-    ports.deferrals.clear_deferrals(book, [(c.chapter, c.scene, c.stage) for c in claims])
     for stage in {c.stage for c in claims if c not in failed}:
         if not breaker_clean.get(specs[stage].queue, False):
             ports.breaker.breaker_record(

@@ -6,12 +6,14 @@ at the edge, so no caller sees a redis traceback.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
 from typing import TypeVar
 
 import redis
+from redis.client import Pipeline
 
 from animastor_tasks.domain.keys import Keyspace
 from animastor_tasks.errors import StoreUnavailable
@@ -36,6 +38,7 @@ class RedisConnection:
         self.breaker_record_script = self.client.register_script(_script("breaker_record"))
         self.breaker_release_script = self.client.register_script(_script("breaker_release"))
         self.start_delivery_script = self.client.register_script(_script("start_delivery"))
+        self._batch = threading.local()  # this thread's open `batched` pipeline, if any
 
     @contextmanager
     def errors(self) -> Iterator[None]:
@@ -47,6 +50,34 @@ class RedisConnection:
     def run(self, fn: Callable[[], T]) -> T:
         with self.errors():
             return fn()
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """The writes this thread makes through `writes` in the block reach the server in one round trip when
+        it ends, and none of them when it raises. Nested, the outermost batch sends them."""
+        if getattr(self._batch, "pipe", None) is not None:
+            yield
+            return
+        pipe = self.client.pipeline(transaction=False)
+        self._batch.pipe = pipe
+        try:
+            yield
+        finally:
+            self._batch.pipe = None
+        with self.errors():
+            pipe.execute()
+
+    @contextmanager
+    def writes(self) -> Iterator[Pipeline]:
+        """A pipeline to write through: the open batch's, or one of its own, sent when the block ends."""
+        pipe = getattr(self._batch, "pipe", None)
+        if pipe is not None:
+            yield pipe
+            return
+        with self.errors():
+            own = self.client.pipeline(transaction=False)
+            yield own
+            own.execute()
 
     def ping(self) -> None:
         self.run(self.client.ping)

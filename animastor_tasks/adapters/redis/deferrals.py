@@ -24,17 +24,16 @@ class DeferralStore:
     def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:
         mapping = {pair_member(*p): now + seconds for p in pairs}
         if mapping:
-            self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.deferrals(book, bucket), mapping))
+            with self.conn.writes() as pipe:
+                pipe.zadd(self.conn.keys.deferrals(book, bucket), mapping)
 
     def clear_deferrals(self, book: str, pairs: Iterable[Pair], buckets: Sequence[str] = DEFER_BUCKETS) -> None:
         members = [pair_member(*p) for p in pairs]
         if not members:
             return
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=False)
+        with self.conn.writes() as pipe:
             for bucket in buckets:
                 pipe.zrem(self.conn.keys.deferrals(book, bucket), *members)
-            pipe.execute()
 
     def clear_bucket(self, book: str, bucket: str) -> None:
         """Every deferral of one bucket for a book (capacity freed: all its waiters may try again)."""
@@ -67,8 +66,8 @@ class DeferralStore:
 
         A book already waiting keeps its place, or moves up to a better score when `move_up`.
         """
-        key = self.conn.keys.lane_waiters(queue)
-        self.conn.run(lambda: self.conn.client.zadd(key, {book: score}, lt=move_up, nx=not move_up))
+        with self.conn.writes() as pipe:
+            pipe.zadd(self.conn.keys.lane_waiters(queue), {book: score}, lt=move_up, nx=not move_up)
 
     def next_waiters(
         self, queue: str, count: int, *, exclude: str | None = None, requeue_from: str | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
@@ -23,8 +24,7 @@ class LeaseStore:
         """
         if not leases:
             return
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=False)
+        with self.conn.writes() as pipe:
             for pair, dispatch_id, ttl, meta in leases:
                 pipe.set(self.conn.keys.lease(*pair), dispatch_id, ex=ttl)
                 if meta:
@@ -33,7 +33,6 @@ class LeaseStore:
                     pipe.expire(meta_key, max(ttl * 4, UNDELIVERED_MARKER_SECONDS))
                     at = meta.get("dispatched_at", 0)
                     pipe.set(self.conn.keys.queued(dispatch_id), str(at), ex=UNDELIVERED_MARKER_SECONDS)
-            pipe.execute()
 
     def restore_leases(self, leases: Sequence[tuple[BookPair, str, float]]) -> None:
         """For each (pair, dispatch id, ttl): take the lease if nobody holds it, extend it if this dispatch
@@ -96,6 +95,10 @@ class LeaseStore:
 
     def end_delivery(self, dispatch_id: str) -> None:
         self.conn.run(lambda: self.conn.client.delete(self.conn.keys.running(dispatch_id)))
+
+    def batched(self) -> AbstractContextManager[None]:
+        """The writes of the lease and deferral stores made in the block by this thread go in one round trip."""
+        return self.conn.batched()
 
     def drop_leases(self, pairs: Sequence[BookPair]) -> None:
         if pairs:
