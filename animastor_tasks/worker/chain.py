@@ -127,7 +127,6 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
             raise
         while keeper.kept is not None:
             job, name, trace = keeper.kept, keeper.task_name, keeper.trace
-            keeper = aftermath.keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
             fields = dataclasses.asdict(job)
             aftermath(
                 partial(
@@ -142,6 +141,8 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
                 )
             )
             aftermath(partial(_announce, task, "task-started", job.dispatch_id, pid=os.getpid()))
+            # Held back until the job has passed its start check, with its predecessor's bookkeeping.
+            keeper = aftermath.keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
             ran = _run_kept(task, dataclasses.replace(ports, publisher=keeper), job, name, trace, run, aftermath)
             aftermath.end()
             if not ran:

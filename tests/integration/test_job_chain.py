@@ -122,6 +122,30 @@ def test_a_job_kept_for_a_task_that_then_fails_is_published_after_all(rt) -> Non
     assert [m["headers"]["id"] for m in messages] == [kept.dispatch_id]
 
 
+def test_a_kept_job_is_announced_once_it_has_passed_its_start_check_not_before(rt, monkeypatch) -> None:
+    """Flower's events of a kept job go out beside its run: its start waits for no broker round trip."""
+    from animastor_tasks.worker.tasks import app
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
+    sent: list[tuple[str, str]] = []
+    monkeypatch.setattr(chain, "_announce", lambda task, kind, dispatch_id, **_: sent.append((kind, dispatch_id)))
+    before_start: list[tuple[str, str]] = []
+
+    def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
+        if job == kept:
+            before_start.extend(sent)
+            later.job_started()
+        else:
+            ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
+        return {"outcome": "ready"}
+
+    task = app.tasks["animastor.generate.audio"]
+    chain.run_chain(task, rt.ports, AUDIO, Job("b", "ch1", "s1", "audio", "d1" * 16, 3), run)
+    assert before_start == []
+    assert sent[:2] == [("task-received", kept.dispatch_id), ("task-started", kept.dispatch_id)]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # A real worker (one process, solo pool)
 
