@@ -30,9 +30,10 @@ class StartTransaction:
         self._conn, self._book, self._pair, self.row = conn, book, pair, row
 
     def record_start(self, token: int, dispatch_id: str, lost_starts: int) -> None:
-        """Journal the start and keep it open until the job ends (a dead worker never ends it)."""
+        """Journal the start, keep it open until the job ends (a dead worker never ends it), and commit: both
+        rows and the COMMIT go in one round trip, which also releases the row lock."""
         chapter, scene, stage = self._pair
-        with self._conn.pipeline():  # both rows in one round trip
+        with self._conn.pipeline():
             self._conn.execute(
                 "INSERT INTO job_starts (book_id, chapter_id, scene_id, stage, open_dispatch, lost_starts)"
                 " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (book_id, chapter_id, scene_id, stage) DO UPDATE"
@@ -41,6 +42,7 @@ class StartTransaction:
             )
             detail = {"token": token, "lost_starts": lost_starts}
             journal.record(self._conn, "job.started", self._book, detail, pair=self._pair, dispatch_id=dispatch_id)
+            self._conn.commit()
 
 
 class JobStore:
