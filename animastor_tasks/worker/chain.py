@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import mmap
-import os
 import threading
 import time
 import traceback
@@ -140,7 +139,7 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
                     retries=0,
                 )
             )
-            aftermath(partial(_announce, task, "task-started", job.dispatch_id, pid=os.getpid()))
+            aftermath(partial(_announce, task, "task-started", job.dispatch_id))  # the event carries its pid
             # Held back until the job has passed its start check, with its predecessor's bookkeeping.
             keeper = aftermath.keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
             ran = _run_kept(task, dataclasses.replace(ports, publisher=keeper), job, name, trace, run, aftermath)
@@ -230,8 +229,7 @@ def progress_reporter(task: Task, job: Job) -> Callable[[float], None]:
                 "percent": round(fraction * 100, 1),
             }
             task.update_state(task_id=job.dispatch_id, state="PROGRESS", meta=meta)
-            with task.app.events.default_dispatcher(hostname=task.request.hostname) as dispatcher:
-                dispatcher.send("task-progress", uuid=job.dispatch_id, **meta)
+            _send_event(task, "task-progress", uuid=job.dispatch_id, **meta)
 
     return report
 
@@ -240,10 +238,24 @@ def _announce(task: Task, kind: str, dispatch_id: str, **fields: Any) -> None:
     if not _Events.on:
         return
     try:
-        with task.app.events.default_dispatcher(hostname=task.request.hostname) as dispatcher:
-            dispatcher.send(kind, uuid=dispatch_id, **fields)
+        _send_event(task, kind, uuid=dispatch_id, **fields)
     except Exception as err:  # an event lost costs only Flower's view
         log.debug("[GENERATE] %s event for %s not sent: %s", kind, dispatch_id, err)
+
+
+_dispatchers: dict[str, Any] = {}  # this process's event dispatcher per worker hostname
+
+
+def _send_event(task: Task, kind: str, **fields: Any) -> None:
+    """An event under the worker's name, through a pooled producer (as the publisher sends `task-sent`):
+    `default_dispatcher` opens a channel per event, and on Redis a channel is a connection of its own,
+    so every progress report cost a connect and a close."""
+    hostname = task.request.hostname or "unknown"
+    dispatcher = _dispatchers.get(hostname)
+    if dispatcher is None:
+        dispatcher = _dispatchers.setdefault(hostname, task.app.events.Dispatcher(hostname=hostname, enabled=False))
+    with task.app.producer_or_acquire() as producer:
+        dispatcher.publish(kind, fields, producer, retry=False)
 
 
 def _record(store: Callable[..., Any], *args: Any) -> None:

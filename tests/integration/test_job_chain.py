@@ -146,6 +146,49 @@ def test_a_kept_job_is_announced_once_it_has_passed_its_start_check_not_before(r
     assert sent[:2] == [("task-received", kept.dispatch_id), ("task-started", kept.dispatch_id)]
 
 
+def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt, monkeypatch) -> None:
+    """What Flower hears of a kept job, off the broker's event exchange: received, started, progress, succeeded."""
+    import threading
+    import time
+
+    from animastor_tasks.worker.tasks import app
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    monkeypatch.setattr(chain._Events, "on", True)
+    kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
+    heard: list[dict[str, Any]] = []
+    with app.connection_for_read() as connection:
+        receiver = app.events.Receiver(connection, handlers={"*": heard.append})
+        listening = threading.Thread(target=receiver.capture, kwargs={"limit": None, "timeout": 8}, daemon=True)
+        listening.start()
+        time.sleep(0.5)  # subscribed before anything is sent: the event exchange keeps nothing
+
+        def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
+            if job == kept:
+                later.job_started()
+                progress(1.0)
+            else:
+                ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
+            return {"outcome": "ready"}
+
+        task = app.tasks["animastor.generate.audio"]
+        task.push_request(hostname="gpu-audio@test")
+        try:
+            chain.run_chain(task, rt.ports, AUDIO, Job("b", "ch1", "s1", "audio", "d1" * 16, 3), run)
+        finally:
+            task.pop_request()
+
+        def kinds() -> list[str]:
+            return [e["type"] for e in heard if e.get("uuid") == kept.dispatch_id]
+
+        wait_for(lambda: "task-succeeded" in kinds(), 8, "the kept job's events")
+        receiver.should_stop = True
+    # Its progress goes out from the job's own thread, beside the announcements of its start.
+    assert [k for k in kinds() if k != "task-progress"] == ["task-received", "task-started", "task-succeeded"]
+    progress = next(e for e in heard if e["type"] == "task-progress")
+    assert (progress["hostname"], progress["percent"], progress["scene_id"]) == ("gpu-audio@test", 100.0, "s2")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # A real worker (one process, solo pool)
 
