@@ -149,7 +149,6 @@ def test_a_kept_job_is_announced_once_it_has_passed_its_start_check_not_before(r
 def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt, monkeypatch) -> None:
     """What Flower hears of a kept job, off the broker's event exchange: received, started, progress, succeeded."""
     import threading
-    import time
 
     from animastor_tasks.worker.tasks import app
 
@@ -159,9 +158,13 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
     heard: list[dict[str, Any]] = []
     with app.connection_for_read() as connection:
         receiver = app.events.Receiver(connection, handlers={"*": heard.append})
-        listening = threading.Thread(target=receiver.capture, kwargs={"limit": None, "timeout": 8}, daemon=True)
+        listening = threading.Thread(target=receiver.capture, kwargs={"limit": None, "timeout": 20}, daemon=True)
         listening.start()
-        time.sleep(0.5)  # subscribed before anything is sent: the event exchange keeps nothing
+        task = app.tasks["animastor.generate.audio"]
+
+        def listening_now() -> bool:  # the event exchange keeps nothing: probe until the receiver hears
+            chain._send_event(task, "animastor-probe", uuid="probe")
+            return any(e["type"] == "animastor-probe" for e in heard)
 
         def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
             if job == kept:
@@ -171,9 +174,9 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
                 ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
             return {"outcome": "ready"}
 
-        task = app.tasks["animastor.generate.audio"]
         task.push_request(hostname="gpu-audio@test")
         try:
+            wait_for(listening_now, 10, "the event receiver listening")
             chain.run_chain(task, rt.ports, AUDIO, Job("b", "ch1", "s1", "audio", "d1" * 16, 3), run)
         finally:
             task.pop_request()
@@ -181,7 +184,7 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
         def kinds() -> list[str]:
             return [e["type"] for e in heard if e.get("uuid") == kept.dispatch_id]
 
-        wait_for(lambda: "task-succeeded" in kinds(), 8, "the kept job's events")
+        wait_for(lambda: "task-succeeded" in kinds(), 10, "the kept job's events")
         receiver.should_stop = True
     # Its progress goes out from the job's own thread, beside the announcements of its start.
     assert [k for k in kinds() if k != "task-progress"] == ["task-received", "task-started", "task-succeeded"]
