@@ -30,14 +30,14 @@ import mmap
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
 from celery import Celery, Task
 
 from animastor_tasks.flow.generate import Job, Later
-from animastor_tasks.ports import Ports, Publisher
+from animastor_tasks.ports import Counters, Ports, Publisher
 from animastor_tasks.worker import tracing
 
 log = logging.getLogger("animastor.generate")
@@ -120,7 +120,7 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
     aftermath = Aftermath(keeper)
     try:
         try:
-            result = run(dataclasses.replace(ports, publisher=keeper), first, progress_reporter(task, first), aftermath)
+            result = run(_job_ports(ports, keeper, aftermath), first, progress_reporter(task, first), aftermath)
         except BaseException:
             _quietly_publish(keeper)
             raise
@@ -142,7 +142,7 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
             aftermath(partial(_announce, task, "task-started", job.dispatch_id))  # the event carries its pid
             # Held back until the job has passed its start check, with its predecessor's bookkeeping.
             keeper = aftermath.keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
-            ran = _run_kept(task, dataclasses.replace(ports, publisher=keeper), job, name, trace, run, aftermath)
+            ran = _run_kept(task, _job_ports(ports, keeper, aftermath), job, name, trace, run, aftermath)
             aftermath.end()
             if not ran:
                 _quietly_publish(keeper)
@@ -150,6 +150,27 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
     finally:
         aftermath.finish()
     return result
+
+
+def _job_ports(ports: Ports, keeper: KeepingPublisher, aftermath: Aftermath) -> Ports:
+    return dataclasses.replace(ports, publisher=keeper, counters=HeldCounters(ports.counters, aftermath))
+
+
+class HeldCounters:
+    """The process's counters while its job runs: a count made once a job is kept to follow (the refill's
+    outcomes, its pass time) is held back with the rest of the bookkeeping, off that job's start."""
+
+    def __init__(self, inner: Counters, later: Later) -> None:
+        self.inner, self.later = inner, later
+
+    def add(self, counts: Mapping[str, int]) -> None:
+        self.later(partial(self.inner.add, dict(counts)))
+
+    def observe(self, name: str, seconds: float) -> None:
+        self.later(partial(self.inner.observe, name, seconds))
+
+    def observe_since_dispatch(self, name: str, dispatch_id: str) -> None:
+        self.inner.observe_since_dispatch(name, dispatch_id)  # measured now: never held
 
 
 class Aftermath(Later):
@@ -162,7 +183,7 @@ class Aftermath(Later):
         self.thread: threading.Thread | None = None
 
     def __call__(self, step: Callable[[], object]) -> None:
-        if self.keeper.kept is None:
+        if self.keeper.kept is None or threading.current_thread() is self.thread:  # a held step's own: now
             step()
         else:
             self.steps.append(step)
@@ -208,7 +229,7 @@ def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: Ru
     runtime = time.monotonic() - started
     later(partial(_announce, task, "task-succeeded", job.dispatch_id, result=repr(outcome), runtime=runtime))
     later(partial(_record, task.backend.mark_as_done, job.dispatch_id, outcome))
-    later(partial(_record, ports.counters.add, {f"job:kept:{job.stage}": 1}))  # animastor_jobs_total{event="kept"}
+    _record(ports.counters.add, {f"job:kept:{job.stage}": 1})  # animastor_jobs_total{event="kept"}; held, as the rest
     return True
 
 

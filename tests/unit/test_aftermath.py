@@ -45,3 +45,14 @@ def test_a_failing_step_is_logged_and_the_rest_still_run(caplog) -> None:
     aftermath.finish()  # the task ends: what is left runs before it returns
     assert ran == ["after"]
     assert "redis down" in caplog.text
+
+
+def test_a_step_given_by_a_held_step_runs_at_once_in_the_aftermath_thread() -> None:
+    keeper = Keeper()
+    keeper.kept = object()
+    aftermath = Aftermath(keeper)
+    ran: list[str] = []
+    aftermath(lambda: aftermath(lambda: ran.append(threading.current_thread().name)))
+    aftermath.job_started()
+    aftermath.end()
+    assert ran == ["aftermath"] and aftermath.steps == []
