@@ -174,18 +174,19 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
                 ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
             return {"outcome": "ready"}
 
+        def kinds() -> list[str]:
+            return [e["type"] for e in heard if e.get("uuid") == kept.dispatch_id]
+
         task.push_request(hostname="gpu-audio@test")
         try:
             wait_for(listening_now, 10, "the event receiver listening")
             chain.run_chain(task, rt.ports, AUDIO, Job("b", "ch1", "s1", "audio", "d1" * 16, 3), run)
+            wait_for(lambda: "task-succeeded" in kinds(), 10, "the kept job's events")
         finally:
             task.pop_request()
-
-        def kinds() -> list[str]:
-            return [e["type"] for e in heard if e.get("uuid") == kept.dispatch_id]
-
-        wait_for(lambda: "task-succeeded" in kinds(), 10, "the kept job's events")
-        receiver.should_stop = True
+            receiver.should_stop = True  # the receiver's thread ends before its connection closes, pass or fail
+            listening.join(timeout=10)
+        assert not listening.is_alive()
     # Its progress goes out from the job's own thread, beside the announcements of its start.
     assert [k for k in kinds() if k != "task-progress"] == ["task-received", "task-started", "task-succeeded"]
     progress = next(e for e in heard if e["type"] == "task-progress")
