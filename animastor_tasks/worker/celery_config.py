@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from kombu import Exchange, Queue
 
 from animastor_tasks.config import Settings, result_backend_url
 from animastor_tasks.domain.registry import CONTROL_QUEUE, CONTROL_TASKS
 
+# kombu's Redis transport with one client per channel (adapters/redis_broker.py); only for a plain
+# `redis://` URL: other schemes keep the transport kombu picks for them.
+REDIS_BROKER_TRANSPORT = "animastor_tasks.adapters.redis_broker:Transport"
 BROKER_HEARTBEAT_SECONDS = 10
 REDIS_HEALTH_CHECK_SECONDS = 2
 REDIS_SOCKET_TIMEOUT_SECONDS = 10
@@ -28,6 +32,7 @@ def build_config(settings: Settings) -> dict[str, Any]:
         routes[spec.task_name] = {"queue": spec.queue}
     return {
         "broker_url": settings.broker_url,
+        "broker_transport": REDIS_BROKER_TRANSPORT if urlsplit(settings.broker_url).scheme == "redis" else None,
         "result_backend": result_backend_url(settings.redis_url),
         "result_expires": 3600,
         "task_serializer": "json",
