@@ -6,12 +6,15 @@ job message, Flower event and result. Every job sends several, so a GPU worker s
 its CPU there. A Redis client is thread-safe and holds no connection of its own (it borrows
 from the channel's pool), so one per channel and pool does the same work. The pool is
 checked on every use: when kombu drops it after a connection error, a new client follows.
+
+Logs and Celery's banner name it `redis://`, as kombu names its `pyamqp` transport `amqp://`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kombu import Connection
 from kombu.transport import redis as kombu_redis
 
 
@@ -30,3 +33,6 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+Connection.resolve_aliases.setdefault(f"{__name__}:Transport", "redis")

@@ -42,6 +42,7 @@ def test_many_messages_are_sent_through_one_client_and_all_arrive(settings: Sett
     with Connection(settings.redis_url, transport=REDIS_BROKER_TRANSPORT) as conn:
         channel = conn.default_channel
         assert isinstance(channel, Channel)
+        assert conn.as_uri().startswith("redis://"), "logs name the broker as operators wrote it"
         queue(channel).declare()
         made = _counting_clients(monkeypatch)
         producer = conn.Producer(channel)
