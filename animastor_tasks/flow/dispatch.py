@@ -102,6 +102,9 @@ def dispatch_pending(
             result.blocked[stage] = block_stage(ports, book, spec)
             result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
             result.gone.update(i.pair for i in todo if i.stage == stage)
+            # The books waiting for the lane hold capacity deferrals that keep their own passes from this
+            # check for a whole window: handed the lane, their passes BLOCK them too, now (as the tick does).
+            hand_over(ports, spec.queue, spec.lane_limit, exclude=book)
     todo = [i for i in todo if i.stage not in result.blocked and i.stage not in unsure]
 
     permits: dict[str, int] = {}

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from animastor_tasks.adapters.redis.presence import PresenceStore
+from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -178,6 +179,32 @@ def test_the_tick_hands_a_worker_less_lane_to_the_books_waiting_for_it(rt: Wirin
     time.sleep(0.9)
     tick(rt)
     assert states(rt, "a")[("ch1", "s1", "audio")] == "dirty"
+    assert rt.redis.client.zrange(waiters, 0, -1) == []  # handed the lane: its pass is on its way
+    refill.refill(rt.ports, "b", "gpu.audio")  # that refill, as the control worker runs it
+    (command,) = rt.ports.commands.commands(book="b")
+    assert (command.status, command.reason) == ("blocked", "no_worker:audio")
+
+
+def test_a_pass_that_blocks_a_worker_less_lane_hands_it_to_the_books_waiting_for_it(rt: Wiring, tmp_path: Path) -> None:
+    """The running book's lease expired before the tick's consumer check saw its job (reconcile took the pair
+    back to `pending`), so its own gate pass is what BLOCKs it. Old code: that pass handed the lane to nobody
+    and the waiting book stayed deferred, unblocked, until its capacity window ran out (seen in CI, cluster
+    test `test_every_host_of_a_stage_partitioned[redis]`)."""
+    spec = replace(rt.settings.registry.get("audio"), lane_limit=1, lease_ttl=60)
+    with_stage(rt, spec, tmp_path)
+    for book in ("a", "b"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+    advertise(rt, "gpu.audio", ttl=0.8)
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # lane full: deferred, waits for the lane
+    waiters = rt.redis.keys.lane_waiters("gpu.audio")
+    assert rt.redis.client.zrange(waiters, 0, -1) == ["b"]
+    (job,) = dispatched_jobs(rt, "a")
+    time.sleep(0.9)  # every heartbeat of the lane lapsed
+    assert rt.ports.assets.expire_generating("a", job.pair, job.fencing_token, AssetState.PENDING)
+    gate.gate_pass(rt.ports, "a")
+    (command,) = rt.ports.commands.commands(book="a")
+    assert (command.status, command.reason) == ("blocked", "no_worker:audio")
     assert rt.redis.client.zrange(waiters, 0, -1) == []  # handed the lane: its pass is on its way
     refill.refill(rt.ports, "b", "gpu.audio")  # that refill, as the control worker runs it
     (command,) = rt.ports.commands.commands(book="b")
