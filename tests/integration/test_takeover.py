@@ -163,9 +163,9 @@ def test_a_broker_consumer_never_stands_in_for_missing_heartbeats(rt: Wiring) ->
     assert presence.counts([queue]) == {queue: 0}
 
 
-def test_the_tick_hands_a_worker_less_lane_to_the_books_waiting_for_it(rt: Wiring, tmp_path: Path) -> None:
-    """A book waiting for the lane holds capacity deferrals, which keep its passes from the consumer check for
-    a whole window: blocking the running book must also hand the lane to it, so that it is BLOCKED now."""
+def _b_waits_behind_a(rt: Wiring, tmp_path: Path) -> str:
+    """Books a and b on a lane of one slot whose heartbeats lapse in 0.8 s: a's job holds the slot and b
+    waits for the lane (capacity deferral). Returns the lane's waiting list key."""
     spec = replace(rt.settings.registry.get("audio"), lane_limit=1, lease_ttl=60)
     with_stage(rt, spec, tmp_path)
     for book in ("a", "b"):
@@ -176,13 +176,24 @@ def test_the_tick_hands_a_worker_less_lane_to_the_books_waiting_for_it(rt: Wirin
     assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
     waiters = rt.redis.keys.lane_waiters("gpu.audio")
     assert rt.redis.client.zrange(waiters, 0, -1) == ["b"]
-    time.sleep(0.9)
-    tick(rt)
-    assert states(rt, "a")[("ch1", "s1", "audio")] == "dirty"
+    return waiters
+
+
+def _b_is_blocked_once_handed_the_lane(rt: Wiring, waiters: str) -> None:
     assert rt.redis.client.zrange(waiters, 0, -1) == []  # handed the lane: its pass is on its way
     refill.refill(rt.ports, "b", "gpu.audio")  # that refill, as the control worker runs it
     (command,) = rt.ports.commands.commands(book="b")
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")
+
+
+def test_the_tick_hands_a_worker_less_lane_to_the_books_waiting_for_it(rt: Wiring, tmp_path: Path) -> None:
+    """A book waiting for the lane holds capacity deferrals, which keep its passes from the consumer check for
+    a whole window: blocking the running book must also hand the lane to it, so that it is BLOCKED now."""
+    waiters = _b_waits_behind_a(rt, tmp_path)
+    time.sleep(0.9)
+    tick(rt)
+    assert states(rt, "a")[("ch1", "s1", "audio")] == "dirty"
+    _b_is_blocked_once_handed_the_lane(rt, waiters)
 
 
 def test_a_pass_that_blocks_a_worker_less_lane_hands_it_to_the_books_waiting_for_it(rt: Wiring, tmp_path: Path) -> None:
@@ -190,22 +201,11 @@ def test_a_pass_that_blocks_a_worker_less_lane_hands_it_to_the_books_waiting_for
     back to `pending`), so its own gate pass is what BLOCKs it. Old code: that pass handed the lane to nobody
     and the waiting book stayed deferred, unblocked, until its capacity window ran out (seen in CI, cluster
     test `test_every_host_of_a_stage_partitioned[redis]`)."""
-    spec = replace(rt.settings.registry.get("audio"), lane_limit=1, lease_ttl=60)
-    with_stage(rt, spec, tmp_path)
-    for book in ("a", "b"):
-        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
-    advertise(rt, "gpu.audio", ttl=0.8)
-    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # lane full: deferred, waits for the lane
-    waiters = rt.redis.keys.lane_waiters("gpu.audio")
-    assert rt.redis.client.zrange(waiters, 0, -1) == ["b"]
+    waiters = _b_waits_behind_a(rt, tmp_path)
     (job,) = dispatched_jobs(rt, "a")
     time.sleep(0.9)  # every heartbeat of the lane lapsed
     assert rt.ports.assets.expire_generating("a", job.pair, job.fencing_token, AssetState.PENDING)
     gate.gate_pass(rt.ports, "a")
     (command,) = rt.ports.commands.commands(book="a")
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")
-    assert rt.redis.client.zrange(waiters, 0, -1) == []  # handed the lane: its pass is on its way
-    refill.refill(rt.ports, "b", "gpu.audio")  # that refill, as the control worker runs it
-    (command,) = rt.ports.commands.commands(book="b")
-    assert (command.status, command.reason) == ("blocked", "no_worker:audio")
+    _b_is_blocked_once_handed_the_lane(rt, waiters)
