@@ -27,7 +27,7 @@ demo: install
 
 ## Everything CI runs.
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=20
 
 test-fast: install
 	$(BIN)/pytest -q tests/unit tests/integration tests/dev
