@@ -99,12 +99,9 @@ def dispatch_pending(
                 unsure.add(stage)
                 log.warning("[DISPATCH] book=%r stage=%s presence not rebuilt after a Redis loss; waiting", book, stage)
                 continue
-            result.blocked[stage] = block_stage(ports, book, spec)
+            result.blocked[stage] = block_lane(ports, spec, [book], exclude=book)[book]
             result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
             result.gone.update(i.pair for i in todo if i.stage == stage)
-            # The books waiting for the lane hold capacity deferrals that keep their own passes from this
-            # check for a whole window: handed the lane, their passes BLOCK them too, now (as the tick does).
-            hand_over(ports, spec.queue, spec.lane_limit, exclude=book)
     todo = [i for i in todo if i.stage not in result.blocked and i.stage not in unsure]
 
     permits: dict[str, int] = {}
@@ -346,6 +343,17 @@ def _defer(
         ports.deferrals.defer(book, bucket, pairs, seconds, now)
         if result is not None:
             result.deferred_until.update(dict.fromkeys(pairs, now + seconds))
+
+
+def block_lane(
+    ports: Ports, spec: StageSpec, books: Sequence[str], *, exclude: str | None = None
+) -> dict[str, list[str]]:
+    """No live consumer: the stage is BLOCKED for `books` (their blocked command ids), then the lane goes to
+    the books waiting for it (not `exclude`): their capacity deferrals would keep their own passes from the
+    consumer check for a whole window, and handed passes look past them and BLOCK them too, now."""
+    blocked = {book: block_stage(ports, book, spec) for book in books}
+    hand_over(ports, spec.queue, spec.lane_limit, exclude=exclude)
+    return blocked
 
 
 def block_stage(ports: Ports, book: str, spec: StageSpec) -> list[str]:

@@ -112,10 +112,4 @@ def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report
     counts = ports.presence.counts([s.queue for s in specs])
     for spec in specs:
         if counts.get(spec.queue, 0) == 0:
-            for book in sorted(by_stage[spec.name]):
-                dispatch.block_stage(ports, book, spec)
-                report["blocked"] += 1
-            # The books waiting for the lane hold capacity deferrals that would keep their passes from the
-            # consumer check for a whole window: handed the freed slots, their passes look past those
-            # deferrals and BLOCK them too, now.
-            dispatch.hand_over(ports, spec.queue, spec.lane_limit)
+            report["blocked"] += len(dispatch.block_lane(ports, spec, sorted(by_stage[spec.name])))
