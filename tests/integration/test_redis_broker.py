@@ -43,14 +43,14 @@ def test_many_messages_are_sent_through_one_client_and_all_arrive(settings: Sett
         channel = conn.default_channel
         assert isinstance(channel, Channel)
         assert conn.as_uri().startswith("redis://"), "logs name the broker as operators wrote it"
-        queue(channel).declare()
-        made = _counting_clients(monkeypatch)
-        producer = conn.Producer(channel)
-        for n in range(50):
-            producer.publish({"n": n}, exchange=queue.exchange, routing_key=name, declare=[queue])
-        assert len(made) <= 1, "one client for the channel, not one per message"
         bound = queue(channel)
+        bound.declare()
         try:
+            made = _counting_clients(monkeypatch)
+            producer = conn.Producer(channel)
+            for n in range(50):
+                producer.publish({"n": n}, exchange=queue.exchange, routing_key=name, declare=[queue])
+            assert len(made) <= 1, "one client for the channel, not one per message"
             got = []
             while (message := bound.get(no_ack=True)) is not None:
                 got.append(message.payload["n"])
