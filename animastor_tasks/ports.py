@@ -266,9 +266,15 @@ class BookState(Protocol):
     def stop_book(self, book: str) -> None: ...
     def mirror_layers(self, book: str, raw: str | None) -> None: ...
     def mirror_layers_many(self, layers: dict[str, str | None]) -> None: ...
-    def start_work(
-        self, book: str, pairs: Sequence[Pair], scenes: Sequence[SceneKey], *, force_ttl: int | None
-    ) -> None: ...
+    def start_work(  # `snapshot` (now, queues): the book's snapshot, read after the writes in the same round trip
+        self,
+        book: str,
+        pairs: Sequence[Pair],
+        scenes: Sequence[SceneKey],
+        *,
+        force_ttl: int | None,
+        snapshot: tuple[float, Sequence[str]] | None = None,
+    ) -> Snapshot | None: ...
     def activate(self, book: str, scenes: Iterable[SceneKey]) -> None: ...
     def deactivate(self, book: str, scenes: Iterable[SceneKey]) -> None: ...
     def active_scene_count(self, book: str) -> int: ...
@@ -320,9 +326,7 @@ class Counters(Protocol):
 
     def add(self, counts: Mapping[str, int]) -> None: ...
     def observe(self, name: str, seconds: float) -> None: ...
-    def observe_since_dispatch(self, name: str, dispatch_id: str) -> None:
-        """Observe the seconds since the dispatch was published (a job's queue wait); `name` as `observe`."""
-        ...
+    def observe_since_dispatch(self, name: str, dispatch_id: str) -> None: ...  # seconds since it was published
 
 
 class Locks(Protocol):
@@ -340,13 +344,10 @@ class Publisher(Protocol):
 
 
 class QueueProbe(Protocol):
-    def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None:
-        """Ids of the jobs still waiting in the broker's queues; None where the broker cannot tell."""
-        ...
+    """What the broker holds; None where it cannot tell."""
 
-    def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None:
-        """Messages ready (waiting, not taken by a worker) per queue; None where the broker cannot tell."""
-        ...
+    def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None: ...  # jobs still waiting in the queues
+    def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None: ...  # ready messages, not taken yet
 
 
 class ArtifactStore(Protocol):
@@ -366,10 +367,7 @@ class Generator(Protocol):
     name: str
 
     def generate(
-        self,
-        request: GenerationRequest,
-        should_stop: Callable[[], bool],
-        progress: Callable[[float], None],
+        self, request: GenerationRequest, should_stop: Callable[[], bool], progress: Callable[[float], None]
     ) -> Media: ...
 
 

@@ -38,17 +38,20 @@ def gate_pass(
     dispatch_work: bool = True,
     full_lanes: Collection[str] = (),
     known: Facts | None = None,
+    snapshot: Snapshot | None = None,
 ) -> PassReport:
     """One pass, timed into the `gate_pass_seconds` histogram when it changed something.
 
     Why only then: a pass over deferred pairs must stay free of writes; one that released or
     dispatched pairs writes anyway, and its duration is the one operators need to watch.
     `full_lanes`: queues the caller saw without room, `known`: the book's snapshot and rows read with other
-    books' (see `gate_batch`).
+    books' (see `gate_batch`), `snapshot`: its snapshot alone, read with the caller's own writes (a regenerate).
     """
     started = time.monotonic()
     with collector.paused():
-        report = _gate_pass(ports, book, dispatch_work=dispatch_work, full_lanes=full_lanes, known=known)
+        report = _gate_pass(
+            ports, book, dispatch_work=dispatch_work, full_lanes=full_lanes, known=known, snapshot=snapshot
+        )
     if report.released or any(outcome != Outcome.DEFERRED for outcome in report.outcomes):
         ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
     return report
@@ -63,7 +66,13 @@ def pass_on_slot(ports: Ports, book: str, lane: str) -> None:
 
 
 def _gate_pass(
-    ports: Ports, book: str, *, dispatch_work: bool, full_lanes: Collection[str], known: Facts | None
+    ports: Ports,
+    book: str,
+    *,
+    dispatch_work: bool,
+    full_lanes: Collection[str],
+    known: Facts | None,
+    snapshot: Snapshot | None,
 ) -> PassReport:
     report = PassReport(book)
     now = time.time()
@@ -74,8 +83,11 @@ def _gate_pass(
         try:
             # A book whose active scenes may hold more pairs than a page goes to the pages at once: a limited
             # read that finds too many rows is thrown away (a tenth of the pass of a book of 100k pairs).
-            pairs = ports.book_state.active_scene_count(book) * len(ports.settings.registry.stages)
-            if OVERLAP_PAIRS <= pairs <= page.PAGE:  # its snapshot is read while its rows come back
+            scenes = ports.book_state.active_scene_count(book) if snapshot is None else len(snapshot.active)
+            pairs = scenes * len(ports.settings.registry.stages)
+            if (
+                snapshot is None and OVERLAP_PAIRS <= pairs <= page.PAGE
+            ):  # its snapshot is read while its rows come back
                 snap_ahead = read_ahead.submit(partial(_snapshot, ports, book, now))
             read = None if pairs > page.PAGE else ports.assets.gate_rows_many([book], limit=page.PAGE)
         except StoreUnavailable as err:
@@ -87,7 +99,12 @@ def _gate_pass(
             return report
         rows = read[book]
         try:
-            snap = _snapshot(ports, book, now) if snap_ahead is None else snap_ahead.result()
+            if snapshot is not None:
+                snap = snapshot
+            elif snap_ahead is not None:
+                snap = snap_ahead.result()
+            else:
+                snap = _snapshot(ports, book, now)
         except StoreUnavailable as err:
             report.error = str(err)
             log.warning("[COMMAND-GATE] book=%r coordination unreadable, nothing authorized: %s", book, err)

@@ -13,6 +13,7 @@ stopped, and reconcile then hands the pair back to `pending` for a fresh run.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -91,7 +92,14 @@ def regenerate(
     except DuplicateCommand:
         return _replay(book, request_id, ports.commands.commands_for_request(request_id))
     pairs = [(c, s, stage) for stage in enabled for c, s in targets]
-    ports.book_state.start_work(book, pairs, targets, force_ttl=ports.settings.force_ttl_seconds if force else None)
+    # The snapshot the gate pass below needs, read after these writes in the same round trip.
+    snap = ports.book_state.start_work(
+        book,
+        pairs,
+        targets,
+        force_ttl=ports.settings.force_ttl_seconds if force else None,
+        snapshot=(time.time(), ports.settings.registry.queues()),
+    )
     if created.superseded:
         _stop_superseded(ports, book, created.superseded)
     log.info(
@@ -102,7 +110,7 @@ def regenerate(
         request_id,
         ",".join(s["stage"] for s in skipped) or "none",
     )
-    gate.gate_pass(ports, book)
+    gate.gate_pass(ports, book, snapshot=snap)
     rows = ports.commands.commands(book=book, command_ids=[cid for cid, _ in per_stage.values()])
     return {"commands": _describe(rows, {s: t for s, (_, t) in per_stage.items()}), "skipped": skipped}
 

@@ -180,3 +180,17 @@ def test_a_batch_reads_the_facts_of_its_books_together_as_each_pass_would_alone(
     assert snaps["two"].first_deferral_end and snaps["two"].waiters == {
         "gpu.audio": ["one", "two"]
     }  # normal, then bulk
+
+
+def test_a_regenerate_reads_its_passs_snapshot_with_its_own_writes_as_the_pass_would_after_them(rt) -> None:
+    lane(rt, lane_limit=2)
+    rt.catalog.import_book(make_book("one", chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "one", ["audio"])  # a waiting list, a deferral, a due entry to read
+    rt.catalog.import_book(make_book("two", chapters=1, scenes=2))
+    now, queues = time.time(), rt.settings.registry.queues()
+    pairs = [("ch1", f"s{i}", "audio") for i in (1, 2)]
+    read = rt.ports.book_state.start_work("two", pairs, [p[:2] for p in pairs], force_ttl=60, snapshot=(now, queues))
+    assert read == rt.ports.book_state.book_snapshots(["two"], now, queues)["two"]
+    assert read.force == set(pairs) and read.active == {p[:2] for p in pairs}  # the writes, seen
+    assert read.waiters == {"gpu.audio": ["one"]} and read.consumers == {"gpu.audio": 1}
+    assert rt.ports.book_state.start_work("two", pairs, [p[:2] for p in pairs], force_ttl=None) is None

@@ -57,19 +57,27 @@ class BookStateStore:
         """Everything Redis knows that the gate passes of `books` need, in one round trip (one book, or a
         tick's batch; the queues are read once); `waiters`: how many books at the head of each queue's
         waiting list to read (the fair share looks at them)."""
-        keys = self.conn.keys
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
-            self._read_queues(pipe, queues, now, waiters)
-            for book in books:
-                pipe.exists(keys.cancel_flag(book))
-                pipe.zscore(keys.due(), book)
-                pipe.smembers(keys.force_set(book))
-                pipe.smembers(keys.active_scenes(book))
-                for bucket in DEFER_BUCKETS:
-                    pipe.zrangebyscore(keys.deferrals(book, bucket), f"({now}", "+inf")
-                    pipe.zrangebyscore(keys.deferrals(book, bucket), f"({now}", "+inf", start=0, num=1, withscores=True)
+            self._read_snapshots(pipe, books, now, queues, waiters)
             replies = pipe.execute()
+        return self._parse_snapshots(replies, books, now, queues)
+
+    def _read_snapshots(self, pipe: Any, books: Sequence[str], now: float, queues: Sequence[str], waiters: int) -> None:
+        keys = self.conn.keys
+        self._read_queues(pipe, queues, now, waiters)
+        for book in books:
+            pipe.exists(keys.cancel_flag(book))
+            pipe.zscore(keys.due(), book)
+            pipe.smembers(keys.force_set(book))
+            pipe.smembers(keys.active_scenes(book))
+            for bucket in DEFER_BUCKETS:
+                pipe.zrangebyscore(keys.deferrals(book, bucket), f"({now}", "+inf")
+                pipe.zrangebyscore(keys.deferrals(book, bucket), f"({now}", "+inf", start=0, num=1, withscores=True)
+
+    def _parse_snapshots(
+        self, replies: list[Any], books: Sequence[str], now: float, queues: Sequence[str]
+    ) -> dict[str, Snapshot]:
         per_queue, per_book = self._split_replies(replies, queues, now)
         width = 4 + 2 * len(DEFER_BUCKETS)
         found: dict[str, Snapshot] = {}
@@ -204,26 +212,36 @@ class BookStateStore:
         return bool(self.conn.run(lambda: self.conn.client.exists(self.conn.keys.cancel_flag(book))))
 
     def start_work(
-        self, book: str, pairs: Sequence[Pair], scenes: Sequence[SceneKey], *, force_ttl: int | None
-    ) -> None:
+        self,
+        book: str,
+        pairs: Sequence[Pair],
+        scenes: Sequence[SceneKey],
+        *,
+        force_ttl: int | None,
+        snapshot: tuple[float, Sequence[str]] | None = None,
+    ) -> Snapshot | None:
         """A regenerate's Redis side in one round trip: force set (or un-force), deferrals cleared,
-        scenes in the active index."""
+        scenes in the active index. `snapshot` (now, queues): the book's snapshot read after those writes,
+        in the same round trip, for the gate pass that follows at once."""
         members = [pair_member(*p) for p in pairs]
-        if not members:
-            return
         force_key = self.conn.keys.force_set(book)
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
-            if force_ttl is not None:
-                pipe.sadd(force_key, *members)
-                pipe.expire(force_key, force_ttl)
-            else:
-                pipe.srem(force_key, *members)
-            for bucket in DEFER_BUCKETS:
-                pipe.zrem(self.conn.keys.deferrals(book, bucket), *members)
-            pipe.sadd(self.conn.keys.active_scenes(book), *(scene_member(c, s) for c, s in scenes))
-            pipe.sadd(self.conn.keys.active_books(), book)
-            pipe.execute()
+            if members:
+                if force_ttl is not None:
+                    pipe.sadd(force_key, *members)
+                    pipe.expire(force_key, force_ttl)
+                else:
+                    pipe.srem(force_key, *members)
+                for bucket in DEFER_BUCKETS:
+                    pipe.zrem(self.conn.keys.deferrals(book, bucket), *members)
+                pipe.sadd(self.conn.keys.active_scenes(book), *(scene_member(c, s) for c, s in scenes))
+                pipe.sadd(self.conn.keys.active_books(), book)
+            writes = len(pipe)
+            if snapshot is not None:
+                self._read_snapshots(pipe, [book], snapshot[0], snapshot[1], 16)
+            replies = pipe.execute() if len(pipe) else []
+        return None if snapshot is None else self._parse_snapshots(replies[writes:], [book], *snapshot)[book]
 
     # -- active index --------------------------------------------------------------
     def activate(self, book: str, scenes: Iterable[SceneKey]) -> None:
