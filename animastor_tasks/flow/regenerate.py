@@ -28,16 +28,8 @@ from animastor_tasks.ports import CommandRow, Ports
 log = logging.getLogger("animastor.commands")
 
 
-def _describe(rows: list[CommandRow], targets: dict[str, list[tuple[str, str]]] | None = None) -> list[dict[str, Any]]:
-    return [
-        {
-            "command_id": row.command_id,
-            "stage": row.stage,
-            "targets": [list(t) for t in targets[row.stage]] if targets else row.targets,
-            "status": row.status,
-        }
-        for row in rows
-    ]
+def _describe(rows: list[CommandRow]) -> list[dict[str, Any]]:
+    return [{"command_id": r.command_id, "stage": r.stage, "targets": r.targets, "status": r.status} for r in rows]
 
 
 def regenerate(
@@ -111,8 +103,13 @@ def regenerate(
         ",".join(s["stage"] for s in skipped) or "none",
     )
     gate.gate_pass(ports, book, snapshot=snap)
-    rows = ports.commands.commands(book=book, command_ids=[cid for cid, _ in per_stage.values()])
-    return {"commands": _describe(rows, {s: t for s, (_, t) in per_stage.items()}), "skipped": skipped}
+    # The statuses alone (the pass may have settled a command): a command's progress joins every one of its targets.
+    statuses = ports.commands.command_statuses([cid for cid, _ in per_stage.values()])
+    described = [
+        {"command_id": cid, "stage": stage, "targets": [list(t) for t in scenes], "status": statuses[cid]}
+        for stage, (cid, scenes) in sorted(per_stage.items())
+    ]
+    return {"commands": described, "skipped": skipped}
 
 
 def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str | None]]) -> None:

@@ -118,6 +118,14 @@ class CommandStore:
             ids = [r[0] for r in conn.execute("SELECT command_id FROM commands WHERE request_id = %s", (request_id,))]
         return self.commands(command_ids=[str(i) for i in ids]) if ids else []
 
+    def command_statuses(self, command_ids: Sequence[str]) -> dict[str, str]:
+        """Each command's status, by its key alone (`commands` counts the states of all its targets)."""
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "SELECT command_id, status FROM commands WHERE command_id = ANY(%s::uuid[])", (list(command_ids),)
+            ).fetchall()
+        return {str(cid): status for cid, status in rows}
+
     def commands(
         self, *, book: str | None = None, command_ids: Sequence[str] | None = None, limit: int = 200
     ) -> list[CommandRow]:
