@@ -13,6 +13,7 @@ from typing import Any
 
 from celery import Celery, signals
 
+from animastor_tasks.adapters.redis import counters
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ConfigError, redact_url
@@ -39,6 +40,9 @@ log_setup.connect()
 signals.worker_process_init.connect(tracing.on_process_init)
 signals.worker_process_shutdown.connect(tracing.on_shutdown)
 signals.worker_shutdown.connect(tracing.on_shutdown)
+# Counters a process holds (adapters/redis/counters.py) go out before it leaves.
+signals.worker_process_shutdown.connect(counters.flush_all)
+signals.worker_shutdown.connect(counters.flush_all)
 # Jobs a process runs for its own freed slot (worker/chain.py): announced when the worker announces tasks, none
 # started once it shuts down.
 signals.worker_init.connect(chain.remember_task_events)

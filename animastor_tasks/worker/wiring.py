@@ -56,6 +56,7 @@ class Wiring:
         return self.ports.settings
 
     def close(self) -> None:
+        self.counters.close()
         self.db.close()
         self.redis.close()
 

@@ -85,7 +85,12 @@ def test_job_longer_than_the_visibility_timeout_is_not_committed_twice(make_stac
         assert stack.asset_rows(book.book_id)[pair]["token"] == 1  # no re-dispatch: one token ever
 
     stack.check_artifacts(book.book_id, {p for p in stack.states(book.book_id) if p[2] == "image"})
-    metric = int(coord.redis.client.hget(coord.redis.keys.metrics(), "job:duplicate_delivery:image") or 0)
+
+    def duplicates() -> int:  # a worker writes its counts out within a second
+        return int(coord.redis.client.hget(coord.redis.keys.metrics(), "job:duplicate_delivery:image") or 0)
+
+    wait_for(lambda: duplicates() >= trials, 10, f"{trials} duplicate deliveries counted")
+    metric = duplicates()
     assert metric == trials, metric
     figure(
         f"trials {trials}: job of {LONG_JOB['steps'] * LONG_JOB['step_seconds']:.0f}s, visibility timeout "

@@ -97,6 +97,7 @@ def test_deferred_pairs_cost_one_read_and_no_write(rt, monkeypatch) -> None:
     rt.deferrals.defer("big", "capacity", pending, 60, time.time())
     assert len(pending) == 1000
     before = pg_snapshot(rt)
+    rt.counters.flush()  # the regenerate's counts out now, not by the writer thread amid the passes
     log = CommandLog(rt, monkeypatch)
     for _ in range(10):
         report = gate.gate_pass(rt.ports, "big")

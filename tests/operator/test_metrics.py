@@ -64,8 +64,9 @@ def test_last_tick_age_follows_the_beat_tick(rt: Wiring) -> None:
 
     assert metrics.last_tick_age(rt.settings) is None
     gate.tick(rt.ports)
+    wait_for(lambda: metrics.last_tick_age(rt.settings) is not None, 5, "the tick's observation written out")
     age = metrics.last_tick_age(rt.settings)
-    assert age is not None and 0 <= age < 5
+    assert age is not None and 0 <= age < 5  # stamped at the tick, not when the process wrote it out
     assert metrics.last_tick_age(rt.settings, now=time.time() + 60) == pytest.approx(age + 60, abs=1)
     assert metrics.last_tick_age(replace(rt.settings, redis_url="redis://127.0.0.1:1/0")) is None
 
@@ -155,11 +156,12 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
 
         wait_for(completed, 60, "both commands completed")
 
-        def ticked() -> Samples | None:
+        def counted() -> Samples | None:  # each process writes its counts out within a second
             samples = scrape(url)
-            return samples if value(samples, "animastor_tick_seconds_count") > 0 else None
+            ready = [value(samples, "animastor_jobs_total", event="ready", stage=s) for s in ("audio", "image")]
+            return samples if value(samples, "animastor_tick_seconds_count") > 0 and ready == [3, 3] else None
 
-        after = wait_for(ticked, 15, "a beat tick recorded")
+        after = wait_for(counted, 15, "a beat tick and every job counted")
         assert value(after, "animastor_commands", status="completed") == 2
         for stage in ("audio", "image"):
             assert value(after, "animastor_jobs_total", event="started", stage=stage) == 3
@@ -190,7 +192,12 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
             30,
             "command BLOCKED",
         )
-        blocked = scrape(url)
+
+        def block_counted() -> Samples | None:
+            samples = scrape(url)
+            return samples if value(samples, "animastor_blocked_commands_total", stage="image") else None
+
+        blocked = wait_for(block_counted, 5, "the block counted")
     finally:
         client.close()
     assert value(blocked, "animastor_blocked_commands_total", stage="image") == 1

@@ -5,15 +5,25 @@ exporter (`animastor-tasks metrics`) reads them with one HGETALL. Losing them in
 restart only resets counters, which Prometheus handles as a counter reset. Updates are
 best effort: a lost one never fails the work that made it.
 
+A process holds its updates in memory and a writer thread adds them to the hash in one pipeline every
+`FLUSH_SECONDS` (and when the process closes its stores or its worker shuts down): a job made seven
+counter round trips of its own and a regenerate three. What a killed process still held is lost.
+
 Names carry their labels after a colon: `job:<event>:<stage>`, `dispatch:<outcome>`, and histograms
 `<name>:<stage>` (`job_seconds:audio`), which the exporter turns into a `stage` label.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import threading
 import time
-from collections.abc import Mapping
+import weakref
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import redis
 
@@ -27,6 +37,8 @@ DURATION_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 JOB_BUCKETS: tuple[float, ...] = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 #: Histograms (name before any `:<stage>`) that use `JOB_BUCKETS`.
 LONG_HISTOGRAMS = frozenset({"job_seconds", "queue_wait_seconds"})
+FLUSH_SECONDS = 0.5  # a scrape sees an update at most this much later
+_stores: weakref.WeakSet[CounterStore] = weakref.WeakSet()  # this process's stores, for `flush_all`
 
 
 def buckets_for(name: str) -> tuple[float, ...]:
@@ -40,38 +52,73 @@ def histogram_field(name: str, part: str) -> str:
 
 
 class CounterStore:
-    def __init__(self, conn: RedisConnection) -> None:
+    def __init__(self, conn: RedisConnection, flush_seconds: float = FLUSH_SECONDS) -> None:
         self.conn = conn
+        self.flush_seconds = flush_seconds
+        self._closed = threading.Event()
+        self._held_in = 0  # the process whose updates are held (a forked child starts empty)
+        _stores.add(self)
 
     def add(self, counts: Mapping[str, int]) -> None:
-        if not any(counts.values()):
-            return
-        try:
-            pipe = self.conn.client.pipeline(transaction=False)
+        with self._holding() as (increments, _):
             for name, n in counts.items():
                 if n:
-                    pipe.hincrby(self.conn.keys.metrics(), name, n)
-            pipe.execute()
-        except redis.RedisError as err:
-            log.debug("[METRICS] counter update lost: %s", err)
+                    increments[name] += n
 
     def observe(self, name: str, seconds: float) -> None:
-        """Add one duration to the histogram `name` (one pipeline: its bucket, count, sum and time of last).
+        """Add one duration to the histogram `name`: its bucket, count, sum and time of last.
 
         Buckets are stored non-cumulative and the sum in whole microseconds (HINCRBY stays an
         integer); the exporter accumulates them (`operator/metrics.py`).
         """
         bound = next((f"{b:g}" for b in buckets_for(name) if seconds <= b), "+Inf")
+        with self._holding() as (increments, latest):
+            increments[histogram_field(name, f"le={bound}")] += 1
+            increments[histogram_field(name, "count")] += 1
+            increments[histogram_field(name, "sum_us")] += max(0, round(seconds * 1_000_000))
+            latest[histogram_field(name, "last")] = f"{time.time():.3f}"
+
+    @contextmanager
+    def _holding(self) -> Iterator[tuple[Counter[str], dict[str, str]]]:
+        if self._held_in != os.getpid():  # first use in this process: its own lock, buffers and writer
+            self._lock = threading.Lock()
+            self._increments: Counter[str] = Counter()
+            self._latest: dict[str, str] = {}
+            self._held_in = os.getpid()
+            threading.Thread(target=self._write_every, name="animastor-counters", daemon=True).start()
+        with self._lock:
+            yield self._increments, self._latest
+
+    def _write_every(self) -> None:
+        while not self._closed.wait(self.flush_seconds):
+            self.flush()
+
+    def flush(self) -> None:
+        """Add what this process holds to the hash, in one pipeline; kept for the next flush if Redis fails."""
+        if self._held_in != os.getpid():
+            return
+        with self._lock:
+            increments, latest = self._increments, self._latest
+            self._increments, self._latest = Counter(), {}
+        if not increments and not latest:
+            return
         key = self.conn.keys.metrics()
         try:
             pipe = self.conn.client.pipeline(transaction=False)
-            pipe.hincrby(key, histogram_field(name, f"le={bound}"), 1)
-            pipe.hincrby(key, histogram_field(name, "count"), 1)
-            pipe.hincrby(key, histogram_field(name, "sum_us"), max(0, round(seconds * 1_000_000)))
-            pipe.hset(key, histogram_field(name, "last"), f"{time.time():.3f}")
+            for name, n in increments.items():
+                pipe.hincrby(key, name, n)
+            for name, value in latest.items():
+                pipe.hset(key, name, value)
             pipe.execute()
         except redis.RedisError as err:
-            log.debug("[METRICS] observation of %s lost: %s", name, err)
+            log.debug("[METRICS] %d counter update(s) kept for the next flush: %s", len(increments), err)
+            with self._lock:
+                self._increments.update(increments)
+                self._latest = {**latest, **self._latest}
+
+    def close(self) -> None:
+        self._closed.set()
+        self.flush()
 
     def observe_since_dispatch(self, name: str, dispatch_id: str) -> None:
         """Observe the time since the dispatch was published (`dispatched_at` of its lease metadata, written
@@ -92,6 +139,18 @@ class CounterStore:
             self.observe(name, max(0.0, time.time() - at))
 
     def read(self) -> dict[str, str]:
-        """Every counter and histogram field (for the exporter); `StoreUnavailable` when Redis is down."""
+        """Every counter and histogram field (for the exporter), this process's own held ones first added;
+        `StoreUnavailable` when Redis is down."""
+        self.flush()
         raw = self.conn.run(lambda: self.conn.client.hgetall(self.conn.keys.metrics()))
         return {str(k): str(v) for k, v in raw.items()}
+
+
+def flush_all(**_: object) -> None:
+    """What this process holds goes out before it leaves: at exit, and on `worker_process_shutdown` (a prefork
+    child leaves by `os._exit`, past any atexit hook)."""
+    for store in list(_stores):
+        store.flush()
+
+
+atexit.register(flush_all)

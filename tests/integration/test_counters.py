@@ -1,0 +1,80 @@
+"""A process's counters: held in memory, added to the shared hash by a writer thread in one pipeline.
+
+Real Redis; a refused connection stands for a Redis that is down.
+"""
+
+from __future__ import annotations
+
+import os
+
+import redis
+
+from animastor_tasks.adapters.redis.connection import RedisConnection
+from animastor_tasks.adapters.redis.counters import CounterStore, histogram_field
+from animastor_tasks.dev.net import free_port
+from animastor_tasks.domain.keys import Keyspace
+from tests.support import wait_for
+
+
+def store(settings, flush_seconds: float) -> CounterStore:  # type: ignore[no-untyped-def]
+    return CounterStore(RedisConnection(settings.redis_url, Keyspace(settings.key_prefix)), flush_seconds)
+
+
+def field(counters: CounterStore, name: str) -> int:
+    return int(counters.conn.client.hget(counters.conn.keys.metrics(), name) or 0)
+
+
+def test_counts_are_held_then_written_together_by_the_writer(settings, clean_stores) -> None:
+    counters = store(settings, flush_seconds=0.3)
+    try:
+        counters.add({"job:ready:audio": 2, "job:failed:audio": 0})
+        counters.add({"job:ready:audio": 1})
+        counters.observe("gate_pass_seconds", 0.004)
+        assert field(counters, "job:ready:audio") == 0  # held: no round trip per count
+        wait_for(lambda: field(counters, "job:ready:audio") == 3, 5, "the writer's flush")
+        assert field(counters, histogram_field("gate_pass_seconds", "le=0.005")) == 1
+        assert field(counters, histogram_field("gate_pass_seconds", "sum_us")) == 4000
+        assert counters.conn.client.hget(counters.conn.keys.metrics(), histogram_field("gate_pass_seconds", "last"))
+        assert not counters.conn.client.hexists(counters.conn.keys.metrics(), "job:failed:audio")
+    finally:
+        counters.close()
+
+
+def test_a_read_includes_what_the_process_holds_and_close_writes_the_rest(settings, clean_stores) -> None:
+    counters = store(settings, flush_seconds=60)
+    counters.add({"dispatch:dispatched": 4})
+    assert counters.read()["dispatch:dispatched"] == "4"
+    counters.add({"dispatch:dispatched": 1})
+    counters.close()
+    assert field(counters, "dispatch:dispatched") == 5
+
+
+def test_counts_made_while_redis_is_down_are_written_once_it_answers(settings, clean_stores) -> None:
+    counters = store(settings, flush_seconds=60)
+    reachable = counters.conn.client
+    counters.conn.client = redis.Redis(port=free_port(), socket_connect_timeout=0.5)  # nothing listens there
+    try:
+        counters.add({"job:started:audio": 2})
+        counters.flush()  # refused: kept
+        counters.add({"job:started:audio": 1})
+    finally:
+        counters.conn.client = reachable
+    counters.flush()
+    assert field(counters, "job:started:audio") == 3
+    counters.close()
+
+
+def test_a_forked_child_writes_only_its_own_counts(settings, clean_stores) -> None:
+    counters = store(settings, flush_seconds=60)
+    counters.add({"job:ready:image": 5})  # held by the parent when it forks
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's exit status says how it went
+        try:
+            counters.add({"job:ready:image": 1})
+            counters.flush()
+        finally:
+            os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    assert field(counters, "job:ready:image") == 1  # the child's one count, not the parent's five again
+    counters.close()
+    assert field(counters, "job:ready:image") == 6
