@@ -6,6 +6,7 @@ Real Redis; a refused connection stands for a Redis that is down.
 from __future__ import annotations
 
 import os
+import threading
 
 import redis
 
@@ -78,3 +79,23 @@ def test_a_forked_child_writes_only_its_own_counts(settings, clean_stores) -> No
     assert field(counters, "job:ready:image") == 1  # the child's one count, not the parent's five again
     counters.close()
     assert field(counters, "job:ready:image") == 6
+
+
+def test_counts_from_many_threads_at_once_are_all_written(settings, clean_stores) -> None:
+    counters = store(settings, flush_seconds=0.05)  # the writer flushes while the threads count
+    start = threading.Barrier(8)
+
+    def count() -> None:
+        start.wait()  # every thread's first update at the same moment (the writer starts on the first)
+        for _ in range(500):
+            counters.add({"job:started:audio": 1})
+            counters.observe("gate_pass_seconds", 0.001)
+
+    threads = [threading.Thread(target=count) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    counters.close()
+    assert field(counters, "job:started:audio") == 4000
+    assert field(counters, histogram_field("gate_pass_seconds", "count")) == 4000

@@ -56,8 +56,16 @@ class CounterStore:
         self.conn = conn
         self.flush_seconds = flush_seconds
         self._closed = threading.Event()
-        self._held_in = 0  # the process whose updates are held (a forked child starts empty)
+        self._start_empty()
         _stores.add(self)
+
+    def _start_empty(self) -> None:
+        """Nothing held and no writer yet: a new store, or its copy in a forked child (the parent writes
+        out what it held; the child's writer is started by its first update)."""
+        self._lock = threading.Lock()
+        self._increments: Counter[str] = Counter()
+        self._latest: dict[str, str] = {}
+        self._writing = False
 
     def add(self, counts: Mapping[str, int]) -> None:
         with self._holding() as (increments, _):
@@ -80,13 +88,10 @@ class CounterStore:
 
     @contextmanager
     def _holding(self) -> Iterator[tuple[Counter[str], dict[str, str]]]:
-        if self._held_in != os.getpid():  # first use in this process: its own lock, buffers and writer
-            self._lock = threading.Lock()
-            self._increments: Counter[str] = Counter()
-            self._latest: dict[str, str] = {}
-            self._held_in = os.getpid()
-            threading.Thread(target=self._write_every, name="animastor-counters", daemon=True).start()
         with self._lock:
+            if not self._writing:
+                self._writing = True
+                threading.Thread(target=self._write_every, name="animastor-counters", daemon=True).start()
             yield self._increments, self._latest
 
     def _write_every(self) -> None:
@@ -95,8 +100,6 @@ class CounterStore:
 
     def flush(self) -> None:
         """Add what this process holds to the hash, in one pipeline; kept for the next flush if Redis fails."""
-        if self._held_in != os.getpid():
-            return
         with self._lock:
             increments, latest = self._increments, self._latest
             self._increments, self._latest = Counter(), {}
@@ -153,4 +156,10 @@ def flush_all(**_: object) -> None:
         store.flush()
 
 
+def _forget_in_child() -> None:
+    for store in list(_stores):
+        store._start_empty()
+
+
 atexit.register(flush_all)
+os.register_at_fork(after_in_child=_forget_in_child)
