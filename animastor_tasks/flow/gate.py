@@ -85,9 +85,8 @@ def _gate_pass(
             # read that finds too many rows is thrown away (a tenth of the pass of a book of 100k pairs).
             scenes = ports.book_state.active_scene_count(book) if snapshot is None else len(snapshot.active)
             pairs = scenes * len(ports.settings.registry.stages)
-            if (
-                snapshot is None and OVERLAP_PAIRS <= pairs <= page.PAGE
-            ):  # its snapshot is read while its rows come back
+            # Its snapshot is read while its rows come back (unless the caller read it already).
+            if snapshot is None and OVERLAP_PAIRS <= pairs <= page.PAGE:
                 snap_ahead = read_ahead.submit(partial(_snapshot, ports, book, now))
             read = None if pairs > page.PAGE else ports.assets.gate_rows_many([book], limit=page.PAGE)
         except StoreUnavailable as err:

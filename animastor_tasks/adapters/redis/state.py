@@ -16,6 +16,8 @@ from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member, parse_pair_m
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.ports import Snapshot
 
+WAITERS_READ = 16  # books read at the head of each queue's waiting list (the fair share looks at them)
+
 
 class BookStateStore:
     def __init__(self, conn: RedisConnection) -> None:
@@ -52,7 +54,7 @@ class BookStateStore:
 
     # -- one read for a whole gate pass ---------------------------------------
     def book_snapshots(
-        self, books: Sequence[str], now: float, queues: Sequence[str] = (), *, waiters: int = 16
+        self, books: Sequence[str], now: float, queues: Sequence[str] = (), *, waiters: int = WAITERS_READ
     ) -> dict[str, Snapshot]:
         """Everything Redis knows that the gate passes of `books` need, in one round trip (one book, or a
         tick's batch; the queues are read once); `waiters`: how many books at the head of each queue's
@@ -102,7 +104,7 @@ class BookStateStore:
         members = [pair_member(*p) for p in pairs]
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
-            self._read_queues(pipe, queues, now, 16)
+            self._read_queues(pipe, queues, now, WAITERS_READ)
             pipe.exists(keys.cancel_flag(book))
             pipe.zscore(keys.due(), book)
             if members:
@@ -239,7 +241,7 @@ class BookStateStore:
                 pipe.sadd(self.conn.keys.active_books(), book)
             writes = len(pipe)
             if snapshot is not None:
-                self._read_snapshots(pipe, [book], snapshot[0], snapshot[1], 16)
+                self._read_snapshots(pipe, [book], snapshot[0], snapshot[1], WAITERS_READ)
             replies = pipe.execute() if len(pipe) else []
         return None if snapshot is None else self._parse_snapshots(replies[writes:], [book], *snapshot)[book]
 
