@@ -7,7 +7,7 @@ best effort: a lost one never fails the work that made it.
 
 A process holds its updates in memory and a writer thread adds them to the hash in one pipeline every
 `FLUSH_SECONDS` (and when the process closes its stores or its worker shuts down): a job made seven
-counter round trips of its own and a regenerate three. What a killed process still held is lost.
+counter round trips of its own and a regenerate two. What a killed process still held is lost.
 
 Names carry their labels after a colon: `job:<event>:<stage>`, `dispatch:<outcome>`, and histograms
 `<name>:<stage>` (`job_seconds:audio`), which the exporter turns into a `stage` label.
