@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Iterator
 
+import pytest
 import redis
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
@@ -17,32 +19,40 @@ from animastor_tasks.domain.keys import Keyspace
 from tests.support import wait_for
 
 
-def store(settings, flush_seconds: float) -> CounterStore:  # type: ignore[no-untyped-def]
-    return CounterStore(RedisConnection(settings.redis_url, Keyspace(settings.key_prefix)), flush_seconds)
+@pytest.fixture
+def store(settings, clean_stores) -> Iterator[Callable[[float], CounterStore]]:  # type: ignore[no-untyped-def]
+    """Stores on the test Redis; each one's writer stopped and connection closed at the end, pass or fail."""
+    made: list[CounterStore] = []
+
+    def make(flush_seconds: float) -> CounterStore:
+        made.append(CounterStore(RedisConnection(settings.redis_url, Keyspace(settings.key_prefix)), flush_seconds))
+        return made[-1]
+
+    yield make
+    for counters in made:
+        counters.close()
+        counters.conn.close()
 
 
 def field(counters: CounterStore, name: str) -> int:
     return int(counters.conn.client.hget(counters.conn.keys.metrics(), name) or 0)
 
 
-def test_counts_are_held_then_written_together_by_the_writer(settings, clean_stores) -> None:
-    counters = store(settings, flush_seconds=0.3)
-    try:
-        counters.add({"job:ready:audio": 2, "job:failed:audio": 0})
-        counters.add({"job:ready:audio": 1})
-        counters.observe("gate_pass_seconds", 0.004)
-        assert field(counters, "job:ready:audio") == 0  # held: no round trip per count
-        wait_for(lambda: field(counters, "job:ready:audio") == 3, 5, "the writer's flush")
-        assert field(counters, histogram_field("gate_pass_seconds", "le=0.005")) == 1
-        assert field(counters, histogram_field("gate_pass_seconds", "sum_us")) == 4000
-        assert counters.conn.client.hget(counters.conn.keys.metrics(), histogram_field("gate_pass_seconds", "last"))
-        assert not counters.conn.client.hexists(counters.conn.keys.metrics(), "job:failed:audio")
-    finally:
-        counters.close()
+def test_counts_are_held_then_written_together_by_the_writer(store) -> None:
+    counters = store(0.3)
+    counters.add({"job:ready:audio": 2, "job:failed:audio": 0})
+    counters.add({"job:ready:audio": 1})
+    counters.observe("gate_pass_seconds", 0.004)
+    assert field(counters, "job:ready:audio") == 0  # held: no round trip per count
+    wait_for(lambda: field(counters, "job:ready:audio") == 3, 5, "the writer's flush")
+    assert field(counters, histogram_field("gate_pass_seconds", "le=0.005")) == 1
+    assert field(counters, histogram_field("gate_pass_seconds", "sum_us")) == 4000
+    assert counters.conn.client.hget(counters.conn.keys.metrics(), histogram_field("gate_pass_seconds", "last"))
+    assert not counters.conn.client.hexists(counters.conn.keys.metrics(), "job:failed:audio")
 
 
-def test_a_read_includes_what_the_process_holds_and_close_writes_the_rest(settings, clean_stores) -> None:
-    counters = store(settings, flush_seconds=60)
+def test_a_read_includes_what_the_process_holds_and_close_writes_the_rest(store) -> None:
+    counters = store(60)
     counters.add({"dispatch:dispatched": 4})
     assert counters.read()["dispatch:dispatched"] == "4"
     counters.add({"dispatch:dispatched": 1})
@@ -50,8 +60,8 @@ def test_a_read_includes_what_the_process_holds_and_close_writes_the_rest(settin
     assert field(counters, "dispatch:dispatched") == 5
 
 
-def test_counts_made_while_redis_is_down_are_written_once_it_answers(settings, clean_stores) -> None:
-    counters = store(settings, flush_seconds=60)
+def test_counts_made_while_redis_is_down_are_written_once_it_answers(store) -> None:
+    counters = store(60)
     reachable = counters.conn.client
     counters.conn.client = redis.Redis(port=free_port(), socket_connect_timeout=0.5)  # nothing listens there
     try:
@@ -65,8 +75,8 @@ def test_counts_made_while_redis_is_down_are_written_once_it_answers(settings, c
     counters.close()
 
 
-def test_a_forked_child_writes_only_its_own_counts(settings, clean_stores) -> None:
-    counters = store(settings, flush_seconds=60)
+def test_a_forked_child_writes_only_its_own_counts(store) -> None:
+    counters = store(60)
     counters.add({"job:ready:image": 5})  # held by the parent when it forks
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's exit status says how it went
@@ -81,8 +91,8 @@ def test_a_forked_child_writes_only_its_own_counts(settings, clean_stores) -> No
     assert field(counters, "job:ready:image") == 6
 
 
-def test_counts_from_many_threads_at_once_are_all_written(settings, clean_stores) -> None:
-    counters = store(settings, flush_seconds=0.05)  # the writer flushes while the threads count
+def test_counts_from_many_threads_at_once_are_all_written(store) -> None:
+    counters = store(0.05)  # the writer flushes while the threads count
     start = threading.Barrier(8)
 
     def count() -> None:
