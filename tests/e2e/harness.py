@@ -196,6 +196,9 @@ def generate_lines(proc: Proc, dispatch_id: str) -> list[str]:
     return [line for line in proc.log().splitlines() if f"dispatch={dispatch_id}" in line or f"[{dispatch_id}]" in line]
 
 
+FROZEN_SETTLE = 0.2  # seconds between freezing a worker and reading whether its job committed
+
+
 def running_dispatch(proc: Proc) -> str | None:
     """The dispatch id a GPU worker has started and not yet finished, read from its log."""
     current = None
@@ -275,9 +278,14 @@ def sigkill_trials(
             index, dispatch_id = wait_for(busy, 30, what="a job running on an image worker")
             victim = images[index]
             time.sleep(settle)
+            # Frozen before it is looked at, so the job cannot commit between the look and the kill; the pause
+            # lets Postgres finish a statement the worker had already sent (a COMMIT outlives its sender).
+            cluster.send_signal(victim, signal.SIGSTOP)
+            time.sleep(FROZEN_SETTLE)
             assets = stack.asset_rows(book.book_id)
             holder = [(pair, a["token"]) for pair, a in assets.items() if a["dispatch_id"] == dispatch_id]
             if running_dispatch(victim) != dispatch_id or not holder or assets[holder[0][0]]["state"] != "generating":
+                cluster.send_signal(victim, signal.SIGCONT)
                 continue  # it finished meanwhile; kill the next one
             cluster.kill(victim, signal.SIGKILL)
             done.append((dispatch_id, holder[0], time.monotonic()))
@@ -294,7 +302,8 @@ def sigkill_trials(
     assert {s for (_, _, st), s in states.items() if st == "image"} == {"ready"}
     artifacts = stack.check_artifacts(book.book_id, pairs)  # one row per pair, under its final token
     killed_ids = {d for d, _, _ in done}
-    assert not killed_ids & {r["dispatch_id"] for r in artifacts}
+    committed = killed_ids & {r["dispatch_id"] for r in artifacts}
+    assert not committed, f"killed dispatches that committed: {sorted(committed)}"
     ready_events = stack.events("job.ready", book.book_id)
     assert not killed_ids & {e["dispatch_id"] for e in ready_events}
     assert len(ready_events) == len(pairs), f"{len(ready_events)} job.ready events for {len(pairs)} pairs"
