@@ -3,6 +3,9 @@
 - A refill's candidate read costs what the free slots need, not what the book holds: the rows of
   `asset_states` it fetches (`pg_stat_xact_user_tables`, within the read's own transaction), under the
   plan a fresh statement gets and under the generic plan a prepared one settles on.
+- A regenerate of a few scenes reads those scenes, not the book: its command context (the book, the request id,
+  the named scenes) fetches about as many `scenes` rows as it names. It had read every scene of the book
+  (19 ms of a one-scene regenerate in a book of 100,000 scenes, 0.9 ms in a small one).
 - The statements of a job's path settle on a generic plan, so the server stops planning them. psycopg
   prepares a statement at its fifth run; the server plans the next five for their values, then keeps a
   generic plan when it costs about as much. A state passed as a parameter cannot match a partial index
@@ -12,6 +15,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -20,6 +24,7 @@ import psycopg
 import pytest
 
 from animastor_tasks.adapters.postgres.assets import AssetStore
+from animastor_tasks.adapters.postgres.catalog import Catalog
 from animastor_tasks.adapters.postgres.gate_reads import GateReads
 from animastor_tasks.adapters.postgres.jobs import JobStore
 from animastor_tasks.adapters.postgres.pool import Database
@@ -50,10 +55,11 @@ class _InOneTransaction:
         yield self.conn
 
 
-def fetched(conn: psycopg.Connection) -> int:
+def fetched(conn: psycopg.Connection, table: str = "asset_states") -> int:
     row = conn.execute(
         "SELECT coalesce(sum(seq_tup_read), 0) + coalesce(sum(idx_tup_fetch), 0)"
-        " FROM pg_stat_xact_user_tables WHERE relname = 'asset_states'"
+        " FROM pg_stat_xact_user_tables WHERE relname = %s",
+        (table,),
     ).fetchone()
     assert row is not None
     return int(row[0])
@@ -79,6 +85,26 @@ def test_the_candidate_read_fetches_about_the_limit_from_a_book_of_thousands_of_
     assert [i.pair for i in rows.in_flight] == [("ch2", f"s{n}", "audio") for n in range(1, LIMIT + 1)]
     # 1,500 pairs are pending; the read fetches the limit's worth, with room for the skipped ones.
     assert cost <= 4 * LIMIT, f"fetched {cost} asset rows for {LIMIT} candidates"
+
+
+@pytest.mark.parametrize("plan", ["force_custom_plan", "force_generic_plan"])
+def test_the_command_context_of_a_few_scenes_fetches_those_scenes_not_the_book(rt: Any, plan: str) -> None:
+    rt.catalog.import_book(make_book("long", chapters=4, scenes=500))
+    named = [("ch3", "s7"), ("ch1", "s2"), ("ch3", "s7")]  # out of reading order, one named twice
+    with psycopg.connect(rt.settings.database_url, prepare_threshold=0) as conn:
+        conn.execute(f"SET plan_cache_mode = {plan}")
+        catalog = Catalog(cast(Database, _InOneTransaction(conn)), rt.settings.registry)
+        for _ in range(3):  # prepared from the first run (threshold 0): the plan the mode forces
+            catalog.command_context("long", named, "00000000-0000-4000-8000-000000000001")
+        before = fetched(conn, "scenes")
+        context = catalog.command_context("long", named, "00000000-0000-4000-8000-000000000001")
+        cost = fetched(conn, "scenes") - before
+    assert context.exists and context.replay_of == []
+    assert context.scenes == [("ch1", "s2"), ("ch3", "s7")]  # each once, in reading order
+    assert cost <= 4, f"fetched {cost} scene rows for {len(named)} named scenes of 2,000"
+    whole = Catalog(rt.db, rt.settings.registry).command_context("long", None, "00000000-0000-4000-8000-000000000002")
+    assert len(whole.scenes) == 2000 and whole.scenes[:2] == [("ch1", "s1"), ("ch1", "s2")]
+    assert Catalog(rt.db, rt.settings.registry).command_context("none", named, str(uuid.uuid4())).exists is False
 
 
 def misplaced(rt: Any, book: str) -> int:
