@@ -233,3 +233,40 @@ def test_the_gate_rows_of_a_book_the_statistics_think_idle_cost_what_its_pairs_d
     assert explained is not None
     thrown = join_filtered(explained[0][0]["Plan"])
     assert thrown <= len(in_flight), f"the plan threw away {thrown} joined rows for {len(in_flight)} pairs"
+
+
+class _TransactionInOne(_InOneTransaction):
+    """Stands in for the pool's transactions too: the test's one transaction (rolled back by the test)."""
+
+    @contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection]:
+        yield self.conn
+
+
+def test_a_jobs_commit_settles_the_commands_of_its_pair_not_every_command_of_the_book(rt: Any) -> None:
+    """A book whose whole-book command runs beside thirty one-scene ones: a job's commit (under the lane's
+    lock) looked for an in-flight target of every active command of the book, reading the book's in-flight
+    pairs once per command (67 ms per commit at 5,000 pairs and 21 commands). Only the commands that target
+    the committed pair can settle by its commit."""
+    regenerated(rt, "busy", chapters=2, scenes=200)
+    for n in range(1, 31):
+        regenerate_flow.regenerate(rt.ports, "busy", ["audio"], [["ch2", f"s{n}"]], priority="interactive")
+    with rt.db.read() as conn:
+        row = conn.execute(
+            "SELECT chapter_id, scene_id, fencing_token, dispatch_id FROM asset_states"
+            " WHERE book_id = 'busy' AND state = 'generating' ORDER BY chapter_id, scene_id LIMIT 1"
+        ).fetchone()
+    assert row is not None
+    chapter, scene, token, dispatch_id = row
+    artifact = {"sha256": "0" * 64, "size": 1, "media_type": "audio/wav", "generator": "test", "duration_ms": 1}
+    with psycopg.connect(rt.settings.database_url) as conn:
+        jobs = JobStore(cast(Database, _TransactionInOne(conn)))
+        before = fetched(conn)
+        committed = jobs.commit_job(
+            "busy", (chapter, scene, "audio"), token, dispatch_id, {**artifact, "path": "x"}, "gpu.audio"
+        )
+        cost = fetched(conn) - before
+        conn.rollback()
+    assert committed
+    # 400 pairs in flight, 31 active commands: a look per command at the in-flight pairs read about 12,400.
+    assert cost <= 3 * 400, f"a commit read {cost} asset rows"

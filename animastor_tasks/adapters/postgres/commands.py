@@ -341,25 +341,36 @@ def release_targets(
     return marked
 
 
-def settle_commands(conn: psycopg.Connection[Any], book: str) -> list[str]:
+# The commands that target one pair (`settle_commands`' `pair`): picked before any of them is looked at.
+_TARGETING = (
+    " AND c.command_id IN (SELECT p.command_id FROM command_targets p WHERE p.book_id = %(book)s"
+    " AND p.chapter_id = %(chapter)s AND p.scene_id = %(scene)s AND p.stage = %(stage)s)"
+)
+
+
+def settle_commands(conn: psycopg.Connection[Any], book: str, pair: Pair | None = None) -> list[str]:
     """Active commands none of whose targets can still progress become completed or failed
     (`domain.targets.settle`), in the caller's transaction: the one that made the last target terminal
-    or released it. Returns the settled command ids."""
+    or released it. `pair`: the one pair the caller changed, so only the commands that target it are
+    looked at (a job's end, under its lane's lock: each command looked at reads the book's in-flight pairs,
+    67 ms per commit at 5,000 pairs and 21 active commands). Returns the settled command ids."""
     # Only a command none of whose targets is in flight can settle, and most of a command's life one is:
     # the in-flight pairs (a partial index) find it at once, so a job's commit, which settles under the
     # lane's lock, does not count every target of its command (0.5 ms at 160 targets, 3 ms at 1,000).
     rows = conn.execute(
         "WITH open_in_flight AS (SELECT chapter_id, scene_id, stage FROM asset_states"
-        f"  WHERE book_id = %(book)s AND state IN {literals.IN_FLIGHT_STATES} OFFSET 0)"
-        " SELECT t.command_id, t.released, a.state, count(*) FROM commands c"
+        f"  WHERE book_id = %(book)s AND state IN {literals.IN_FLIGHT_STATES} OFFSET 0),"
+        " looked_at AS MATERIALIZED (SELECT c.command_id FROM commands c"
+        f"  WHERE c.book_id = %(book)s AND c.status = {literals.ACTIVE}{_TARGETING if pair else ''})"
+        " SELECT t.command_id, t.released, a.state, count(*) FROM looked_at c"
         " JOIN command_targets t ON t.command_id = c.command_id"
         " LEFT JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
         "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
-        f" WHERE c.book_id = %(book)s AND c.status = {literals.ACTIVE} AND NOT EXISTS (SELECT 1 FROM open_in_flight f"
+        " WHERE NOT EXISTS (SELECT 1 FROM open_in_flight f"
         "  JOIN command_targets o ON o.command_id = c.command_id AND o.chapter_id = f.chapter_id"
         "   AND o.scene_id = f.scene_id AND o.stage = f.stage WHERE o.released IS NULL)"
         " GROUP BY 1, 2, 3",
-        {"book": book},
+        {"book": book, **(dict(zip(("chapter", "scene", "stage"), pair, strict=True)) if pair else {})},
     ).fetchall()
     tallies: dict[str, dict[str, Any]] = defaultdict(lambda: {"total": 0, "ready": 0, "failed": 0, "released": {}})
     for cid, released, state, count in rows:

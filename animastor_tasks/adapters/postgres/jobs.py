@@ -103,7 +103,7 @@ class JobStore:
                 detail = {"token": token, "sha256": artifact["sha256"]}
                 journal.record(conn, "job.ready", book, detail, pair=pair, dispatch_id=dispatch_id)
                 _end_start(conn, book, pair, None)
-                settle_commands(conn, book)
+                settle_commands(conn, book, pair)
             if not committed.rowcount:
                 conn.rollback()
                 return False
@@ -120,7 +120,7 @@ class JobStore:
             if done:
                 journal.record(conn, "job.failed", book, {"error": error[:1000]}, pair=pair, dispatch_id=dispatch_id)
                 _end_start(conn, book, pair, None)
-                settle_commands(conn, book)
+                settle_commands(conn, book, pair)
         return bool(done)
 
     def give_back(self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str) -> bool:
