@@ -270,3 +270,32 @@ def test_a_jobs_commit_settles_the_commands_of_its_pair_not_every_command_of_the
     assert committed
     # 400 pairs in flight, 31 active commands: a look per command at the in-flight pairs read about 12,400.
     assert cost <= 3 * 400, f"a commit read {cost} asset rows"
+
+
+@pytest.mark.parametrize("plan", ["force_custom_plan", "force_generic_plan"])
+def test_the_candidate_read_beside_one_scene_commands_whose_scenes_run_reads_no_more(rt: Any, plan: str) -> None:
+    """A one-scene command whose scene runs has no pending target: walking the book's pending pairs in reading
+    order for one of its own, it read every one of them, at every refill of the book (383 ms per refill at
+    5,000 pending pairs and 20 such commands). A command of few targets reads its targets instead."""
+    regenerated(rt, "wide", chapters=4, scenes=500)
+    scenes = [("ch4", f"s{n}") for n in range(491, 501)]
+    for chapter, scene in scenes:
+        regenerate_flow.regenerate(rt.ports, "wide", ["audio"], [[chapter, scene]], priority="interactive")
+    with rt.db.transaction() as conn:  # their jobs run, as the slots the interactive pass takes would
+        conn.execute(
+            "UPDATE asset_states SET state = 'generating' WHERE book_id = 'wide' AND stage = 'audio'"
+            " AND chapter_id = 'ch4' AND scene_id = ANY(%s)",
+            ([s for _, s in scenes],),
+        )
+    with psycopg.connect(rt.settings.database_url, prepare_threshold=0) as conn:
+        conn.execute(f"SET plan_cache_mode = {plan}")
+        reads = GateReads(cast(Database, _InOneTransaction(conn)))
+        for _ in range(3):
+            reads.gate_candidates("wide", ["audio"], LIMIT)
+        before = fetched(conn)
+        rows = reads.gate_candidates("wide", ["audio"], LIMIT)
+        cost = fetched(conn) - before
+    assert rows is not None
+    assert len(rows.in_flight) == LIMIT and all(i.state == "pending" for i in rows.in_flight)
+    # About 1,990 pairs pending; eleven commands: the whole-book one reads about the limit, each other its target.
+    assert cost <= 4 * LIMIT + 2 * len(scenes), f"fetched {cost} asset rows for {LIMIT} candidates"

@@ -52,6 +52,10 @@ _GATE_ROWS = (
 )
 
 
+# A command of at most this many targets reads them by key for a refill; a bigger one walks the book's pending
+# pairs in reading order until it has the refill's candidates.
+FEW_TARGETS = 1000
+
 # The priorities in rank order, for `array_position` (an array parameter: the order is the point).
 _PRIORITIES = [str(p) for p in Priority]
 
@@ -157,26 +161,39 @@ class GateReads:
         they should get slots, with the facts that decide them: what a refill needs, at a cost that
         follows `limit` and the number of active commands, not the size of the book. None: unknown book.
 
-        Each active command (most urgent priority first, oldest first) walks its targets in reading
-        order and stops after `limit` pending ones; a pair two commands target comes once, at the first.
+        Each active command (most urgent priority first, oldest first) gives its first `limit` pending targets
+        in reading order; a pair two commands target comes once, at the first. A command of many targets walks
+        the book's pending pairs in reading order and stops at the limit (done pairs are never read); one of
+        few targets reads those (walking the book for them read all of its pending pairs when they ran).
         """
+        columns = (
+            "a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, a.position, a.dispatch_id,"
+            " a.input_hash, s.input_hashes ->> a.stage, a.artifact_sha256 IS NOT NULL, true, cmd.rank, cmd.since"
+        )
+        scene = "JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
         with self.db.read() as conn:
             rows = conn.execute(
                 "WITH cmd AS (SELECT command_id, stage, array_position(%(priorities)s::text[], priority) - 1 AS rank,"
-                "  extract(epoch FROM created_at)::float8 AS since FROM commands"
+                "  extract(epoch FROM created_at)::float8 AS since, NOT EXISTS (SELECT 1 FROM command_targets t"
+                f"   WHERE t.command_id = c.command_id OFFSET {FEW_TARGETS}) AS few FROM commands c"
                 f"  WHERE book_id = %(book)s AND status IN {literals.AUTHORIZING_STATUSES}"
                 "  AND stage = ANY(%(stages)s)),"
-                # Each command walks the pending pairs of its stage in reading order (the pending-only index of
-                # 0006), keeps those it targets and stops at the limit: done pairs are never read.
                 " flight AS (SELECT DISTINCT ON (x.chapter_id, x.scene_id, x.stage) x.* FROM cmd CROSS JOIN LATERAL"
-                "  (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, a.position,"
-                "   a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage, a.artifact_sha256 IS NOT NULL, true,"
-                "   cmd.rank, cmd.since FROM asset_states a"
+                # Many targets: the pending pairs of the stage in reading order (the pending-only index of 0006).
+                f"  ((SELECT {columns} FROM asset_states a"
                 "   JOIN command_targets t ON t.command_id = cmd.command_id AND t.chapter_id = a.chapter_id"
-                "    AND t.scene_id = a.scene_id"
-                "   JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
-                f"   WHERE a.book_id = %(book)s AND a.stage = cmd.stage AND a.state = {literals.PENDING}"
-                f"   ORDER BY a.position LIMIT {int(limit)}) x"
+                f"    AND t.scene_id = a.scene_id {scene}"
+                "   WHERE NOT cmd.few AND a.book_id = %(book)s AND a.stage = cmd.stage"
+                f"   AND a.state = {literals.PENDING}"
+                f"   ORDER BY a.position LIMIT {int(limit)})"
+                # Few targets: each of them looked up by its key alone (a lateral the planner can neither turn into
+                # a walk of the pending pairs nor answer from the pending index, as statistics that saw the book
+                # idle made it do), then kept if pending.
+                f"  UNION ALL (SELECT {columns} FROM command_targets t CROSS JOIN LATERAL (SELECT * FROM asset_states"
+                "    WHERE book_id = t.book_id AND chapter_id = t.chapter_id AND scene_id = t.scene_id"
+                f"    AND stage = t.stage OFFSET 0) a {scene}"
+                f"   WHERE cmd.few AND t.command_id = cmd.command_id AND a.state = {literals.PENDING}"
+                f"   ORDER BY a.position LIMIT {int(limit)})) x"
                 "  ORDER BY x.chapter_id, x.scene_id, x.stage, x.rank, x.since)"
                 + _ONE_BOOK_ROW
                 + f" UNION ALL (SELECT * FROM flight ORDER BY 13, 14, 7 LIMIT {int(limit)})"
