@@ -183,7 +183,10 @@ class Aftermath(Later):
         self.thread: threading.Thread | None = None
 
     def __call__(self, step: Callable[[], object]) -> None:
-        if self.keeper.kept is None or threading.current_thread() is self.thread:  # a held step's own: now
+        if threading.current_thread() is self.thread:  # a held step's own: now
+            step()
+        elif self.keeper.kept is None:
+            self.end()  # after the held steps still running: a job's `task-succeeded` never before its `task-started`
             step()
         else:
             self.steps.append(step)

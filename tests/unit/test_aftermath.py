@@ -56,3 +56,29 @@ def test_a_step_given_by_a_held_step_runs_at_once_in_the_aftermath_thread() -> N
     aftermath.job_started()
     aftermath.end()
     assert ran == ["aftermath"] and aftermath.steps == []
+
+
+def test_a_step_given_once_no_job_is_kept_runs_after_the_held_steps_still_running() -> None:
+    """The last kept job of a chain ends while its predecessor's bookkeeping (its `task-started` among it) still
+    runs: its `task-succeeded` went out first, and Flower saw the job succeed, then start."""
+    keeper = Keeper()
+    keeper.kept = object()
+    aftermath = Aftermath(keeper)
+    ran: list[str] = []
+    later_given = threading.Event()
+
+    def slow_held_step() -> None:
+        later_given.wait(timeout=0.5)  # still running when the next step is given (set by it, on the old code)
+        ran.append("held")
+
+    aftermath(slow_held_step)
+    aftermath.job_started()
+    keeper.kept = None  # nothing more is kept: a step now runs in the caller's thread
+
+    def given_now() -> None:
+        later_given.set()
+        ran.append("now")
+
+    aftermath(given_now)
+    aftermath.finish()
+    assert ran == ["held", "now"]
