@@ -299,3 +299,11 @@ def test_the_candidate_read_beside_one_scene_commands_whose_scenes_run_reads_no_
     assert len(rows.in_flight) == LIMIT and all(i.state == "pending" for i in rows.in_flight)
     # About 1,990 pairs pending; eleven commands: the whole-book one reads about the limit, each other its target.
     assert cost <= 4 * LIMIT + 2 * len(scenes), f"fetched {cost} asset rows for {LIMIT} candidates"
+
+
+def test_the_pools_connections_compile_no_statement(rt: Any) -> None:
+    """JIT off: a refill's read beside twenty one-scene commands was estimated past `jit_above_cost` and spent
+    40 ms compiling itself to run for 2 ms."""
+    with rt.db.read() as conn:
+        row = conn.execute("SHOW jit").fetchone()
+    assert row is not None and row[0] == "off"

@@ -43,7 +43,13 @@ class Database:
                         max_size=self._max_size,
                         timeout=self._timeout,
                         open=True,
-                        kwargs={"connect_timeout": max(1, int(self._timeout)), "autocommit": False},
+                        kwargs={
+                            "connect_timeout": max(1, int(self._timeout)),
+                            "autocommit": False,
+                            # No JIT: every statement here is short, and a cost estimate past jit_above_cost
+                            # (a refill's read beside many commands) spent 40 ms compiling a 2 ms read.
+                            "options": "-c jit=off",
+                        },
                         # No ping per checkout (a round trip on every transaction): a connection that
                         # died is discarded when its transaction fails, and idle ones are recycled.
                         max_idle=60,
