@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from animastor_tasks.adapters.postgres.commands import settle_commands
+from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import layers as layers_flow

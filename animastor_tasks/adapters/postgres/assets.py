@@ -15,8 +15,9 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
-from animastor_tasks.adapters.postgres.commands import lock_book, release_targets, settle_commands
+from animastor_tasks.adapters.postgres.commands import lock_book, release_targets
 from animastor_tasks.adapters.postgres.gate_reads import GateReads
+from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts
 from animastor_tasks.domain.keys import claim_locks
 from animastor_tasks.domain.types import Pair

@@ -14,11 +14,12 @@ from typing import Any
 
 import psycopg
 
-from animastor_tasks.adapters.postgres import journal, literals
+from animastor_tasks.adapters.postgres import journal
 from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.gate import BookFacts
 from animastor_tasks.domain.keys import book_lock
-from animastor_tasks.domain.targets import Take, TargetCounts, release_reason, settle, states_taking
+from animastor_tasks.domain.targets import Take, release_reason, states_taking
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import (
     CANCELLABLE,
@@ -339,58 +340,3 @@ def release_targets(
         journal.record(conn, "targets.released", book, {k: v for k, v in marked.items() if v})
     settle_commands(conn, book)
     return marked
-
-
-# The commands that target one pair (`settle_commands`' `pair`): picked before any of them is looked at.
-_TARGETING = (
-    " AND c.command_id IN (SELECT p.command_id FROM command_targets p WHERE p.book_id = %(book)s"
-    " AND p.chapter_id = %(chapter)s AND p.scene_id = %(scene)s AND p.stage = %(stage)s)"
-)
-
-
-def settle_commands(conn: psycopg.Connection[Any], book: str, pair: Pair | None = None) -> list[str]:
-    """Active commands none of whose targets can still progress become completed or failed
-    (`domain.targets.settle`), in the caller's transaction: the one that made the last target terminal
-    or released it. `pair`: the one pair the caller changed, so only the commands that target it are
-    looked at (a job's end, under its lane's lock: each command looked at reads the book's in-flight pairs,
-    67 ms per commit at 5,000 pairs and 21 active commands). Returns the settled command ids."""
-    # Only a command none of whose targets is in flight can settle, and most of a command's life one is:
-    # the in-flight pairs (a partial index) find it at once, so a job's commit, which settles under the
-    # lane's lock, does not count every target of its command (0.5 ms at 160 targets, 3 ms at 1,000).
-    rows = conn.execute(
-        "WITH open_in_flight AS (SELECT chapter_id, scene_id, stage FROM asset_states"
-        f"  WHERE book_id = %(book)s AND state IN {literals.IN_FLIGHT_STATES} OFFSET 0),"
-        " looked_at AS MATERIALIZED (SELECT c.command_id FROM commands c"
-        f"  WHERE c.book_id = %(book)s AND c.status = {literals.ACTIVE}{_TARGETING if pair else ''})"
-        " SELECT t.command_id, t.released, a.state, count(*) FROM looked_at c"
-        " JOIN command_targets t ON t.command_id = c.command_id"
-        " LEFT JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
-        "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
-        " WHERE NOT EXISTS (SELECT 1 FROM open_in_flight f"
-        "  JOIN command_targets o ON o.command_id = c.command_id AND o.chapter_id = f.chapter_id"
-        "   AND o.scene_id = f.scene_id AND o.stage = f.stage WHERE o.released IS NULL)"
-        " GROUP BY 1, 2, 3",
-        {"book": book, **(dict(zip(("chapter", "scene", "stage"), pair, strict=True)) if pair else {})},
-    ).fetchall()
-    tallies: dict[str, dict[str, Any]] = defaultdict(lambda: {"total": 0, "ready": 0, "failed": 0, "released": {}})
-    for cid, released, state, count in rows:
-        tally = tallies[str(cid)]
-        tally["total"] += count
-        if released is not None:
-            tally["released"][released] = tally["released"].get(released, 0) + count
-        elif state == AssetState.READY:
-            tally["ready"] += count
-        elif state == AssetState.FAILED:
-            tally["failed"] += count
-    settled: list[str] = []
-    for cid, tally in tallies.items():
-        verdict = settle(TargetCounts(**tally))
-        if verdict is None:
-            continue
-        status, reason = verdict
-        conn.execute(
-            "UPDATE commands SET status = %s, reason = %s, updated_at = now() WHERE command_id = %s AND status = %s",
-            (status, reason, cid, ACTIVE),
-        )
-        settled.append(cid)
-    return settled

@@ -54,7 +54,7 @@ _GATE_ROWS = (
 
 # A command of at most this many targets reads them by key for a refill; a bigger one walks the book's pending
 # pairs in reading order until it has the refill's candidates.
-FEW_TARGETS = 1000
+FEW_TARGETS = 100
 
 # The priorities in rank order, for `array_position` (an array parameter: the order is the point).
 _PRIORITIES = [str(p) for p in Priority]

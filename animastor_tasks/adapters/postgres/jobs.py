@@ -15,8 +15,8 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
-from animastor_tasks.adapters.postgres.commands import settle_commands
 from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.keys import book_lock, lane_lock
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState, transition
