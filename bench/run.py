@@ -34,6 +34,7 @@ BENCHES = (
     "interactive",
     "idle_books",
     "refill_read",
+    "busy_commands",
     "throughput",
 )
 RESULTS = os.path.join(ROOT, "bench", "results.json")
