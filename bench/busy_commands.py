@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from animastor_tasks.adapters.postgres.settle import settle_commands
@@ -100,7 +101,7 @@ def run(ctx: Context) -> BenchResult:
         analyze()
         fresh = _median_ms(gate_rows)
         refill = {
-            shape.book_id: _median_ms(lambda b=shape.book_id: reads.gate_candidates(b, ["audio"], CANDIDATES))
+            shape.book_id: _median_ms(partial(reads.gate_candidates, shape.book_id, ["audio"], CANDIDATES))
             for shape in (alone, beside)
         }
         first = (*running[0], "audio")
