@@ -51,8 +51,8 @@ _GATE_ROWS = (
 )
 
 
-# A command of at most this many targets reads them by key for a refill; a bigger one walks the book's pending
-# pairs in reading order until it has the refill's candidates.
+# A command of at most this many targets has them looked up by key (a refill's candidates, a settle's search
+# for one in flight); a bigger one is found through the book's pending or in-flight pairs, which an index holds.
 FEW_TARGETS = 100
 
 # The priorities in rank order, for `array_position` (an array parameter: the order is the point).
