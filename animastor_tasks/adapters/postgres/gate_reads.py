@@ -54,6 +54,20 @@ _GATE_ROWS = (
 # A command of at most this many targets has them looked up by key (a refill's candidates, a settle's search
 # for one in flight); a bigger one is found through the book's pending or in-flight pairs, which an index holds.
 FEW_TARGETS = 100
+# Whether the command `c` has few targets: reads at most FEW_TARGETS + 1 of them.
+HAS_FEW_TARGETS = f"NOT EXISTS (SELECT 1 FROM command_targets n WHERE n.command_id = c.command_id OFFSET {FEW_TARGETS})"
+
+
+def pair_row_of(target: str, columns: str = "*") -> str:
+    """The asset row of the target aliased `target`, looked up by its key alone: a lateral the planner can
+    neither turn into a walk of the book's pending pairs nor answer from a state's partial index, as
+    statistics that saw the book idle made it do. The caller filters the state."""
+    return (
+        f"CROSS JOIN LATERAL (SELECT {columns} FROM asset_states WHERE book_id = {target}.book_id"
+        f" AND chapter_id = {target}.chapter_id AND scene_id = {target}.scene_id AND stage = {target}.stage"
+        " OFFSET 0)"
+    )
+
 
 # The priorities in rank order, for `array_position` (an array parameter: the order is the point).
 _PRIORITIES = [str(p) for p in Priority]
@@ -173,8 +187,7 @@ class GateReads:
         with self.db.read() as conn:
             rows = conn.execute(
                 "WITH cmd AS (SELECT command_id, stage, array_position(%(priorities)s::text[], priority) - 1 AS rank,"
-                "  extract(epoch FROM created_at)::float8 AS since, NOT EXISTS (SELECT 1 FROM command_targets t"
-                f"   WHERE t.command_id = c.command_id OFFSET {FEW_TARGETS}) AS few FROM commands c"
+                f"  extract(epoch FROM created_at)::float8 AS since, {HAS_FEW_TARGETS} AS few FROM commands c"
                 f"  WHERE book_id = %(book)s AND status IN {literals.AUTHORIZING_STATUSES}"
                 "  AND stage = ANY(%(stages)s)),"
                 " flight AS (SELECT DISTINCT ON (x.chapter_id, x.scene_id, x.stage) x.* FROM cmd CROSS JOIN LATERAL"
@@ -185,12 +198,8 @@ class GateReads:
                 "   WHERE NOT cmd.few AND a.book_id = %(book)s AND a.stage = cmd.stage"
                 f"   AND a.state = {literals.PENDING}"
                 f"   ORDER BY a.position LIMIT {int(limit)})"
-                # Few targets: each of them looked up by its key alone (a lateral the planner can neither turn into
-                # a walk of the pending pairs nor answer from the pending index, as statistics that saw the book
-                # idle made it do), then kept if pending.
-                f"  UNION ALL (SELECT {columns} FROM command_targets t CROSS JOIN LATERAL (SELECT * FROM asset_states"
-                "    WHERE book_id = t.book_id AND chapter_id = t.chapter_id AND scene_id = t.scene_id"
-                f"    AND stage = t.stage OFFSET 0) a {scene}"
+                # Few targets: each of them looked up by its key (`pair_row_of`), then kept if pending.
+                f"  UNION ALL (SELECT {columns} FROM command_targets t {pair_row_of('t')} a {scene}"
                 f"   WHERE cmd.few AND t.command_id = cmd.command_id AND a.state = {literals.PENDING}"
                 f"   ORDER BY a.position LIMIT {int(limit)})) x"
                 "  ORDER BY x.chapter_id, x.scene_id, x.stage, x.rank, x.since)"

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import literals
-from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS
+from animastor_tasks.adapters.postgres.gate_reads import HAS_FEW_TARGETS, pair_row_of
 from animastor_tasks.domain.targets import TargetCounts, settle
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState, CommandStatus
@@ -37,8 +37,7 @@ def settle_commands(conn: psycopg.Connection[Any], book: str, pair: Pair | None 
     rows = conn.execute(
         "WITH open_in_flight AS (SELECT chapter_id, scene_id, stage FROM asset_states"
         f"  WHERE book_id = %(book)s AND state IN {literals.IN_FLIGHT_STATES} OFFSET 0),"
-        " looked_at AS MATERIALIZED (SELECT c.command_id, NOT EXISTS (SELECT 1 FROM command_targets n"
-        f"  WHERE n.command_id = c.command_id OFFSET {FEW_TARGETS}) AS few FROM commands c"
+        f" looked_at AS MATERIALIZED (SELECT c.command_id, {HAS_FEW_TARGETS} AS few FROM commands c"
         f"  WHERE c.book_id = %(book)s AND c.status = {literals.ACTIVE}{_TARGETING if pair else ''})"
         " SELECT t.command_id, t.released, a.state, count(*) FROM looked_at c"
         " JOIN command_targets t ON t.command_id = c.command_id"
@@ -47,9 +46,7 @@ def settle_commands(conn: psycopg.Connection[Any], book: str, pair: Pair | None 
         " WHERE NOT EXISTS (SELECT 1 FROM open_in_flight f"
         "  JOIN command_targets o ON o.command_id = c.command_id AND o.chapter_id = f.chapter_id"
         "   AND o.scene_id = f.scene_id AND o.stage = f.stage WHERE NOT c.few AND o.released IS NULL)"
-        " AND NOT EXISTS (SELECT 1 FROM command_targets o CROSS JOIN LATERAL (SELECT state FROM asset_states"
-        "   WHERE book_id = o.book_id AND chapter_id = o.chapter_id AND scene_id = o.scene_id AND stage = o.stage"
-        "   OFFSET 0) f"
+        f" AND NOT EXISTS (SELECT 1 FROM command_targets o {pair_row_of('o', 'state')} f"
         "   WHERE c.few AND o.command_id = c.command_id AND o.released IS NULL"
         f"   AND f.state IN {literals.IN_FLIGHT_STATES})"
         " GROUP BY 1, 2, 3",
