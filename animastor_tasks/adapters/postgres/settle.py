@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import literals
-from animastor_tasks.adapters.postgres.gate_reads import HAS_FEW_TARGETS, pair_row_of
+from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS_OF, HAS_FEW_TARGETS, TARGETS_BY_KEY, pair_row_of
 from animastor_tasks.domain.targets import TargetCounts, settle
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState, CommandStatus
@@ -38,17 +38,18 @@ def settle_commands(conn: psycopg.Connection[Any], book: str, pair: Pair | None 
         "WITH open_in_flight AS (SELECT chapter_id, scene_id, stage FROM asset_states"
         f"  WHERE book_id = %(book)s AND state IN {literals.IN_FLIGHT_STATES} OFFSET 0),"
         f" looked_at AS MATERIALIZED (SELECT c.command_id, {HAS_FEW_TARGETS} AS few FROM commands c"
-        f"  WHERE c.book_id = %(book)s AND c.status = {literals.ACTIVE}{_TARGETING if pair else ''})"
-        " SELECT t.command_id, t.released, a.state, count(*) FROM looked_at c"
-        " JOIN command_targets t ON t.command_id = c.command_id"
+        f"  WHERE c.book_id = %(book)s AND c.status = {literals.ACTIVE}{_TARGETING if pair else ''}),"
+        " settling AS MATERIALIZED (SELECT c.command_id FROM looked_at c"
+        "  WHERE NOT EXISTS (SELECT 1 FROM open_in_flight f"
+        "   JOIN command_targets o ON o.command_id = c.command_id AND o.chapter_id = f.chapter_id"
+        "    AND o.scene_id = f.scene_id AND o.stage = f.stage WHERE NOT c.few AND o.released IS NULL)"
+        f"  AND NOT EXISTS (SELECT 1 FROM ({FEW_TARGETS_OF.format('c')}) o {pair_row_of('o', 'state')} f"
+        f"   WHERE o.released IS NULL AND f.state IN {literals.IN_FLIGHT_STATES}))"
+        " SELECT t.command_id, t.released, a.state, count(*) FROM settling c"
+        f" CROSS JOIN LATERAL (SELECT * FROM command_targets t WHERE t.command_id = c.command_id"
+        f"  {TARGETS_BY_KEY.format('t')}) t"
         " LEFT JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
         "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
-        " WHERE NOT EXISTS (SELECT 1 FROM open_in_flight f"
-        "  JOIN command_targets o ON o.command_id = c.command_id AND o.chapter_id = f.chapter_id"
-        "   AND o.scene_id = f.scene_id AND o.stage = f.stage WHERE NOT c.few AND o.released IS NULL)"
-        f" AND NOT EXISTS (SELECT 1 FROM command_targets o {pair_row_of('o', 'state')} f"
-        "   WHERE c.few AND o.command_id = c.command_id AND o.released IS NULL"
-        f"   AND f.state IN {literals.IN_FLIGHT_STATES})"
         " GROUP BY 1, 2, 3",
         {"book": book, **(dict(zip(("chapter", "scene", "stage"), pair, strict=True)) if pair else {})},
     ).fetchall()
