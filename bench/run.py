@@ -35,6 +35,7 @@ BENCHES = (
     "idle_books",
     "refill_read",
     "busy_commands",
+    "big_book_regenerate",
     "throughput",
 )
 RESULTS = os.path.join(ROOT, "bench", "results.json")

@@ -22,10 +22,11 @@ from animastor_tasks.domain.gate import layer_enabled, parse_layers
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.errors import DuplicateCommand, InvalidCommand
-from animastor_tasks.flow import gate, validate
-from animastor_tasks.ports import CommandRow, Ports
+from animastor_tasks.flow import gate, page, refill, validate
+from animastor_tasks.ports import CommandRow, Ports, Snapshot
 
 log = logging.getLogger("animastor.commands")
+BIG_BOOK_SCENES = 500  # active scenes (the active index) from which a regenerate does not pass the whole book
 
 
 def _describe(rows: list[CommandRow]) -> list[dict[str, Any]]:
@@ -91,6 +92,7 @@ def regenerate(
         targets,
         force_ttl=ports.settings.force_ttl_seconds if force else None,
         snapshot=(time.time(), ports.settings.registry.queues()),
+        most_scenes=BIG_BOOK_SCENES,
     )
     if created.superseded:
         _stop_superseded(ports, book, created.superseded)
@@ -102,7 +104,7 @@ def regenerate(
         request_id,
         ",".join(s["stage"] for s in skipped) or "none",
     )
-    gate.gate_pass(ports, book, snapshot=snap)
+    _first_dispatch(ports, book, snap)
     # The statuses alone (the pass may have settled a command): a command's progress joins every one of its targets.
     statuses = ports.commands.command_statuses([cid for cid, _ in per_stage.values()])
     described = [
@@ -110,6 +112,19 @@ def regenerate(
         for stage, (cid, scenes) in sorted(per_stage.items())
     ]
     return {"commands": described, "skipped": skipped}
+
+
+def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None) -> None:
+    """The pass that starts the command's work at once. In a big book (no snapshot: `start_work` read none) it
+    is the refill's read of the book's next pairs in slot order (an interactive scene is the first of them),
+    not a pass over every pair in flight: a reader's one scene in a book of 50,000 pending pairs cost half a
+    second of the control worker, 35 ms of it reading the book's sets from Redis. The full pass, which writes
+    why each other pair still waits, is then the tick's, and the book is due for it at once."""
+    if snap is not None:
+        gate.gate_pass(ports, book, snapshot=snap)
+        return
+    refill.refill(ports, book)
+    page.write_due(ports, book, time.time(), None)
 
 
 def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str | None]]) -> None:

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from animastor_tasks.adapters.redis.connection import RedisConnection
+from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member, parse_pair_member, parse_scene_member, scene_member
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.ports import Snapshot
@@ -24,6 +24,7 @@ class BookStateStore:
         self.conn = conn
         self._epoch: str | None = None  # the dataset token this process last saw (see `_seen_epoch`)
         self._data_lost_at = float("-inf")
+        self._book_reads_if_small = conn.client.register_script(_script("book_reads_if_small"))
 
     # -- cancel flag, layers mirror --------------------------------------------
     def set_cancel_flag(self, book: str) -> None:
@@ -221,10 +222,12 @@ class BookStateStore:
         *,
         force_ttl: int | None,
         snapshot: tuple[float, Sequence[str]] | None = None,
+        most_scenes: int | None = None,
     ) -> Snapshot | None:
         """A regenerate's Redis side in one round trip: force set (or un-force), deferrals cleared,
         scenes in the active index. `snapshot` (now, queues): the book's snapshot read after those writes,
-        in the same round trip, for the gate pass that follows at once."""
+        in the same round trip, for the gate pass that follows at once; `most_scenes`: only while the active
+        index holds at most that many scenes (None for a bigger book: its sets are not read)."""
         members = [pair_member(*p) for p in pairs]
         force_key = self.conn.keys.force_set(book)
         with self.conn.errors():
@@ -240,10 +243,35 @@ class BookStateStore:
                 pipe.sadd(self.conn.keys.active_scenes(book), *(scene_member(c, s) for c, s in scenes))
                 pipe.sadd(self.conn.keys.active_books(), book)
             writes = len(pipe)
-            if snapshot is not None:
+            if snapshot is not None and most_scenes is not None:
+                now, queues = snapshot
+                self._read_queues(pipe, queues, now, WAITERS_READ)
+                self._read_small_book(pipe, book, now, most_scenes)
+            elif snapshot is not None:
                 self._read_snapshots(pipe, [book], snapshot[0], snapshot[1], WAITERS_READ)
             replies = pipe.execute() if len(pipe) else []
-        return None if snapshot is None else self._parse_snapshots(replies[writes:], [book], *snapshot)[book]
+        if snapshot is None:
+            return None
+        read = replies[writes:]
+        if most_scenes is not None:
+            *head, sets = read
+            if sets is None:
+                return None
+            force, active, *deferred = sets
+            read = [*head, force, active, *[_scored(d) if i % 2 else d for i, d in enumerate(deferred)]]
+        return self._parse_snapshots(read, [book], *snapshot)[book]
+
+    def _read_small_book(self, pipe: Any, book: str, now: float, most_scenes: int) -> None:
+        """`_read_snapshots`' reads of one book, its sets only while it has at most `most_scenes` active."""
+        keys = self.conn.keys
+        pipe.exists(keys.cancel_flag(book))
+        pipe.zscore(keys.due(), book)
+        deferrals = [keys.deferrals(book, bucket) for bucket in DEFER_BUCKETS]
+        self._book_reads_if_small(
+            keys=[keys.force_set(book), keys.active_scenes(book), *deferrals],
+            args=[most_scenes, repr(now)],
+            client=pipe,
+        )
 
     # -- active index --------------------------------------------------------------
     def activate(self, book: str, scenes: Iterable[SceneKey]) -> None:
@@ -297,3 +325,8 @@ class BookStateStore:
             pipe.srem(self.conn.keys.active_books(), book)
             pipe.zrem(self.conn.keys.due(), book)
             pipe.execute()
+
+
+def _scored(flat: list[Any]) -> list[tuple[Any, float]]:
+    """A script's WITHSCORES reply (member, score, ...) as redis-py gives it to a command: (member, score) pairs."""
+    return [(flat[i], float(flat[i + 1])) for i in range(0, len(flat), 2)]
