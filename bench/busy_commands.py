@@ -58,18 +58,6 @@ def _settle_ms(rt: Any, book: str, pair: tuple[str, str, str]) -> float:
         return _median_ms(settle)
 
 
-def _figure(result: BenchResult, name: str, value: float, baseline: float, what: str) -> None:
-    ratio = value / baseline
-    result.figure(
-        name,
-        value,
-        "ms",
-        baseline=f"{what} {baseline:.2f} ms (x{ratio:.2f})",
-        target=f"<= {TARGET_RATIO:g}x",
-        ok=ratio <= TARGET_RATIO,
-    )
-
-
 def run(ctx: Context) -> BenchResult:
     result = BenchResult()
     scenes = 2_000 if ctx.quick else 5_000
@@ -108,9 +96,13 @@ def run(ctx: Context) -> BenchResult:
         settle = {shape.book_id: _settle_ms(rt, shape.book_id, first) for shape in (alone, beside)}
     finally:
         rt.close()
-    _figure(result, "busy_commands_gate_rows_ms", stale, fresh, "the same read after an ANALYZE")
-    _figure(result, "busy_commands_refill_read_ms", refill[beside.book_id], refill[alone.book_id], "alone")
-    _figure(result, "busy_commands_commit_settle_ms", settle[beside.book_id], settle[alone.book_id], "alone")
+    result.ms_within("busy_commands_gate_rows_ms", stale, fresh, "the same read after an ANALYZE", TARGET_RATIO)
+    result.ms_within(
+        "busy_commands_refill_read_ms", refill[beside.book_id], refill[alone.book_id], "alone", TARGET_RATIO
+    )
+    result.ms_within(
+        "busy_commands_commit_settle_ms", settle[beside.book_id], settle[alone.book_id], "alone", TARGET_RATIO
+    )
     result.notes["busy_commands"] = {
         "scenes": scenes,
         "one_scene_commands": ONE_SCENE_COMMANDS,

@@ -233,6 +233,18 @@ class BenchResult:
         self.figures[name] = round(value, 3) if isinstance(value, float) else value
         self.rows.append(Row(name, self.figures[name], unit, baseline, target, "" if ok is None else verdict(ok)))
 
+    def ms_within(self, name: str, value: float, baseline: float, what: str, most: float, note: str = "") -> None:
+        """A time in ms whose target is at most `most` times a baseline measured in the same run."""
+        ratio = value / baseline
+        self.figure(
+            name,
+            value,
+            "ms",
+            baseline=f"{what} {baseline:.2f} ms (x{ratio:.2f}){note}",
+            target=f"<= {most:g}x",
+            ok=ratio <= most,
+        )
+
 
 @dataclass(frozen=True)
 class Context:
