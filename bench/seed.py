@@ -129,9 +129,9 @@ def add_command(book: str, stage: str, scenes: Sequence[tuple[str, str]], status
     command_id = str(uuid.uuid4())
     with pg_connect(autocommit=False) as conn, conn.cursor() as cur:
         cur.execute(
-            "INSERT INTO commands (command_id, book_id, stage, status, force, request_id)"
-            " VALUES (%s, %s, %s, %s, true, %s)",
-            (command_id, book, stage, status, str(uuid.uuid4())),
+            "INSERT INTO commands (command_id, book_id, stage, status, force, request_id, target_count)"
+            " VALUES (%s, %s, %s, %s, true, %s, %s)",
+            (command_id, book, stage, status, str(uuid.uuid4()), len(scenes)),
         )
         cur.execute("SET LOCAL session_replication_role = replica")
         _copy(
@@ -147,13 +147,17 @@ def add_command(book: str, stage: str, scenes: Sequence[tuple[str, str]], status
 def add_commands_bulk(shapes: Sequence[BookShape], stages: Sequence[str] = STAGES) -> int:
     """One active command per book and stage covering every scene, for many books in two COPYs."""
     ids = {(s.book_id, stage): str(uuid.uuid4()) for s in shapes for stage in stages}
+    sizes = {s.book_id: s.scenes for s in shapes}
     with pg_connect(autocommit=False) as conn, conn.cursor() as cur:
         cur.execute("SET LOCAL session_replication_role = replica")
         _copy(
             cur,
             "commands",
-            ("command_id", "book_id", "stage", "status", "force", "request_id"),
-            (f"{cid}\t{book}\t{stage}\tactive\tt\t{uuid.uuid4()}\n" for (book, stage), cid in ids.items()),
+            ("command_id", "book_id", "stage", "status", "force", "request_id", "target_count"),
+            (
+                f"{cid}\t{book}\t{stage}\tactive\tt\t{uuid.uuid4()}\t{sizes[book]}\n"
+                for (book, stage), cid in ids.items()
+            ),
         )
 
         def targets() -> Iterator[str]:

@@ -66,9 +66,9 @@ class CommandStore:
                     chapters = [c for c, _ in scenes]
                     scene_ids = [s for _, s in scenes]
                     conn.execute(
-                        "INSERT INTO commands (command_id, book_id, stage, status, force, request_id, priority)"
-                        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-                        (command_id, book, stage, ACTIVE, force, request_id, priority),
+                        "INSERT INTO commands (command_id, book_id, stage, status, force, request_id, priority,"
+                        " target_count) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                        (command_id, book, stage, ACTIVE, force, request_id, priority, len(scenes)),
                     )
                     conn.execute(
                         "INSERT INTO command_targets (command_id, book_id, chapter_id, scene_id, stage)"

@@ -63,11 +63,8 @@ FEW_TARGETS_OF = (
     "SELECT * FROM command_targets t WHERE {0}.few AND t.command_id = {0}.command_id"
     f" {TARGETS_BY_KEY.format('t')} LIMIT {FEW_TARGETS}"
 )
-# Whether the command `c` has few targets: reads at most FEW_TARGETS + 1 of them.
-HAS_FEW_TARGETS = (
-    "NOT EXISTS (SELECT 1 FROM command_targets n WHERE n.command_id = c.command_id"
-    f" {TARGETS_BY_KEY.format('n')} OFFSET {FEW_TARGETS})"
-)
+# Whether the command `c` has few targets: its count, kept on its row (migration 0007; unknown counts as many).
+HAS_FEW_TARGETS = f"coalesce(c.target_count, {FEW_TARGETS + 1}) <= {FEW_TARGETS}"
 
 
 def pair_row_of(target: str, columns: str = "*") -> str:
@@ -198,19 +195,18 @@ class GateReads:
         scene = "JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
         with self.db.read() as conn:
             rows = conn.execute(
-                # Materialized: a command's `few` is counted once, not once per branch below.
-                "WITH cmd AS MATERIALIZED (SELECT command_id, stage,"
+                "WITH cmd AS (SELECT command_id, stage,"
                 "  array_position(%(priorities)s::text[], priority) - 1 AS rank,"
                 f"  extract(epoch FROM created_at)::float8 AS since, {HAS_FEW_TARGETS} AS few FROM commands c"
                 f"  WHERE book_id = %(book)s AND status IN {literals.AUTHORIZING_STATUSES}"
                 "  AND stage = ANY(%(stages)s)),"
                 " flight AS (SELECT DISTINCT ON (x.chapter_id, x.scene_id, x.stage) x.* FROM cmd CROSS JOIN LATERAL"
                 # Many targets: the pending pairs of the stage in reading order (the pending-only index of 0006).
-                f"  ((SELECT {columns} FROM asset_states a"
-                "   JOIN command_targets t ON t.command_id = cmd.command_id AND t.chapter_id = a.chapter_id"
-                f"    AND t.scene_id = a.scene_id {scene}"
+                f"  ((SELECT {columns} FROM asset_states a {scene}"
                 "   WHERE NOT cmd.few AND a.book_id = %(book)s AND a.stage = cmd.stage"
-                f"   AND a.state = {literals.PENDING}"
+                f"   AND a.state = {literals.PENDING} AND EXISTS (SELECT 1 FROM command_targets t"
+                "    WHERE t.command_id = cmd.command_id AND t.chapter_id = a.chapter_id AND t.scene_id = a.scene_id"
+                "    OFFSET 0)"
                 f"   ORDER BY a.position LIMIT {int(limit)})"
                 # Few targets: each of them looked up by its key (`pair_row_of`), then kept if pending.
                 f"  UNION ALL (SELECT {columns} FROM ({FEW_TARGETS_OF.format('cmd')}) t {pair_row_of('t')} a"
