@@ -22,6 +22,7 @@ from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.reconcile")
 RECOUNT_PAUSE_SECONDS = 0.5
+PAGE = 10_000  # scenes of a book's active index rebuilt at once
 
 
 def reconcile(ports: Ports, *, force: bool = False) -> dict[str, Any]:
@@ -47,13 +48,12 @@ def _rebuild_redis(ports: Ports, books: list[str], report: dict[str, Any]) -> No
     ports.book_state.set_cancel_flags(ports.commands.tombstoned_books())
     ports.book_state.mirror_layers_many(ports.catalog.all_layers(books))
     for book in books:
-        rows = ports.assets.gate_rows(book)
-        if rows is None:
-            continue
-        scenes = {(i.chapter, i.scene) for i in rows.in_flight}
-        if scenes:
+        # Page by page: the whole book's gate rows held at once took 1.1 GB and 10 s at a million pairs.
+        rebuilt = False
+        for scenes in ports.assets.in_flight_scene_pages(book, PAGE):
             ports.book_state.activate(book, scenes)
-            report["rebuilt_books"] += 1
+            rebuilt = True
+        report["rebuilt_books"] += rebuilt
 
 
 def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:

@@ -6,12 +6,12 @@ Read-only: the moves and the claim are `assets.py`'s.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 from animastor_tasks.adapters.postgres import literals
 from animastor_tasks.adapters.postgres.pool import Database
-from animastor_tasks.domain.types import SceneKey
+from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import IN_FLIGHT, Priority, priority_rank, values
 from animastor_tasks.ports import GateRows, InFlight
 
@@ -33,23 +33,32 @@ _ONE_BOOK_ROW = _BOOK_COLUMNS + " = %(book)s"
 # the pair) and grouping after: joined to the targets of the book's commands grouped first, a plan made on
 # statistics that saw the book idle read that group once per pair (5.7 s per pass of a book of 5,000
 # pending pairs); a join to an indexed table is a hash join or a lookup per pair, never a rescan.
-_GATE_ROWS = (
-    "WITH flight AS (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token,"
-    "  s.position, a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
-    "  a.artifact_sha256 IS NOT NULL AS has_artifact, count(c.command_id) > 0 AS commanded,"
-    "  coalesce(min(array_position(%(priorities)s::text[], c.priority)) - 1, %(normal)s) AS rank,"
-    "  extract(epoch FROM min(c.created_at))::float8 AS since"
-    "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-    "   AND s.scene_id = a.scene_id"
-    "  LEFT JOIN (command_targets t JOIN commands c ON c.command_id = t.command_id"
-    f"   AND c.status IN {literals.AUTHORIZING_STATUSES}) ON t.book_id = a.book_id"
-    "   AND t.chapter_id = a.chapter_id AND t.scene_id = a.scene_id AND t.stage = a.stage"
-    f"  WHERE a.book_id = ANY(%(books)s) AND a.state IN {literals.IN_FLIGHT_STATES}"
-    "  GROUP BY a.book_id, a.chapter_id, a.scene_id, a.stage, s.book_id, s.chapter_id, s.scene_id)"
-    + _BOOK_ROW
-    + " UNION ALL SELECT * FROM flight"
-)
+def _gate_rows_sql(pairs: str, book_row: str) -> str:
+    return (
+        "WITH flight AS (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token,"
+        "  s.position, a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
+        "  a.artifact_sha256 IS NOT NULL AS has_artifact, count(c.command_id) > 0 AS commanded,"
+        "  coalesce(min(array_position(%(priorities)s::text[], c.priority)) - 1, %(normal)s) AS rank,"
+        "  extract(epoch FROM min(c.created_at))::float8 AS since"
+        "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+        "   AND s.scene_id = a.scene_id"
+        "  LEFT JOIN (command_targets t JOIN commands c ON c.command_id = t.command_id"
+        f"   AND c.status IN {literals.AUTHORIZING_STATUSES}) ON t.book_id = a.book_id"
+        "   AND t.chapter_id = a.chapter_id AND t.scene_id = a.scene_id AND t.stage = a.stage"
+        f"  WHERE {pairs} AND a.state IN {literals.IN_FLIGHT_STATES}"
+        "  GROUP BY a.book_id, a.chapter_id, a.scene_id, a.stage, s.book_id, s.chapter_id, s.scene_id)"
+        + book_row
+        + " UNION ALL SELECT * FROM flight"
+    )
 
+
+_GATE_ROWS = _gate_rows_sql("a.book_id = ANY(%(books)s)", _BOOK_ROW)
+# The same of a few pairs of one book, each looked up by its key (a takeover judges its dead jobs' pairs).
+_GATE_ROWS_OF_PAIRS = _gate_rows_sql(
+    "a.book_id = %(book)s AND (a.chapter_id, a.scene_id, a.stage) IN"
+    " (SELECT * FROM unnest(%(chapters)s::text[], %(scenes)s::text[], %(stages)s::text[]))",
+    _ONE_BOOK_ROW,
+)
 
 # A command of at most this many targets has them looked up by key (a refill's candidates, a settle's search
 # for one in flight); a bigger one is found through the book's pending or in-flight pairs, which an index holds.
@@ -115,11 +124,20 @@ class GateReads:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def gate_rows(self, book: str) -> GateRows | None:
-        """Everything a gate pass needs from Postgres, in one statement; None for an unknown book."""
-        found = self.gate_rows_many([book])
-        assert found is not None  # no limit asked
-        return found[book]
+    def gate_rows(self, book: str, pairs: Sequence[Pair] | None = None) -> GateRows | None:
+        """Everything a gate pass needs from Postgres, in one statement; None for an unknown book.
+        `pairs`: of those in-flight pairs only, read by key, whatever the size of the book."""
+        if pairs is None:
+            found = self.gate_rows_many([book])
+            assert found is not None  # no limit asked
+            return found[book]
+        columns = dict(zip(("chapters", "scenes", "stages"), map(list, zip(*pairs, strict=True)), strict=True))
+        with self.db.read() as conn:
+            rows = conn.execute(
+                _GATE_ROWS_OF_PAIRS,
+                {**_gate_row_params([]), "book": book, "chapters": [], "scenes": [], "stages": [], **columns},
+            ).fetchall()
+        return _gate_rows_by_book([book], rows)[book]
 
     def gate_rows_many(self, books: Sequence[str], limit: int | None = None) -> dict[str, GateRows | None] | None:
         """`gate_rows` of several books in one statement (a tick's batch); None for an unknown book.
@@ -156,6 +174,19 @@ class GateReads:
                     if head is None:
                         return
                 yield GateRows(head[7], bool(head[11]), frozenset([i.pair for i in pairs if i.commanded]), pairs)
+
+    def in_flight_scene_pages(self, book: str, size: int) -> Iterator[list[SceneKey]]:
+        """The book's scenes with a pair in flight, `size` at a time (a server-side cursor): a book of a
+        million pairs is never held at once."""
+        with self.db.transaction() as conn, conn.cursor(name="in_flight_scenes") as cursor:
+            cursor.itersize = size
+            cursor.execute(
+                "SELECT DISTINCT chapter_id, scene_id FROM asset_states"
+                f" WHERE book_id = %s AND state IN {literals.IN_FLIGHT_STATES}",
+                (book,),
+            )
+            while batch := cursor.fetchmany(size):
+                yield [(c, s) for c, s in batch]
 
     def in_flight_scene_count(self, book: str) -> int:
         """How many scenes of the book have a pair in flight."""

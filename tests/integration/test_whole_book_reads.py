@@ -1,0 +1,72 @@
+"""The repairs read what they repair, not the whole book: a dead job's takeover reads its pairs by key and
+reconcile rebuilds the active index page by page. Each held the book's every in-flight pair at once: 10 s and
+1.1 GB of a control process at a million pairs. Real Postgres and Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.flow import reconcile as reconcile_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow import takeover
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import advertise, make_book, states
+
+
+def _regenerated(rt: Wiring, book: str, scenes: int) -> None:
+    rt.catalog.import_book(make_book(book, chapters=2, scenes=scenes))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, book, ["audio"])
+
+
+def _read_calls(rt: Wiring, name: str) -> list[tuple[Any, ...]]:
+    """Every call of `rt.ports.assets.<name>` from now on, with its arguments (the real read still runs)."""
+    calls: list[tuple[Any, ...]] = []
+    real = getattr(rt.ports.assets, name)
+    setattr(rt.ports.assets, name, lambda *a, **k: calls.append((*a, *k.values())) or real(*a, **k))
+    return calls
+
+
+def test_the_gate_rows_of_some_pairs_are_those_of_the_whole_read(rt: Wiring) -> None:
+    _regenerated(rt, "b", scenes=5)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch2", "s5"]], priority="interactive")
+    whole = rt.ports.assets.gate_rows("b")
+    assert whole is not None
+    picked = [("ch1", "s1", "audio"), ("ch2", "s5", "audio"), ("ch1", "s1", "image")]  # the last: not in flight
+    some = rt.ports.assets.gate_rows("b", picked)
+    assert some is not None
+    assert (some.layers_raw, some.tombstone) == (whole.layers_raw, whole.tombstone)
+    assert set(some.in_flight) == {i for i in whole.in_flight if i.pair in picked}
+    assert len(some.in_flight) == 2 and some.commanded == frozenset(picked[:2])
+    assert rt.ports.assets.gate_rows("gone", picked) is None
+
+
+def test_a_dead_jobs_takeover_reads_the_facts_of_its_pairs_only(rt: Wiring) -> None:
+    _regenerated(rt, "b", scenes=40)
+    dead = [g for g in rt.ports.assets.generating_pairs() if g.book == "b"][:2]
+    assert len(dead) == 2
+    calls = _read_calls(rt, "gate_rows")
+    report = {"expired": 0}
+    takeover.expire(rt.ports, dead, report)
+    assert calls == [("b", [g.pair for g in dead])]  # one read, of the two pairs
+    assert report["expired"] == 2
+    assert {states(rt, "b")[g.pair] for g in dead} == {AssetState.PENDING}  # still commanded: back to pending
+
+
+def test_reconcile_rebuilds_the_active_index_page_by_page(rt: Wiring, monkeypatch: pytest.MonkeyPatch) -> None:
+    _regenerated(rt, "b", scenes=5)
+    in_flight = {p[:2] for p, state in states(rt, "b").items() if state in ("pending", "generating")}
+    assert len(in_flight) == 10
+    pages = list(rt.ports.assets.in_flight_scene_pages("b", 3))
+    assert [len(p) for p in pages] == [3, 3, 3, 1] and {s for p in pages for s in p} == in_flight
+    rt.redis.client.delete(rt.redis.keys.active_scenes("b"))  # lost, as with Redis's data
+    monkeypatch.setattr(reconcile_flow, "PAGE", 3)
+    calls = _read_calls(rt, "gate_rows")
+    assert reconcile_flow.reconcile(rt.ports, force=True)["rebuilt_books"] == 1
+    assert calls == []  # the whole book's rows are read by its pass alone, page by page
+    active = rt.redis.client.smembers(rt.redis.keys.active_scenes("b"))
+    assert len(active) == 10
