@@ -104,7 +104,7 @@ def regenerate(
         request_id,
         ",".join(s["stage"] for s in skipped) or "none",
     )
-    _first_dispatch(ports, book, snap)
+    _first_dispatch(ports, book, snap, pairs)
     # The statuses alone (the pass may have settled a command): a command's progress joins every one of its targets.
     statuses = ports.commands.command_statuses([cid for cid, _ in per_stage.values()])
     described = [
@@ -114,17 +114,19 @@ def regenerate(
     return {"commands": described, "skipped": skipped}
 
 
-def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None) -> None:
+def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[Pair]) -> None:
     """The pass that starts the command's work at once. In a big book (no snapshot: `start_work` read none) it
     is the refill's read of the book's next pairs in slot order (an interactive scene is the first of them),
     not a pass over every pair in flight: a reader's one scene in a book of 50,000 pending pairs cost half a
-    second of the control worker, 35 ms of it reading the book's sets from Redis. The full pass, which writes
-    why each other pair still waits, is then the tick's, and the book is due for it at once."""
+    second of the control worker, 35 ms of it reading the book's sets from Redis. A target the refill did not
+    judge (behind the book's backlog) is left to the full pass, which writes why it waits: the book is due
+    for it at once."""
     if snap is not None:
         gate.gate_pass(ports, book, snapshot=snap)
         return
-    refill.refill(ports, book)
-    page.write_due(ports, book, time.time(), None)
+    report = refill.refill(ports, book)
+    if not report.denied.keys() | set(report.authorized) >= set(pairs):
+        page.write_due(ports, book, time.time(), None)
 
 
 def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str | None]]) -> None:
