@@ -96,3 +96,23 @@ def test_the_generic_plan_of_the_candidate_read_walks_a_big_books_pending_pairs_
         rows = reads.gate_candidates("wide", ["audio"], LIMIT)
     assert rows is not None and len(rows.in_flight) == LIMIT
     assert max(cost) <= 2 * FEW_TARGETS + 4 * LIMIT, f"fetched {cost} asset, target and scene rows"
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_the_candidate_read_looks_each_scene_up_by_key_in_a_book_the_statistics_have_not_seen(
+    rt: Any, plan: str
+) -> None:
+    """A book imported after the statistics were taken: estimated at a row, its scenes were joined by the book
+    alone and filtered, so each candidate rescanned every scene of the book (86 ms at 50,000 pending pairs)."""
+    regenerated(rt, "known", chapters=1, scenes=20)
+    with _statistics_in_one_transaction(rt, plan, TABLES) as conn:
+        regenerated(rt, "new", chapters=4, scenes=500)
+        with rt.db.transaction() as other:  # the first half of the new book done
+            other.execute(
+                "UPDATE asset_states SET state = 'ready' WHERE book_id = 'new' AND chapter_id IN ('ch1', 'ch2')"
+            )
+        reads = GateReads(cast(Database, _InOneTransaction(conn)))
+        cost = _counted(conn, lambda: reads.gate_candidates("new", ["audio"], LIMIT), ("scenes", "asset_states"))
+        rows = reads.gate_candidates("new", ["audio"], LIMIT)
+    assert rows is not None and len(rows.in_flight) == LIMIT
+    assert max(cost) <= 4 * LIMIT, f"fetched {cost} scene and asset rows"

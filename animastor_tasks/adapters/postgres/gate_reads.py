@@ -223,7 +223,12 @@ class GateReads:
             "a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, a.position, a.dispatch_id,"
             " a.input_hash, s.input_hashes ->> a.stage, a.artifact_sha256 IS NOT NULL, true, cmd.rank, cmd.since"
         )
-        scene = "JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
+        # Each pair's scene by its key: as a join, statistics that had not seen the book made the plan rescan
+        # the book's scenes for every candidate (86 ms at 50,000 pending pairs).
+        scene = (
+            "CROSS JOIN LATERAL (SELECT input_hashes FROM scenes WHERE book_id = a.book_id"
+            " AND chapter_id = a.chapter_id AND scene_id = a.scene_id OFFSET 0) s"
+        )
         with self.db.read() as conn:
             rows = conn.execute(
                 "WITH cmd AS (SELECT command_id, stage,"
