@@ -125,7 +125,8 @@ def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[
         gate.gate_pass(ports, book, snapshot=snap)
         return
     report = refill.refill(ports, book)
-    if not report.denied.keys() | set(report.authorized) >= set(pairs):
+    judged = report.denied.keys() | set(report.authorized)
+    if not judged.issuperset(pairs):
         page.write_due(ports, book, time.time(), None)
 
 

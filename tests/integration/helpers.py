@@ -101,3 +101,13 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         env=os.environ.copy(),
     )
+
+
+def read_calls(rt: Wiring, *names: str) -> list[tuple[Any, ...]]:
+    """Every call from now on of the reads `rt.ports.assets.<name>` named, with its arguments (the real read
+    still runs): which of a book's reads a flow made."""
+    calls: list[tuple[Any, ...]] = []
+    for name in names:
+        real = getattr(rt.ports.assets, name)
+        setattr(rt.ports.assets, name, lambda *a, _real=real, **k: calls.append((*a, *k.values())) or _real(*a, **k))
+    return calls

@@ -9,14 +9,13 @@ and leaves the full pass to the tick at once. Real Postgres, Redis and broker.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.regenerate import BIG_BOOK_SCENES
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import make_book, states
+from .helpers import make_book, read_calls, states
 from .test_elastic_share import lane
 
 SCENES = BIG_BOOK_SCENES + 20
@@ -64,11 +63,7 @@ def test_a_one_scene_regenerate_in_a_big_book_dispatches_it_without_passing_the_
             "UPDATE asset_states SET state = 'ready' WHERE book_id = 'big' AND state = 'generating'"
             " AND scene_id IN ('s1', 's2')"
         )
-    passed: list[Any] = []
-    reads = rt.ports.assets
-    for name in ("gate_rows_many", "gate_row_pages"):
-        real = getattr(reads, name)
-        setattr(reads, name, lambda *a, _real=real, **k: passed.append(a) or _real(*a, **k))
+    passed = read_calls(rt, "gate_rows_many", "gate_row_pages")
     asked = time.time()
     regenerate_flow.regenerate(rt.ports, "big", ["audio"], [["ch1", f"s{SCENES}"]], priority="interactive")
     assert passed == []  # not one read of the book's pairs in flight

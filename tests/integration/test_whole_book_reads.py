@@ -4,8 +4,6 @@ reconcile rebuilds the active index page by page. Each held the book's every in-
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from animastor_tasks.domain.vocabulary import AssetState
@@ -14,21 +12,13 @@ from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import takeover
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, states
+from .helpers import advertise, make_book, read_calls, states
 
 
 def _regenerated(rt: Wiring, book: str, scenes: int) -> None:
     rt.catalog.import_book(make_book(book, chapters=2, scenes=scenes))
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, book, ["audio"])
-
-
-def _read_calls(rt: Wiring, name: str) -> list[tuple[Any, ...]]:
-    """Every call of `rt.ports.assets.<name>` from now on, with its arguments (the real read still runs)."""
-    calls: list[tuple[Any, ...]] = []
-    real = getattr(rt.ports.assets, name)
-    setattr(rt.ports.assets, name, lambda *a, **k: calls.append((*a, *k.values())) or real(*a, **k))
-    return calls
 
 
 def test_the_gate_rows_of_some_pairs_are_those_of_the_whole_read(rt: Wiring) -> None:
@@ -49,7 +39,7 @@ def test_a_dead_jobs_takeover_reads_the_facts_of_its_pairs_only(rt: Wiring) -> N
     _regenerated(rt, "b", scenes=40)
     dead = [g for g in rt.ports.assets.generating_pairs() if g.book == "b"][:2]
     assert len(dead) == 2
-    calls = _read_calls(rt, "gate_rows")
+    calls = read_calls(rt, "gate_rows")
     report = {"expired": 0}
     takeover.expire(rt.ports, dead, report)
     assert calls == [("b", [g.pair for g in dead])]  # one read, of the two pairs
@@ -65,7 +55,7 @@ def test_reconcile_rebuilds_the_active_index_page_by_page(rt: Wiring, monkeypatc
     assert [len(p) for p in pages] == [3, 3, 3, 1] and {s for p in pages for s in p} == in_flight
     rt.redis.client.delete(rt.redis.keys.active_scenes("b"))  # lost, as with Redis's data
     monkeypatch.setattr(reconcile_flow, "PAGE", 3)
-    calls = _read_calls(rt, "gate_rows")
+    calls = read_calls(rt, "gate_rows")
     assert reconcile_flow.reconcile(rt.ports, force=True)["rebuilt_books"] == 1
     assert calls == []  # the whole book's rows are read by its pass alone, page by page
     active = rt.redis.client.smembers(rt.redis.keys.active_scenes("b"))

@@ -16,7 +16,7 @@ import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.commands import lock_book, release_targets
-from animastor_tasks.adapters.postgres.gate_reads import GateReads
+from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts
 from animastor_tasks.domain.keys import claim_locks
@@ -28,10 +28,6 @@ from animastor_tasks.domain.vocabulary import (
 from animastor_tasks.ports import Claim, GeneratingRow
 
 _PAIRS_CTE = "WITH p(chapter_id, scene_id, stage) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
-
-
-def _columns(pairs: Sequence[Pair]) -> tuple[list[str], list[str], list[str]]:
-    return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs]
 
 
 def new_dispatch_id() -> str:
@@ -49,7 +45,7 @@ class ClaimTransaction:
         """`pending -> generating` with the next token and the given dispatch ids, journalled, in one statement."""
         if not chosen:
             return []
-        chapters, scenes, stages = _columns([pair for pair, _ in chosen])
+        chapters, scenes, stages = pair_columns([pair for pair, _ in chosen])
         rows = self._conn.execute(
             "WITH p(chapter_id, scene_id, stage, dispatch_id) AS"
             " (SELECT * FROM unnest(%(chapters)s::text[], %(scenes)s::text[], %(stages)s::text[], %(ids)s::text[])),"
@@ -95,7 +91,7 @@ class AssetStore(GateReads):
                 _PAIRS_CTE + " UPDATE asset_states a SET state = %s, updated_at = now() FROM p"
                 " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
                 " AND a.stage = p.stage AND a.state = %s RETURNING a.chapter_id, a.scene_id, a.stage",
-                (*_columns(pairs), str(target), book, str(source)),
+                (*pair_columns(pairs), str(target), book, str(source)),
             ).fetchall()
             moved: list[Pair] = [tuple(r) for r in rows]
             if moved:
@@ -168,7 +164,7 @@ class AssetStore(GateReads):
                 " AND a.state = %s AND a.fencing_token = u.t",
                 (
                     AssetState.PENDING,
-                    *_columns([c.pair for c in claims]),
+                    *pair_columns([c.pair for c in claims]),
                     [c.token for c in claims],
                     book,
                     AssetState.GENERATING,
@@ -186,7 +182,7 @@ class AssetStore(GateReads):
                 " AND a.stage = p.stage AND a.state = %s AND a.artifact_sha256 IS NOT NULL"
                 " AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
                 " AND a.input_hash = s.input_hashes ->> a.stage RETURNING a.chapter_id, a.scene_id, a.stage",
-                (*_columns(pairs), AssetState.READY, book, AssetState.PENDING),
+                (*pair_columns(pairs), AssetState.READY, book, AssetState.PENDING),
             ).fetchall()
             settle_commands(conn, book)
         return [tuple(r) for r in rows]

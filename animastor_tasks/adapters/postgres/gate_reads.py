@@ -91,6 +91,11 @@ def pair_row_of(target: str, columns: str = "*") -> str:
 _PRIORITIES = [str(p) for p in Priority]
 
 
+def pair_columns(pairs: Sequence[Pair]) -> tuple[list[str], list[str], list[str]]:
+    """Pairs as three arrays (chapters, scenes, stages), for `unnest`."""
+    return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs]
+
+
 def _gate_row_params(books: Sequence[str]) -> dict[str, Any]:
     return {
         "books": list(books),
@@ -131,12 +136,9 @@ class GateReads:
             found = self.gate_rows_many([book])
             assert found is not None  # no limit asked
             return found[book]
-        columns = dict(zip(("chapters", "scenes", "stages"), map(list, zip(*pairs, strict=True)), strict=True))
+        columns = dict(zip(("chapters", "scenes", "stages"), pair_columns(pairs), strict=True))
         with self.db.read() as conn:
-            rows = conn.execute(
-                _GATE_ROWS_OF_PAIRS,
-                {**_gate_row_params([]), "book": book, "chapters": [], "scenes": [], "stages": [], **columns},
-            ).fetchall()
+            rows = conn.execute(_GATE_ROWS_OF_PAIRS, {**_gate_row_params([book]), "book": book, **columns}).fetchall()
         return _gate_rows_by_book([book], rows)[book]
 
     def gate_rows_many(self, books: Sequence[str], limit: int | None = None) -> dict[str, GateRows | None] | None:
