@@ -33,7 +33,10 @@ _ONE_BOOK_ROW = _BOOK_COLUMNS + " = %(book)s"
 # the pair) and grouping after: joined to the targets of the book's commands grouped first, a plan made on
 # statistics that saw the book idle read that group once per pair (5.7 s per pass of a book of 5,000
 # pending pairs); a join to an indexed table is a hash join or a lookup per pair, never a rescan.
-def _gate_rows_sql(pairs: str, book_row: str) -> str:
+# `of_books` (which books) restricts the joined scenes and targets too: the server does not carry a list of
+# books across a join, and a hash join of one small book's pairs hashed every scene and target of the farm
+# (33 ms per book of 1,000 pairs beside 99 others, 8 ms with the restriction).
+def _gate_rows_sql(of_books: str, pairs: str, book_row: str) -> str:
     return (
         "WITH flight AS (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token,"
         "  s.position, a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
@@ -41,21 +44,22 @@ def _gate_rows_sql(pairs: str, book_row: str) -> str:
         "  coalesce(min(array_position(%(priorities)s::text[], c.priority)) - 1, %(normal)s) AS rank,"
         "  extract(epoch FROM min(c.created_at))::float8 AS since"
         "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-        "   AND s.scene_id = a.scene_id"
+        f"   AND s.scene_id = a.scene_id AND s.book_id {of_books}"
         "  LEFT JOIN (command_targets t JOIN commands c ON c.command_id = t.command_id"
-        f"   AND c.status IN {literals.AUTHORIZING_STATUSES}) ON t.book_id = a.book_id"
+        f"   AND c.status IN {literals.AUTHORIZING_STATUSES}) ON t.book_id = a.book_id AND t.book_id {of_books}"
         "   AND t.chapter_id = a.chapter_id AND t.scene_id = a.scene_id AND t.stage = a.stage"
-        f"  WHERE {pairs} AND a.state IN {literals.IN_FLIGHT_STATES}"
+        f"  WHERE a.book_id {of_books} AND {pairs} AND a.state IN {literals.IN_FLIGHT_STATES}"
         "  GROUP BY a.book_id, a.chapter_id, a.scene_id, a.stage, s.book_id, s.chapter_id, s.scene_id)"
         + book_row
         + " UNION ALL SELECT * FROM flight"
     )
 
 
-_GATE_ROWS = _gate_rows_sql("a.book_id = ANY(%(books)s)", _BOOK_ROW)
+_GATE_ROWS = _gate_rows_sql("= ANY(%(books)s)", "true", _BOOK_ROW)
 # The same of a few pairs of one book, each looked up by its key (a takeover judges its dead jobs' pairs).
 _GATE_ROWS_OF_PAIRS = _gate_rows_sql(
-    "a.book_id = %(book)s AND (a.chapter_id, a.scene_id, a.stage) IN"
+    "= %(book)s",
+    "(a.chapter_id, a.scene_id, a.stage) IN"
     " (SELECT * FROM unnest(%(chapters)s::text[], %(scenes)s::text[], %(stages)s::text[]))",
     _ONE_BOOK_ROW,
 )
