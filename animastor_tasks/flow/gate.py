@@ -165,10 +165,11 @@ def tick(ports: Ports) -> list[str]:
     return books
 
 
-def gate_batch(ports: Ports, books: Sequence[str]) -> list[PassReport]:
+def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True) -> list[PassReport]:
     """The passes of several due books in one task. Each lane's room is counted once for the batch
-    (no lock); a lane without room costs its books no claim transaction and no advisory lock."""
-    full = page.lanes_without_room(ports)
+    (no lock); a lane without room costs its books no claim transaction and no advisory lock.
+    `dispatch_work=False`: reconcile's passes, which release and judge but dispatch nothing."""
+    full = page.lanes_without_room(ports) if dispatch_work else set()
     reports: list[PassReport] = []
     for first in range(0, len(books), READ_AHEAD_BOOKS):
         group = books[first : first + READ_AHEAD_BOOKS]
@@ -176,7 +177,9 @@ def gate_batch(ports: Ports, books: Sequence[str]) -> list[PassReport]:
             read = _read_facts(ports, group)
         for book in group:
             try:
-                reports.append(gate_pass(ports, book, full_lanes=full, known=read.get(book)))
+                reports.append(
+                    gate_pass(ports, book, dispatch_work=dispatch_work, full_lanes=full, known=read.get(book))
+                )
             except StoreUnavailable as err:  # one book's store error must not cost the others their pass
                 log.warning("[COMMAND-GATE] book=%r pass failed: %s", book, err)
     if full:

@@ -33,8 +33,9 @@ def reconcile(ports: Ports, *, force: bool = False) -> dict[str, Any]:
     _rebuild_redis(ports, books, report)
     _expire_dead_generating(ports, report)
     _block_consumerless(ports, report)
-    for book in books:
-        report["released"] += len(gate.gate_pass(ports, book, dispatch_work=False).released)
+    # The books' facts read several at a time, as the tick's passes read them: one statement per book cost
+    # most of a reconcile (9 ms of 10 per book of 1,000 pairs).
+    report["released"] += sum(len(r.released) for r in gate.gate_batch(ports, books, dispatch_work=False))
     ports.deferrals.prune_deferrals(books, time.time())
     report["pruned_events"] = ports.journal.prune_journal(
         ports.settings.journal_retention_days, ports.settings.journal_max_rows
