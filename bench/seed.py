@@ -203,7 +203,7 @@ def add_deferrals(rt: Any, book: str, pairs: Sequence[tuple[str, str, str]], buc
 
 def activate(rt: Any, book: str, scenes: Sequence[tuple[str, str]]) -> None:
     for start in range(0, len(scenes), 10_000):
-        rt.ports.book_state.activate(book, scenes[start : start + 10_000])
+        rt.ports.book_state.activate({book: scenes[start : start + 10_000]})
 
 
 def advertise_consumers(rt: Any, queues: Sequence[str], ttl: float = 600.0) -> None:

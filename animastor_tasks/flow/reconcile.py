@@ -48,13 +48,13 @@ def reconcile(ports: Ports, *, force: bool = False) -> dict[str, Any]:
 def _rebuild_redis(ports: Ports, books: list[str], report: dict[str, Any]) -> None:
     ports.book_state.set_cancel_flags(ports.commands.tombstoned_books())
     ports.book_state.mirror_layers_many(ports.catalog.all_layers(books))
-    for book in books:
-        # Page by page: the whole book's gate rows held at once took 1.1 GB and 10 s at a million pairs.
-        rebuilt = False
-        for scenes in ports.assets.in_flight_scene_pages(book, PAGE):
-            ports.book_state.activate(book, scenes)
-            rebuilt = True
-        report["rebuilt_books"] += rebuilt
+    # Page by page: the whole book's gate rows held at once took 1.1 GB and 10 s at a million pairs; and every
+    # book in the same pages: a statement and a round trip per book were 6 of the 9 s of a farm of 5,000 books.
+    rebuilt: set[str] = set()
+    for page in ports.assets.in_flight_scene_pages(books, PAGE):
+        ports.book_state.activate(page)
+        rebuilt.update(page)
+    report["rebuilt_books"] += len(rebuilt)
 
 
 def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:

@@ -173,7 +173,7 @@ def test_gate_with_postgres_unreachable_authorizes_nothing_and_recovers(rt, book
     from animastor_tasks.adapters.postgres.pool import Database
 
     regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]])
-    rt.ports.book_state.activate(book, [("ch2", "s1")])
+    rt.ports.book_state.activate({book: [("ch2", "s1")]})
     unreachable = Database("postgresql://postgres@127.0.0.1:1/none", timeout=1)
     try:
         report = gate.gate_pass(replace(rt.ports, assets=AssetStore(unreachable)), book)

@@ -85,7 +85,7 @@ def test_a_book_whose_active_index_is_bigger_than_a_page_makes_no_limited_read_f
 
 def test_an_unknown_book_with_a_big_active_index_leaves_the_indexes(rt: Any, small_pages: int) -> None:
     lane(rt, lane_limit=2)
-    rt.ports.book_state.activate("gone", [("ch1", f"s{i}") for i in range(20)])  # no such book in Postgres
+    rt.ports.book_state.activate({"gone": [("ch1", f"s{i}") for i in range(20)]})  # no such book in Postgres
     assert "gone" in rt.ports.book_state.active_books()
     report = gate.gate_pass(rt.ports, "gone")
     assert report.error is None and report.dispatched == []

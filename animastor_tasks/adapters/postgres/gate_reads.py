@@ -181,18 +181,22 @@ class GateReads:
                         return
                 yield GateRows(head[7], bool(head[11]), frozenset([i.pair for i in pairs if i.commanded]), pairs)
 
-    def in_flight_scene_pages(self, book: str, size: int) -> Iterator[list[SceneKey]]:
-        """The book's scenes with a pair in flight, `size` at a time (a server-side cursor): a book of a
-        million pairs is never held at once."""
+    def in_flight_scene_pages(self, books: Sequence[str], size: int) -> Iterator[dict[str, list[SceneKey]]]:
+        """The books' scenes with a pair in flight, by book, `size` scenes at a time (one server-side cursor for
+        them all): a book of a million pairs is never held at once, and a farm of thousands of small books costs
+        a statement per page, not one per book."""
         with self.db.transaction() as conn, conn.cursor(name="in_flight_scenes") as cursor:
             cursor.itersize = size
             cursor.execute(
-                "SELECT DISTINCT chapter_id, scene_id FROM asset_states"
-                f" WHERE book_id = %s AND state IN {literals.IN_FLIGHT_STATES}",
-                (book,),
+                "SELECT DISTINCT book_id, chapter_id, scene_id FROM asset_states"
+                f" WHERE book_id = ANY(%s) AND state IN {literals.IN_FLIGHT_STATES}",
+                (list(books),),
             )
             while batch := cursor.fetchmany(size):
-                yield [(c, s) for c, s in batch]
+                page: dict[str, list[SceneKey]] = {}
+                for book, chapter, scene in batch:
+                    page.setdefault(book, []).append((chapter, scene))
+                yield page
 
     def in_flight_scene_count(self, book: str) -> int:
         """How many scenes of the book have a pair in flight."""

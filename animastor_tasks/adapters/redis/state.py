@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
@@ -274,16 +274,19 @@ class BookStateStore:
         )
 
     # -- active index --------------------------------------------------------------
-    def activate(self, book: str, scenes: Iterable[SceneKey]) -> None:
-        """Scenes into the active index; a book not in the due index yet is due now (its pass decides)."""
-        members = [scene_member(c, s) for c, s in scenes]
-        if not members:
+    def activate(self, scenes_of: Mapping[str, Iterable[SceneKey]]) -> None:
+        """Each book's scenes into the active index (one round trip for them all); a book not in the due index
+        yet is due now (its pass decides)."""
+        members = {book: [scene_member(c, s) for c, s in scenes] for book, scenes in scenes_of.items()}
+        books = [book for book, scenes in members.items() if scenes]
+        if not books:
             return
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
-            pipe.sadd(self.conn.keys.active_scenes(book), *members)
-            pipe.sadd(self.conn.keys.active_books(), book)
-            pipe.zadd(self.conn.keys.due(), {book: time.time()}, nx=True)
+            for book in books:
+                pipe.sadd(self.conn.keys.active_scenes(book), *members[book])
+            pipe.sadd(self.conn.keys.active_books(), *books)
+            pipe.zadd(self.conn.keys.due(), dict.fromkeys(books, time.time()), nx=True)
             pipe.execute()
 
     def deactivate(self, book: str, scenes: Iterable[SceneKey]) -> None:
