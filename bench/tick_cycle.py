@@ -17,6 +17,9 @@ runs the jobs itself when it must), ANALYZE.
   lanes (one gate pass each, leases live for an hour, their messages purged as if GPUs ran them),
   then the shape's books become active. Median of the cycles after the first.
 
+- `reconcile_ms_<B>x<S>` (free lanes, no target): the beat's repair pass (rebuild of the active index, a
+  dispatch-free pass of every book with work), run once by the same process after its cycles.
+
 Targets: every shape at most 1.5x `tick_cycle_ms_50x1000` and under 1 s; 200k pairs under 1 s;
 and each timed free-lane cycle must fill all 16 freed slots (a cycle that leaves them idle fails).
 Quick mode divides the scenes per book by 10 (10k pairs; 20k for the 200k shape): figures keep
@@ -88,7 +91,13 @@ def setup(books: int, scenes: int, *, saturated: bool) -> dict[str, Any]:
 def measure(books: int, scenes: int, *, saturated: bool, ctx: Context) -> dict[str, Any]:
     kind = "saturated" if saturated else "free"
     cycles = 3 if ctx.quick else 6
-    spec = {"queues": QUEUES, "cycles": cycles, "free": not saturated, "budget_s": 20 if ctx.quick else 90}
+    spec = {
+        "queues": QUEUES,
+        "cycles": cycles,
+        "free": not saturated,
+        "budget_s": 20 if ctx.quick else 90,
+        "reconcile": not saturated,
+    }
     for attempt in (1, 2):
         ctx.log(f"tick_cycle: loading {books} x {scenes} x 2 ({kind} lanes)")
         load_s, info = timed(lambda: setup(books, scenes, saturated=saturated))
@@ -121,6 +130,7 @@ def measure(books: int, scenes: int, *, saturated: bool, ctx: Context) -> dict[s
             for c in out["cycles"]
         ],
         "rss_peak_mb": round(out["rss_peak_mb"], 1),
+        "reconcile_ms": round(out.get("reconcile_ms", 0.0), 1),
         "errors": out["errors"],
     }
 
@@ -164,6 +174,15 @@ def run(ctx: Context) -> BenchResult:
             target=target,
             ok=ok,
         )
+    for label, m in measured.items():
+        if not label.startswith("saturated"):
+            result.figure(
+                f"reconcile_ms_{label}",
+                m["reconcile_ms"],
+                "ms",
+                baseline=f"{m['pairs'] // 1000}k pairs, x{m['reconcile_ms'] / measured['50x1000']['reconcile_ms']:.2f}"
+                " of 50x1000; the beat's repair pass, once, after the cycles",
+            )
     result.notes["tick_cycle"] = {
         "mode": "quick: scenes per book / 10 (10k pairs, 20k for 1000x100)" if ctx.quick else "full",
         "shapes": measured,
