@@ -154,6 +154,7 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
 
     lane(rt, lane_limit=1, book_quota=1, window=1)
     monkeypatch.setattr(chain._Events, "on", True)
+    monkeypatch.setattr(chain, "PROGRESS_EVERY", 0.0)  # its one report is due at once
     kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
     heard: list[dict[str, Any]] = []
     with app.connection_for_read() as connection:

@@ -1,0 +1,55 @@
+"""A job's progress reaches Flower at most every `PROGRESS_EVERY` seconds from its start; a job done sooner
+reports none (its result follows at once): a report of 100% cost every near-instant job a result write and
+an event."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from animastor_tasks.flow.generate import Job
+from animastor_tasks.worker import chain
+
+JOB = Job("b", "ch1", "s1", "audio", "d1" * 16, 3)
+
+
+class _Task:
+    def __init__(self) -> None:
+        self.states: list[tuple[str, str, float]] = []
+
+    def update_state(self, task_id: str, state: str, meta: dict[str, Any]) -> None:
+        self.states.append((task_id, state, meta["percent"]))
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    now = [100.0]
+    monkeypatch.setattr(chain.time, "monotonic", lambda: now[0])
+    return now
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float]]:
+    sent: list[tuple[str, float]] = []
+    monkeypatch.setattr(chain, "_send_event", lambda _task, kind, **fields: sent.append((kind, fields["percent"])))
+    return sent
+
+
+def test_a_job_done_within_the_interval_reports_no_progress(clock: list[float], events: list[Any]) -> None:
+    task = _Task()
+    report = chain.progress_reporter(task, JOB)  # type: ignore[arg-type]
+    clock[0] += chain.PROGRESS_EVERY / 2
+    report(0.5)
+    report(1.0)
+    assert task.states == [] and events == []
+
+
+def test_a_long_job_reports_once_per_interval(clock: list[float], events: list[Any]) -> None:
+    task = _Task()
+    report = chain.progress_reporter(task, JOB)  # type: ignore[arg-type]
+    for fraction in (0.25, 0.5, 0.75, 1.0):
+        clock[0] += chain.PROGRESS_EVERY * 0.6  # a report due every other step
+        report(fraction)
+    assert task.states == [(JOB.dispatch_id, "PROGRESS", 50.0), (JOB.dispatch_id, "PROGRESS", 100.0)]
+    assert events == [("task-progress", 50.0), ("task-progress", 100.0)]
