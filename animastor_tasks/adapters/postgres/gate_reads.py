@@ -56,7 +56,7 @@ def _gate_rows_sql(of_books: str, pairs: str, book_row: str) -> str:
 
 
 _GATE_ROWS = _gate_rows_sql("= ANY(%(books)s)", "true", _BOOK_ROW)
-# The same of one book (a pass of its own, a page of a big book's): the list of books left the server planning
+# The same of one book (a pass of its own): the list of books left the server planning
 # the statement afresh on every run (0.6 ms of a regenerate's pass of a book with one pair in flight).
 _GATE_ROWS_OF_BOOK = _gate_rows_sql("= %(book)s", "true", _ONE_BOOK_ROW)
 # The same of a few pairs of one book, each looked up by its key (a takeover judges its dead jobs' pairs).
@@ -174,7 +174,9 @@ class GateReads:
         a pass over a book of a million pairs holds one page. Nothing for an unknown book."""
         with self.db.transaction() as conn, conn.cursor(name="gate_rows") as cursor:
             cursor.itersize = size
-            cursor.execute(_GATE_ROWS_OF_BOOK, _gate_row_params([book]))
+            # The list's statement: a cursor is planned once, and the one-book statement's plan for a cursor
+            # (fast start) read a book of 100,000 pairs a third slower.
+            cursor.execute(_GATE_ROWS, _gate_row_params([book]))
             head: Any = None
             while batch := cursor.fetchmany(size):
                 heads = [row for row in batch if row[1] is None]
