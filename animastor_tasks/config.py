@@ -37,6 +37,7 @@ class Settings:
     registry: MediaRegistry = field(default_factory=lambda: registry_from_table(None))
     tick_seconds: float = 5.0
     reconcile_seconds: float = 30.0
+    reconcile_pairs: int = 100_000  # pairs in flight one reconcile passes at most (one book at least)
     presence_ttl_seconds: float = 6.0
     force_ttl_seconds: int = 120
     capacity_defer_seconds: int = 60
@@ -76,6 +77,7 @@ class Settings:
             registry=_registry(env),
             tick_seconds=_number(env, "ANIMASTOR_TICK_SECONDS", 5.0, minimum=0.1),
             reconcile_seconds=_number(env, "ANIMASTOR_RECONCILE_SECONDS", 30.0, minimum=0.5),
+            reconcile_pairs=int(_number(env, "ANIMASTOR_RECONCILE_PAIRS", 100_000, minimum=1)),
             presence_ttl_seconds=_number(env, "ANIMASTOR_PRESENCE_TTL_SECONDS", 6.0, minimum=1.0),
             force_ttl_seconds=int(_number(env, "ANIMASTOR_FORCE_TTL_SECONDS", 120, minimum=1)),
             capacity_defer_seconds=int(_number(env, "ANIMASTOR_CAPACITY_DEFER_SECONDS", 60, minimum=1)),

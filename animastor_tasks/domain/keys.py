@@ -33,6 +33,8 @@ widens to another book).
 |   waited for the lane)                        |        | round robin)                              |
 | ``P:breaker:QUEUE``                           | hash   | until closed again                        |
 | ``P:lock:NAME``                               | string | short singleton locks (tick, reconcile)   |
+| ``P:bookmark:NAME``                           | string | where a task's round goes on (reconcile:  |
+|                                               |        | the last book it passed); no expiry       |
 | ``P:metrics``                                 | hash   | counters for the exporter; no expiry      |
 | ``P:epoch``                                   | string | a random token set once per Redis dataset |
 |                                               |        | (a process that sees it change knows      |
@@ -135,6 +137,9 @@ class Keyspace:
 
     def lock(self, name: str) -> str:
         return self._key("lock", name)
+
+    def bookmark(self, name: str) -> str:
+        return self._key("bookmark", name)
 
     def metrics(self) -> str:
         return self._key("metrics")

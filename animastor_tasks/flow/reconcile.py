@@ -6,7 +6,9 @@ every consumer is BLOCKED, `pending` without authority is released, and after a 
 loss the active index, cancel flags and layer mirrors are rebuilt from Postgres. The
 tick does the lease and consumer part every few seconds (flow/takeover.py); what only
 reconcile does there is ask the broker which never-started jobs still wait in their queue.
-"""
+
+The per-book part (the active index, the dispatch-free pass) takes the books with work in
+turns: each pass the next ones up to `ANIMASTOR_RECONCILE_PAIRS` pairs in flight (domain/rounds.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from animastor_tasks.domain import liveness
+from animastor_tasks.domain import liveness, rounds
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import gate, takeover
 from animastor_tasks.ports import GeneratingRow, Ports
@@ -23,14 +25,21 @@ from animastor_tasks.ports import GeneratingRow, Ports
 log = logging.getLogger("animastor.reconcile")
 RECOUNT_PAUSE_SECONDS = 0.5
 PAGE = 10_000  # scenes of a book's active index rebuilt at once
+BOOKMARK = "reconcile"  # where the round of passes goes on
 
 
-def reconcile(ports: Ports, *, force: bool = False) -> dict[str, Any]:
+def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict[str, Any]:
+    """One repair pass over the next books with work (domain/rounds.py), or over every one with `whole`."""
     if not force and not ports.locks.try_lock("reconcile", ports.settings.reconcile_seconds * 0.8):
         return {"skipped": True}
     report: dict[str, Any] = {"rebuilt_books": 0, "expired": 0, "blocked": 0, "released": 0, "pruned_events": 0}
-    books = ports.commands.books_with_work()
-    _rebuild_redis(ports, books, report)
+    work = ports.commands.books_with_work()
+    # No bookmark: Redis lost its data (or this is the first pass), so every book's active index is rebuilt now.
+    bookmark = ports.locks.bookmark(BOOKMARK)
+    books, following = (
+        (sorted(work), "") if whole else rounds.next_books(work, bookmark or "", ports.settings.reconcile_pairs)
+    )
+    _rebuild_redis(ports, list(work), books if bookmark is not None else list(work), report)
     _expire_dead_generating(ports, report)
     _block_consumerless(ports, report)
     # The books' facts read several at a time, as the tick's passes read them: one statement per book cost
@@ -40,18 +49,21 @@ def reconcile(ports: Ports, *, force: bool = False) -> dict[str, Any]:
     report["pruned_events"] = ports.journal.prune_journal(
         ports.settings.journal_retention_days, ports.settings.journal_max_rows
     )
+    ports.locks.set_bookmark(BOOKMARK, following)
+    report.update(passed_books=len(books), books_with_work=len(work), round_done=not following)
     if any(report[k] for k in ("expired", "blocked", "released")):
         log.info("[RECONCILE] %s", report)
     return report
 
 
-def _rebuild_redis(ports: Ports, books: list[str], report: dict[str, Any]) -> None:
+def _rebuild_redis(ports: Ports, books: list[str], indexed: list[str], report: dict[str, Any]) -> None:
+    """Cancel flags and layer mirrors of every book with work (a row each); the active index of `indexed`."""
     ports.book_state.set_cancel_flags(ports.commands.tombstoned_books())
     ports.book_state.mirror_layers_many(ports.catalog.all_layers(books))
     # Page by page: the whole book's gate rows held at once took 1.1 GB and 10 s at a million pairs; and every
     # book in the same pages: a statement and a round trip per book were 6 of the 9 s of a farm of 5,000 books.
     rebuilt: set[str] = set()
-    for page in ports.assets.in_flight_scene_pages(books, PAGE):
+    for page in ports.assets.in_flight_scene_pages(indexed, PAGE):
         ports.book_state.activate(page)
         rebuilt.update(page)
     report["rebuilt_books"] += len(rebuilt)

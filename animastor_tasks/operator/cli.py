@@ -291,10 +291,10 @@ def queues(as_json: bool, watch: bool, interval: float) -> None:
 @main.command("reconcile")
 @click.option("--json", "as_json", is_flag=True)
 def reconcile_cmd(as_json: bool) -> None:
-    """Run one reconcile pass now (it never creates work)."""
+    """Run one reconcile pass over every book with work now (it never creates work)."""
     from animastor_tasks.flow import reconcile
 
-    _emit(reconcile.reconcile(_wired().ports, force=True), as_json, lambda d: click.echo(d))
+    _emit(reconcile.reconcile(_wired().ports, force=True, whole=True), as_json, lambda d: click.echo(d))
 
 
 for _command in process_commands.COMMANDS:

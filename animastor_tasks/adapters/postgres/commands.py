@@ -272,17 +272,17 @@ class CommandStore:
         with self.db.read() as conn:
             return conn.execute("SELECT 1 FROM cancel_tombstones WHERE book_id = %s", (book,)).fetchone() is not None
 
-    def books_with_work(self) -> list[str]:
-        """Books with an active command or an in-flight pair: the ones reconcile looks at."""
+    def books_with_work(self) -> dict[str, int]:
+        """Books with an active command or an in-flight pair, with their pairs in flight: the ones reconcile
+        looks at, and what a pass of each costs."""
         with self.db.read() as conn:
-            return [
-                r[0]
-                for r in conn.execute(
-                    "SELECT book_id FROM commands WHERE status = %s"
-                    " UNION SELECT book_id FROM asset_states WHERE state = ANY(%s)",
-                    (ACTIVE, values(IN_FLIGHT)),
-                )
-            ]
+            rows = conn.execute(
+                "SELECT book_id, sum(n)::bigint FROM (SELECT book_id, 0 AS n FROM commands WHERE status = %s"
+                " UNION ALL SELECT book_id, count(*) FROM asset_states WHERE state = ANY(%s) GROUP BY book_id) w"
+                " GROUP BY book_id",
+                (ACTIVE, values(IN_FLIGHT)),
+            ).fetchall()
+        return {book: int(n) for book, n in rows}
 
 
 def lock_book(conn: psycopg.Connection[Any], book: str) -> None:

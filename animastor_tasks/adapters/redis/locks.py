@@ -1,4 +1,6 @@
-"""Short singleton locks: a second beat's tick or reconcile finds the lock taken and skips."""
+"""Short singleton locks: a second beat's tick or reconcile finds the lock taken and skips. And the bookmark
+where a task that passes the farm in turns goes on (domain/rounds.py): lost with Redis's data, which that task
+reads as "rebuild everything"."""
 
 from __future__ import annotations
 
@@ -13,3 +15,10 @@ class LockStore:
         return bool(
             self.conn.run(lambda: self.conn.client.set(self.conn.keys.lock(name), "1", nx=True, px=int(seconds * 1000)))
         )
+
+    def bookmark(self, name: str) -> str | None:
+        value = self.conn.run(lambda: self.conn.client.get(self.conn.keys.bookmark(name)))
+        return None if value is None else (value.decode() if isinstance(value, bytes) else str(value))
+
+    def set_bookmark(self, name: str, value: str) -> None:
+        self.conn.run(lambda: self.conn.client.set(self.conn.keys.bookmark(name), value))
