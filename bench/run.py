@@ -27,6 +27,7 @@ BENCHES = (
     "tick_idle",
     "tick_active",
     "tick_cycle",
+    "reconcile_rounds",
     "control_cpu",
     "control_rss",
     "lane_busy",
