@@ -32,6 +32,7 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     """One repair pass over the next books with work (domain/rounds.py), or over every one with `whole`."""
     if not force and not ports.locks.try_lock("reconcile", ports.settings.reconcile_seconds * 0.8):
         return {"skipped": True}
+    started = time.monotonic()
     report: dict[str, Any] = {"rebuilt_books": 0, "expired": 0, "blocked": 0, "released": 0, "pruned_events": 0}
     work = ports.commands.books_with_work()
     # No bookmark: Redis lost its data (or this is the first pass), so every book's active index is rebuilt now.
@@ -51,6 +52,7 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     )
     ports.locks.set_bookmark(BOOKMARK, following)
     report.update(passed_books=len(books), books_with_work=len(work), round_done=not following)
+    ports.counters.observe("reconcile_seconds", time.monotonic() - started)
     if any(report[k] for k in ("expired", "blocked", "released")):
         log.info("[RECONCILE] %s", report)
     return report

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from animastor_tasks.adapters.redis.counters import histogram_field
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -56,6 +57,9 @@ def test_each_pass_repairs_the_next_books_within_its_budget_and_the_round_comes_
     assert report["released"] == stranded and _pending(rt, "b4") == 0
     passed, rebuilt, _ = one_pass()
     assert passed == rebuilt == ["b0", "b1"]  # the next round
+    rt.counters.flush()  # each pass times itself for the exporter's `animastor_reconcile_seconds`
+    timed = rt.redis.client.hget(rt.redis.keys.metrics(), histogram_field("reconcile_seconds", "count"))
+    assert int(timed) == 4
 
 
 def test_a_lost_bookmark_rebuilds_every_books_index_and_a_whole_pass_visits_every_book(rt: Wiring) -> None:
