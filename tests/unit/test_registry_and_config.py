@@ -41,6 +41,8 @@ def test_a_third_stage_is_configuration_only() -> None:
         ({"ANIMASTOR_REDIS_URL": "redis://host:notaport/0"}, "notaport"),
         ({"ANIMASTOR_TICK_SECONDS": "soon"}, "'soon'"),
         ({"ANIMASTOR_TICK_SECONDS": "-1"}, "ANIMASTOR_TICK_SECONDS"),
+        ({"ANIMASTOR_RECONCILE_PAIRS": "many"}, "ANIMASTOR_RECONCILE_PAIRS"),
+        ({"ANIMASTOR_RECONCILE_PAIRS": "0"}, "ANIMASTOR_RECONCILE_PAIRS"),
         ({"ANIMASTOR_STAGES": "{oops"}, "ANIMASTOR_STAGES"),
         ({"ANIMASTOR_STAGES": '{"audio": {"lease_ttl": 0}}'}, "lease_ttl"),
         ({"ANIMASTOR_STAGES": '{"a": {"queue": "q"}, "b": {"queue": "q"}}'}, "used by another stage"),
@@ -70,6 +72,11 @@ def test_a_job_run_in_its_predecessors_task_starts_within_a_tenth_of_the_soft_ti
     assert Settings.from_env(short).chain_budget_seconds == 6.0
     with pytest.raises(ConfigError, match="ANIMASTOR_JOB_CHAIN_SECONDS"):
         Settings.from_env({"ANIMASTOR_JOB_CHAIN_SECONDS": "-1"})
+
+
+def test_reconcile_passes_a_budget_of_pairs_in_flight() -> None:
+    assert Settings.from_env({}).reconcile_pairs == 100_000
+    assert Settings.from_env({"ANIMASTOR_RECONCILE_PAIRS": "5000"}).reconcile_pairs == 5000
 
 
 def test_settings_are_frozen() -> None:
