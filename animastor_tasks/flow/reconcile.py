@@ -26,21 +26,22 @@ log = logging.getLogger("animastor.reconcile")
 RECOUNT_PAUSE_SECONDS = 0.5
 PAGE = 10_000  # scenes of a book's active index rebuilt at once
 BOOKMARK = "reconcile"  # where the round of passes goes on
+LOCK_SHARE = 0.8  # of the period: how long the beat's singleton lock lasts
 
 
 def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict[str, Any]:
     """One repair pass over the next books with work (domain/rounds.py), or over every one with `whole`."""
-    if not force and not ports.locks.try_lock("reconcile", ports.settings.reconcile_seconds * 0.8):
+    if not force and not ports.locks.try_lock("reconcile", ports.settings.reconcile_seconds * LOCK_SHARE):
         return {"skipped": True}
     started = time.monotonic()
     report: dict[str, Any] = {"rebuilt_books": 0, "expired": 0, "blocked": 0, "released": 0, "pruned_events": 0}
     work = ports.commands.books_with_work()
     # No bookmark: Redis lost its data (or this is the first pass), so every book's active index is rebuilt now.
-    bookmark = ports.locks.bookmark(BOOKMARK)
+    bookmark = None if whole else ports.locks.bookmark(BOOKMARK)
     books, following = (
         (sorted(work), "") if whole else rounds.next_books(work, bookmark or "", ports.settings.reconcile_pairs)
     )
-    _rebuild_redis(ports, list(work), books if bookmark is not None else list(work), report)
+    _rebuild_redis(ports, list(work), list(work) if bookmark is None else books, report)
     _expire_dead_generating(ports, report)
     _block_consumerless(ports, report)
     # The books' facts read several at a time, as the tick's passes read them: one statement per book cost

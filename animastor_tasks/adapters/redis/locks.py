@@ -18,7 +18,7 @@ class LockStore:
 
     def bookmark(self, name: str) -> str | None:
         value = self.conn.run(lambda: self.conn.client.get(self.conn.keys.bookmark(name)))
-        return None if value is None else (value.decode() if isinstance(value, bytes) else str(value))
+        return None if value is None else str(value)
 
     def set_bookmark(self, name: str, value: str) -> None:
         self.conn.run(lambda: self.conn.client.set(self.conn.keys.bookmark(name), value))
