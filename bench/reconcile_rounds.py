@@ -70,12 +70,12 @@ def measure(ctx: Context, books: int) -> dict[str, Any]:
 
 def run(ctx: Context) -> BenchResult:
     from animastor_tasks.config import Settings
-    from animastor_tasks.flow.reconcile import LOCK_SHARE
+    from animastor_tasks.domain.liveness import PERIODIC_LOCK_SHARE
 
     result = BenchResult()
     settings = Settings()
     budget = settings.reconcile_pairs
-    limit = settings.reconcile_seconds * LOCK_SHARE * 1000  # the beat's singleton lock
+    limit = settings.reconcile_seconds * PERIODIC_LOCK_SHARE * 1000  # the beat's singleton lock
     base = measure(ctx, 100)
     big = measure(ctx, 300 if ctx.quick else 1000)
     # The 100k farm fits the budget: its beat pass and its whole pass do the same work; their mean is the baseline.

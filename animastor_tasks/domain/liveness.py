@@ -35,6 +35,10 @@ from dataclasses import dataclass
 #: taken for alive by the count; beyond it reconcile treats it as lost (a dispatch, fenced).
 UNDELIVERED_MARKER_SECONDS = 24 * 3600
 
+#: The share of its period a periodic pass (tick, reconcile) holds its singleton lock for: a second
+#: beat's pass is skipped while the first runs, and finds the lock free next period if its holder died.
+PERIODIC_LOCK_SHARE = 0.8
+
 
 @dataclass(frozen=True, slots=True)
 class Dispatched:

@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from functools import partial
 
+from animastor_tasks.domain import liveness
 from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import candidates, collector, dispatch, page, paged_pass, read_ahead, takeover
@@ -154,7 +155,7 @@ def tick(ports: Ports) -> list[str]:
     """Take over lapsed leases and block worker-less stages (flow/takeover.py), then send the gate passes
     of the books that are due (the due index), several per task; a second beat's tick is skipped.
     A book with nothing to do is not in the index, so it costs the tick nothing."""
-    if not ports.locks.try_lock("tick", ports.settings.tick_seconds * 0.8):
+    if not ports.locks.try_lock("tick", ports.settings.tick_seconds * liveness.PERIODIC_LOCK_SHARE):
         return []
     started = time.monotonic()
     takeover.on_tick(ports)

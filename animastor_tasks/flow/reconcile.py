@@ -26,12 +26,12 @@ log = logging.getLogger("animastor.reconcile")
 RECOUNT_PAUSE_SECONDS = 0.5
 PAGE = 10_000  # scenes of a book's active index rebuilt at once
 BOOKMARK = "reconcile"  # where the round of passes goes on
-LOCK_SHARE = 0.8  # of the period: how long the beat's singleton lock lasts
 
 
 def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict[str, Any]:
     """One repair pass over the next books with work (domain/rounds.py), or over every one with `whole`."""
-    if not force and not ports.locks.try_lock("reconcile", ports.settings.reconcile_seconds * LOCK_SHARE):
+    lock_seconds = ports.settings.reconcile_seconds * liveness.PERIODIC_LOCK_SHARE
+    if not force and not ports.locks.try_lock("reconcile", lock_seconds):
         return {"skipped": True}
     started = time.monotonic()
     report: dict[str, Any] = {"rebuilt_books": 0, "expired": 0, "blocked": 0, "released": 0, "pruned_events": 0}

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from animastor_tasks.adapters.redis.counters import histogram_field
 from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.flow import gate
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
@@ -77,3 +78,16 @@ def test_a_lost_bookmark_rebuilds_every_books_index_and_a_whole_pass_visits_ever
     report = reconcile_flow.reconcile(rt.ports, force=True, whole=True)  # `animastor-tasks reconcile`
     assert sorted(b for c in passes for b in c[0]) == BOOKS
     assert (report["passed_books"], report["round_done"]) == (6, True)
+
+
+def test_the_tick_and_reconcile_each_hold_their_singleton_lock_for_the_same_share_of_their_period(rt: Wiring) -> None:
+    """A second beat's pass is skipped while the lock lives; it lapses before the next period, so a pass whose
+    holder died is taken up by the next beat."""
+    use_settings(rt, replace(rt.settings, tick_seconds=5, reconcile_seconds=30))
+    client, keys = rt.redis.client, rt.redis.keys
+    client.delete(keys.lock("tick"), keys.lock("reconcile"))
+    gate.tick(rt.ports)
+    assert reconcile_flow.reconcile(rt.ports).get("skipped") is None
+    assert gate.tick(rt.ports) == [] and reconcile_flow.reconcile(rt.ports) == {"skipped": True}
+    assert 3_000 < client.pttl(keys.lock("tick")) <= 4_000  # 0.8 x 5 s, less the time since
+    assert 23_000 < client.pttl(keys.lock("reconcile")) <= 24_000  # 0.8 x 30 s
