@@ -31,7 +31,10 @@ def dispatch_candidates(
     `dispatch.dispatch_pending`."""
     registry = ports.settings.registry
     specs = [s for s in registry.stages if lane is None or s.queue == lane]
-    limit = candidate_limit([s.lane_limit for s in specs])
+    widest = candidate_limit([s.lane_limit for s in specs])
+    # A refill of the one slot a job freed claims one pair of its lane: reading for every slot of a lane of
+    # 64 read 128 pairs (and wrote why 127 of them wait) to claim one, after every job.
+    limit = candidate_limit([1 if s.queue == one_slot_of else s.lane_limit for s in specs])
     queues = registry.queues()
     read = 0
     for _ in range(MAX_ROUNDS):
@@ -60,6 +63,13 @@ def dispatch_candidates(
         due = time.time() if report.denied else min(result.deferred_until.values(), default=None)
         if due is not None:
             page.write_due(ports, book, due, snap.due_at)
-        if report.denied or len(result.dispatched) < len(rows.in_flight) or len(rows.in_flight) < limit:
+        if report.denied or len(rows.in_flight) < limit:
+            return read
+        if not result.claimed_lanes and limit < widest:
+            # Not one of the few read came to a claim (each waits on a timer, or is done or running already):
+            # the slot looks further, as far as a read for every slot would have.
+            limit = widest
+            continue
+        if len(result.dispatched) < len(rows.in_flight):
             return read
     return read

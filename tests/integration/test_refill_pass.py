@@ -6,9 +6,11 @@ returns (`RowCounter`): the reads themselves are the real ones.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
+from animastor_tasks.domain.vocabulary import DeferralBucket
 from animastor_tasks.flow import candidates, refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.ports import GateRows
@@ -99,3 +101,28 @@ def test_the_books_own_last_job_ends_and_the_book_leaves_the_indexes(rt) -> None
     assert "done" not in rt.ports.book_state.active_books()
     assert rt.redis.client.zscore(rt.redis.keys.due(), "done") is None
     assert "done" not in waiting(rt)
+
+
+def test_the_slot_a_job_freed_on_a_wide_lane_costs_a_few_candidates_not_two_per_slot_of_the_lane(rt) -> None:
+    lane(rt, lane_limit=64, book_quota=64, window=64)
+    rt.catalog.import_book(make_book("wide", chapters=1, scenes=100))
+    regenerate_flow.regenerate(rt.ports, "wide", ["audio"])
+    assert running(rt, "wide") == {"wide": 64}
+    counter = counting(rt)
+    finish_one(rt, "wide")  # s1 ends; its slot goes to s65, the next in reading order
+    assert running(rt, "wide") == {"wide": 64}
+    assert states(rt, "wide")[("ch1", "s65", "audio")] == "generating"
+    assert counter.full_reads == 0
+    assert counter.rows == candidates.candidate_limit([1]) < candidates.candidate_limit([64]), counter.rows
+
+
+def test_a_freed_slot_whose_first_candidates_all_wait_on_a_timer_looks_further(rt) -> None:
+    lane(rt, lane_limit=64, book_quota=64, window=64)
+    rt.catalog.import_book(make_book("wide", chapters=1, scenes=100))
+    regenerate_flow.regenerate(rt.ports, "wide", ["audio"])
+    held = [("ch1", f"s{n}", "audio") for n in range(65, 91)]  # more than a one-slot read takes
+    rt.ports.deferrals.defer("wide", DeferralBucket.IDEMPOTENT, held, 600, time.time())
+    finish_one(rt, "wide")
+    assert running(rt, "wide") == {"wide": 64}
+    assert states(rt, "wide")[("ch1", "s91", "audio")] == "generating"
+    assert {states(rt, "wide")[pair] for pair in held} == {"pending"}
