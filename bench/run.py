@@ -38,6 +38,7 @@ BENCHES = (
     "busy_commands",
     "big_book_regenerate",
     "throughput",
+    "job_steps",
 )
 RESULTS = os.path.join(ROOT, "bench", "results.json")
 
