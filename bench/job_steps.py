@@ -19,6 +19,7 @@ it). No targets: this says where the time goes that bounds `dispatch_jobs_per_s`
 from __future__ import annotations
 
 import functools
+import importlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -79,8 +80,6 @@ def _timed_open(spent: dict[str, float], label: str, opener: Callable[..., Abstr
 @contextmanager
 def timing(ports: Any) -> Iterator[dict[str, float]]:
     """Every step above wrapped while the block runs; seconds spent in each, by label."""
-    import importlib
-
     spent: dict[str, float] = defaultdict(float)
     undo: list[tuple[Any, str, Any]] = []
 
@@ -134,8 +133,7 @@ def _run_jobs(rt: Any, count: int, trips: RoundTrips | None = None) -> list[floa
             outcome = run_job(rt.ports, job, worker="bench@steps")["outcome"]
             walls.append(time.perf_counter() - started)
         if trips is not None:
-            for name in ("redis_commands", "redis_pipelines", "pg_statements", "pg_transactions"):
-                setattr(trips, name, getattr(trips, name) + getattr(counted, name))
+            trips.add(counted)
         if outcome != "ready":
             raise RuntimeError(f"job {n} ended {outcome}, not ready")
     return walls

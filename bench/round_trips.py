@@ -33,6 +33,13 @@ class RoundTrips:
         """Also the pool's connection check, BEGIN and COMMIT of each transaction (one round trip each)."""
         return self.total + 3 * self.pg_transactions
 
+    def add(self, other: RoundTrips) -> None:
+        """Count `other`'s round trips too (several counted stretches reported as one)."""
+        self.redis_commands += other.redis_commands
+        self.redis_pipelines += other.redis_pipelines
+        self.pg_statements += other.pg_statements
+        self.pg_transactions += other.pg_transactions
+
     def describe(self) -> str:
         return (
             f"redis {self.redis_commands} cmd + {self.redis_pipelines} pipeline, "
