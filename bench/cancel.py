@@ -106,7 +106,8 @@ def once(rt: Any, ctx: Context) -> dict[str, Any]:
     from animastor_tasks.flow import gate
     from animastor_tasks.flow import reconcile as reconcile_flow
     from animastor_tasks.flow.gate import gate_pass
-    from animastor_tasks.flow.generate import Job, run_job
+    from animastor_tasks.flow.generate import run_job
+    from animastor_tasks.flow.job import Job
 
     info = setup(rt)
     base_ms = baseline_release_ms()

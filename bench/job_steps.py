@@ -42,11 +42,11 @@ FLOW_STEPS = {
 PORT_CALLS = {
     "jobs": ("commit_job",),
     "leases": ("start_delivery", "take_leases", "release_lease", "end_delivery"),
-    "deferrals": ("next_waiters", "clear_bucket", "clear_deferrals", "defer"),
+    "deferrals": ("next_waiters", "clear_deferrals", "defer"),
     "assets": ("gate_candidates",),
     "book_state": ("pair_snapshot",),
     "publisher": ("publish_job",),
-    "counters": ("add", "observe", "observe_since_dispatch"),
+    "counters": ("add", "observe"),
     "artifacts": ("put",),
 }
 HELD_OPEN = {"assets": "claiming", "jobs": "starting"}  # context managers: timed from open to close
@@ -107,7 +107,7 @@ def _next_job(rt: Any, book: str) -> Any:
     """The pair claimed longest ago that is still generating: the jobs run in the order they were claimed.
     Read through the runtime's own pool: a connection opened for it (and its backend's exit) cost more
     than the job's own start transaction."""
-    from animastor_tasks.flow.generate import Job
+    from animastor_tasks.flow.job import Job
 
     with rt.db.read() as conn:
         row = conn.execute(

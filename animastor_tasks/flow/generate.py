@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,10 +31,10 @@ from animastor_tasks.domain.job_rules import (
     worker_lost_reason,
 )
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.domain.types import BookPair, Pair
 from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import refill
+from animastor_tasks.flow.job import Job, Watcher
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
 
 log = logging.getLogger("animastor.generate")
@@ -51,68 +50,6 @@ class Later:
 
     def job_started(self) -> None:
         """The job's start check is over (passed or not): bookkeeping held back may run now."""
-
-
-@dataclass(frozen=True)
-class Job:
-    book_id: str
-    chapter_id: str
-    scene_id: str
-    stage: str
-    dispatch_id: str
-    fencing_token: int
-
-    @property
-    def pair(self) -> Pair:
-        return (self.chapter_id, self.scene_id, self.stage)
-
-    @property
-    def lease_pair(self) -> BookPair:
-        return (self.book_id, self.chapter_id, self.scene_id, self.stage)
-
-    def describe(self) -> str:
-        return (
-            f"book={self.book_id!r} chapter={self.chapter_id!r} scene={self.scene_id!r} stage={self.stage}"
-            f" dispatch={self.dispatch_id} token={self.fencing_token}"
-        )
-
-
-class Watcher(threading.Thread):
-    """Renews the lease every TTL/3 and watches the cancel flag; sets `stop` when either is lost."""
-
-    def __init__(self, ports: Ports, job: Job, spec: StageSpec, poll: float = 0.25) -> None:
-        super().__init__(name=f"lease-{job.dispatch_id[:8]}", daemon=True)
-        self.ports, self.job, self.spec, self.poll = ports, job, spec, poll
-        self.stop = threading.Event()
-        self.done = threading.Event()
-        self.why = ""
-
-    def run(self) -> None:
-        renew_every = self.spec.lease_ttl / 3
-        next_renew = time.monotonic() + renew_every
-        while not self.done.wait(self.poll):
-            try:
-                if self.ports.book_state.cancel_flag_set(self.job.book_id):
-                    self._halt("book cancelled")
-                    return
-                if time.monotonic() >= next_renew:
-                    next_renew = time.monotonic() + renew_every
-                    if not self.ports.leases.renew_lease(
-                        self.job.lease_pair, self.job.dispatch_id, self.spec.lease_ttl
-                    ):
-                        self._halt("lease lost")
-                        return
-                    self.ports.leases.touch_delivery(self.job.dispatch_id, self.spec.lease_ttl)
-            except StoreUnavailable as err:
-                log.warning("[GENERATE] %s watcher cannot reach redis: %s", self.job.describe(), err)
-
-    def _halt(self, why: str) -> None:
-        self.why = why
-        self.stop.set()
-        log.info("[GENERATE] %s stopping: %s", self.job.describe(), why)
-
-    def should_stop(self) -> bool:
-        return self.stop.is_set()
 
 
 def run_job(
@@ -131,7 +68,9 @@ def run_job(
     # The queued lease this dispatch took must still be ours; held, it becomes the running job's lease (TTL,
     # renewed every TTL/3) in the same atomic step that ends the undelivered marker, so a worker that dies
     # after it leaves a job whose lease lapses (domain/liveness.py).
-    held, owned, cancelled = ports.leases.start_delivery(job.lease_pair, job.dispatch_id, worker, spec.lease_ttl)
+    held, owned, cancelled, dispatched_at = ports.leases.start_delivery(
+        job.lease_pair, job.dispatch_id, worker, spec.lease_ttl
+    )
     if not held or not owned:
         later.job_started()
     if not held:
@@ -141,10 +80,11 @@ def run_job(
         log.warning("[GENERATE] %s duplicate delivery while another copy runs; not run again", job.describe())
         ports.counters.add({f"job:duplicate_delivery:{job.stage}": 1})
         return {**result, "outcome": JobOutcome.DUPLICATE_DELIVERY}
+    delivered = _Delivered(ports, job, cancelled, dispatched_at)
     try:
-        return _run_owned(ports, job, spec, worker, _guarded(progress, job), result, cancel_flag=cancelled, later=later)
+        return _run_owned(ports, job, spec, worker, _guarded(progress, job), result, later=later, delivered=delivered)
     finally:
-        later(partial(_quietly, "end delivery", ports.leases.end_delivery, job.dispatch_id))
+        later(partial(_quietly, "end of delivery", delivered.end))
 
 
 def _reject(ports: Ports, job: Job, why: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -191,10 +131,10 @@ def _run_owned(
     progress: Callable[[float], None],
     result: dict[str, Any],
     *,
-    cancel_flag: bool,
     later: Later,
+    delivered: _Delivered,
 ) -> dict[str, Any]:
-    denial, row, worker_lost = _start(ports, job, cancel_flag)
+    denial, row, worker_lost = _start(ports, job, delivered.cancelled)
     later.job_started()
     if denial is not None or row is None:
         return _reject(ports, job, denial or Denial.UNKNOWN_PAIR, result)
@@ -202,7 +142,8 @@ def _run_owned(
         return _give_up(ports, job, spec, worker_lost, result)
     log.info("[GENERATE] %s started on %s", job.describe(), worker)
     ports.counters.add({f"job:started:{job.stage}": 1})
-    ports.counters.observe_since_dispatch(f"queue_wait_seconds:{job.stage}", job.dispatch_id)
+    if delivered.dispatched_at:  # its wait in its queue: the claimer's clock against this one's (keep hosts on NTP)
+        ports.counters.observe(f"queue_wait_seconds:{job.stage}", max(0.0, time.time() - delivered.dispatched_at))
 
     watcher = Watcher(ports, job, spec)
     watcher.start()
@@ -240,18 +181,41 @@ def _run_owned(
         _quietly("free capacity", _free_capacity, ports, job, spec, True)  # first: a free slot waits for no bookkeeping
     finally:
         watcher.done.set()
+        delivered.release = True
         later(partial(_wind_down, ports, job, watcher, time.monotonic() - started))
-    later(partial(_quietly, "clear deferrals", ports.deferrals.clear_deferrals, job.book_id, [job.pair]))
+    delivered.ready = True
     later(partial(ports.counters.add, {f"job:ready:{job.stage}": 1}))
     log.info("[GENERATE] %s ready sha256=%s attempts=%d", job.describe(), artifact["sha256"], attempts)
     return {**result, "outcome": JobOutcome.READY, "sha256": artifact["sha256"], "attempts": attempts}
 
 
 def _wind_down(ports: Ports, job: Job, watcher: Watcher, seconds: float) -> None:
-    """The run is over: its watcher ends, its time is counted and its lease released."""
+    """The run is over: its watcher ends (it renews the lease no more) and its time is counted."""
     watcher.join(timeout=2)
     ports.counters.observe(f"job_seconds:{job.stage}", seconds)
-    _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
+
+
+@dataclass
+class _Delivered:
+    """A delivered job: what its delivery found, and what it leaves to Redis once it is over, in one round trip
+    (it was three): the lease released when the job ran under it, the pair's deferrals cleared when it ended
+    ready, and the delivery ended."""
+
+    ports: Ports
+    job: Job
+    cancelled: bool  # the book's cancel flag, read as the delivery was taken
+    dispatched_at: float | None  # when the dispatch was published (its claimer's clock); None: unknown
+    release: bool = False
+    ready: bool = False
+
+    def end(self) -> None:
+        leases, job = self.ports.leases, self.job
+        with leases.batched():
+            if self.release:
+                leases.release_lease(job.lease_pair, job.dispatch_id)
+            if self.ready:
+                self.ports.deferrals.clear_deferrals(job.book_id, [job.pair])
+            leases.end_delivery(job.dispatch_id)
 
 
 def _free_capacity(ports: Ports, job: Job, spec: StageSpec, ready: bool = False) -> None:

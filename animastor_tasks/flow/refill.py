@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 
-from animastor_tasks.domain.vocabulary import DeferralBucket
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import candidates, gate
 from animastor_tasks.flow.page import PassReport
@@ -54,13 +53,13 @@ def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str, *, here: bo
     ending elsewhere, each refilled by its own process. A refill that fails here is sent to the control
     worker. Otherwise (a job that failed or gave its pair back) it is sent at once: a pair given back
     is not re-run in a tight loop."""
+    # Nobody waiting: the book's pairs deferred for capacity may go (the same atomic step clears them), of every
+    # stage: the scene window is shared by the book's stages, so a finished audio job can free the slot an image
+    # pair was deferred for (window_full).
     waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
     if waiters:
         _refill_for(ports, waiters[0], queue, queue, here)  # `book` itself when it outranks the waiters
         return
-    # Every stage: the scene window is shared by the book's stages, so a finished audio job
-    # can free the slot an image pair was deferred for (window_full).
-    ports.deferrals.clear_bucket(book, DeferralBucket.CAPACITY)
     _refill_for(ports, book, None, queue, here)
 
 

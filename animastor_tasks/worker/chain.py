@@ -36,7 +36,8 @@ from typing import Any
 
 from celery import Celery, Task
 
-from animastor_tasks.flow.generate import Job, Later
+from animastor_tasks.flow.generate import Later
+from animastor_tasks.flow.job import Job
 from animastor_tasks.ports import Counters, Ports, Publisher
 from animastor_tasks.worker import tracing
 
@@ -169,9 +170,6 @@ class HeldCounters:
 
     def observe(self, name: str, seconds: float) -> None:
         self.later(partial(self.inner.observe, name, seconds))
-
-    def observe_since_dispatch(self, name: str, dispatch_id: str) -> None:
-        self.inner.observe_since_dispatch(name, dispatch_id)  # measured now: never held
 
 
 class Aftermath(Later):

@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 from kombu import Connection, Producer
 
-from animastor_tasks.flow.generate import Job
+from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.chain import KeepingPublisher
 
 pytestmark = pytest.mark.e2e

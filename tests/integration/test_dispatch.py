@@ -392,7 +392,8 @@ def test_a_job_still_queued_keeps_its_pair_past_the_lease(rt) -> None:
 
 
 def test_reconcile_blocks_jobs_queued_on_a_queue_that_lost_every_consumer(rt) -> None:
-    from animastor_tasks.flow.generate import Job, run_job
+    from animastor_tasks.flow.generate import run_job
+    from animastor_tasks.flow.job import Job
 
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     advertise(rt, "gpu.image", ttl=0.3)

@@ -14,7 +14,8 @@ from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.flow.generate import run_job
+from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import make_book, states, use_settings

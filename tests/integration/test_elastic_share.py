@@ -19,7 +19,8 @@ import redis
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.flow.generate import run_job
+from animastor_tasks.flow.job import Job
 from animastor_tasks.worker import tasks
 from animastor_tasks.worker.app import app
 from animastor_tasks.worker.wiring import Wiring

@@ -9,10 +9,13 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+import redis
+
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.flow.generate import Later, run_job
+from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, make_book, states, use_settings
@@ -184,3 +187,46 @@ def test_a_generator_bug_fails_the_pair_instead_of_looping(rt, tmp_path) -> None
     result = run_job(rt.ports, job, worker="test")
     assert result["outcome"] == "failed" and "steps" in result["error"]
     assert states(rt, "b")[("ch1", "s1", "audio")] == "failed"
+
+
+class _Kept(Later):
+    """Keeps the bookkeeping steps a run gives, for the test to run."""
+
+    def __init__(self) -> None:
+        self.steps: list = []
+
+    def __call__(self, step) -> None:
+        self.steps.append(step)
+
+
+def test_a_job_that_ends_ready_leaves_nothing_of_itself_in_redis_in_one_round_trip(rt, monkeypatch) -> None:
+    """Its lease, its running marker and the deferrals of its pair (a pass that found it running deferred it)
+    go in one round trip at its end: three before, on every job."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    job = dispatched_jobs(rt, "b")[0]
+    rt.deferrals.defer("b", "idempotent", [job.pair], 600, time.time())
+    kept = _Kept()
+    assert run_job(rt.ports, job, worker="test", later=kept)["outcome"] == "ready"
+    *before, end = kept.steps
+    for step in before:
+        step()
+    keys, client = rt.redis.keys, rt.redis.client
+    assert client.exists(keys.lease(*job.lease_pair), keys.running(job.dispatch_id)) == 2
+    trips: list[object] = []
+    monkeypatch.setattr(redis.Redis, "execute_command", _counting(trips, redis.Redis.execute_command))
+    monkeypatch.setattr(redis.client.Pipeline, "execute", _counting(trips, redis.client.Pipeline.execute))
+    end()
+    monkeypatch.undo()
+    assert len(trips) == 1
+    assert client.exists(keys.lease(*job.lease_pair), keys.running(job.dispatch_id)) == 0
+    assert client.zcard(keys.deferrals("b", "idempotent")) == 0
+
+
+def _counting(trips: list[object], call):
+    def counted(*args, **kwargs):
+        trips.append(call)
+        return call(*args, **kwargs)
+
+    return counted

@@ -20,7 +20,7 @@ from celery.contrib.testing.worker import start_worker
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow.generate import Job
+from animastor_tasks.flow.job import Job
 from animastor_tasks.ports import GateRows
 from animastor_tasks.worker import chain, wiring
 from tests.support import wait_for

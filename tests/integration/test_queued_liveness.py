@@ -67,7 +67,7 @@ def test_a_delivered_job_is_not_counted_as_queued(rt: Wiring, monkeypatch: pytes
     monkeypatch.setattr(reconcile_flow, "RECOUNT_PAUSE_SECONDS", 0.0)
     ids = dispatch_scenes(rt, "b", 2)
     assert rt.ports.leases.undelivered([ids["s1"], ids["s2"]])[0] is not None
-    held, owned, _ = rt.ports.leases.start_delivery(("b", "ch1", "s1", "audio"), ids["s1"], "w", 5)
+    held, owned, *_ = rt.ports.leases.start_delivery(("b", "ch1", "s1", "audio"), ids["s1"], "w", 5)
     assert held and owned
     assert rt.ports.leases.undelivered([ids["s1"], ids["s2"]])[0] is None
     lapse_leases(rt, "b", 2)

@@ -18,7 +18,8 @@ from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow.generate import Job, run_job
+from animastor_tasks.flow.generate import run_job
+from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import CountingBroker, advertise, make_book, states
@@ -90,7 +91,7 @@ def test_a_job_whose_queued_lease_is_gone_never_starts(rt: Wiring, tmp_path: Pat
 def test_the_tick_takes_over_a_started_job_whose_lease_lapsed(rt: Wiring, tmp_path: Path) -> None:
     """Old code: only reconcile (every 30 s) noticed; the tick left the pair `generating`."""
     job = one_job(rt, tmp_path, lease_ttl=1)
-    held, owned, _ = rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, "w", 1)  # a worker took it
+    held, owned, *_ = rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, "w", 1)  # a worker took it
     assert held and owned and rt.ports.leases.renew_lease(job.lease_pair, job.dispatch_id, 0.3)  # ... cut off
     tick(rt)
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"  # its lease is still live

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from animastor_tasks.flow.generate import Job
+from animastor_tasks.flow.job import Job
 from animastor_tasks.worker import chain
 
 JOB = Job("b", "ch1", "s1", "audio", "d1" * 16, 3)

@@ -123,24 +123,6 @@ class CounterStore:
         self._closed.set()
         self.flush()
 
-    def observe_since_dispatch(self, name: str, dispatch_id: str) -> None:
-        """Observe the time since the dispatch was published (`dispatched_at` of its lease metadata, written
-        by `LeaseStore.take_leases`): a job's wait in its queue. Nothing when the metadata is gone.
-
-        The clock of the dispatching control worker against this one's: keep hosts on NTP.
-        """
-        try:
-            raw = self.conn.client.hget(self.conn.keys.dispatch(dispatch_id), "dispatched_at")
-        except redis.RedisError as err:
-            log.debug("[METRICS] dispatch time of %s unreadable: %s", dispatch_id, err)
-            return
-        try:
-            at = float(raw) if raw is not None else None
-        except ValueError:
-            at = None
-        if at:
-            self.observe(name, max(0.0, time.time() - at))
-
     def read(self) -> dict[str, str]:
         """Every counter and histogram field (for the exporter), this process's own held ones first added;
         `StoreUnavailable` when Redis is down."""

@@ -13,7 +13,7 @@ from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import Priority, priority_rank
+from animastor_tasks.domain.vocabulary import DeferralBucket, Priority, priority_rank
 
 
 class DeferralStore:
@@ -34,10 +34,6 @@ class DeferralStore:
         with self.conn.writes() as pipe:
             for bucket in buckets:
                 pipe.zrem(self.conn.keys.deferrals(book, bucket), *members)
-
-    def clear_bucket(self, book: str, bucket: str) -> None:
-        """Every deferral of one bucket for a book (capacity freed: all its waiters may try again)."""
-        self.conn.run(lambda: self.conn.client.delete(self.conn.keys.deferrals(book, bucket)))
 
     def deferral_counts(self, books: Iterable[str], now: float) -> dict[str, int]:
         """Live deferred pairs per bucket across the given books (for operators)."""
@@ -79,8 +75,15 @@ class DeferralStore:
         `exclude` (that job's book) queues behind the waiters at the priority its dispatch was made
         with (keeping its place if it waits already), so books take turns. When that priority is more
         urgent than the head's, `exclude` keeps the slot: the answer is `[exclude]`, the list unchanged.
+        When nobody waits, the pairs of `exclude` deferred for capacity may try again: that bucket is
+        emptied in the same step.
         """
-        keys = [self.conn.keys.lane_waiters(queue), self.conn.keys.dispatch(requeue_from) if requeue_from else ""]
+        requeue = bool(requeue_from and exclude)
+        keys = [
+            self.conn.keys.lane_waiters(queue),
+            self.conn.keys.dispatch(requeue_from) if requeue_from else "",
+            self.conn.keys.deferrals(exclude, DeferralBucket.CAPACITY) if requeue and exclude else "",
+        ]
         args: list[str | float] = [count, exclude or "", time.time(), RANK_SCALE, priority_rank(Priority.NORMAL)]
         taken = self.conn.run(lambda: self._take(keys=keys, args=args))
         return [str(b) for b in taken]

@@ -68,14 +68,18 @@ class LeaseStore:
             )
         )
 
-    def release_lease(self, pair: BookPair, dispatch_id: str) -> bool:
-        return bool(
-            self.conn.run(lambda: self.conn.release_script(keys=[self.conn.keys.lease(*pair)], args=[dispatch_id]))
-        )
+    def release_lease(self, pair: BookPair, dispatch_id: str) -> None:
+        """Compare-and-delete: only while this dispatch holds the lease. A write of the open batch, if any:
+        sent as the script's text (EVAL), since a pipeline asks first whether a script by hash is loaded."""
+        with self.conn.writes() as pipe:
+            pipe.eval(self.conn.release_lua, 1, self.conn.keys.lease(*pair), dispatch_id)
 
-    def start_delivery(self, pair: BookPair, dispatch_id: str, worker: str, ttl: int) -> tuple[bool, bool, bool]:
+    def start_delivery(
+        self, pair: BookPair, dispatch_id: str, worker: str, ttl: int
+    ) -> tuple[bool, bool, bool, float | None]:
         """(the dispatch still held the pair's lease, now the running job's for `ttl`; this delivery owns the
-        dispatch; the book is cancelled), in one atomic round trip (`lua/start_delivery.lua`).
+        dispatch; the book is cancelled; when the dispatch was published, None if unknown), in one atomic round
+        trip (`lua/start_delivery.lua`).
 
         A second delivery of a dispatch that is still running (broker redelivery after a
         visibility timeout) finds the running marker and does not run again. Any delivery ends the
@@ -83,18 +87,20 @@ class LeaseStore:
         """
         keys = self.conn.keys
         lease, running, queued = keys.lease(*pair), keys.running(dispatch_id), keys.queued(dispatch_id)
-        held, owned, cancelled = self.conn.run(
+        held, owned, cancelled, published = self.conn.run(
             lambda: self.conn.start_delivery_script(
-                keys=[lease, running, queued, keys.cancel_flag(pair[0])], args=[dispatch_id, ttl * 1000, worker, ttl]
+                keys=[lease, running, queued, keys.cancel_flag(pair[0]), keys.dispatch(dispatch_id)],
+                args=[dispatch_id, ttl * 1000, worker, ttl],
             )
         )
-        return bool(held), bool(owned), bool(cancelled)
+        return bool(held), bool(owned), bool(cancelled), _seconds(published)
 
     def touch_delivery(self, dispatch_id: str, ttl: int) -> None:
         self.conn.run(lambda: self.conn.client.expire(self.conn.keys.running(dispatch_id), ttl))
 
     def end_delivery(self, dispatch_id: str) -> None:
-        self.conn.run(lambda: self.conn.client.delete(self.conn.keys.running(dispatch_id)))
+        with self.conn.writes() as pipe:
+            pipe.delete(self.conn.keys.running(dispatch_id))
 
     def batched(self) -> AbstractContextManager[None]:
         """The writes of the lease and deferral stores made in the block by this thread go in one round trip."""
@@ -103,3 +109,11 @@ class LeaseStore:
     def drop_leases(self, pairs: Sequence[BookPair]) -> None:
         if pairs:
             self.conn.run(lambda: self.conn.client.delete(*(self.conn.keys.lease(*p) for p in pairs)))
+
+
+def _seconds(raw: object) -> float | None:
+    """A time written as a string (`take_leases`' metadata); None when absent or unreadable."""
+    try:
+        return float(str(raw)) if raw is not None else None
+    except ValueError:
+        return None

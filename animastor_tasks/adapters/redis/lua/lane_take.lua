@@ -5,6 +5,8 @@
 -- answer is then that book alone, and the list is left as it is.
 -- KEYS[1] the lane's waiting list (zset: book -> wait score, lower first)
 -- KEYS[2] the finished dispatch's metadata hash (field `rank`), or '' for no re-queue
+-- KEYS[3] a key to delete when no book is taken, or '' for none: the deferrals of the book that freed
+--         the slot that wait for capacity, which may try again when nobody else waits
 -- ARGV[1] how many books to take
 -- ARGV[2] a book never to take ('' for none): the one that freed the slot
 -- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank, ARGV[5] the default rank
@@ -35,5 +37,7 @@ if #taken > 0 then
     if requeue then
         redis.call('ZADD', KEYS[1], 'NX', own, ARGV[2])
     end
+elseif KEYS[3] ~= '' then
+    redis.call('DEL', KEYS[3])
 end
 return taken

@@ -1,16 +1,18 @@
 -- A job's delivery, in one atomic step: any delivery ends the dispatch's undelivered marker (the job
 -- has left its queue); if the dispatch still holds the pair's queued lease, the lease becomes the running
 -- job's (its TTL) and the delivery takes the dispatch's running marker unless another copy holds it.
--- KEYS[1] lease key, KEYS[2] running marker, KEYS[3] undelivered marker, KEYS[4] the book's cancel flag
+-- KEYS[1] lease key, KEYS[2] running marker, KEYS[3] undelivered marker, KEYS[4] the book's cancel flag,
+-- KEYS[5] the dispatch's metadata hash
 -- ARGV[1] dispatch id, ARGV[2] lease ttl in ms, ARGV[3] worker, ARGV[4] running marker ttl in s
--- returns {lease held, delivery owned, book cancelled}
+-- returns {lease held, delivery owned, book cancelled, when the dispatch was published (nil: unknown)}
 redis.call('DEL', KEYS[3])
 local cancelled = redis.call('EXISTS', KEYS[4])
+local dispatched_at = redis.call('HGET', KEYS[5], 'dispatched_at')
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-    return {0, 0, cancelled}
+    return {0, 0, cancelled, dispatched_at}
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4]) then
-    return {1, 1, cancelled}
+    return {1, 1, cancelled, dispatched_at}
 end
-return {1, 0, cancelled}
+return {1, 0, cancelled, dispatched_at}

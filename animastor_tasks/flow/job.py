@@ -1,0 +1,77 @@
+"""A GPU job as its worker knows it (`Job`: what its message carries), and the watcher of its lease while it runs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.domain.types import BookPair, Pair
+from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.ports import Ports
+
+log = logging.getLogger("animastor.generate")
+
+
+@dataclass(frozen=True)
+class Job:
+    book_id: str
+    chapter_id: str
+    scene_id: str
+    stage: str
+    dispatch_id: str
+    fencing_token: int
+
+    @property
+    def pair(self) -> Pair:
+        return (self.chapter_id, self.scene_id, self.stage)
+
+    @property
+    def lease_pair(self) -> BookPair:
+        return (self.book_id, self.chapter_id, self.scene_id, self.stage)
+
+    def describe(self) -> str:
+        return (
+            f"book={self.book_id!r} chapter={self.chapter_id!r} scene={self.scene_id!r} stage={self.stage}"
+            f" dispatch={self.dispatch_id} token={self.fencing_token}"
+        )
+
+
+class Watcher(threading.Thread):
+    """Renews the lease every TTL/3 and watches the cancel flag; sets `stop` when either is lost."""
+
+    def __init__(self, ports: Ports, job: Job, spec: StageSpec, poll: float = 0.25) -> None:
+        super().__init__(name=f"lease-{job.dispatch_id[:8]}", daemon=True)
+        self.ports, self.job, self.spec, self.poll = ports, job, spec, poll
+        self.stop = threading.Event()
+        self.done = threading.Event()
+        self.why = ""
+
+    def run(self) -> None:
+        renew_every = self.spec.lease_ttl / 3
+        next_renew = time.monotonic() + renew_every
+        while not self.done.wait(self.poll):
+            try:
+                if self.ports.book_state.cancel_flag_set(self.job.book_id):
+                    self._halt("book cancelled")
+                    return
+                if time.monotonic() >= next_renew:
+                    next_renew = time.monotonic() + renew_every
+                    if not self.ports.leases.renew_lease(
+                        self.job.lease_pair, self.job.dispatch_id, self.spec.lease_ttl
+                    ):
+                        self._halt("lease lost")
+                        return
+                    self.ports.leases.touch_delivery(self.job.dispatch_id, self.spec.lease_ttl)
+            except StoreUnavailable as err:
+                log.warning("[GENERATE] %s watcher cannot reach redis: %s", self.job.describe(), err)
+
+    def _halt(self, why: str) -> None:
+        self.why = why
+        self.stop.set()
+        log.info("[GENERATE] %s stopping: %s", self.job.describe(), why)
+
+    def should_stop(self) -> bool:
+        return self.stop.is_set()
