@@ -9,7 +9,9 @@ the gate denies asks for the book's full pass at once (the due index), which rel
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+from animastor_tasks.domain.types import Pair
 from animastor_tasks.flow import dispatch, page
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import Ports
@@ -37,6 +39,7 @@ def dispatch_candidates(
     limit = candidate_limit([1 if s.queue == one_slot_of else s.lane_limit for s in specs])
     queues = registry.queues()
     read = 0
+    judged: set[Pair] = set()  # by a shorter read before a wider one, which starts from the first candidate again
     for _ in range(MAX_ROUNDS):
         started, now = time.monotonic(), time.time()
         rows = ports.assets.gate_candidates(book, [s.name for s in specs], limit)
@@ -44,7 +47,13 @@ def dispatch_candidates(
             return None
         if not rows.in_flight:
             return read
-        read += len(rows.in_flight)
+        fetched = len(rows.in_flight)
+        read += fetched
+        if judged:
+            rows = replace(rows, in_flight=tuple(i for i in rows.in_flight if i.pair not in judged))
+            if not rows.in_flight:
+                return read
+        judged.update(i.pair for i in rows.in_flight)
         snap = ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
         authorized, _ = page.judge(snap, rows, report)
         # The slot a finished job freed in this process is this book's: its pairs that a concurrent claim
@@ -63,7 +72,7 @@ def dispatch_candidates(
         due = time.time() if report.denied else min(result.deferred_until.values(), default=None)
         if due is not None:
             page.write_due(ports, book, due, snap.due_at)
-        if report.denied or len(rows.in_flight) < limit:
+        if report.denied or fetched < limit:
             return read
         if not result.claimed_lanes and limit < widest:
             # Not one of the few read came to a claim (each waits on a timer, or is done or running already):

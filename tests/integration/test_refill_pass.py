@@ -10,9 +10,10 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from animastor_tasks.domain.vocabulary import DeferralBucket
+from animastor_tasks.domain.vocabulary import DeferralBucket, Outcome
 from animastor_tasks.flow import candidates, refill
 from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import GateRows
 from animastor_tasks.worker.wiring import Wiring
 
@@ -126,3 +127,22 @@ def test_a_freed_slot_whose_first_candidates_all_wait_on_a_timer_looks_further(r
     assert running(rt, "wide") == {"wide": 64}
     assert states(rt, "wide")[("ch1", "s91", "audio")] == "generating"
     assert {states(rt, "wide")[pair] for pair in held} == {"pending"}
+
+
+def test_a_freed_slot_that_looks_further_judges_each_pair_once(rt) -> None:
+    """The wider read starts from the first candidate again: the pairs the short read judged already were
+    judged and counted a second time (16 of the 26 deferred ones counted twice, the refill's report said 42)."""
+    lane(rt, lane_limit=64, book_quota=64, window=64)
+    rt.catalog.import_book(make_book("wide", chapters=1, scenes=100))
+    regenerate_flow.regenerate(rt.ports, "wide", ["audio"])
+    held = [("ch1", f"s{n}", "audio") for n in range(65, 91)]
+    rt.ports.deferrals.defer("wide", DeferralBucket.IDEMPOTENT, held, 600, time.time())
+    with rt.db.transaction() as conn:  # one job ended: its slot is free
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'wide' AND scene_id = 's1'")
+    rt.redis.client.delete(rt.redis.keys.deferrals("wide", "capacity"))  # as `free_slot` does with nobody waiting
+    report = PassReport("wide")
+    read = candidates.dispatch_candidates(rt.ports, report, "wide", None, one_slot_of="gpu.audio")
+    assert states(rt, "wide")[("ch1", "s91", "audio")] == "generating"
+    assert read == 16 + 36  # the short read, then every pending pair
+    assert report.outcomes[Outcome.DEFERRED] == len(held)
+    assert len(report.authorized) == len(set(report.authorized)) == report.authorized_count == 36
