@@ -48,6 +48,7 @@ class Settings:
     artifact_url: str = ""  # s3://bucket/prefix: the store GPU hosts share; empty: the directory above
     journal_retention_days: float = 7.0
     journal_max_rows: int = 1_000_000
+    command_retention_days: float = 0.0  # ended commands kept this long; 0: for ever
     job_soft_time_limit: int = 1800
     job_time_limit: int = 1900
     visibility_timeout: int = 3600
@@ -87,6 +88,7 @@ class Settings:
             **_artifact_store(env),
             journal_retention_days=_number(env, "ANIMASTOR_JOURNAL_RETENTION_DAYS", 7.0, minimum=0.0),
             journal_max_rows=int(_number(env, "ANIMASTOR_JOURNAL_MAX_ROWS", 1_000_000, minimum=100)),
+            command_retention_days=_number(env, "ANIMASTOR_COMMAND_RETENTION_DAYS", 0.0, minimum=0.0),
             job_soft_time_limit=int(_number(env, "ANIMASTOR_JOB_SOFT_TIME_LIMIT", 1800, minimum=1)),
             job_time_limit=int(_number(env, "ANIMASTOR_JOB_TIME_LIMIT", 1900, minimum=1)),
             visibility_timeout=int(_number(env, "ANIMASTOR_VISIBILITY_TIMEOUT", 3600, minimum=1)),

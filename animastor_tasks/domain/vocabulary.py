@@ -74,6 +74,8 @@ NO_LONGER_ACTIVE: frozenset[CommandStatus] = frozenset(CommandStatus) - {Command
 AUTHORIZING: frozenset[CommandStatus] = frozenset(CommandStatus) - NO_LONGER_ACTIVE
 # Commands a Stop All ends (a blocked command is still the reader's open intent).
 CANCELLABLE: frozenset[CommandStatus] = frozenset({CommandStatus.ACTIVE, CommandStatus.BLOCKED})
+# Commands over for good: nothing they say can change any more, so past a retention they may be pruned.
+ENDED: frozenset[CommandStatus] = NO_LONGER_ACTIVE - CANCELLABLE
 
 
 def no_worker_reason(stage: str) -> str:

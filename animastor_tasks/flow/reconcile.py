@@ -26,6 +26,7 @@ log = logging.getLogger("animastor.reconcile")
 RECOUNT_PAUSE_SECONDS = 0.5
 PAGE = 10_000  # scenes of a book's active index rebuilt at once
 BOOKMARK = "reconcile"  # where the round of passes goes on
+PRUNED_TARGETS_PER_PASS = 50_000  # command targets one pass deletes at most (a whole-book command's: all of them)
 
 
 def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict[str, Any]:
@@ -34,7 +35,14 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     if not force and not ports.locks.try_lock("reconcile", lock_seconds):
         return {"skipped": True}
     started = time.monotonic()
-    report: dict[str, Any] = {"rebuilt_books": 0, "expired": 0, "blocked": 0, "released": 0, "pruned_events": 0}
+    report: dict[str, Any] = {
+        "rebuilt_books": 0,
+        "expired": 0,
+        "blocked": 0,
+        "released": 0,
+        "pruned_events": 0,
+        "pruned_commands": 0,
+    }
     work = ports.commands.books_with_work()
     # No bookmark: Redis lost its data (or this is the first pass), so every book's active index is rebuilt now.
     bookmark = None if whole else ports.locks.bookmark(BOOKMARK)
@@ -51,6 +59,10 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     report["pruned_events"] = ports.journal.prune_journal(
         ports.settings.journal_retention_days, ports.settings.journal_max_rows
     )
+    if ports.settings.command_retention_days > 0:
+        report["pruned_commands"] = ports.commands.prune_commands(
+            ports.settings.command_retention_days, PRUNED_TARGETS_PER_PASS
+        )
     ports.locks.set_bookmark(BOOKMARK, following)
     report.update(passed_books=len(books), books_with_work=len(work), round_done=not following)
     ports.counters.observe("reconcile_seconds", time.monotonic() - started)

@@ -123,3 +123,10 @@ def test_a_missing_tool_fails_under_ci_and_skips_elsewhere(monkeypatch) -> None:
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception, match="fails under CI=true"):
         missing("RabbitMQ is not listening")
+
+
+def test_ended_commands_are_kept_for_ever_unless_a_retention_is_set() -> None:
+    assert Settings.from_env({}).command_retention_days == 0.0
+    assert Settings.from_env({"ANIMASTOR_COMMAND_RETENTION_DAYS": "30"}).command_retention_days == 30.0
+    with pytest.raises(ConfigError, match="ANIMASTOR_COMMAND_RETENTION_DAYS"):
+        Settings.from_env({"ANIMASTOR_COMMAND_RETENTION_DAYS": "-1"})

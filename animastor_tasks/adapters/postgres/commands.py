@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from animastor_tasks.adapters.postgres import journal
+from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.gate import BookFacts
@@ -283,6 +283,21 @@ class CommandStore:
                 (ACTIVE, values(IN_FLIGHT)),
             ).fetchall()
         return {book: int(n) for book, n in rows}
+
+    def prune_commands(self, retention_days: float, targets: int) -> int:
+        """Delete the commands that ended longer than `retention_days` ago, oldest first, with their targets: as
+        many as fit in `targets` target rows (one command at least), so that a backlog of whole-book commands
+        is pruned a slice per call. A command over for good says nothing a gate, a commit or a release reads;
+        past the retention a resend of its `command_id` makes new commands. How many commands were deleted."""
+        with self.db.transaction() as conn:
+            return conn.execute(
+                "DELETE FROM commands WHERE command_id IN (SELECT command_id FROM"
+                " (SELECT command_id, sum(coalesce(target_count, 1)) OVER (ORDER BY updated_at, command_id)"
+                "  - coalesce(target_count, 1) AS older FROM commands"
+                f"  WHERE status IN {literals.ENDED_STATUSES} AND updated_at < now() - make_interval(secs => %s)"
+                "  ORDER BY updated_at, command_id LIMIT %s) c WHERE older < %s)",
+                (retention_days * 86400, targets, targets),
+            ).rowcount
 
 
 def lock_book(conn: psycopg.Connection[Any], book: str) -> None:

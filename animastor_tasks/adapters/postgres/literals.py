@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from animastor_tasks.domain.vocabulary import AUTHORIZING, IN_FLIGHT, AssetState, CommandStatus
+from animastor_tasks.domain.vocabulary import AUTHORIZING, ENDED, IN_FLIGHT, AssetState, CommandStatus
 
 
 def sql_text(value: str) -> str:
@@ -32,3 +32,4 @@ GENERATING = sql_text(AssetState.GENERATING)
 ACTIVE = sql_text(CommandStatus.ACTIVE)
 IN_FLIGHT_STATES = sql_list(IN_FLIGHT)
 AUTHORIZING_STATUSES = sql_list(AUTHORIZING)
+ENDED_STATUSES = sql_list(ENDED)  # as migration 0008's index names them
