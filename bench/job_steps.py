@@ -35,7 +35,7 @@ WARM_UP = 20
 
 # (where, the attributes timed there): the flow's steps, then the adapters' calls of a job's run.
 FLOW_STEPS = {
-    "animastor_tasks.flow.generate": ("_start", "_generate_with_retries", "_wind_down"),
+    "animastor_tasks.flow.generate": ("_start", "_generate_with_retries", "_wind_down", "_Delivered.end"),
     "animastor_tasks.flow.refill": ("free_slot",),
     "animastor_tasks.flow.dispatch": ("_claim_and_publish", "_publish"),
 }
@@ -90,7 +90,9 @@ def timing(ports: Any) -> Iterator[dict[str, float]]:
     for module_name, names in FLOW_STEPS.items():
         module = importlib.import_module(module_name)
         for name in names:
-            wrap(module, name, f"{module_name.rsplit('.', 1)[1]}.{name}")
+            *within, attribute = name.split(".")  # a method: its class, then its name
+            owner = functools.reduce(getattr, within, module)
+            wrap(owner, attribute, f"{module_name.rsplit('.', 1)[1]}.{name}")
     for port, names in PORT_CALLS.items():
         for name in names:
             wrap(getattr(ports, port), name, f"{port}.{name}")
