@@ -75,8 +75,8 @@ class DeferralStore:
         `exclude` (that job's book) queues behind the waiters at the priority its dispatch was made
         with (keeping its place if it waits already), so books take turns. When that priority is more
         urgent than the head's, `exclude` keeps the slot: the answer is `[exclude]`, the list unchanged.
-        When nobody waits, the pairs of `exclude` deferred for capacity may try again: that bucket is
-        emptied in the same step.
+        When nobody waits, the pairs of `exclude` deferred for capacity may try again on the slot its job
+        freed: with `requeue_from`, that bucket is emptied in the same step.
         """
         requeue = bool(requeue_from and exclude)
         keys = [
