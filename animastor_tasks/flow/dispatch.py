@@ -57,12 +57,13 @@ def dispatch_pending(
     result = DispatchResult()
     deferred_pairs = set().union(*snap.deferred.values())
     if handed_lane is not None:
-        # Handed a free slot of this lane: its pairs waiting for capacity there may go now. Their deferrals
-        # stay written (they say why the pairs waited) until a claim clears them or they are re-armed.
+        # Handed a free slot of this lane: its pairs waiting for capacity there may go now, unless deferred for
+        # another reason as well. Their deferrals stay written (why they waited) until a claim clears them.
         registry = ports.settings.registry
+        other = set().union(*(pairs for bucket, pairs in snap.deferred.items() if bucket != DeferralBucket.CAPACITY))
         deferred_pairs -= {
             p
-            for p in snap.deferred.get(DeferralBucket.CAPACITY, set())
+            for p in snap.deferred.get(DeferralBucket.CAPACITY, set()) - other
             if p[2] in registry and registry.get(p[2]).queue == handed_lane
         }
     todo = [item for item in pending if item.pair not in deferred_pairs]

@@ -146,3 +146,19 @@ def test_a_freed_slot_that_looks_further_judges_each_pair_once(rt) -> None:
     assert read == 16 + 36  # the short read, then every pending pair
     assert report.outcomes[Outcome.DEFERRED] == len(held)
     assert len(report.authorized) == len(set(report.authorized)) == report.authorized_count == 36
+
+
+def test_a_handed_slot_leaves_a_pair_that_also_waits_on_another_timer_waiting(rt) -> None:
+    """A pair deferred for capacity and as done-or-running both: a handed slot lifted its capacity deferral by
+    taking the pair out of every bucket, and the pair was dispatched before its other window ended."""
+    lane(rt, lane_limit=64, book_quota=64, window=64)
+    rt.catalog.import_book(make_book("wide", chapters=1, scenes=100))
+    regenerate_flow.regenerate(rt.ports, "wide", ["audio"])  # 64 run; the rest wait for capacity
+    held = [("ch1", f"s{n}", "audio") for n in range(65, 91)]
+    rt.ports.deferrals.defer("wide", DeferralBucket.IDEMPOTENT, held, 600, time.time())
+    with rt.db.transaction() as conn:  # one job ended: its slot is free, and handed to the book
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'wide' AND scene_id = 's1'")
+    report = PassReport("wide")
+    candidates.dispatch_candidates(rt.ports, report, "wide", "gpu.audio")
+    assert {states(rt, "wide")[pair] for pair in held} == {"pending"}
+    assert states(rt, "wide")[("ch1", "s91", "audio")] == "generating"
