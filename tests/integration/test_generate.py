@@ -9,8 +9,6 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-import redis
-
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -19,6 +17,7 @@ from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, make_book, states, use_settings
+from .test_dispatch import CommandLog
 from .test_http_generator import start_server  # noqa: F401  (fixture: the real reference server)
 
 
@@ -214,19 +213,8 @@ def test_a_job_that_ends_ready_leaves_nothing_of_itself_in_redis_in_one_round_tr
         step()
     keys, client = rt.redis.keys, rt.redis.client
     assert client.exists(keys.lease(*job.lease_pair), keys.running(job.dispatch_id)) == 2
-    trips: list[object] = []
-    monkeypatch.setattr(redis.Redis, "execute_command", _counting(trips, redis.Redis.execute_command))
-    monkeypatch.setattr(redis.client.Pipeline, "execute", _counting(trips, redis.client.Pipeline.execute))
+    log = CommandLog(rt, monkeypatch)
     end()
-    monkeypatch.undo()
-    assert len(trips) == 1
+    assert log.round_trips == 1
     assert client.exists(keys.lease(*job.lease_pair), keys.running(job.dispatch_id)) == 0
     assert client.zcard(keys.deferrals("b", "idempotent")) == 0
-
-
-def _counting(trips: list[object], call):
-    def counted(*args, **kwargs):
-        trips.append(call)
-        return call(*args, **kwargs)
-
-    return counted
