@@ -78,11 +78,10 @@ class DeferralStore:
         When nobody waits, the pairs of `exclude` deferred for capacity may try again on the slot its job
         freed: with `requeue_from`, that bucket is emptied in the same step.
         """
-        requeue = bool(requeue_from and exclude)
         keys = [
             self.conn.keys.lane_waiters(queue),
             self.conn.keys.dispatch(requeue_from) if requeue_from else "",
-            self.conn.keys.deferrals(exclude, DeferralBucket.CAPACITY) if requeue and exclude else "",
+            self.conn.keys.deferrals(exclude, DeferralBucket.CAPACITY) if requeue_from and exclude else "",
         ]
         args: list[str | float] = [count, exclude or "", time.time(), RANK_SCALE, priority_rank(Priority.NORMAL)]
         taken = self.conn.run(lambda: self._take(keys=keys, args=args))
