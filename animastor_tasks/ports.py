@@ -342,13 +342,11 @@ class Locks(Protocol):
 class Publisher(Protocol):
     def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None: ...
     def revoke(self, dispatch_ids: Sequence[str]) -> None: ...
-    def enqueue_refill(self, book_id: str, lane: str | None = None) -> None: ...  # lane None: any of the book's
+    def enqueue_refill(self, book_id: str, lane: str | None = None, freed: str | None = None) -> None: ...
     def enqueue_gates(self, book_ids: Sequence[str]) -> None: ...  # one task passing several books in turn
 
 
-class QueueProbe(Protocol):
-    """What the broker holds; None where it cannot tell."""
-
+class QueueProbe(Protocol):  # what the broker holds; None where it cannot tell
     def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None: ...  # jobs still waiting in the queues
     def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None: ...  # ready messages, not taken yet
 

@@ -76,8 +76,10 @@ class CeleryPublisher:
             self.counters.add({"revoke:failed": 1})
             log.warning("[DISPATCH] revoke broadcast failed: %s", err)
 
-    def enqueue_refill(self, book_id: str, lane: str | None = None) -> None:
-        self.app.send_task("animastor.refill", kwargs={"book_id": book_id, "lane": lane}, queue=CONTROL_QUEUE)
+    def enqueue_refill(self, book_id: str, lane: str | None = None, freed: str | None = None) -> None:
+        # `freed` only when set: a message without it is one every version of the task takes.
+        kwargs = {"book_id": book_id, "lane": lane} | ({"freed": freed} if freed is not None else {})
+        self.app.send_task("animastor.refill", kwargs=kwargs, queue=CONTROL_QUEUE)
 
     def enqueue_gates(self, book_ids: Sequence[str]) -> None:
         self.app.send_task("animastor.gate_batch", kwargs={"book_ids": list(book_ids)}, queue=CONTROL_QUEUE)

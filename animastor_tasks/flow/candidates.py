@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.flow import dispatch, page
 from animastor_tasks.flow.page import PassReport
@@ -31,34 +32,57 @@ def dispatch_candidates(
     """Dispatch the book's next pairs for `lane` (None: any of its lanes) into `report`; how many
     candidates were read (0: nothing pending), None for an unknown book. `one_slot_of`: see
     `dispatch.dispatch_pending`."""
-    registry = ports.settings.registry
-    specs = [s for s in registry.stages if lane is None or s.queue == lane]
+    specs = [s for s in ports.settings.registry.stages if lane is None or s.queue == lane]
+    # The slot a finished job freed in this process is this book's: its pairs that a concurrent claim
+    # deferred for that lane (`lane_full`, past the claim's one slot) may take it.
+    handed = lane if lane is not None else one_slot_of
+    judged: set[Pair] = set()  # by a shorter read before a wider one, which starts from the first candidate again
+    read, complete = _rounds(ports, report, book, specs, handed, one_slot_of, judged)
+    if read is None:
+        return None
+    unserved = lane is None and one_slot_of is not None and one_slot_of not in report.claimed_lanes
+    if unserved and not complete and not report.denied:
+        # The freed lane's pairs were behind the book's others (an older command of another stage, its lane
+        # full) and none came to a claim: the slot would idle while they wait. Its own pairs are read next.
+        freed = [s for s in specs if s.queue == one_slot_of]
+        more, _ = _rounds(ports, report, book, freed, handed, one_slot_of, judged)
+        read += more or 0
+    return read
+
+
+def _rounds(
+    ports: Ports,
+    report: PassReport,
+    book: str,
+    specs: list[StageSpec],
+    handed: str | None,
+    one_slot_of: str | None,
+    judged: set[Pair],
+) -> tuple[int | None, bool]:
+    """Reads of the book's next pending pairs of `specs`, each dispatched, while the lanes take them all;
+    (candidates read, whether the last read held every pending pair left), or (None, False) for an unknown book."""
     widest = candidate_limit([s.lane_limit for s in specs])
     # A refill of the one slot a job freed claims one pair of its lane: reading for every slot of a lane of
     # 64 read 128 pairs (and wrote why 127 of them wait) to claim one, after every job.
     limit = candidate_limit([1 if s.queue == one_slot_of else s.lane_limit for s in specs])
-    queues = registry.queues()
+    queues = ports.settings.registry.queues()
     read = 0
-    judged: set[Pair] = set()  # by a shorter read before a wider one, which starts from the first candidate again
     for _ in range(MAX_ROUNDS):
         started, now = time.monotonic(), time.time()
         rows = ports.assets.gate_candidates(book, [s.name for s in specs], limit)
         if rows is None:
-            return None
+            return None, False
         if not rows.in_flight:
-            return read
+            return read, True
         fetched = len(rows.in_flight)
         read += fetched
         if judged:
             rows = replace(rows, in_flight=tuple(i for i in rows.in_flight if i.pair not in judged))
             if not rows.in_flight:
-                return read
+                return read, fetched < limit
         judged.update(i.pair for i in rows.in_flight)
         snap = ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
         authorized, _ = page.judge(snap, rows, report)
-        # The slot a finished job freed in this process is this book's: its pairs that a concurrent claim
-        # deferred for that lane (`lane_full`, past the claim's one slot) may take it.
-        handed = lane if lane is not None else one_slot_of
         result = dispatch.dispatch_pending(
             ports, book, authorized, snap, now=now, handed_lane=handed, one_slot_of=one_slot_of
         )
@@ -73,12 +97,12 @@ def dispatch_candidates(
         if due is not None:
             page.write_due(ports, book, due, snap.due_at)
         if report.denied or fetched < limit:
-            return read
+            return read, fetched < limit
         if not result.claimed_lanes and limit < widest:
             # Not one of the few read came to a claim (each waits on a timer, or is done or running already):
             # the slot looks further, as far as a read for every slot would have.
             limit = widest
             continue
         if len(result.dispatched) < len(rows.in_flight):
-            return read
-    return read
+            return read, False
+    return read, False

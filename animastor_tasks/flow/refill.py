@@ -21,7 +21,8 @@ log = logging.getLogger("animastor.gate")
 def refill(ports: Ports, book: str, lane: str | None = None, *, one_slot_of: str | None = None) -> PassReport:
     """Dispatch the book's next pairs for a freed slot of `lane` (None: of any lane, as when the book's
     own job ended and its scene window moved). A slot the book has no use for is handed on.
-    `one_slot_of`: the lane of the one slot this process freed (see `free_slot`)."""
+    `one_slot_of`: the lane of the one slot a job freed (see `free_slot`): with `lane` None, that lane's pairs are
+    read even when the book's others come first in slot order."""
     report = PassReport(book)
     try:
         read = candidates.dispatch_candidates(ports, report, book, lane, one_slot_of)
@@ -70,4 +71,4 @@ def _refill_for(ports: Ports, book: str, lane: str | None, freed: str, here: boo
                 return
         except Exception as err:  # the control worker tries again; the job itself is done
             log.warning("[COMMAND-GATE] book=%r refill after a job failed here, sent on: %s", book, err)
-    ports.publisher.enqueue_refill(book, lane)
+    ports.publisher.enqueue_refill(book, lane, freed=freed if lane is None else None)

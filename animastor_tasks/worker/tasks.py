@@ -65,8 +65,8 @@ def gate_task(book_id: str, lane: str | None = None) -> dict[str, Any]:
 
 
 @app.task(name="animastor.refill", ignore_result=True)
-def refill_task(book_id: str, lane: str | None = None) -> dict[str, Any]:
-    return _pass_result(book_id, refill.refill(ports(), book_id, lane))
+def refill_task(book_id: str, lane: str | None = None, freed: str | None = None) -> dict[str, Any]:
+    return _pass_result(book_id, refill.refill(ports(), book_id, lane, one_slot_of=freed))
 
 
 def _pass_result(book_id: str, report: gate.PassReport) -> dict[str, Any]:

@@ -7,17 +7,20 @@ returns (`RowCounter`): the reads themselves are the real ones.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
 from animastor_tasks.domain.vocabulary import DeferralBucket, Outcome
 from animastor_tasks.flow import candidates, refill
 from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.generate import run_job
+from animastor_tasks.flow.job import Job
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import GateRows
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import make_book, states
+from .helpers import advertise, make_book, states, use_settings
 from .test_elastic_share import finish_one, lane, run_control, running, waiting
 
 
@@ -162,3 +165,64 @@ def test_a_handed_slot_leaves_a_pair_that_also_waits_on_another_timer_waiting(rt
     candidates.dispatch_candidates(rt.ports, report, "wide", "gpu.audio")
     assert {states(rt, "wide")[pair] for pair in held} == {"pending"}
     assert states(rt, "wide")[("ch1", "s91", "audio")] == "generating"
+
+
+def two_lanes(rt: Wiring, **limits: Any) -> None:
+    """Both stages with these limits and instant builtin jobs, a live consumer on each queue."""
+    specs = tuple(
+        replace(rt.settings.registry.get(stage), params={"steps": 1, "step_seconds": 0}, **limits)
+        for stage in ("audio", "image")
+    )
+    use_settings(rt, replace(rt.settings, registry=replace(rt.settings.registry, stages=specs)))
+    advertise(rt, "gpu.audio")
+    advertise(rt, "gpu.image")
+
+
+def images_then_audio(rt: Wiring) -> None:
+    """One book, alone: "generate images", then "generate audio"; both lanes full of its jobs."""
+    two_lanes(rt, lane_limit=2, book_quota=64, window=64)
+    rt.catalog.import_book(make_book("two", chapters=1, scenes=40))
+    regenerate_flow.regenerate(rt.ports, "two", ["image"])
+    time.sleep(0.01)  # the audio command is the younger: every image pair comes first in slot order
+    regenerate_flow.regenerate(rt.ports, "two", ["audio"])
+    assert running_by_stage(rt, "two") == {"image": 2, "audio": 2}
+
+
+def running_by_stage(rt: Wiring, book: str) -> dict[str, int]:
+    return dict(Counter(pair[2] for pair, state in states(rt, book).items() if state == "generating"))
+
+
+def first_running(rt: Wiring, book: str, stage: str) -> Job:
+    with rt.db.read() as conn:
+        c, s, dispatch_id, token = conn.execute(
+            "SELECT chapter_id, scene_id, dispatch_id, fencing_token FROM asset_states WHERE book_id = %s"
+            " AND stage = %s AND state = 'generating' ORDER BY position LIMIT 1",
+            (book, stage),
+        ).fetchone()
+    return Job(book, c, s, stage, dispatch_id, token)
+
+
+def test_a_freed_slot_goes_to_its_own_lane_when_another_stage_of_the_book_comes_first(rt) -> None:
+    """The refill of a book's own freed slot read its first pairs in slot order: all of them image pairs (the
+    older command), refused `lane_full`, and the freed audio slot stayed idle while 38 audio pairs waited."""
+    images_then_audio(rt)
+    assert run_job(rt.ports, first_running(rt, "two", "audio"), worker="test@local")["outcome"] == "ready"
+    run_control(rt)
+    assert running_by_stage(rt, "two") == {"image": 2, "audio": 2}
+
+
+def test_a_slot_freed_by_a_failed_job_goes_to_its_own_lane_through_the_control_worker(rt) -> None:
+    """The same, for a slot whose refill is sent to the control worker (a job that failed or gave its pair
+    back): the message names the freed lane."""
+    images_then_audio(rt)
+    job = first_running(rt, "two", "audio")
+    with rt.db.transaction() as conn:
+        conn.execute(
+            "UPDATE asset_states SET state = 'failed' WHERE book_id = 'two' AND scene_id = %s AND stage = 'audio'",
+            (job.scene_id,),
+        )
+    refill.free_slot(rt.ports, "two", "gpu.audio", job.dispatch_id, here=False)
+    assert [kwargs for name, kwargs in run_control(rt) if name == "animastor.refill"] == [
+        {"book_id": "two", "lane": None, "freed": "gpu.audio"}
+    ]
+    assert running_by_stage(rt, "two") == {"image": 2, "audio": 2}
