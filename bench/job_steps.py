@@ -37,7 +37,8 @@ WARM_UP = 20
 FLOW_STEPS = {
     "animastor_tasks.flow.generate": ("_start", "_generate_with_retries", "_wind_down", "_Delivered.end"),
     "animastor_tasks.flow.refill": ("free_slot",),
-    "animastor_tasks.flow.dispatch": ("_claim_and_publish", "_publish"),
+    "animastor_tasks.flow.dispatch": ("_claim_and_publish",),
+    "animastor_tasks.flow.publish": ("publish_claims",),
 }
 PORT_CALLS = {
     "jobs": ("commit_job",),

@@ -16,14 +16,14 @@ import uuid
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from animastor_tasks.domain import capacity, liveness
+from animastor_tasks.domain import capacity
 from animastor_tasks.domain.deferral import deferral_bucket, deferral_seconds, wait_score
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import DeferralBucket, Outcome, no_worker_reason
 from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import publish
 from animastor_tasks.ports import Claim, InFlight, Ports, Snapshot
 
 log = logging.getLogger("animastor.dispatch")
@@ -188,36 +188,53 @@ def _claim_and_publish(
     lanes = {stage: spec.queue for stage, spec in specs.items()}
     # The fair share binds only while another book waits for the lane (the head of its waiting list).
     waiters = {stage: [b for b in snap.waiters.get(queue, []) if b != book] for stage, queue in lanes.items()}
-    with ports.assets.claiming(book, lanes, waiters) as session:
-        # A pair a concurrent pass of the book claimed since this one read it would take a slot of the choice
-        # and then fail the claim's compare-and-set: under the book lock its own generating pairs say which.
-        taken_meanwhile = set(session.counts.book_generating)
-        unclaimed = [w for w in wanted if w[0] not in taken_meanwhile] if taken_meanwhile else wanted
-        choice = capacity.choose(unclaimed, session.counts, specs, permits, room)
-        claims = session.claim(choice.chosen)
-        taken = Counter(c.stage for c in claims)
-        # Still under the lane and book locks: a completion takes them before it frees capacity,
-        # so these deferrals can never land after the completion that should clear them, and a
-        # claimed pair is never without its lease for reconcile to see. One Redis round trip.
-        with ports.leases.batched():
-            for outcome, pairs in choice.refused.items():
-                _defer(ports, book, outcome, pairs, now, result)
-            refused = {pair for pairs in choice.refused.values() for pair in pairs}
-            for stage in choice.waits_for:
-                # Handed a slot that another pass took first: back to the head of its priority, not the end.
-                since = 0.0 if lanes[stage] == handed_lane and not taken[stage] else now
-                _wait_for_lane(ports, book, lanes[stage], [i for i in todo if i.pair in refused], stage, since)
-            ranks = {i.pair: i.rank for i in todo}
-            ports.leases.take_leases([_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims])
-            ports.deferrals.clear_deferrals(book, [c.pair for c in claims])  # they wait no longer
-        spare = {spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] for s, spec in specs.items()}
+    claims: list[Claim] = []
+    try:
+        with ports.assets.claiming(book, lanes, waiters) as session:
+            # A pair a concurrent pass of the book claimed since this one read it would take a slot of the choice
+            # and then fail the claim's compare-and-set: under the book lock its own generating pairs say which.
+            taken_meanwhile = set(session.counts.book_generating)
+            unclaimed = [w for w in wanted if w[0] not in taken_meanwhile] if taken_meanwhile else wanted
+            choice = capacity.choose(unclaimed, session.counts, specs, permits, room)
+            claims = session.claim(choice.chosen)
+            taken = Counter(c.stage for c in claims)
+            # Still under the lane and book locks: a completion takes them before it frees capacity,
+            # so these deferrals can never land after the completion that should clear them, and a
+            # claimed pair is never without its lease for reconcile to see. One Redis round trip.
+            with ports.leases.batched():
+                for outcome, pairs in choice.refused.items():
+                    _defer(ports, book, outcome, pairs, now, result)
+                refused = {pair for pairs in choice.refused.values() for pair in pairs}
+                for stage in choice.waits_for:
+                    # Handed a slot that another pass took first: back to the head of its priority, not the end.
+                    since = 0.0 if lanes[stage] == handed_lane and not taken[stage] else now
+                    _wait_for_lane(ports, book, lanes[stage], [i for i in todo if i.pair in refused], stage, since)
+                ranks = {i.pair: i.rank for i in todo}
+                ports.leases.take_leases(
+                    [publish.claim_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims]
+                )
+                ports.deferrals.clear_deferrals(book, [c.pair for c in claims])  # they wait no longer
+            spare = {
+                spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] for s, spec in specs.items()
+            }
+    except Exception:
+        # The claim did not commit (Postgres refused the COMMIT, or the lease write failed after Redis took it):
+        # a lease written for it would hold its pair for a queued lease's whole TTL, every pass skipping the pair
+        # as claimed by a concurrent pass.
+        publish.drop_leases(ports, book, claims)
+        raise
     result.claimed_lanes.update(lanes.values())
     result.claimed_stages.update(c.stage for c in claims)
     result.gone.update(c.pair for c in claims)
     for outcome, pairs in choice.refused.items():
         result.outcomes[outcome] += len(pairs)
     if claims:
-        _publish(ports, book, claims, specs, snap.breaker_clean, result)
+        published, failed = publish.publish_claims(ports, book, claims, specs, snap.breaker_clean)
+        result.dispatched += published
+        result.outcomes[Outcome.DISPATCHED] += len(published)
+        if failed:  # pending again: they wait, and the book stays due for them
+            result.gone.difference_update(c.pair for c in failed)
+            result.outcomes[Outcome.PUBLISH_FAILED] += len(failed)
     for queue, slots in spare.items():
         # Slots this book cannot use (its cap, nothing more pending) go to the books waiting for the
         # lane at once: a free slot never waits for a deferral to expire. The snapshot read the head
@@ -255,84 +272,6 @@ def _wait_for_lane(ports: Ports, book: str, queue: str, items: list[InFlight], s
     """The book joins the lane's waiting list at the most urgent priority its refused pairs have."""
     rank = min(i.rank for i in items if i.stage == stage)
     ports.deferrals.wait_for_lane(queue, book, wait_score(rank, since))
-
-
-def _publish(
-    ports: Ports,
-    book: str,
-    claims: list[Claim],
-    specs: dict[str, StageSpec],
-    breaker_clean: dict[str, bool],
-    result: DispatchResult,
-) -> None:
-    failed: list[Claim] = []
-    for claim in claims:
-        spec = specs[claim.stage]
-        try:
-            ports.publisher.publish_job(spec.task_name, spec.queue, claim.dispatch_id, job_kwargs(book, claim))
-        except Exception as err:
-            failed.append(claim)
-            log.error(
-                "[DISPATCH] book=%r chapter=%r scene=%r stage=%s dispatch=%s publish failed: %s",
-                book,
-                claim.chapter,
-                claim.scene,
-                claim.stage,
-                claim.dispatch_id,
-                err,
-            )
-            ports.breaker.breaker_record(
-                spec.queue, False, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds
-            )
-            continue
-        result.dispatched.append(claim.dispatch_id)
-        result.outcomes[Outcome.DISPATCHED] += 1
-        log.info(
-            "[DISPATCH] book=%r chapter=%r scene=%r stage=%s dispatch=%s token=%d queue=%s",
-            book,
-            claim.chapter,
-            claim.scene,
-            claim.stage,
-            claim.dispatch_id,
-            claim.token,
-            spec.queue,
-        )
-    for stage in {c.stage for c in claims if c not in failed}:
-        if not breaker_clean.get(specs[stage].queue, False):
-            ports.breaker.breaker_record(
-                specs[stage].queue, True, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds
-            )
-    if failed:
-        ports.assets.unclaim(book, failed)
-        for claim in failed:
-            ports.leases.release_lease((book, claim.chapter, claim.scene, claim.stage), claim.dispatch_id)
-        result.outcomes[Outcome.PUBLISH_FAILED] += len(failed)
-
-
-def _lease(book: str, claim: Claim, spec: StageSpec, now: float, rank: int) -> tuple[Any, str, int, dict[str, Any]]:
-    meta = {
-        "book": book,
-        "chapter": claim.chapter,
-        "scene": claim.scene,
-        "stage": claim.stage,
-        "token": claim.token,
-        "queue": spec.queue,
-        "dispatched_at": now,
-        "rank": rank,  # the priority it was dispatched at: where its book queues again when it ends
-    }
-    # A queued lease (domain/liveness.py): held until a worker starts the job, which shortens it to lease_ttl.
-    return (book, *claim.pair), claim.dispatch_id, liveness.queued_lease_ttl(), meta
-
-
-def job_kwargs(book: str, claim: Claim) -> dict[str, Any]:
-    return {
-        "book_id": book,
-        "chapter_id": claim.chapter,
-        "scene_id": claim.scene,
-        "stage": claim.stage,
-        "dispatch_id": claim.dispatch_id,
-        "fencing_token": claim.token,
-    }
 
 
 def _defer(
@@ -382,8 +321,7 @@ def block_stage(ports: Ports, book: str, spec: StageSpec) -> list[str]:
 
 
 def count_outcomes(ports: Ports, outcomes: Mapping[str, int]) -> None:
-    """A deferred pair must cost no write, so deferrals are not counted (the exporter reads the
-    deferral sets themselves)."""
+    """A deferred pair must cost no write: deferrals are not counted (the exporter reads the deferral sets)."""
     ports.counters.add({f"dispatch:{o}": n for o, n in outcomes.items() if o != Outcome.DEFERRED})
 
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import Outcome
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import layers as layers_flow
@@ -224,6 +228,69 @@ def test_circuit_breaker_opens_gives_one_permit_and_closes(rt, monkeypatch) -> N
     assert rt.breaker.breaker_state("gpu.audio") == "closed"
     report = gate.gate_pass(rt.ports, "b")
     assert report.outcomes[Outcome.DISPATCHED] == 3
+
+
+def test_a_pair_whose_publish_failed_waits_and_its_book_stays_due(rt, monkeypatch) -> None:
+    """A failed publish puts the pair back to `pending`, but the pass counted it gone (claimed): with nothing
+    else waiting the book left the due index, and the pair waited for reconcile to find the book again."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+
+    def failing(task_name, queue, dispatch_id, kwargs):  # type: ignore[no-untyped-def]
+        raise ConnectionError("broker refused")
+
+    monkeypatch.setattr(rt.ports.publisher, "publish_job", failing)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s1"]])
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
+    due = rt.redis.client.zscore(rt.redis.keys.due(), "b")
+    assert due is not None and due <= time.time()
+    monkeypatch.undo()
+    assert gate.tick(rt.ports) == ["b"]  # the next tick passes it again
+    gate.gate_batch(rt.ports, ["b"])
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+
+
+class CommitRefused:
+    """The real asset store, whose next claim transaction fails at its end (as a COMMIT Postgres refuses)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.armed = inner, True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @contextmanager
+    def claiming(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        with self.inner.claiming(*args, **kwargs) as session:
+            yield session
+            if self.armed:
+                self.armed = False
+                raise StoreUnavailable("postgres", "test", "commit refused")
+
+
+def test_a_claim_that_did_not_commit_leaves_no_lease_to_hold_its_pair(rt) -> None:
+    """The claim's leases are written before its COMMIT: one the database refused left a lease of a dispatch
+    that never was, and every later pass skipped the pair as claimed by a concurrent pass (for 24 h)."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    pair = ("ch1", "s1", "audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    with rt.db.read() as conn:
+        token, dispatch_id = conn.execute(
+            "SELECT fencing_token, dispatch_id FROM asset_states WHERE book_id = 'b' AND scene_id = 's1'"
+            " AND stage = 'audio'"
+        ).fetchone()
+    assert rt.ports.jobs.commit_job("b", pair, token, dispatch_id, fake_artifact("a"), "gpu.audio")
+    rt.ports.leases.release_lease(("b", *pair), dispatch_id)  # the job's end
+    ports = rt.ports
+    rt.ports = replace(ports, assets=CommitRefused(ports.assets))
+    with pytest.raises(StoreUnavailable):
+        regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # its pass's claim is refused at COMMIT
+    assert states(rt, "b")[pair] == "pending"
+    assert rt.ports.leases.lease_holders([("b", *pair)]) == [None]
+    rt.ports = ports
+    gate.gate_pass(rt.ports, "b")
+    assert states(rt, "b")[pair] == "generating"
 
 
 def test_two_books_share_a_lane_without_waiting_for_each_other(rt) -> None:
