@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,17 +56,23 @@ def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dic
 
 def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
     """`generating -> pending` where the gate still authorizes the pair, else `-> dirty` (compare-and-set on
-    the token, so a pair that moved on meanwhile is left alone)."""
+    the token, so a pair that moved on meanwhile is left alone). Each slot so freed goes to the book that has
+    waited longest for its lane, as a finished job's does: the books waiting for a full lane waited for
+    their capacity deferral instead (a minute) while a dead worker's slot stood free."""
     pairs_by_book: dict[str, list[Pair]] = defaultdict(list)
     for g in dead:
         pairs_by_book[g.book].append(g.pair)
     facts_by_book = {book: _facts(ports, book, pairs) for book, pairs in pairs_by_book.items()}
+    registry = ports.settings.registry
+    freed: Counter[str] = Counter()
     for g in dead:
         facts = facts_by_book[g.book]
         authorized = facts is not None and decide(facts, g.pair) is None
         target = AssetState.PENDING if authorized else AssetState.DIRTY
         if ports.assets.expire_generating(g.book, g.pair, g.token, target):
             report["expired"] += 1
+            if g.stage in registry:
+                freed[registry.get(g.stage).queue] += 1
             if target == AssetState.PENDING:
                 _due_now(ports, g.book)
             log.warning(
@@ -78,6 +84,11 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
                 g.token,
                 target,
             )
+    for queue, slots in freed.items():
+        try:
+            dispatch.hand_over(ports, queue, slots)
+        except StoreUnavailable as err:  # the waiting books' deferrals still bring them back
+            log.warning("[TAKEOVER] %d freed slot(s) of %s not handed on: %s", slots, queue, err)
 
 
 def _due_now(ports: Ports, book: str) -> None:

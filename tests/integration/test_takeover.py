@@ -210,3 +210,24 @@ def test_a_pass_that_blocks_a_worker_less_lane_hands_it_to_the_books_waiting_for
     (command,) = rt.ports.commands.commands(book="a")
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")
     _b_is_blocked_once_handed_the_lane(rt, waiters)
+
+
+def test_the_slot_of_a_job_taken_over_goes_to_the_book_waiting_for_the_lane(rt: Wiring, tmp_path: Path) -> None:
+    """A started job's worker died; the tick took its pair over, but nobody was handed the freed slot: the book
+    waiting for the lane waited for its capacity deferral (a minute) beside an idle GPU."""
+    spec = replace(rt.settings.registry.get("audio"), lane_limit=1, lease_ttl=1)
+    with_stage(rt, spec, tmp_path)
+    for book in ("a", "b"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # lane full: waits for the lane
+    (job,) = dispatched_jobs(rt, "a")
+    held, owned, *_ = rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, "w", 1)  # a worker took it
+    assert held and owned and rt.ports.leases.renew_lease(job.lease_pair, job.dispatch_id, 0.2)  # ... and died
+    time.sleep(0.4)
+    assert "a" in tick(rt)  # taken over: a's pair is pending again, and a is due
+    assert states(rt, "a")[("ch1", "s1", "audio")] == "pending"
+    assert rt.redis.client.zrange(rt.redis.keys.lane_waiters("gpu.audio"), 0, -1) == []  # handed the slot
+    refill.refill(rt.ports, "b", "gpu.audio")  # that refill, as the control worker runs it
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
