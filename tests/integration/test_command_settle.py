@@ -4,6 +4,7 @@ off, stage BLOCKED, a dead lease without authority) ends its command with a reas
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
 
 import pytest
@@ -112,3 +113,52 @@ def test_a_command_settles_beside_another_command_s_pairs_in_flight(rt, book) ->
         assert settle_commands(conn, book) == [audio]
     assert command(rt, book, audio)["status"] == "completed"
     assert command(rt, book, image)["status"] == "active"
+
+
+def regenerate_while_a_commit_is_open(rt: Wiring, book: str, force: bool) -> tuple[str, str]:
+    """s1's job commits, held open between its settle and its COMMIT, while a regenerate of s1 comes in.
+    (The regenerate's command id, the dispatch id of the job that committed.)"""
+    regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]])
+    pair = ("ch1", "s1", "audio")
+    [first] = [job.dispatch_id for job in dispatched_jobs(rt, book)]
+    with rt.db.transaction() as conn:
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('lane:gpu.audio'))")
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('book:' || %s))", (book,))
+        conn.execute(
+            "UPDATE asset_states a SET state = 'ready', artifact_sha256 = %s, input_hash = s.input_hashes ->> a.stage"
+            " FROM scenes s WHERE a.book_id = %s AND a.chapter_id = 'ch1' AND a.scene_id = 's1'"
+            " AND a.stage = 'audio' AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+            " AND s.scene_id = a.scene_id",
+            ("0" * 64, book),
+        )
+        settle_commands(conn, book, pair)
+        answer: dict = {}
+        later = threading.Thread(
+            target=lambda: answer.update(
+                regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]], force=force)
+            )
+        )
+        later.start()
+        later.join(0.5)
+        assert later.is_alive(), "the command came in while the commit was open"
+    later.join(10)
+    [created] = answer["commands"]
+    return created["command_id"], first
+
+
+def test_a_command_created_while_its_targets_job_commits_still_settles(rt, book) -> None:
+    """Without force: the commit's settle ran before the command existed, and the command saw the pair
+    `generating` (left to the running job), so nothing ever settled it (it stayed active, its target ready).
+    The command now waits for the book's lock, which the commit holds, and finds the pair `ready`."""
+    cid, _ = regenerate_while_a_commit_is_open(rt, book, force=False)
+    assert command(rt, book, cid)["status"] == "completed"  # settled as already completed
+    assert states(rt, book)[("ch1", "s1", "audio")] == "ready"
+
+
+def test_a_forced_command_created_while_its_targets_job_commits_runs_the_scene_again(rt, book) -> None:
+    """With force: the command's fencing update waited for the commit's row, then skipped it (`ready` now), so
+    the forced run was lost and the command stayed active. Now the pair goes back to `pending` and runs again."""
+    cid, first = regenerate_while_a_commit_is_open(rt, book, force=True)
+    assert states(rt, book)[("ch1", "s1", "audio")] == "generating"
+    assert [job.dispatch_id for job in dispatched_jobs(rt, book)] != [first]
+    assert command(rt, book, cid)["status"] == "active"

@@ -176,6 +176,7 @@ class AssetStore(GateReads):
         if not pairs:
             return []
         with self.db.transaction() as conn:
+            lock_book(conn, book)  # settled under the lock every other settle holds: none misses the other's pair
             rows = conn.execute(
                 _PAIRS_CTE + " UPDATE asset_states a SET state = %s, updated_at = now() FROM p, scenes s"
                 " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"

@@ -61,6 +61,10 @@ class CommandStore:
         try:
             # Pipeline mode: the statements need no answer from each other, so they travel together.
             with self.db.transaction() as conn, conn.pipeline():
+                # Under the lock a job's commit settles under: a target whose job ends meanwhile is taken once
+                # that commit is in (queued again, or fenced off), never seen `generating` by a command the
+                # commit's settle could not see either.
+                lock_book(conn, book)
                 conn.execute("DELETE FROM cancel_tombstones WHERE book_id = %s", (book,))
                 for stage, (command_id, scenes) in per_stage.items():
                     chapters = [c for c, _ in scenes]
@@ -221,6 +225,7 @@ class CommandStore:
         dispatched, with their dispatch ids: the only ones holding leases or queued jobs).
         """
         with self.db.transaction() as conn:
+            lock_book(conn, book)  # a regenerate's commands and targets come in wholly before or after
             conn.execute(
                 "INSERT INTO cancel_tombstones (book_id, reason) VALUES (%s, %s)"
                 " ON CONFLICT (book_id) DO UPDATE SET reason = EXCLUDED.reason, cancelled_at = now()",
