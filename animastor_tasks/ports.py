@@ -123,6 +123,7 @@ class JobRow:
     layers_raw: str | None
     open_start: str | None = None  # the dispatch whose start of this pair never ended (its worker died?)
     lost_starts: int = 0  # worker-lost starts in a row before that one
+    input_hash: str | None = None  # the scene's input hash for the stage: what the job's media is made from
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,7 @@ def _run_owned(
         except ArtifactStoreError as err:  # credentials, bucket, endpoint: fail with the store's words
             return _unsuccessful(ports, job, spec, ErrorKind.ARTIFACT, str(err), attempts, result)
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
+        artifact["input_hash"] = row.input_hash
         if not ports.jobs.commit_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, artifact, spec.queue):
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)

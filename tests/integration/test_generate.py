@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.flow import cancel as cancel_flow
@@ -218,3 +219,40 @@ def test_a_job_that_ends_ready_leaves_nothing_of_itself_in_redis_in_one_round_tr
     assert log.round_trips == 1
     assert client.exists(keys.lease(*job.lease_pair), keys.running(job.dispatch_id)) == 0
     assert client.zcard(keys.deferrals("b", "idempotent")) == 0
+
+
+class ReimportDuringJob:
+    """The real artifact store; the book is re-imported with new text just before the job stores its media."""
+
+    def __init__(self, rt: Wiring, inner: Any) -> None:
+        self.rt, self.inner = rt, inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def put(self, data: bytes, media_type: str) -> dict[str, Any]:
+        self.rt.catalog.import_book(make_book("b", chapters=1, scenes=1, text="A new beginning"))
+        stored: dict[str, Any] = self.inner.put(data, media_type)
+        return stored
+
+
+def test_a_scene_edited_while_its_job_runs_stays_stale_and_runs_again(rt, tmp_path) -> None:
+    """The commit recorded the scene's hash at commit time: media made from the old text passed for made from
+    the new one (the import had left the generating pair alone), and a regenerate settled it as done."""
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    ports = rt.ports
+    rt.ports = replace(ports, artifacts=ReimportDuringJob(rt, ports.artifacts))
+    assert run_job(rt.ports, job, worker="w")["outcome"] == "ready"
+    rt.ports = ports
+    with rt.db.read() as conn:
+        made_from, current = conn.execute(
+            "SELECT a.input_hash, s.input_hashes ->> 'audio' FROM asset_states a JOIN scenes s"
+            " USING (book_id, chapter_id, scene_id) WHERE a.book_id = 'b' AND a.stage = 'audio'"
+        ).fetchone()
+    assert made_from != current
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)
+    assert [j.scene_id for j in dispatched_jobs(rt, "b")] == ["s1"]  # not settled as already completed

@@ -177,6 +177,22 @@ def test_a_pair_whose_starts_keep_losing_their_worker_fails_after_the_limit(rt, 
 # -- item 5b: run failures feed the circuit breaker ------------------------------------------------------
 
 
+def test_a_job_fenced_off_before_it_fails_closes_its_start(rt, tmp_path) -> None:
+    """A job that failed after a forced regenerate had fenced it off left its start open: the fresh run counted a
+    worker lost that never was (at the limit, it failed the pair without GPU work)."""
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    with rt.ports.jobs.starting("b", job.pair) as start:
+        start.record_start(job.fencing_token, job.dispatch_id, 0)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], scenes=[["ch1", "s1"]])  # force: the job is fenced off
+    assert not rt.ports.jobs.fail_job("b", job.pair, job.fencing_token, job.dispatch_id, "boom", "gpu.audio")
+    with rt.db.read() as conn:
+        open_dispatch, lost = conn.execute(
+            "SELECT open_dispatch, lost_starts FROM job_starts WHERE book_id = 'b' AND scene_id = 's1'"
+        ).fetchone()
+    assert open_dispatch is None and lost == 0
+
+
 @pytest.fixture
 def inference() -> Iterator[InferenceServer]:
     """The reference inference server, in this process so a test can make it fail and recover on one URL."""

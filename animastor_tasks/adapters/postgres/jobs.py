@@ -67,7 +67,7 @@ class JobStore:
                     f"  WHERE c.book_id = a.book_id AND c.status = {literals.ACTIVE}"
                     "  AND ct.chapter_id = a.chapter_id"
                     "  AND ct.scene_id = a.scene_id AND ct.stage = a.stage),"
-                    " b.layer_config, j.open_dispatch, coalesce(j.lost_starts, 0)"
+                    " b.layer_config, j.open_dispatch, coalesce(j.lost_starts, 0), s.input_hashes ->> a.stage"
                     " FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
                     "  AND s.scene_id = a.scene_id JOIN books b ON b.book_id = a.book_id"
                     " LEFT JOIN job_starts j ON j.book_id = a.book_id AND j.chapter_id = a.chapter_id"
@@ -80,7 +80,12 @@ class JobStore:
     def commit_job(
         self, book: str, pair: Pair, token: int, dispatch_id: str, artifact: dict[str, Any], lane: str
     ) -> bool:
-        """`generating -> ready` + the artifact row, only if the token is still current."""
+        """`generating -> ready` + the artifact row, only if the token is still current.
+
+        The pair keeps the hash of the input its media was made from (`artifact["input_hash"]`, read at the
+        job's start), not the scene's hash now: a scene re-imported while its job ran stays stale (a regenerate
+        without force runs it again) rather than passing for made from the new input. Absent: the current one.
+        """
         owned = _owned(book, pair, token, dispatch_id)
         with self.db.transaction() as conn:
             # Pipeline mode: BEGIN, the locks, the update with its artifact row, the journal, the start's end
@@ -91,14 +96,15 @@ class JobStore:
                 _lock_capacity(conn, lane, book)
                 committed = conn.execute(
                     "WITH done AS (UPDATE asset_states a SET state = %(ready)s, artifact_sha256 = %(sha256)s,"
-                    " input_hash = s.input_hashes ->> a.stage, error = NULL, updated_at = now() FROM scenes s"
+                    " input_hash = coalesce(%(input_hash)s, s.input_hashes ->> a.stage), error = NULL,"
+                    " updated_at = now() FROM scenes s"
                     f" WHERE {_OWNED} AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
                     " AND s.scene_id = a.scene_id RETURNING a.book_id)"
                     " INSERT INTO artifacts (sha256, size_bytes, media_type, book_id, chapter_id, scene_id, stage,"
                     " fencing_token, dispatch_id, generator, duration_ms, path, uri)"
                     " SELECT %(sha256)s, %(size)s, %(media_type)s, %(book)s, %(chapter)s, %(scene)s, %(stage)s,"
                     " %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s, %(uri)s FROM done",
-                    {**owned, "ready": AssetState.READY, "uri": None, **artifact},
+                    {**owned, "ready": AssetState.READY, "uri": None, "input_hash": None, **artifact},
                 )
                 detail = {"token": token, "sha256": artifact["sha256"]}
                 journal.record(conn, "job.ready", book, detail, pair=pair, dispatch_id=dispatch_id)
@@ -121,6 +127,8 @@ class JobStore:
                 journal.record(conn, "job.failed", book, {"error": error[:1000]}, pair=pair, dispatch_id=dispatch_id)
                 _end_start(conn, book, pair, None)
                 settle_commands(conn, book, pair)
+            else:  # fenced off: the job ended all the same, and its start with it (not a worker lost)
+                _end_start(conn, book, pair, dispatch_id)
         return bool(done)
 
     def give_back(self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str) -> bool:
