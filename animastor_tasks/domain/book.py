@@ -186,11 +186,11 @@ def validate_id(field_path: str, value: object, *, error: type[InvalidInput] = I
     return str(value)
 
 
-def _check_storable(path: str, value: str) -> None:
+def check_storable(path: str, value: str, *, error: type[InvalidInput] = InvalidBook) -> None:
     """Free text may hold anything Postgres and UTF-8 can carry: no NUL, no lone surrogate."""
     found = _UNSTORABLE.search(value)
     if found is not None:
-        raise _refuse(path, f"must not contain {_describe(found.group())} at index {found.start()}", value)
+        raise _refuse(path, f"must not contain {_describe(found.group())} at index {found.start()}", value, error)
 
 
 def _text_field(
@@ -214,7 +214,7 @@ def _text_field(
             index, ch = bad
             raise _refuse(field_path, f"must not contain {_describe(ch)} at index {index}", value)
     else:
-        _check_storable(field_path, value)
+        check_storable(field_path, value)
     return str(value)
 
 

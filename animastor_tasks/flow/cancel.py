@@ -10,8 +10,6 @@ import logging
 from collections import Counter
 from typing import Any
 
-from animastor_tasks.domain.book import show_value
-from animastor_tasks.errors import InvalidCommand
 from animastor_tasks.flow import dispatch, validate
 from animastor_tasks.ports import Ports
 
@@ -20,12 +18,11 @@ log = logging.getLogger("animastor.commands")
 
 def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, Any]:
     """Stop All: after this returns no job of the book may start GPU work until a new regenerate."""
-    if reason is not None and not isinstance(reason, str):
-        raise InvalidCommand(f"reason: must be a string or null, got {show_value(reason)}")
+    why = validate.reason(reason)
     book = validate.known_book(ports, book_id)
     # The flag goes first: from this moment running jobs see should_stop() and the gate denies.
     ports.book_state.stop_book(book)
-    cancelled, released, dispatched = ports.commands.cancel_book(book, reason)
+    cancelled, released, dispatched = ports.commands.cancel_book(book, why)
     ports.leases.drop_leases([(book, *pair) for pair, _ in dispatched])
     dispatch_ids = [d for _, d in dispatched]
     if dispatch_ids:
@@ -41,6 +38,6 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
         len(cancelled),
         released,
         len(dispatch_ids),
-        reason,
+        why,
     )
     return {"book_id": book, "cancelled_commands": cancelled, "released": released, "revoked": len(dispatch_ids)}

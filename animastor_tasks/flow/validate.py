@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 
-from animastor_tasks.domain.book import show_value, validate_id
+from animastor_tasks.domain.book import check_storable, show_value, validate_id
 from animastor_tasks.domain.vocabulary import Priority
 from animastor_tasks.errors import InvalidCommand
 from animastor_tasks.ports import Ports
@@ -73,3 +73,14 @@ def priority(value: object) -> Priority:
         known = ", ".join(Priority)
         raise InvalidCommand(f"priority: must be one of {known} (or null), got {show_value(value)}")
     return Priority(value)
+
+
+def reason(value: object) -> str | None:
+    """A cancel's free-text reason, checked before Stop All writes anything: one Postgres cannot store failed
+    the cancel after the flag was set, with no tombstone and the commands left active."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidCommand(f"reason: must be a string or null, got {show_value(value)}")
+    check_storable("reason", value, error=InvalidCommand)
+    return value

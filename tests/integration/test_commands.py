@@ -131,6 +131,19 @@ def test_cancel_is_final_until_a_new_regenerate(rt, book) -> None:
     assert states(rt, book)[("ch1", "s1", "audio")] == "generating"
 
 
+@pytest.mark.parametrize("reason", ["stop\x00now", "stop \udc80", 42])
+def test_a_cancel_reason_postgres_cannot_store_is_refused_before_anything_is_written(rt, book, reason) -> None:
+    """A NUL or a lone surrogate failed the cancel in Postgres after the Redis flag was set and the book's Redis
+    state wiped: no tombstone, the commands still active, a half-done Stop All the same reason could not finish."""
+    regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    before = states(rt, book)
+    with pytest.raises(InvalidCommand, match="reason"):
+        cancel_flow.cancel(rt.ports, book, reason)
+    assert not rt.ports.book_state.cancel_flag_set(book) and not rt.ports.commands.is_tombstoned(book)
+    assert states(rt, book) == before and book in rt.ports.book_state.active_books()
+    assert {c.status for c in rt.ports.commands.commands(book=book)} == {"active"}
+
+
 def test_cancel_of_one_book_never_touches_another(rt) -> None:
     for b in ("a*", "abc", "a"):
         rt.catalog.import_book(make_book(b))
