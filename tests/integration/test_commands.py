@@ -144,6 +144,24 @@ def test_a_cancel_reason_postgres_cannot_store_is_refused_before_anything_is_wri
     assert {c.status for c in rt.ports.commands.commands(book=book)} == {"active"}
 
 
+def test_a_stop_all_between_a_regenerates_lift_and_its_commands_leaves_the_new_command_to_run(rt, book) -> None:
+    """A Stop All that set the cancel flag after the regenerate lifted it, and committed before the regenerate's
+    commands did: the new command was active, the book flagged, and the regenerate's own pass released its
+    pairs (cancelled, said the flag) with nothing marked, so the command stayed active for ever."""
+    lift = rt.ports.book_state.clear_cancel_flag
+
+    def lift_then_stop_all(book_id: str) -> None:
+        lift(book_id)
+        cancel_flow.cancel(rt.ports, book_id, "pressed stop")
+
+    rt.ports.book_state.clear_cancel_flag = lift_then_stop_all  # type: ignore[method-assign]
+    [created] = regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]])["commands"]
+    rt.ports.book_state.clear_cancel_flag = lift  # type: ignore[method-assign]
+    assert not rt.ports.book_state.cancel_flag_set(book) and not rt.ports.commands.is_tombstoned(book)
+    assert states(rt, book)[("ch1", "s1", "audio")] == "generating"
+    assert created["status"] == "active"
+
+
 def test_cancel_of_one_book_never_touches_another(rt) -> None:
     for b in ("a*", "abc", "a"):
         rt.catalog.import_book(make_book(b))

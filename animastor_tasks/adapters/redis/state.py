@@ -224,14 +224,17 @@ class BookStateStore:
         snapshot: tuple[float, Sequence[str]] | None = None,
         most_scenes: int | None = None,
     ) -> Snapshot | None:
-        """A regenerate's Redis side in one round trip: force set (or un-force), deferrals cleared,
-        scenes in the active index. `snapshot` (now, queues): the book's snapshot read after those writes,
-        in the same round trip, for the gate pass that follows at once; `most_scenes`: only while the active
-        index holds at most that many scenes (None for a bigger book: its sets are not read)."""
+        """A regenerate's Redis side in one round trip: the cancel flag lifted again (a Stop All whose flag came
+        between the regenerate's first lift and its commands left the book flagged, its new command active
+        with nothing to run it), force set (or un-force), deferrals cleared, scenes in the active index.
+        `snapshot` (now, queues): the book's snapshot read after those writes, in the same round trip, for the
+        gate pass that follows at once; `most_scenes`: only while the active index holds at most that many
+        scenes (None for a bigger book: its sets are not read)."""
         members = [pair_member(*p) for p in pairs]
         force_key = self.conn.keys.force_set(book)
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
+            pipe.delete(self.conn.keys.cancel_flag(book))
             if members:
                 if force_ttl is not None:
                     pipe.sadd(force_key, *members)
