@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from animastor_tasks.domain import liveness
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
@@ -88,3 +89,15 @@ def test_restoring_a_lease_never_takes_it_from_another_dispatch(rt: Wiring) -> N
     rt.ports.leases.drop_leases([pair])
     rt.ports.leases.restore_leases([(pair, "older", 90)])
     assert rt.ports.leases.lease_holders([pair]) == ["older"]
+
+
+def test_restoring_a_queued_lease_leaves_a_job_that_started_meanwhile_alone(rt: Wiring) -> None:
+    """Reconcile saw the job in its queue, a worker started it (its lease now the stage's TTL), then reconcile
+    restored the queued lease: a day long, so a worker that died early kept the pair generating for a day."""
+    ids = dispatch_scenes(rt, "b", 1)
+    pair = ("b", "ch1", "s1", "audio")
+    held, owned, *_ = rt.ports.leases.start_delivery(pair, ids["s1"], "w", 5)
+    assert held and owned
+    rt.ports.leases.restore_leases([(pair, ids["s1"], liveness.queued_lease_ttl())])
+    assert 0 < rt.redis.client.pttl(rt.redis.keys.lease(*pair)) <= 5_000
+    assert rt.ports.leases.lease_holders([pair]) == [ids["s1"]]

@@ -33,6 +33,7 @@ class RedisConnection:
             url, decode_responses=True, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
         self.renew_script = self.client.register_script(_script("renew_lease"))
+        self.restore_script = self.client.register_script(_script("restore_lease"))
         self.release_lua = _script("release_lease")
         self.breaker_acquire_script = self.client.register_script(_script("breaker_acquire"))
         self.breaker_record_script = self.client.register_script(_script("breaker_record"))

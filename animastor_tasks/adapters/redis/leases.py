@@ -35,16 +35,17 @@ class LeaseStore:
                     pipe.set(self.conn.keys.queued(dispatch_id), str(at), ex=UNDELIVERED_MARKER_SECONDS)
 
     def restore_leases(self, leases: Sequence[tuple[BookPair, str, float]]) -> None:
-        """For each (pair, dispatch id, ttl): take the lease if nobody holds it, extend it if this dispatch
-        does, leave it alone if another one does (a newer dispatch of the pair). One round trip."""
+        """For each (pair, dispatch id, ttl) of a job still queued: take the lease if nobody holds it, extend it
+        if this dispatch does, leave it alone if another one does (a newer dispatch of the pair) or the job was
+        delivered meanwhile (`lua/restore_lease.lua`). One round trip."""
         if not leases:
             return
+        keys = self.conn.keys
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             for pair, dispatch_id, ttl in leases:
-                key = self.conn.keys.lease(*pair)
-                pipe.set(key, dispatch_id, nx=True, px=int(ttl * 1000))
-                self.conn.renew_script(keys=[key], args=[dispatch_id, int(ttl * 1000)], client=pipe)
+                lease_and_marker = [keys.lease(*pair), keys.running(dispatch_id)]
+                self.conn.restore_script(keys=lease_and_marker, args=[dispatch_id, int(ttl * 1000)], client=pipe)
             pipe.execute()
 
     def lease_holders(self, pairs: Sequence[BookPair]) -> list[str | None]:
