@@ -29,7 +29,13 @@ def redact_url(url: str) -> str:
 
 
 class AnimastorError(Exception):
-    """Root of every error raised on purpose by animastor-tasks."""
+    """Root of every error raised on purpose by animastor-tasks.
+
+    An error with fields keeps its constructor's arguments as `args` and says its message in `__str__`:
+    Celery sends a task's exception to its caller as the type and `args` (JSON) and rebuilds it as
+    `type(*args)`. Built from the message alone, a `StoreUnavailable` could not be rebuilt, and the caller got
+    a bare `Exception` (a traceback and exit code 1 where the CLI answers 3 with the store named).
+    """
 
 
 class ConfigError(AnimastorError):
@@ -56,19 +62,25 @@ class InvalidTransition(AnimastorError):
     """An asset state change the FSM does not allow."""
 
     def __init__(self, source: str, target: str) -> None:
-        super().__init__(f"asset state cannot move from {source!r} to {target!r}")
+        super().__init__(source, target)
         self.source = source
         self.target = target
+
+    def __str__(self) -> str:
+        return f"asset state cannot move from {self.source!r} to {self.target!r}"
 
 
 class StoreUnavailable(AnimastorError):
     """Postgres, Redis or the broker cannot be reached or answered with an error."""
 
     def __init__(self, store: str, url: str, detail: str) -> None:
-        super().__init__(f"{store} unavailable at {redact_url(url)}: {detail}")
         self.store = store
         self.url = redact_url(url)
         self.detail = detail
+        super().__init__(store, self.url, detail)
+
+    def __str__(self) -> str:
+        return f"{self.store} unavailable at {self.url}: {self.detail}"
 
 
 class ArtifactStoreError(AnimastorError):
@@ -77,9 +89,12 @@ class ArtifactStoreError(AnimastorError):
     pair back would only rerun the GPU work into the same wall."""
 
     def __init__(self, store: str, detail: str) -> None:
-        super().__init__(f"artifact store {redact_url(store)}: {detail}")
         self.store = redact_url(store)
         self.detail = detail
+        super().__init__(self.store, detail)
+
+    def __str__(self) -> str:
+        return f"artifact store {self.store}: {self.detail}"
 
 
 class GeneratorError(AnimastorError):
