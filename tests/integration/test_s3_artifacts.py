@@ -124,6 +124,27 @@ def test_the_cli_stops_at_start_on_a_malformed_store_url(monkeypatch: pytest.Mon
 # -- the stores ----------------------------------------------------------------------------------------------
 
 
+def test_the_local_store_leaves_no_partial_file_and_rewrites_one_cut_short(tmp_path: Path, monkeypatch) -> None:
+    """A write that failed (a full disk) left its `.tmp-` file for ever, and a file already at the content
+    address was trusted whatever its size: one a crash cut short was never written again."""
+    store = LocalArtifactStore(tmp_path / "artifacts")
+    digest = hashlib.sha256(b"RIFF-audio").hexdigest()
+    folder = tmp_path / "artifacts" / digest[:2]
+    real_replace = os.replace
+
+    def disk_full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(ArtifactStoreError, match="No space left"):
+        store.put(b"RIFF-audio", "audio/wav")
+    assert list(folder.iterdir()) == []
+    monkeypatch.setattr(os, "replace", real_replace)
+    (folder / f"{digest}.wav").write_bytes(b"RIFF")  # cut short
+    store.put(b"RIFF-audio", "audio/wav")
+    assert (folder / f"{digest}.wav").read_bytes() == b"RIFF-audio"
+
+
 def test_the_local_store_keeps_bytes_once_and_records_a_file_uri(tmp_path: Path) -> None:
     store = LocalArtifactStore(tmp_path / "artifacts")
     first = store.put(b"RIFF-audio", "audio/wav")
