@@ -8,6 +8,7 @@ never later in the middle of a dispatch.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -78,27 +79,27 @@ class Settings:
             registry=_registry(env),
             tick_seconds=_number(env, "ANIMASTOR_TICK_SECONDS", 5.0, minimum=0.1),
             reconcile_seconds=_number(env, "ANIMASTOR_RECONCILE_SECONDS", 30.0, minimum=0.5),
-            reconcile_pairs=int(_number(env, "ANIMASTOR_RECONCILE_PAIRS", 100_000, minimum=1)),
+            reconcile_pairs=_integer(env, "ANIMASTOR_RECONCILE_PAIRS", 100_000, minimum=1),
             presence_ttl_seconds=_number(env, "ANIMASTOR_PRESENCE_TTL_SECONDS", 6.0, minimum=1.0),
-            force_ttl_seconds=int(_number(env, "ANIMASTOR_FORCE_TTL_SECONDS", 120, minimum=1)),
-            capacity_defer_seconds=int(_number(env, "ANIMASTOR_CAPACITY_DEFER_SECONDS", 60, minimum=1)),
-            idempotent_defer_seconds=int(_number(env, "ANIMASTOR_IDEMPOTENT_DEFER_SECONDS", 900, minimum=1)),
-            breaker_threshold=int(_number(env, "ANIMASTOR_BREAKER_THRESHOLD", 5, minimum=1)),
+            force_ttl_seconds=_integer(env, "ANIMASTOR_FORCE_TTL_SECONDS", 120, minimum=1),
+            capacity_defer_seconds=_integer(env, "ANIMASTOR_CAPACITY_DEFER_SECONDS", 60, minimum=1),
+            idempotent_defer_seconds=_integer(env, "ANIMASTOR_IDEMPOTENT_DEFER_SECONDS", 900, minimum=1),
+            breaker_threshold=_integer(env, "ANIMASTOR_BREAKER_THRESHOLD", 5, minimum=1),
             breaker_cooldown_seconds=_number(env, "ANIMASTOR_BREAKER_COOLDOWN_SECONDS", 30.0, minimum=0.1),
             **_artifact_store(env),
             journal_retention_days=_number(env, "ANIMASTOR_JOURNAL_RETENTION_DAYS", 7.0, minimum=0.0),
-            journal_max_rows=int(_number(env, "ANIMASTOR_JOURNAL_MAX_ROWS", 1_000_000, minimum=100)),
+            journal_max_rows=_integer(env, "ANIMASTOR_JOURNAL_MAX_ROWS", 1_000_000, minimum=100),
             command_retention_days=_number(env, "ANIMASTOR_COMMAND_RETENTION_DAYS", 0.0, minimum=0.0),
-            job_soft_time_limit=int(_number(env, "ANIMASTOR_JOB_SOFT_TIME_LIMIT", 1800, minimum=1)),
-            job_time_limit=int(_number(env, "ANIMASTOR_JOB_TIME_LIMIT", 1900, minimum=1)),
-            visibility_timeout=int(_number(env, "ANIMASTOR_VISIBILITY_TIMEOUT", 3600, minimum=1)),
-            generate_max_retries=int(_number(env, "ANIMASTOR_GENERATE_MAX_RETRIES", 3, minimum=0)),
+            job_soft_time_limit=_integer(env, "ANIMASTOR_JOB_SOFT_TIME_LIMIT", 1800, minimum=1),
+            job_time_limit=_integer(env, "ANIMASTOR_JOB_TIME_LIMIT", 1900, minimum=1),
+            visibility_timeout=_integer(env, "ANIMASTOR_VISIBILITY_TIMEOUT", 3600, minimum=1),
+            generate_max_retries=_integer(env, "ANIMASTOR_GENERATE_MAX_RETRIES", 3, minimum=0),
             retry_backoff_base=_number(env, "ANIMASTOR_RETRY_BACKOFF_BASE", 1.0, minimum=0.0),
             retry_backoff_max=_number(env, "ANIMASTOR_RETRY_BACKOFF_MAX", 30.0, minimum=0.0),
             worker_lost_limit=_integer(env, "ANIMASTOR_WORKER_LOST_LIMIT", 3, minimum=1),
             job_chain_seconds=_number(env, "ANIMASTOR_JOB_CHAIN_SECONDS", 30.0, minimum=0.0),
-            inference_api_key=env.get("ANIMASTOR_INFERENCE_API_KEY", ""),
-            db_pool_max=int(_number(env, "ANIMASTOR_DB_POOL_MAX", 8, minimum=1)),
+            inference_api_key=_api_key(env),
+            db_pool_max=_integer(env, "ANIMASTOR_DB_POOL_MAX", 8, minimum=1),
         )
         settings.check_time_limits()
         return settings
@@ -160,6 +161,8 @@ def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float
         value = float(raw)
     except ValueError as err:
         raise ConfigError(f"{name}={raw!r} is not a number") from err
+    if not math.isfinite(value):  # `inf` and `nan` parse as floats
+        raise ConfigError(f"{name}={raw!r} must be a finite number")
     if not value >= minimum:
         raise ConfigError(f"{name}={raw!r} must be at least {minimum}")
     return value
@@ -171,6 +174,15 @@ def _integer(env: Mapping[str, str], name: str, default: int, *, minimum: int) -
     if not value.is_integer():
         raise ConfigError(f"{name}={env.get(name)!r} must be a whole number")
     return int(value)
+
+
+def _api_key(env: Mapping[str, str]) -> str:
+    """The key, without the newline a secret made from a file carries: sent as it was, the HTTP client refused
+    the header and quoted it in an error that the key's scrubbing (which looks for the key as given) missed."""
+    value = env.get("ANIMASTOR_INFERENCE_API_KEY", "").strip()
+    if any(not ch.isprintable() for ch in value):
+        raise ConfigError("ANIMASTOR_INFERENCE_API_KEY holds a control character (the key is not shown)")
+    return value
 
 
 def _prefix(env: Mapping[str, str]) -> str:

@@ -91,7 +91,7 @@ def retry_after_seconds(value: str | None) -> float | None:
     except ValueError:
         try:
             when = email.utils.parsedate_to_datetime(text)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # a year past datetime's
             return None
         if when.tzinfo is None:
             when = when.replace(tzinfo=UTC)

@@ -49,6 +49,11 @@ def test_a_third_stage_is_configuration_only() -> None:
         ({"ANIMASTOR_KEY_PREFIX": "bad prefix*"}, "ANIMASTOR_KEY_PREFIX"),
         ({"ANIMASTOR_JOB_TIME_LIMIT": "10", "ANIMASTOR_JOB_SOFT_TIME_LIMIT": "20"}, "SOFT_TIME_LIMIT"),
         ({"ANIMASTOR_VISIBILITY_TIMEOUT": "100"}, "VISIBILITY_TIMEOUT"),
+        # A whole number given as `inf` was an OverflowError traceback; `2.5` was silently truncated.
+        ({"ANIMASTOR_FORCE_TTL_SECONDS": "inf"}, "ANIMASTOR_FORCE_TTL_SECONDS"),
+        ({"ANIMASTOR_TICK_SECONDS": "inf"}, "ANIMASTOR_TICK_SECONDS"),
+        ({"ANIMASTOR_BREAKER_THRESHOLD": "2.5"}, "ANIMASTOR_BREAKER_THRESHOLD"),
+        ({"ANIMASTOR_INFERENCE_API_KEY": "sk-a\x00b"}, "ANIMASTOR_INFERENCE_API_KEY"),
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], needle: str) -> None:
@@ -130,3 +135,12 @@ def test_ended_commands_are_kept_for_ever_unless_a_retention_is_set() -> None:
     assert Settings.from_env({"ANIMASTOR_COMMAND_RETENTION_DAYS": "30"}).command_retention_days == 30.0
     with pytest.raises(ConfigError, match="ANIMASTOR_COMMAND_RETENTION_DAYS"):
         Settings.from_env({"ANIMASTOR_COMMAND_RETENTION_DAYS": "-1"})
+
+
+def test_an_api_key_loses_the_newline_a_secret_file_gave_it() -> None:
+    """A key ending in a newline made the HTTP client refuse the header and quote it (escaped) in an error
+    that the key's scrubbing missed: the key reached the pair's stored error and the logs."""
+    assert Settings.from_env({"ANIMASTOR_INFERENCE_API_KEY": "sk-abc\r\n"}).inference_api_key == "sk-abc"
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"ANIMASTOR_INFERENCE_API_KEY": "sk-a\nbc"})
+    assert "sk-a" not in str(info.value)

@@ -20,6 +20,12 @@ def test_retry_after_delta_seconds(header: str | None, seconds: float | None) ->
     assert retry_after_seconds(header) == seconds
 
 
+def test_a_retry_after_date_past_any_calendar_is_unreadable_not_a_crash() -> None:
+    """`parsedate_to_datetime` raises OverflowError for such a year: it escaped as a generator bug (the pair
+    failed for good) where an unreadable header means a retryable error."""
+    assert retry_after_seconds("Mon, 01 Jan 99999999999999999999 00:00:00 GMT") is None
+
+
 def test_retry_after_http_date() -> None:
     later = email.utils.formatdate(time.time() + 20, usegmt=True)
     assert retry_after_seconds(later) == pytest.approx(20, abs=2)
