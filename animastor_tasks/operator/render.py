@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -102,7 +103,7 @@ def commands_table(data: Mapping[str, Any], meter: RateMeter | None = None, limi
             status.append(f" {c['reason']}", style="yellow")
         row: list[RenderableType] = [
             c["command_id"][:8],
-            c["stage"],
+            Text(c["stage"]),
             _bar(done, p["total"]),
             f"{done}/{p['total']}",
             counts,
@@ -157,7 +158,7 @@ def scene_grid(data: Mapping[str, Any]) -> RenderableType:
         for stage in stages:
             table.add_column(stage, overflow="fold")
         for chapter, members in chapters.items():
-            table.add_row(chapter, *[_strip(members, stage) for stage in stages])
+            table.add_row(Text(chapter), *[_strip(members, stage) for stage in stages])
         return table
     rows = Table(box=None, pad_edge=False, show_header=False)
     rows.add_column("stage", style="bold")
@@ -298,7 +299,7 @@ def _queue_depths(broker_url: str, queues: list[str]) -> dict[str, int | None]:
 def queues_table(rows: Sequence[QueueRow | Mapping[str, Any]]) -> Table:
     table = Table("queue", "stage", "consumers", "depth", "in flight", "lane", "breaker", "deferred")
     for r in rows:
-        consumers = ", ".join(f"{c['hostname']} ({c['heartbeat_age_seconds']}s)" for c in r["consumers"])
+        consumers = ", ".join(f"{escape(c['hostname'])} ({c['heartbeat_age_seconds']}s)" for c in r["consumers"])
         if not consumers:
             consumers = f"[bold red]none[/bold red] - start one: {r['start_worker']}"
         deferred = " ".join(f"{k}={v}" for k, v in r["deferred"].items() if v) or "-"

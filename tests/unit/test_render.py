@@ -124,3 +124,25 @@ def test_unreadable_queue_depth_shows_question_mark_not_zero() -> None:
 def test_queue_depths_unknown_when_the_broker_is_down() -> None:
     depths = render._queue_depths("redis://127.0.0.1:1/0", ["gpu.audio", "gpu.image"])
     assert depths == {"gpu.audio": None, "gpu.image": None}
+
+
+def test_ids_and_reasons_are_shown_as_written_never_read_as_markup() -> None:
+    """Chapter ids, book ids and reasons may hold brackets (the book format allows them): passed to a table as
+    str they were read as Rich markup, so `ch[/1]` crashed `status` with a MarkupError and `[red]` vanished."""
+    data = book(chapters=1, scenes=2)
+    for scene in data["scenes"]:
+        scene["chapter_id"] = "ch[/1]"
+    assert "ch[/1]" in text_of(render.status_view(data))
+    console = Console(record=True, width=160, color_system=None)
+    row = {
+        "command_id": "0123456789abcdef",
+        "book_id": "[red]b",
+        "stage": "audio",
+        "status": "cancelled",
+        "reason": "stop [/]",
+        "progress": {"total": 2, "ready": 1},
+        "age_seconds": 3.0,
+    }
+    render.show_commands([row], console=console)
+    out = console.export_text()
+    assert "[red]b" in out and "stop [/]" in out
