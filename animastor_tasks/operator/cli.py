@@ -235,7 +235,7 @@ def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> N
 @click.argument("book_id")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--watch", is_flag=True, help="Refresh until every command is terminal, with rate and ETA.")
-@click.option("--interval", default=1.0, show_default=True)
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1))
 def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
     """Commands of a book with progress, and every scene's state per stage (one cell each)."""
     from animastor_tasks.flow import status as status_flow
@@ -250,7 +250,7 @@ def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
 
 @main.command("commands")
 @click.argument("book_id", required=False)
-@click.option("--limit", default=20, show_default=True)
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True)
 def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
     """Recent commands with status, reason, progress and age."""
@@ -277,7 +277,7 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
-@click.option("--interval", default=2.0, show_default=True)
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1))
 def queues(as_json: bool, watch: bool, interval: float) -> None:
     """GPU queues: consumers, depth (? when the broker cannot say), running, lane limit, breaker, deferrals."""
     from animastor_tasks.operator import render as views

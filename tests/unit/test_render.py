@@ -146,3 +146,18 @@ def test_ids_and_reasons_are_shown_as_written_never_read_as_markup() -> None:
     render.show_commands([row], console=console)
     out = console.export_text()
     assert "[red]b" in out and "stop [/]" in out
+
+
+def test_a_negative_limit_or_interval_is_bad_input_not_a_traceback() -> None:
+    """`commands --limit -1` reached Postgres (a DataError traceback, exit 1) and `--interval -1` time.sleep."""
+    from click.testing import CliRunner
+
+    from animastor_tasks.operator.cli import main
+
+    for args in (
+        ["commands", "--limit", "-1"],
+        ["status", "b", "--watch", "--interval", "-1"],
+        ["queues", "--interval", "0"],
+    ):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and "Invalid value" in result.output, (args, result.output)
