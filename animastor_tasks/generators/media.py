@@ -77,12 +77,29 @@ def synthesize_wav(
 
 
 def wav_duration_seconds(data: bytes) -> float:
-    """Duration of a WAV file in seconds; ValueError if `data` is not a WAV file."""
-    try:
-        with wave.open(io.BytesIO(data), "rb") as wav:
-            return wav.getnframes() / wav.getframerate()
-    except (wave.Error, EOFError) as err:
-        raise ValueError(f"not a WAV file: {err}") from err
+    """Duration of a WAV file in seconds, whatever its sample format; ValueError if `data` is not a WAV file.
+
+    Read from the RIFF chunks rather than with `wave`, which knows integer PCM alone: a server writing 32-bit
+    float or extensible-format WAV (torchaudio, scipy) had every pair of its stage failed as not a WAV file.
+    A data chunk of unknown length (0 or 0xFFFFFFFF, written by a streaming server) runs to the end.
+    """
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise ValueError("not a WAV file: no RIFF/WAVE header")
+    rate = block = 0
+    at = 12
+    while at + 8 <= len(data):
+        kind, size = data[at : at + 4], struct.unpack_from("<I", data, at + 4)[0]
+        body = at + 8
+        if kind == b"fmt " and size >= 16 and body + 16 <= len(data):
+            _, _, rate, _, block = struct.unpack_from("<HHIIH", data, body)
+        elif kind == b"data":
+            if not rate or not block:
+                raise ValueError("not a WAV file: no usable fmt chunk before the data")
+            available = len(data) - body
+            length = available if size in (0, 0xFFFFFFFF) else min(size, available)
+            return length // block / rate
+        at = body + size + (size & 1)  # chunks are padded to an even size
+    raise ValueError("not a WAV file: no data chunk")
 
 
 def _chunk(kind: bytes, payload: bytes) -> bytes:

@@ -143,3 +143,32 @@ def test_png_rejects_bad_size() -> None:
         render_png("x", width=0)
     with pytest.raises(ValueError, match="height"):
         render_png("x", height=100_000)
+
+
+def _wav(format_tag: int, channels: int, rate: int, bits: int, seconds: float, data_size: int | None = None) -> bytes:
+    block = channels * bits // 8
+    fmt = struct.pack("<HHIIHH", format_tag, channels, rate, rate * block, block, bits)
+    if format_tag == 0xFFFE:  # WAVE_FORMAT_EXTENSIBLE: cbSize, valid bits, channel mask, sub-format GUID
+        fmt += struct.pack("<HHI", 22, bits, 3) + b"\x03\x00\x00\x00\x00\x00\x10\x00\x80\x00\x00\xaa\x00\x38\x9b\x71"
+    frames = b"\0" * (int(rate * seconds) * block)
+    size = len(frames) if data_size is None else data_size
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", size) + frames
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
+
+
+@pytest.mark.parametrize(
+    ("wav", "seconds"),
+    [
+        (_wav(3, 1, 24000, 32, 1.5), 1.5),  # 32-bit float (torchaudio, scipy): `wave` refused it
+        (_wav(0xFFFE, 2, 48000, 24, 0.5), 0.5),  # extensible
+        (_wav(1, 1, 16000, 16, 2.0, data_size=0xFFFFFFFF), 2.0),  # streamed: length unknown
+    ],
+)
+def test_a_wav_of_any_sample_format_has_its_duration(wav: bytes, seconds: float) -> None:
+    assert wav_duration_seconds(wav) == pytest.approx(seconds)
+
+
+def test_a_wav_with_no_sample_rate_is_not_a_wav_file() -> None:
+    """A frame rate of 0 was a ZeroDivisionError: a generator bug rather than a refused scene."""
+    with pytest.raises(ValueError, match="not a WAV file"):
+        wav_duration_seconds(_wav(1, 1, 0, 16, 1.0))
