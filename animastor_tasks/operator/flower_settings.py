@@ -30,6 +30,7 @@ import ipaddress as _ipaddress
 import os as _os
 import sys as _sys
 from collections.abc import Mapping as _Mapping
+from collections.abc import Sequence as _Sequence
 from typing import Any as _Any
 
 PREFIX = "flowerconfig"
@@ -82,10 +83,32 @@ def flower_options(env: _Mapping[str, str]) -> dict[str, _Any]:
     )
 
 
-def options_or_exit(env: _Mapping[str, str]) -> dict[str, _Any]:
-    """`flower_options(env)`, or the reason on stderr and exit status 2 (before Flower opens any port)."""
+# Who can reach Flower is decided by the variables above alone: Flower reads its command line after this file,
+# so `--address=0.0.0.0` there slipped an instance without auth past the loopback rule.
+_GUARDED = frozenset({"address", "port", "basic_auth", "auth", "unix_socket"})
+
+
+def refuse_guarded_flags(argv: _Sequence[str]) -> None:
+    """Refused: a command-line option (Tornado's `--name=value` or `--name value`) that would decide who reaches
+    Flower instead of the ANIMASTOR_FLOWER_* variables."""
+    found = sorted({arg.split("=", 1)[0] for arg in argv if arg.startswith("--") and _guarded(arg)})
+    if found:
+        raise Refused(
+            f"{', '.join(found)} on the command line: set ANIMASTOR_FLOWER_ADDRESS, ANIMASTOR_FLOWER_PORT and "
+            "ANIMASTOR_FLOWER_BASIC_AUTH instead"
+        )
+
+
+def _guarded(arg: str) -> bool:
+    return arg[2:].split("=", 1)[0].replace("-", "_") in _GUARDED
+
+
+def options_or_exit(env: _Mapping[str, str], argv: _Sequence[str] | None = None) -> dict[str, _Any]:
+    """`flower_options(env)`, or the reason on stderr and exit status 2 (before Flower opens any port).
+    `argv`: Flower's command line (this process's when None)."""
     try:
         options = flower_options(env)
+        refuse_guarded_flags(_sys.argv[1:] if argv is None else argv)
     except Refused as err:
         _sys.stderr.write(f"{PREFIX}: refusing to start Flower: {err}\n")
         raise SystemExit(2) from None

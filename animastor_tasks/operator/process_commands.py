@@ -152,6 +152,7 @@ def flower(flower_args: tuple[str, ...]) -> None:
 
     try:
         flower_settings.flower_options(os.environ)
+        flower_settings.refuse_guarded_flags(flower_args)
     except flower_settings.Refused as err:  # said here, before Celery starts: exit status 2
         raise ConfigError(f"refusing to start Flower: {err}") from None
     _exec_celery("flower", f"--conf={flower_settings.conf_path()}", *flower_args)

@@ -99,6 +99,22 @@ def test_flower_refuses_to_start(tmp_path: Path, env: dict[str, str], expected: 
     assert "only-a-password" not in proc.stderr + proc.stdout  # the value itself is never echoed
 
 
+@pytest.mark.parametrize("flag", [["--address=0.0.0.0"], ["--port=80"], ["--basic-auth=ops:pw"]])
+def test_flower_refuses_options_that_decide_who_reaches_it_on_the_command_line(tmp_path: Path, flag: list[str]) -> None:
+    """Flower reads its command line after the --conf file: `--address=0.0.0.0` there opened an instance without
+    auth (ANIMASTOR_FLOWER_DEV_NO_AUTH=1) on every interface, past the loopback rule."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ANIMASTOR_FLOWER_", "FLOWER_"))}
+    env = {**base, "ANIMASTOR_FLOWER_DEV_NO_AUTH": "1", "ANIMASTOR_FLOWER_PORT": str(free_port())}
+    for command in (
+        [sys.executable, "-m", "celery", "-A", "animastor_tasks", "flower", f"--conf={FLOWER_CONF}", *flag],
+        [sys.executable, "-m", "animastor_tasks.operator.cli", "flower", *flag],
+    ):
+        proc = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (command, proc.returncode, proc.stdout, proc.stderr)
+        assert "refusing to start Flower" in proc.stderr and "ANIMASTOR_FLOWER_ADDRESS" in proc.stderr
+        assert "ops:pw" not in proc.stderr + proc.stdout
+
+
 @pytest.fixture
 def flower_stack(tmp_path: Path) -> Iterator[tuple[Stack, str, tuple[str, str]]]:
     """Control + audio + image workers and Flower with basic auth; yields (stack, base URL, credentials)."""
