@@ -146,7 +146,8 @@ def flower(flower_args: tuple[str, ...]) -> None:
 
     Address and port: ANIMASTOR_FLOWER_ADDRESS (127.0.0.1) and ANIMASTOR_FLOWER_PORT (5555). Refuses to
     start (exit status 2) without credentials; ANIMASTOR_FLOWER_DEV_NO_AUTH=1 allows none on loopback only.
-    Other options go to `celery flower` as they are (`--url_prefix=flower`).
+    Other options go to `celery flower` as they are (`--url_prefix=flower`), except those that decide who reaches
+    it (`--address`, `--port`, `--basic_auth`, `--auth`, `--unix_socket`): refused, they come from the environment.
     """
     from animastor_tasks.operator import flower_settings
 
