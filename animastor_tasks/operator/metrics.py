@@ -53,6 +53,9 @@ STAGE_HISTOGRAMS = {
     "queue_wait_seconds": "Time GPU jobs waited in their queue: dispatch to job start.",
 }
 DEFAULT_PORT = 9808
+# A scrape answers within Prometheus' default scrape timeout (10 s) with Postgres down: it waits for a
+# connection this long, once (a scrape whose first Postgres read failed makes no second one).
+SCRAPE_DB_WAIT_SECONDS = 2.0
 DEFAULT_ADDRESS = "127.0.0.1"
 
 
@@ -79,19 +82,24 @@ class AnimastorCollector(Collector):
             except Exception as err:
                 log.warning("[METRICS] queues unreadable: %s", err)
                 up["redis"] = 0.0
-        try:
-            pairs = {(stage, str(state)): 0 for stage in rt.settings.registry.names() for state in AssetState}
-            pairs.update(rt.reads.pairs_by_state())  # one GROUP BY serves both pair families
-            families = [_commands_family(rt), _pending_family(pairs), _pairs_family(pairs)]
-        except Exception as err:
-            log.warning("[METRICS] commands unreadable: %s", err)
-            up["postgres"] = 0.0
-        else:
-            yield from families
+        if up["postgres"]:  # not when the queue view found it down: a scrape waits for Postgres once
+            yield from _postgres_families(rt, up)
         store_up = GaugeMetricFamily("animastor_store_up", "1 when the store answered this scrape.", labels=["store"])
         for store, value in up.items():
             store_up.add_metric([store], value)
         yield store_up
+
+
+def _postgres_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
+    try:
+        pairs = {(stage, str(state)): 0 for stage in rt.settings.registry.names() for state in AssetState}
+        pairs.update(rt.reads.pairs_by_state())  # one GROUP BY serves both pair families
+        families = [_commands_family(rt), _pending_family(pairs), _pairs_family(pairs)]
+    except Exception as err:
+        log.warning("[METRICS] commands unreadable: %s", err)
+        up["postgres"] = 0.0
+    else:
+        yield from families
 
 
 def _text(value: Any) -> str:
@@ -177,7 +185,12 @@ def _buckets(fields: dict[str, str], name: str) -> tuple[list[tuple[str, float]]
 def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
     from animastor_tasks.operator import render as views
 
-    rows = views.queue_overview(rt)
+    try:
+        running: dict[str, int] | None = rt.reads.lane_usage()
+    except StoreUnavailable as err:  # Postgres's part of the queue view only: the rest is Redis's and the broker's
+        log.warning("[METRICS] lane usage unreadable: %s", err)
+        running, up["postgres"] = None, 0.0
+    rows = views.queue_overview(rt, running if running is not None else {})
     consumers = GaugeMetricFamily(
         "animastor_queue_consumers", "Live consumers (heartbeat) per GPU queue.", labels=["queue", "stage"]
     )
@@ -200,7 +213,8 @@ def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
             up["broker"] = 0.0
         else:
             depth.add_metric(labels, float(row["depth"]))
-        in_flight.add_metric(labels, float(row["in_flight"]))
+        if running is not None:
+            in_flight.add_metric(labels, float(row["in_flight"]))
         lane.add_metric(labels, float(row["lane_limit"]))
         for state in ("closed", "open", "half-open"):
             breaker.add_metric([row["queue"], state], 1.0 if row["breaker"] == state else 0.0)
@@ -269,7 +283,7 @@ def serve(address: str = DEFAULT_ADDRESS, port: int = DEFAULT_PORT) -> None:
     """Serve `/metrics` until SIGINT or SIGTERM."""
     from animastor_tasks.worker.wiring import build
 
-    wired = build(Settings.from_env())
+    wired = build(Settings.from_env(), db_wait=SCRAPE_DB_WAIT_SECONDS)
     registry = build_registry(lambda: wired)
     server, thread = start_http_server(port, addr=address, registry=registry)
     stop = threading.Event()

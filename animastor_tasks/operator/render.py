@@ -224,24 +224,26 @@ def show_commands(rows: list[dict[str, Any]], console: Console | None = None) ->
     table = Table("command", "book", "stage", "status", "reason", "progress", "age")
     for r in rows:
         p = r["progress"]
+        # Ids and reasons as plain text: a str cell is read as Rich markup, and `[/]` in an id crashed the view.
         table.add_row(
             r["command_id"][:8],
-            r["book_id"],
-            r["stage"],
+            Text(r["book_id"]),
+            Text(r["stage"]),
             r["status"],
-            r["reason"] or "",
+            Text(r["reason"] or ""),
             f"{p.get(AssetState.READY, 0)}/{p['total']}",
             f"{r['age_seconds']:.0f}s",
         )
     (console or Console()).print(table)
 
 
-def queue_overview(rt: Wiring) -> list[QueueRow]:
+def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list[QueueRow]:
+    """`running`: the lanes' generating pairs per stage, when the caller read them (None: read here)."""
     specs = rt.settings.stages
     now = time.time()
     live = rt.presence.live_consumers([s.queue for s in specs], now)
     amqp = rt.presence.counts([s.queue for s in specs]) if rt.presence.amqp_url else {}
-    running = rt.reads.lane_usage()
+    running = rt.reads.lane_usage() if running is None else running
     depth = _queue_depths(rt.settings.broker_url, [s.queue for s in specs])
     deferred = rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), now)
     return [

@@ -61,13 +61,14 @@ class Wiring:
         self.redis.close()
 
 
-def build(settings: Settings, app: Celery | None = None) -> Wiring:
+def build(settings: Settings, app: Celery | None = None, *, db_wait: float = 5.0) -> Wiring:
     """Every adapter for `settings`; jobs are published through `app`, else through a Celery app
-    configured from the same settings (a CLI or a test stack publishes to its own broker)."""
+    configured from the same settings (a CLI or a test stack publishes to its own broker). `db_wait`: how long
+    a Postgres read waits for a connection before the store counts as down."""
     if app is None:
         app = Celery("animastor_tasks", set_as_current=False)
         app.conf.update(build_config(settings))
-    db = Database(settings.database_url, max_size=settings.db_pool_max)
+    db = Database(settings.database_url, max_size=settings.db_pool_max, timeout=db_wait)
     conn = RedisConnection(settings.redis_url, Keyspace(settings.key_prefix))
     catalog = Catalog(db, settings.registry)
     presence = PresenceStore(conn, settings.broker_url if settings.broker_is_amqp else None)
