@@ -49,6 +49,11 @@ def stop_marker(dispatch_id: str) -> str:
     return f"{STOP_MARKER_PREFIX}{dispatch_id}"
 
 
+# Why a re-import released a target: its scene is gone, or the media made for it is stale (the input changed).
+SCENE_REMOVED = "scene_removed"
+INPUT_CHANGED = "input_changed"
+
+
 def release_reason(facts: BookFacts, pair: Pair) -> str | None:
     """Why a target of an active command, just released to `dirty`, can no longer progress.
 

@@ -120,3 +120,29 @@ def test_persisted_transitions_are_compare_and_set(rt) -> None:
     with pytest.raises(InvalidTransition, match=r"'dirty'.*'ready'"):
         rt.ports.assets.move_pairs("b", pairs, AssetState.DIRTY, AssetState.READY, "test")
     assert not rt.ports.assets.expire_generating("b", pairs[0], 0, AssetState.PENDING)
+
+
+def test_a_reimport_that_drops_or_changes_a_commanded_scene_lets_its_command_end(rt) -> None:
+    """A target whose scene a re-import removed (no pair left) or whose ready media it found stale (`dirty`)
+    was counted open for ever: the command stayed active once its other targets were done."""
+    from animastor_tasks.domain.book import parse_book
+    from animastor_tasks.flow import regenerate as regenerate_flow
+    from animastor_tasks.flow.generate import run_job
+
+    from .helpers import advertise
+    from .test_generate import dispatched_jobs
+
+    book = make_book("b", chapters=1, scenes=3)
+    rt.catalog.import_book(book)
+    advertise(rt, "gpu.audio")
+    [created] = regenerate_flow.regenerate(rt.ports, "b", ["audio"])["commands"]
+    jobs = {job.scene_id: job for job in dispatched_jobs(rt, "b")}
+    assert run_job(rt.ports, jobs["s1"], worker="w")["outcome"] == "ready"
+    doc = book_to_dict(book)
+    doc["chapters"][0]["scenes"][0]["text"] = "A different text"  # s1's media is stale now
+    del doc["chapters"][0]["scenes"][2]  # s3 is gone
+    rt.catalog.import_book(parse_book(doc))
+    assert run_job(rt.ports, jobs["s2"], worker="w")["outcome"] == "ready"
+    [command] = rt.ports.commands.commands(command_ids=[created["command_id"]])
+    assert command.status == "failed"
+    assert command.released == {"input_changed": 1, "scene_removed": 1}

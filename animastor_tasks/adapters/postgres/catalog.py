@@ -9,10 +9,13 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from animastor_tasks.adapters.postgres import journal
+from animastor_tasks.adapters.postgres.commands import release_targets
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.book import Book
 from animastor_tasks.domain.inputs import scene_hashes
 from animastor_tasks.domain.registry import MediaRegistry
+from animastor_tasks.domain.targets import INPUT_CHANGED, SCENE_REMOVED
+from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.ports import CommandContext
 
@@ -103,13 +106,22 @@ class Catalog:
                     ],
                 )
             self._ensure_asset_rows(conn, book.book_id, stages)
-            dirtied = conn.execute(
-                "UPDATE asset_states a SET state = %s, updated_at = now() FROM scenes s"
-                " WHERE a.book_id = %s AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-                " AND s.scene_id = a.scene_id AND a.state = %s"
-                " AND a.input_hash IS DISTINCT FROM s.input_hashes ->> a.stage",
-                (AssetState.DIRTY, book.book_id, AssetState.READY),
-            ).rowcount
+            dirtied: list[Pair] = [
+                tuple(row)
+                for row in conn.execute(
+                    "UPDATE asset_states a SET state = %s, updated_at = now() FROM scenes s"
+                    " WHERE a.book_id = %s AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+                    " AND s.scene_id = a.scene_id AND a.state = %s"
+                    " AND a.input_hash IS DISTINCT FROM s.input_hashes ->> a.stage"
+                    " RETURNING a.chapter_id, a.scene_id, a.stage",
+                    (AssetState.DIRTY, book.book_id, AssetState.READY),
+                )
+            ]
+            # A target of an active command can no longer progress when its scene is gone, or when the media
+            # it was made was found stale: counted open for ever, it kept its command active (the book's lock,
+            # taken above, is the one every settle holds).
+            release_targets(conn, book.book_id, [(c, s, st) for c, s in removed for st in stages], SCENE_REMOVED)
+            release_targets(conn, book.book_id, dirtied, INPUT_CHANGED)
             changed = sum(
                 1
                 for s in book.scenes
@@ -119,7 +131,7 @@ class Catalog:
             journal.record(
                 conn, "book.imported", book.book_id, {"added": added, "changed": changed, "removed": len(removed)}
             )
-        return ImportSummary(book.book_id, bool(created), added, changed, len(removed), dirtied)
+        return ImportSummary(book.book_id, bool(created), added, changed, len(removed), len(dirtied))
 
     @staticmethod
     def _ensure_asset_rows(conn: psycopg.Connection, book_id: str, stages: list[str]) -> None:
