@@ -207,54 +207,49 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
     assert value(blocked, "animastor_queue_consumers", queue="gpu.audio", stage="audio") == 1
 
 
+def scrape_with_a_store_down(env: dict[str, str], **down: str) -> Samples:
+    """One scrape of `animastor-tasks metrics` (a subprocess) run with the `down` variables pointing at nothing;
+    the exporter must then stop cleanly on SIGTERM."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "animastor_tasks.operator.cli", "metrics", "--port", str(port)],
+        env={**env, **down},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        samples: Samples = wait_for(lambda: http_get(url)[0] == 200 and scrape(url), 30, "the exporter answers")
+        return samples
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=15) == 0  # SIGTERM is a clean stop
+
+
 def test_a_redis_outage_is_reported_not_fatal(tmp_path: Path) -> None:
     """Redis down: the scrape still answers 200, with `animastor_store_up{store="redis"} 0`."""
     with operator_env(tmp_path) as env:
-        port = free_port()
         dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "animastor_tasks.operator.cli", "metrics", "--port", str(port)],
-            env={**env, "ANIMASTOR_REDIS_URL": dead, "ANIMASTOR_BROKER_URL": dead},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}/metrics"
-            samples = wait_for(lambda: http_get(url)[0] == 200 and scrape(url), 30, "the exporter answers")
-            assert value(samples, "animastor_store_up", store="redis") == 0
-            assert value(samples, "animastor_store_up", store="postgres") == 1
-            assert value(samples, "animastor_commands", status="active") == 0
-            ready = ("animastor_jobs_total", (("event", "ready"), ("stage", "audio")))
-            assert ready not in samples  # unknown, not a made-up 0
-        finally:
-            proc.terminate()
-            assert proc.wait(timeout=15) == 0  # SIGTERM is a clean stop
+        samples = scrape_with_a_store_down(env, ANIMASTOR_REDIS_URL=dead, ANIMASTOR_BROKER_URL=dead)
+    assert value(samples, "animastor_store_up", store="redis") == 0
+    assert value(samples, "animastor_store_up", store="postgres") == 1
+    assert value(samples, "animastor_commands", status="active") == 0
+    ready = ("animastor_jobs_total", (("event", "ready"), ("stage", "audio")))
+    assert ready not in samples  # unknown, not a made-up 0
 
 
 def test_a_postgres_outage_is_blamed_on_postgres_and_keeps_the_queue_families(tmp_path: Path) -> None:
     """Postgres down: the queue view's lane usage (a Postgres read) failed the whole queue section, which was
-    counted as Redis down, and the consumer, depth, breaker and deferral families were dropped with it."""
+    counted as Redis down, and the consumer, depth, breaker and deferral families were dropped with it; and the
+    scrape waited for Postgres twice (5 s each), past Prometheus' scrape timeout."""
     with operator_env(tmp_path) as env:
-        port = free_port()
         dead = f"postgresql://postgres@127.0.0.1:{free_port()}/animastor"  # nothing listens there
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "animastor_tasks.operator.cli", "metrics", "--port", str(port)],
-            env={**env, "ANIMASTOR_DATABASE_URL": dead},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}/metrics"
-            samples = wait_for(lambda: http_get(url)[0] == 200 and scrape(url), 30, "the exporter answers")
-            assert value(samples, "animastor_store_up", store="postgres") == 0
-            assert value(samples, "animastor_store_up", store="redis") == 1
-            assert value(samples, "animastor_store_up", store="broker") == 1
-            assert value(samples, "animastor_queue_lane_limit", queue="gpu.audio", stage="audio") > 0
-            assert value(samples, "animastor_breaker_state", queue="gpu.audio", state="closed") == 1
-            in_flight = ("animastor_queue_in_flight", (("queue", "gpu.audio"), ("stage", "audio")))
-            assert in_flight not in samples  # unknown, not a made-up 0
-        finally:
-            proc.terminate()
-            assert proc.wait(timeout=15) == 0
+        samples = scrape_with_a_store_down(env, ANIMASTOR_DATABASE_URL=dead)
+    assert value(samples, "animastor_store_up", store="postgres") == 0
+    assert value(samples, "animastor_store_up", store="redis") == 1
+    assert value(samples, "animastor_store_up", store="broker") == 1
+    assert value(samples, "animastor_queue_lane_limit", queue="gpu.audio", stage="audio") > 0
+    assert value(samples, "animastor_breaker_state", queue="gpu.audio", state="closed") == 1
+    in_flight = ("animastor_queue_in_flight", (("queue", "gpu.audio"), ("stage", "audio")))
+    assert in_flight not in samples  # unknown, not a made-up 0
