@@ -60,14 +60,13 @@ def publish_claims(
             )
     if failed:
         ports.assets.unclaim(book, failed)
-        for claim in failed:
-            ports.leases.release_lease((book, claim.chapter, claim.scene, claim.stage), claim.dispatch_id)
+        drop_leases(ports, book, failed)
     return published, failed
 
 
 def drop_leases(ports: Ports, book: str, claims: list[Claim]) -> None:
-    """The leases of claims that did not commit (compare-and-delete on their dispatch ids), in one round trip;
-    best-effort: the caller's error is the one that matters."""
+    """The leases of claims that did not commit or were not published (compare-and-delete on their dispatch
+    ids), in one round trip; best-effort, the caller's trouble being the one to report."""
     if not claims:
         return
     try:
