@@ -64,6 +64,19 @@ def classify_error(err: BaseException) -> ErrorKind:
     return ErrorKind.BUG
 
 
+# The share of the soft time limit a job's attempts may fill: a job its process runs next in the same task
+# (worker/chain.py) starts within a tenth of that task's limit.
+RUN_TIME_SHARE = 0.9
+
+
+def another_attempt_fits(elapsed: float, delay: float, last_attempt: float, soft_time_limit: float) -> bool:
+    """Whether a retry (its backoff, then an attempt as long as the last one) ends inside the job's share of
+    the soft time limit. One that would not is not tried: the limit fired inside it as Celery's own exception,
+    classed as a bug, so a backend that hung until each read timeout failed every pair without ever feeding
+    its breaker."""
+    return elapsed + delay + last_attempt < RUN_TIME_SHARE * soft_time_limit
+
+
 class Verdict(StrEnum):
     FAIL = "fail"  # generating -> failed with the error
     GIVE_BACK = "give_back"  # generating -> pending (compare-and-set on the token); the gate decides again

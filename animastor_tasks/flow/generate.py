@@ -24,6 +24,7 @@ from animastor_tasks.domain.gate import BookFacts, Denial, JobStartFacts, decide
 from animastor_tasks.domain.job_rules import (
     ErrorKind,
     Verdict,
+    another_attempt_fits,
     breaker_feed,
     classify_error,
     lost_starts,
@@ -234,9 +235,11 @@ def _generate_with_retries(
 ) -> tuple[Media | None, str, int, ErrorKind | None]:
     """(media, last error, attempts, what kind of error it was); each retry of a backend failure
     waits a capped backoff and re-checks the token. Which errors end the run is `classify_error`'s."""
+    started = time.monotonic()
     attempt = 0
     while True:
         attempt += 1
+        tried = time.monotonic()
         try:
             return generator.generate(request, watcher.should_stop, progress), "", attempt, None
         except Exception as err:  # a bug or a time limit too: classified, never looped on
@@ -252,6 +255,9 @@ def _generate_with_retries(
         delay = compute_backoff(
             attempt, base=ports.settings.retry_backoff_base, maximum=ports.settings.retry_backoff_max
         )
+        now = time.monotonic()
+        if not another_attempt_fits(now - started, delay, now - tried, ports.settings.job_soft_time_limit):
+            return None, f"{message} (no time left for another attempt)", attempt, kind
         log.warning("[GENERATE] %s attempt %d failed (%s); retry in %.1fs", job.describe(), attempt, message, delay)
         _quietly("count retry", ports.counters.add, {f"job:retry:{job.stage}": 1})
         if watcher.stop.wait(delay):

@@ -17,7 +17,7 @@ import redis
 from animastor_tasks.dev.inference_server import InferenceServer, make_server
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import AssetState
-from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.errors import GeneratorError, StoreUnavailable
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
@@ -175,6 +175,26 @@ def test_a_pair_whose_starts_keep_losing_their_worker_fails_after_the_limit(rt, 
 
 
 # -- item 5b: run failures feed the circuit breaker ------------------------------------------------------
+
+
+def test_a_backend_that_hangs_until_the_jobs_time_runs_out_feeds_the_breaker(rt, tmp_path) -> None:
+    """Each attempt hangs until its read timeout (here 0.6 s of a 1.5 s soft time limit): a retry that would
+    end past 0.9 of the limit is not tried. Tried, the limit fired inside it as Celery's exception, classed as
+    a generator bug: the pair failed and the breaker heard nothing."""
+    _one_scene(rt, tmp_path, job_soft_time_limit=1.5, generate_max_retries=5, retry_backoff_base=0.0)
+
+    def hang(request: GenerationRequest, progress: Any) -> None:
+        time.sleep(0.6)
+        raise GeneratorError("read timed out", retryable=True)
+
+    _use_generator(rt, _Scripted(hang))
+    [job] = dispatched_jobs(rt, "b")
+    started = time.monotonic()
+    result = run_job(rt.ports, job, worker="test")
+    assert time.monotonic() - started < 1.5
+    assert result["outcome"] == "failed" and result["attempts"] == 2, result
+    assert "no time left for another attempt" in result["error"]
+    assert rt.redis.client.hget(rt.redis.keys.breaker("gpu.audio"), "failures") == "1"
 
 
 def test_a_job_fenced_off_before_it_fails_closes_its_start(rt, tmp_path) -> None:

@@ -9,6 +9,7 @@ from animastor_tasks.config import Settings
 from animastor_tasks.domain.job_rules import (
     ErrorKind,
     Verdict,
+    another_attempt_fits,
     breaker_feed,
     classify_error,
     lost_starts,
@@ -101,3 +102,21 @@ def test_worker_lost_limit_setting() -> None:
     for bad in ("0", "-1", "2.5", "inf", "three"):
         with pytest.raises(ConfigError, match="ANIMASTOR_WORKER_LOST_LIMIT"):
             Settings.from_env({"ANIMASTOR_WORKER_LOST_LIMIT": bad})
+
+
+@pytest.mark.parametrize(
+    ("elapsed", "delay", "last", "fits"),
+    [
+        (600.0, 1.0, 600.0, True),  # the second of 600 s attempts ends at 1,201 s: inside 0.9 x 1,800
+        (1201.0, 2.0, 600.0, False),  # a third would end past it: the soft limit would fire inside it
+        (10.0, 30.0, 5.0, True),
+        (1600.0, 0.0, 1.0, True),
+        (1619.0, 0.0, 1.0, False),
+    ],
+)
+def test_a_retry_is_tried_only_when_it_ends_inside_the_jobs_time(
+    elapsed: float, delay: float, last: float, fits: bool
+) -> None:
+    """A retry the soft time limit would cut was tried, and the limit fired inside the generator as Celery's own
+    exception, classed as a bug: a backend that hung until each read timeout never fed its breaker."""
+    assert another_attempt_fits(elapsed, delay, last, soft_time_limit=1800) is fits
