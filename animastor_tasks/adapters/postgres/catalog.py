@@ -9,7 +9,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from animastor_tasks.adapters.postgres import journal
-from animastor_tasks.adapters.postgres.commands import release_targets
+from animastor_tasks.adapters.postgres.commands import mark_released
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.book import Book
 from animastor_tasks.domain.inputs import scene_hashes
@@ -120,8 +120,9 @@ class Catalog:
             # A target of an active command can no longer progress when its scene is gone, or when the media
             # it was made was found stale: counted open for ever, it kept its command active (the book's lock,
             # taken above, is the one every settle holds).
-            release_targets(conn, book.book_id, [(c, s, st) for c, s in removed for st in stages], SCENE_REMOVED)
-            release_targets(conn, book.book_id, dirtied, INPUT_CHANGED)
+            if removed or dirtied:
+                gone = [(c, s, st) for c, s in removed for st in stages]
+                mark_released(conn, book.book_id, {SCENE_REMOVED: gone, INPUT_CHANGED: dirtied})
             changed = sum(
                 1
                 for s in book.scenes

@@ -9,7 +9,7 @@ terminal or releases it.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -329,24 +329,37 @@ def release_targets(
     """
     if not pairs:
         return {}
-    by_reason: dict[str, list[Pair]] = defaultdict(list)
     if reason is not None:
-        by_reason[reason] = list(pairs)
-    else:
-        row = conn.execute(
-            "SELECT b.layer_config, EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id)"
-            " FROM books b WHERE b.book_id = %s",
-            (book,),
-        ).fetchone()
-        if row is None:
-            return {}
-        facts = BookFacts(True, False, bool(row[1]), row[0], frozenset(pairs))
-        for pair in pairs:
-            why = release_reason(facts, pair)
-            if why is not None:
-                by_reason[why].append(pair)
+        return mark_released(conn, book, {reason: pairs}, also=also)
+    row = conn.execute(
+        "SELECT b.layer_config, EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = b.book_id)"
+        " FROM books b WHERE b.book_id = %s",
+        (book,),
+    ).fetchone()
+    if row is None:
+        return {}
+    facts = BookFacts(True, False, bool(row[1]), row[0], frozenset(pairs))
+    by_reason: dict[str, list[Pair]] = defaultdict(list)
+    for pair in pairs:
+        why = release_reason(facts, pair)
+        if why is not None:
+            by_reason[why].append(pair)
+    return mark_released(conn, book, by_reason, also=also)
+
+
+def mark_released(
+    conn: psycopg.Connection[Any],
+    book: str,
+    by_reason: Mapping[str, Sequence[Pair]],
+    *,
+    also: Sequence[str] = (),
+) -> dict[str, int]:
+    """Pairs released to `dirty` for known reasons (`release_targets`), several reasons in one go: their targets
+    marked, one journal event, the book's commands settled once. Returns the marked targets by reason."""
     marked: dict[str, int] = {}
     for why, group in by_reason.items():
+        if not group:
+            continue
         chapters, scenes, stages = [p[0] for p in group], [p[1] for p in group], [p[2] for p in group]
         marked[why] = conn.execute(
             "UPDATE command_targets t SET released = %s FROM commands c,"
