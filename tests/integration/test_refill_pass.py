@@ -22,6 +22,7 @@ from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, make_book, states, use_settings
 from .test_elastic_share import finish_one, lane, run_control, running, waiting
+from .test_generate import dispatched_jobs
 
 
 class RowCounter:
@@ -192,21 +193,15 @@ def running_by_stage(rt: Wiring, book: str) -> dict[str, int]:
     return dict(Counter(pair[2] for pair, state in states(rt, book).items() if state == "generating"))
 
 
-def first_running(rt: Wiring, book: str, stage: str) -> Job:
-    with rt.db.read() as conn:
-        c, s, dispatch_id, token = conn.execute(
-            "SELECT chapter_id, scene_id, dispatch_id, fencing_token FROM asset_states WHERE book_id = %s"
-            " AND stage = %s AND state = 'generating' ORDER BY position LIMIT 1",
-            (book, stage),
-        ).fetchone()
-    return Job(book, c, s, stage, dispatch_id, token)
+def running_audio_job(rt: Wiring, book: str) -> Job:
+    return next(job for job in dispatched_jobs(rt, book) if job.stage == "audio")
 
 
 def test_a_freed_slot_goes_to_its_own_lane_when_another_stage_of_the_book_comes_first(rt) -> None:
     """The refill of a book's own freed slot read its first pairs in slot order: all of them image pairs (the
     older command), refused `lane_full`, and the freed audio slot stayed idle while 38 audio pairs waited."""
     images_then_audio(rt)
-    assert run_job(rt.ports, first_running(rt, "two", "audio"), worker="test@local")["outcome"] == "ready"
+    assert run_job(rt.ports, running_audio_job(rt, "two"), worker="test@local")["outcome"] == "ready"
     run_control(rt)
     assert running_by_stage(rt, "two") == {"image": 2, "audio": 2}
 
@@ -215,7 +210,7 @@ def test_a_slot_freed_by_a_failed_job_goes_to_its_own_lane_through_the_control_w
     """The same, for a slot whose refill is sent to the control worker (a job that failed or gave its pair
     back): the message names the freed lane."""
     images_then_audio(rt)
-    job = first_running(rt, "two", "audio")
+    job = running_audio_job(rt, "two")
     with rt.db.transaction() as conn:
         conn.execute(
             "UPDATE asset_states SET state = 'failed' WHERE book_id = 'two' AND scene_id = %s AND stage = 'audio'",
