@@ -35,6 +35,7 @@ from animastor_tasks.domain.keys import Keyspace
 from animastor_tasks.generators import EntryPointGenerators
 from animastor_tasks.ports import Ports
 from animastor_tasks.worker.celery_config import build_config
+from animastor_tasks.worker.time_limit import TimeLimitedGenerators
 
 
 @dataclass
@@ -92,7 +93,7 @@ def build(settings: Settings, app: Celery | None = None, *, db_wait: float = 5.0
         publisher=CeleryPublisher(app, counters),
         queue_probe=BrokerProbe(settings.broker_url),
         artifacts=artifact_store(settings),
-        generators=EntryPointGenerators(settings),
+        generators=TimeLimitedGenerators(EntryPointGenerators(settings), settings.job_soft_time_limit),
     )
     return Wiring(ports, db, conn, catalog, presence, counters, breaker, deferrals, OperatorReads(db))
 
