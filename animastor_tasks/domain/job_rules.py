@@ -71,9 +71,8 @@ RUN_TIME_SHARE = 0.9
 
 def another_attempt_fits(elapsed: float, delay: float, last_attempt: float, soft_time_limit: float) -> bool:
     """Whether a retry (its backoff, then an attempt as long as the last one) ends inside the job's share of
-    the soft time limit. One that would not is not tried: the limit fired inside it as Celery's own exception,
-    classed as a bug, so a backend that hung until each read timeout failed every pair without ever feeding
-    its breaker."""
+    the soft time limit. One that would not is not tried: the limit would cut it short, and the run would end
+    on the time spent rather than on its backend's own error."""
     return elapsed + delay + last_attempt < RUN_TIME_SHARE * soft_time_limit
 
 
