@@ -293,6 +293,25 @@ def test_a_claim_that_did_not_commit_leaves_no_lease_to_hold_its_pair(rt) -> Non
     assert states(rt, "b")[pair] == "generating"
 
 
+def test_a_lane_whose_breaker_is_open_keeps_its_waiting_list(rt) -> None:
+    """A pass that claimed for another stage counted the open lane too and handed its spare slots to the books
+    waiting for it: each found the breaker open, and the lane's waiting list emptied, its order lost."""
+    use_settings(rt, replace(rt.settings, breaker_threshold=1, breaker_cooldown_seconds=60))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    advertise(rt, "gpu.image")
+    assert rt.ports.breaker.breaker_record("gpu.audio", False, 1, 60, run=True) == "open"
+    for score, waiter in enumerate(("first", "second")):
+        rt.ports.deferrals.wait_for_lane("gpu.audio", waiter, score)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio", "image"])
+    assert Counter((p[2], v) for p, v in states(rt, "b").items()) == {
+        ("audio", "pending"): 2,
+        ("image", "generating"): 2,
+    }
+    assert rt.redis.client.zrange(rt.redis.keys.lane_waiters("gpu.audio"), 0, -1) == ["first", "second"]
+    assert queued_messages(rt, "animastor.control") == 0  # no refill sent to a waiter
+
+
 def test_two_books_share_a_lane_without_waiting_for_each_other(rt) -> None:
     for b in ("first", "second"):
         rt.catalog.import_book(make_book(b, chapters=2, scenes=10))
