@@ -135,7 +135,9 @@ def _snapshot(ports: Ports, book: str, now: float) -> Snapshot:
 
 def _paged(ports: Ports, report: PassReport, *, dispatch_work: bool, full_lanes: set[str], now: float) -> None:
     """A book too big for one page: its next candidates take the free slots in reading order, then the pages
-    decide the rest (the lanes those candidates filled cost them no claim)."""
+    decide the rest (the lanes those candidates filled cost them no claim). The lanes the caller saw full are
+    the caller's to count again (`gate_batch`)."""
+    given = set(full_lanes)
     if dispatch_work:
         first = PassReport(report.book)  # the pages decide and count every pair, these ones included
         try:
@@ -148,7 +150,11 @@ def _paged(ports: Ports, report: PassReport, *, dispatch_work: bool, full_lanes:
         report.claimed_lanes |= first.claimed_lanes
         report.outcomes.update({o: n for o, n in first.outcomes.items() if o != Outcome.DEFERRED})
         full_lanes |= page.lanes_without_room(ports)
-    paged_pass.run(ports, report, dispatch_work=dispatch_work, full_lanes=full_lanes, now=now)
+    seen_full = paged_pass.run(ports, report, dispatch_work=dispatch_work, full_lanes=full_lanes, now=now)
+    if seen_full - given:
+        # Counted without a lock, these lanes' pairs waited without a claim: a job that ended before the book
+        # joined their waiting lists found nobody to hand its slot to. Counted again now that it waits.
+        _hand_on_freed(ports, seen_full - given)
 
 
 def tick(ports: Ports) -> list[str]:
@@ -208,7 +214,11 @@ def _hand_on_freed(ports: Ports, full: set[str]) -> None:
     """Count the lanes seen full again, now that the batch's books have joined their waiting lists: a slot
     freed meanwhile (its job's end may have looked at a list before they joined) is handed on now."""
     stages = [s for s in ports.settings.registry.stages if s.queue in full]
-    load = ports.assets.lane_load([s.name for s in stages])
+    try:
+        load = ports.assets.lane_load([s.name for s in stages])
+    except StoreUnavailable as err:  # the passes are done: a slot freed meanwhile waits for the next job's end
+        log.warning("[COMMAND-GATE] lanes %s not counted again: %s", sorted(full), err)
+        return
     for spec in stages:
         if load.get(spec.name, 0) < spec.lane_limit:
             dispatch.hand_over(ports, spec.queue, spec.lane_limit - load.get(spec.name, 0))

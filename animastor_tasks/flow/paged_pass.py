@@ -24,7 +24,8 @@ log = logging.getLogger("animastor.gate")
 SCAN_SCENES = 1000  # active scenes checked per round trip when finished ones may be left in the index
 
 
-def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lanes: set[str], now: float) -> None:
+def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lanes: set[str], now: float) -> set[str]:
+    """The pass, page by page; the lanes it took as full (counted without a lock), `full_lanes` included."""
     book = report.book
     queues = ports.settings.registry.queues()
     due: float | None = None
@@ -53,9 +54,10 @@ def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lane
         log.warning(
             "[COMMAND-GATE] book=%r pass stopped after %d page(s), nothing more authorized: %s", book, pages, err
         )
-        return
+        return full_lanes
     if pages:
         page.write_due(ports, book, due, due_at)
+    return full_lanes
 
 
 def _pages(ports: Ports, book: str, now: float, queues: Sequence[str]) -> Iterator[tuple[GateRows, Snapshot]]:

@@ -6,15 +6,17 @@ Real Postgres, Redis and broker. `page.PAGE` is made small so that a book of a f
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
+import redis
 
 from animastor_tasks.flow import gate, page, paged_pass
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import make_book, states
+from .helpers import advertise, make_book, states, use_settings
 from .test_elastic_share import lane, running
 from .test_refill_pass import counting
 
@@ -128,3 +130,42 @@ def test_every_page_is_read_once_in_order_with_its_own_snapshot(rt: Any, small_p
     for rows, snap in read:  # each snapshot holds the deferrals of its own page's pairs, no other
         assert snap.deferred["capacity"] == {i.pair for i in rows.in_flight} - set(generating(rt, "big"))
     assert open_transactions(rt) == 0
+
+
+def test_a_slot_freed_while_a_big_book_joins_a_full_lanes_waiting_list_is_handed_on(
+    rt: Any, small_pages: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pages count the lanes without a lock and their pairs wait for a full one without a claim. A job that
+    ended between that count and the book joining the lane's waiting list found nobody to hand its slot to:
+    the slot idled beside the waiting book until another job of the lane ended."""
+    registry = rt.settings.registry
+    instant = {"steps": 1, "step_seconds": 0}
+    stages = tuple(replace(registry.get(s), params=instant, lane_limit=2) for s in ("audio", "image"))
+    use_settings(rt, replace(rt.settings, registry=replace(registry, stages=stages)))
+    advertise(rt, "gpu.audio", "gpu.image")
+    rt.catalog.import_book(make_book("other", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "other", ["audio"])  # the audio lane: full
+    rt.catalog.import_book(make_book("big", chapters=1, scenes=20))
+    regenerate_flow.regenerate(rt.ports, "big", ["image"])  # older: its pairs come first (the image lane: full)
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"])
+    assert running(rt, "other", "big") == {"other": 2, "big": 2}
+    rt.redis.client.delete(rt.redis.keys.deferrals("big", "capacity"))  # they lapsed: the tick's pass of the book
+    for queue in ("gpu.audio", "gpu.image"):
+        rt.redis.client.delete(rt.redis.keys.lane_waiters(queue))
+    broker = redis.Redis.from_url(rt.settings.broker_url)
+    broker.delete("animastor.control")
+    counted = page.lanes_without_room
+
+    def count_then_a_job_ends(ports: Any) -> set[str]:
+        full = counted(ports)
+        if "gpu.audio" in full:  # an audio job of `other` commits now; its end finds nobody waiting
+            with rt.db.transaction() as conn:
+                conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'other' AND scene_id = 's1'")
+        return full
+
+    monkeypatch.setattr(page, "lanes_without_room", count_then_a_job_ends)
+    gate.gate_pass(rt.ports, "big")
+    assert rt.redis.client.zscore(rt.redis.keys.lane_waiters("gpu.audio"), "big") is None  # served
+    [message] = broker.lrange("animastor.control", 0, -1)
+    broker.close()
+    assert b"animastor.refill" in message and b"gpu.audio" in message, message
