@@ -116,7 +116,14 @@ def _gate_pass(
         return report
 
     waiting, result = page.pass_rows(
-        ports, report, snap, rows, dispatch_work=dispatch_work, full_lanes=full_lanes, now=now
+        ports,
+        report,
+        snap,
+        rows,
+        dispatch_work=dispatch_work,
+        full_lanes=full_lanes,
+        now=now,
+        recheck=None if known is None else partial(page.still_denied, ports, book),
     )
     released = set(report.released)
     busy = {i.pair[:2] for i in rows.in_flight if not released or i.pair not in released}

@@ -8,8 +8,9 @@ once (`PAGE`); then it is a run of pages (`paged_pass.py`). Either way the rule 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from animastor_tasks.domain.gate import BookFacts, Denial, decide_all
@@ -48,15 +49,19 @@ def pass_rows(
     full_lanes: Collection[str],
     now: float,
     keep_pairs: bool = True,
+    recheck: Callable[[list[Pair]], list[Pair]] | None = None,
 ) -> tuple[list[InFlight], dispatch.DispatchResult]:
     """Decide, release and dispatch the pairs of `rows` into `report`; the pending pairs still waiting and
-    the dispatch's result (for `next_due`)."""
+    the dispatch's result (for `next_due`). `recheck`: facts read before the pass (a batch's), which a release
+    is not decided on: the pairs it would release, those that fresh facts still deny (`still_denied`)."""
     book = report.book
     authorized, denied = judge(snap, rows, report, keep_pairs=keep_pairs)
     pending = [i for i in authorized if i.state == AssetState.PENDING]
     to_release: list[Pair] = []
     if denied:  # most passes deny nothing: skip a walk of the page
         to_release = [i.pair for i in rows.in_flight if i.state == AssetState.PENDING and i.pair in denied]
+    if to_release and recheck is not None:
+        to_release = recheck(to_release)
     if to_release:
         released = ports.assets.move_pairs(book, to_release, AssetState.PENDING, AssetState.DIRTY, "gate.released")
         ports.deferrals.clear_deferrals(book, released)
@@ -74,6 +79,23 @@ def pass_rows(
         report.dispatched.extend(result.dispatched)
         report.claimed_lanes |= result.claimed_lanes
     return ([i for i in pending if i.pair not in result.gone] if result.gone else pending), result
+
+
+def still_denied(ports: Ports, book: str, pairs: list[Pair]) -> list[Pair]:
+    """Of `pairs`, those that facts read now deny while they are pending. Facts read a batch ago are safe to
+    dispatch on (a job re-checks the gate at its start) but not to release on: a Stop All and a new regenerate
+    between that read and the pass would have the pass release the new command's pairs on the old flag."""
+    rows = ports.assets.gate_rows_many([book], limit=PAGE)
+    found = None if rows is None else rows[book]
+    if found is None:  # gone, or grown past a page: its own next pass decides
+        return []
+    snap = ports.book_state.book_snapshots([book], time.time(), ports.settings.registry.queues())[book]
+    wanted = set(pairs)
+    _, denied = decide_all(
+        BookFacts(True, snap.cancel_flag, found.tombstone, found.layers_raw, found.commanded),
+        [i for i in found.in_flight if i.pair in wanted and i.state == AssetState.PENDING],
+    )
+    return [pair for pair in pairs if pair in denied]
 
 
 def judge(

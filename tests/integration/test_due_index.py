@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -195,3 +196,29 @@ def test_a_regenerate_reads_its_passs_snapshot_with_its_own_writes_as_the_pass_w
     assert read.force == set(pairs) and read.active == {p[:2] for p in pairs}  # the writes, seen
     assert read.waiters == {"gpu.audio": ["one"]} and read.consumers == {"gpu.audio": 1}
     assert rt.ports.book_state.start_work("two", pairs, [p[:2] for p in pairs], force_ttl=None) is None
+
+
+def test_a_batch_releases_nothing_on_facts_that_a_stop_all_and_a_new_regenerate_have_overtaken(rt, monkeypatch) -> None:
+    """A batch reads its books' facts first and passes them one by one. A Stop All that set its flag before the
+    read, then released the book and a new regenerate pended its pairs again before the book's pass: the pass
+    released the new command's pairs on the old flag, and the command ended with nothing done."""
+    lane(rt, lane_limit=1)
+    rt.catalog.import_book(make_book("other", chapters=1, scenes=1))
+    regenerate_flow.regenerate(rt.ports, "other", ["audio"])  # the one slot: taken, so the book's pairs wait
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    read_facts = gate._read_facts
+
+    def overtaken(ports: Any, books: Any) -> Any:
+        rt.ports.book_state.stop_book("b")  # Stop All: its flag first
+        facts = read_facts(ports, books)
+        cancel_flow.cancel(rt.ports, "b")  # then the rest of it
+        regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # and a new intent, before the book's pass
+        return facts
+
+    monkeypatch.setattr(gate, "_read_facts", overtaken)
+    [report] = gate.gate_batch(rt.ports, ["b"])
+    assert report.released == []
+    assert set(states(rt, "b").values()) == {"pending"}
+    newest = max(rt.ports.commands.commands(book="b"), key=lambda c: c.created_at)
+    assert newest.status == "active", newest
