@@ -72,8 +72,11 @@ class Settings:
         settings = cls(
             database_url=_url(env, "ANIMASTOR_DATABASE_URL", DEFAULT_DATABASE_URL, ("postgresql", "postgres")),
             redis_url=redis_url,
-            broker_url=_url(
-                env, "ANIMASTOR_BROKER_URL", redis_url, ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp")
+            broker_url=_url(  # by default the coordination Redis, spelled as kombu reads a socket
+                env,
+                "ANIMASTOR_BROKER_URL",
+                result_backend_url(redis_url),
+                ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp"),
             ),
             key_prefix=_prefix(env),
             registry=_registry(env),

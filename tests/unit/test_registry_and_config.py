@@ -144,3 +144,15 @@ def test_an_api_key_loses_the_newline_a_secret_file_gave_it() -> None:
     with pytest.raises(ConfigError) as info:
         Settings.from_env({"ANIMASTOR_INFERENCE_API_KEY": "sk-a\nbc"})
     assert "sk-a" not in str(info.value)
+
+
+def test_a_unix_socket_redis_url_is_the_brokers_too_in_celerys_spelling() -> None:
+    """Without ANIMASTOR_BROKER_URL the broker is the coordination Redis: a `unix://` URL, which kombu does not
+    read, was refused as a broker scheme, so a Redis on a socket needed its URL written twice, two ways."""
+    from animastor_tasks.config import Settings
+
+    settings = Settings.from_env({"ANIMASTOR_REDIS_URL": "unix:///run/redis/redis.sock?db=2"})
+    assert settings.redis_url == "unix:///run/redis/redis.sock?db=2"
+    assert settings.broker_url == "redis+socket:///run/redis/redis.sock?virtual_host=2"
+    tcp = Settings.from_env({"ANIMASTOR_REDIS_URL": "redis://10.0.0.5:6379/1"})
+    assert tcp.broker_url == "redis://10.0.0.5:6379/1"
