@@ -94,6 +94,24 @@ def _reject(ports: Ports, job: Job, why: str, result: dict[str, Any]) -> dict[st
     return {**result, "outcome": JobOutcome.FENCE_REJECTED, "reason": why}
 
 
+def _refused(
+    ports: Ports, job: Job, spec: StageSpec, denial: Denial, result: dict[str, Any], delivered: _Delivered
+) -> dict[str, Any]:
+    """Refused at its start check. A pair the gate denies (a Stop All, its layer off, no command) is still this
+    job's: it goes back to `pending` for its book's pass to release, and its lease and slot are freed now rather
+    than when the lease lapses and the tick takes the pair over."""
+    if denial in (Denial.CANCELLED, Denial.LAYER_DISABLED, Denial.NO_ACTIVE_TASK):
+        try:
+            back = ports.jobs.give_back(job.book_id, job.pair, job.fencing_token, job.dispatch_id, denial, spec.queue)
+        except StoreUnavailable as err:
+            log.warning("[GENERATE] %s refused; its pair is left to its lease: %s", job.describe(), err)
+            back = False
+        if back:
+            delivered.release = True
+            _quietly("free capacity", _free_capacity, ports, job, spec)
+    return _reject(ports, job, denial, result)
+
+
 def _start(ports: Ports, job: Job, cancel_flag: bool) -> tuple[Denial | None, JobRow | None, str | None]:
     """The gate and the fencing token judged over facts read under the pair's row lock; the start
     is journalled (and kept open until the job ends) in the same transaction when the job may go.
@@ -138,7 +156,7 @@ def _run_owned(
     denial, row, worker_lost = _start(ports, job, delivered.cancelled)
     later.job_started()
     if denial is not None or row is None:
-        return _reject(ports, job, denial or Denial.UNKNOWN_PAIR, result)
+        return _refused(ports, job, spec, denial or Denial.UNKNOWN_PAIR, result, delivered)
     if worker_lost is not None:
         return _give_up(ports, job, spec, worker_lost, result)
     log.info("[GENERATE] %s started on %s", job.describe(), worker)

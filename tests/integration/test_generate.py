@@ -256,3 +256,23 @@ def test_a_scene_edited_while_its_job_runs_stays_stale_and_runs_again(rt, tmp_pa
     assert made_from != current
     regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)
     assert [j.scene_id for j in dispatched_jobs(rt, "b")] == ["s1"]  # not settled as already completed
+
+
+def test_a_job_refused_at_its_start_frees_its_slot_at_once(rt, tmp_path) -> None:
+    """A job whose pair the gate denies at its start (here its layer was turned off while it waited in its queue)
+    did no work, but kept its lease and its pair `generating`: the lane's slot idled until the lease lapsed and
+    the tick took the pair over."""
+    from animastor_tasks.flow import layers as layers_flow
+
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    layers_flow.set_layers(rt.ports, "b", [], ["audio"])
+    assert states(rt, "b")[job.pair] == "generating"  # a layer turned off releases only what waits
+    result = run_job(rt.ports, job, worker="test")
+    assert result == {**result, "outcome": "fence_rejected", "reason": "layer_disabled"}
+    assert rt.ports.leases.lease_holders([job.lease_pair]) == [None]
+    assert states(rt, "b")[job.pair] != "generating"
+    assert rt.ports.assets.lane_load(["audio"]).get("audio", 0) == 0
