@@ -19,7 +19,7 @@ from animastor_tasks.flow.generate import run_job
 from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, queued_messages, states
+from .helpers import advertise, make_book, queued_messages, states, use_settings
 from .test_generate import dispatched_jobs, with_stage
 
 PAIR = ("ch1", "s1", "audio")
@@ -137,3 +137,38 @@ def test_a_fenced_job_that_finishes_first_does_not_complete_the_forced_command(r
     assert states(rt, "b")[PAIR] == "generating" and status_of(rt, forced) == "active"
     with rt.db.transaction() as conn:
         assert conn.execute("SELECT count(*) FROM artifacts").fetchone()[0] == 0
+
+
+def test_a_forced_regenerate_re_makes_a_ready_scene_that_waits_past_the_force_window(rt, tmp_path) -> None:
+    """Force lived in Redis for `force_ttl_seconds` only: a ready scene of a forced command that could not start
+    within the window (its book capped, a busy lane) was settled `already_completed` from its old media, and the
+    command ended `completed` with half the book not made again."""
+    audio(rt, tmp_path, params={"steps": 1, "step_seconds": 0})
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    for job in dispatched_jobs(rt, "b"):
+        taken_by_worker(rt)
+        result = run_job(rt.ports, job, worker="test")
+        assert result["outcome"] == "ready", result
+    assert {v for p, v in states(rt, "b").items() if p[2] == "audio"} == {"ready"}
+    spec = rt.settings.registry.get("audio")
+    audio(rt, tmp_path, params=spec.params, book_cap=1)
+    use_settings(rt, replace(rt.settings, force_ttl_seconds=1))
+    forced = regenerate_flow.regenerate(rt.ports, "b", ["audio"])["commands"][0]["command_id"]  # force: the default
+    [first] = dispatched_jobs(rt, "b")  # the cap: one at a time
+    taken_by_worker(rt)
+    time.sleep(1.2)  # the force window passes while the second scene waits
+    result = run_job(rt.ports, first, worker="test")
+    assert result["outcome"] == "ready", result
+    rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))
+    gate.gate_pass(rt.ports, "b")
+    other = ("ch1", "s2" if first.pair[1] == "s1" else "s1", "audio")
+    assert [j.pair for j in dispatched_jobs(rt, "b")] == [other], states(rt, "b")  # not settled from its old media
+    [second] = dispatched_jobs(rt, "b")
+    taken_by_worker(rt)
+    assert run_job(rt.ports, second, worker="test")["outcome"] == "ready"
+    assert status_of(rt, forced) == "completed"
+    with rt.db.transaction() as conn:
+        made = conn.execute("SELECT count(*) FROM events WHERE kind = 'job.ready' AND book_id = 'b'").fetchone()[0]
+    assert made == 4  # both scenes, twice

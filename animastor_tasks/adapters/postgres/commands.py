@@ -90,6 +90,16 @@ class CommandStore:
                         {"book": book, "stage": stage, "chapters": chapters, "scenes": scene_ids},
                     )
                     queue = values(states_taking(Take.QUEUE, force))
+                    if force:
+                        # The reader asked for fresh media: a target's ready media no longer counts as made from
+                        # its inputs, so it is never settled `already_completed` from it, however long the pair
+                        # waits for a slot (the force set, in Redis, lives one force window).
+                        conn.execute(
+                            "UPDATE asset_states a SET input_hash = NULL FROM unnest(%s::text[], %s::text[]) AS t(c, s)"
+                            " WHERE a.book_id = %s AND a.stage = %s AND a.chapter_id = t.c AND a.scene_id = t.s"
+                            " AND a.state = ANY(%s) AND a.input_hash IS NOT NULL",
+                            (chapters, scene_ids, book, stage, [*queue, str(AssetState.PENDING)]),
+                        )
                     conn.execute(
                         "UPDATE asset_states a SET state = %s, error = NULL, updated_at = now()"
                         " FROM unnest(%s::text[], %s::text[]) AS t(c, s)"
