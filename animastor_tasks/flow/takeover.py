@@ -62,10 +62,17 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
     pairs_by_book: dict[str, list[Pair]] = defaultdict(list)
     for g in dead:
         pairs_by_book[g.book].append(g.pair)
-    facts_by_book = {book: _facts(ports, book, pairs) for book, pairs in pairs_by_book.items()}
+    facts_by_book: dict[str, BookFacts | None] = {}
+    for book, pairs in pairs_by_book.items():
+        try:
+            facts_by_book[book] = _facts(ports, book, pairs)
+        except StoreUnavailable as err:  # fail-closed: not "unauthorized" (that would release the pairs to dirty)
+            log.warning("[TAKEOVER] book=%r facts unreadable, its pairs wait for the next tick: %s", book, err)
     registry = ports.settings.registry
     freed: Counter[str] = Counter()
     for g in dead:
+        if g.book not in facts_by_book:
+            continue
         facts = facts_by_book[g.book]
         authorized = facts is not None and decide(facts, g.pair) is None
         target = AssetState.PENDING if authorized else AssetState.DIRTY
@@ -101,16 +108,12 @@ def _due_now(ports: Ports, book: str) -> None:
 
 
 def _facts(ports: Ports, book: str, pairs: Sequence[Pair]) -> BookFacts | None:
-    """The book's facts about these pairs, read by key: a whole book's (a million pairs) cost a dead job's
-    takeover 10 s and a gigabyte."""
+    """The book's facts about these pairs, read by key (a whole book's, a million pairs, cost a dead job's
+    takeover 10 s and a gigabyte); None for a book that is gone. A store that cannot be read raises."""
     rows = ports.assets.gate_rows(book, pairs)
     if rows is None:
         return None
-    try:
-        flag = ports.book_state.cancel_flag_set(book)
-    except StoreUnavailable:
-        return None
-    return BookFacts(True, flag, rows.tombstone, rows.layers_raw, rows.commanded)
+    return BookFacts(True, ports.book_state.cancel_flag_set(book), rows.tombstone, rows.layers_raw, rows.commanded)
 
 
 def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from animastor_tasks.adapters.redis.presence import PresenceStore
 from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -99,6 +100,30 @@ def test_the_tick_takes_over_a_started_job_whose_lease_lapsed(rt: Wiring, tmp_pa
     assert "b" in tick(rt)  # the same tick sends the book's gate pass: the pair is dispatched again at once
     assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
     assert len(events(rt, "lease.expired")) == 1
+
+
+def test_a_takeover_that_cannot_read_the_cancel_flag_leaves_the_pair_for_the_next_tick(
+    rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fail-closed: facts that could not be read were taken as "not authorized" and the dead job's pair went to
+    `dirty`, cut off from its still active command, which then never settled (a Redis that flaps as it recovers
+    is when leases lapse)."""
+    job = one_job(rt, tmp_path, lease_ttl=1)
+    held, owned, *_ = rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, "w", 1)
+    assert held and owned and rt.ports.leases.renew_lease(job.lease_pair, job.dispatch_id, 0.1)  # then it died
+    time.sleep(0.2)
+
+    def unreadable(book: str) -> bool:
+        raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(rt.ports.book_state, "cancel_flag_set", unreadable)
+        tick(rt)
+        assert states(rt, "b")[job.pair] == "generating"
+    tick(rt)  # readable again: taken over as authorized
+    assert states(rt, "b")[job.pair] in ("pending", "generating")
+    [command] = rt.ports.commands.commands(book="b")
+    assert command.status == "active" and not command.released, command
 
 
 def test_the_tick_leaves_a_never_started_job_to_reconcile(rt: Wiring, tmp_path: Path) -> None:
