@@ -12,6 +12,7 @@ from animastor_tasks.errors import InvalidCommand
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import layers as layers_flow
+from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import status as status_flow
 
@@ -213,3 +214,24 @@ def test_gate_with_postgres_unreachable_authorizes_nothing_and_recovers(rt, book
     finally:
         unreachable.close()
     assert gate.gate_pass(rt.ports, book).error is None
+
+
+def test_reconcile_leaves_the_flag_of_a_book_a_regenerate_took_back_from_stop_all_lifted(rt, book, monkeypatch) -> None:
+    """Reconcile sets the cancel flag of every tombstoned book (Redis may have lost it). A regenerate that deleted
+    the tombstone and lifted the flag between reconcile's read and its write had the flag set again: every job of
+    the new command was refused at its start and every pass released its pairs, the command active for ever."""
+    cancel_flow.cancel(rt.ports, book)
+    read_tombstones = rt.ports.commands.tombstoned_books
+    calls: list[int] = []
+
+    def read_then_a_regenerate() -> list[str]:
+        stale = read_tombstones()
+        if not calls:
+            calls.append(1)
+            regenerate_flow.regenerate(rt.ports, book, ["audio"])
+        return stale
+
+    monkeypatch.setattr(rt.ports.commands, "tombstoned_books", read_then_a_regenerate)
+    reconcile_flow.reconcile(rt.ports, force=True)
+    assert not rt.ports.book_state.cancel_flag_set(book)
+    assert "generating" in states(rt, book).values()
