@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from animastor_tasks.errors import StoreUnavailable
 
@@ -80,8 +80,11 @@ def queued_dispatch_ids(broker_url: str, queues: Collection[str], limit: int = 1
     parts = urlsplit(broker_url)
     if parts.scheme in ("redis", "rediss"):
         client = redis.Redis.from_url(broker_url, socket_timeout=5)
-    elif parts.scheme == "redis+socket":
-        client = redis.Redis(unix_socket_path=parts.path, socket_timeout=5)
+    elif parts.scheme == "redis+socket":  # kombu keeps the queues in the database its `virtual_host` names
+        db = parse_qs(parts.query).get("virtual_host", ["0"])[0].strip("/")
+        client = redis.Redis(
+            unix_socket_path=parts.path, db=int(db) if db.isdigit() else 0, password=parts.password, socket_timeout=5
+        )
     else:
         return None
     ids: set[str] = set()
