@@ -8,6 +8,7 @@ from any directory and without its virtual environment on PATH.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -74,14 +75,33 @@ def down() -> None:
     devstack.main(["down"])
 
 
+_GPU_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9:/_-]*")  # an index, or a GPU-/MIG- UUID as CUDA_VISIBLE_DEVICES takes
+
+
+def _gpu_ids(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[str]:
+    """One pool process per GPU: an empty entry would add a process without a GPU of its own (the children
+    are given the ids in turn, so two of them would share one), and a repeated id puts two on one GPU."""
+    if value is None:
+        return []
+    ids = [g.strip() for g in value.split(",")]
+    bad = [g for g in ids if not _GPU_ID.fullmatch(g)]
+    if bad:
+        raise click.BadParameter(f"GPU ids are comma-separated indexes or UUIDs, got {bad[0]!r} in {value!r}")
+    if len(set(ids)) < len(ids):
+        raise click.BadParameter(f"a GPU id is named twice in {value!r}: each pool process needs a GPU of its own")
+    return ids
+
+
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.option("--stage", default=None, help="Run a GPU worker for this stage (default: the control worker).")
-@click.option("--gpus", default=None, help="Comma-separated GPU ids; one pool process per GPU.")
+@click.option(
+    "--gpus", default=None, callback=_gpu_ids, help="Comma-separated GPU ids, each once; one pool process per GPU."
+)
 @click.option("--hostname", "-n", default=None)
 @_loglevel_option
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 def worker(
-    stage: str | None, gpus: str | None, hostname: str | None, loglevel: str | None, celery_args: tuple[str, ...]
+    stage: str | None, gpus: list[str], hostname: str | None, loglevel: str | None, celery_args: tuple[str, ...]
 ) -> None:
     """Start a Celery worker: the control worker, or a GPU worker for one stage.
 
@@ -99,10 +119,9 @@ def worker(
                 f"--stage {stage!r} is not a registered stage (known: {', '.join(settings.registry.names())})"
             )
         queue, name = settings.registry.get(stage).queue, hostname or f"{stage}@%h"
-        gpu_ids = [g.strip() for g in gpus.split(",")] if gpus else []
-        concurrency = str(len(gpu_ids) or 1)
-        if gpu_ids:
-            os.environ["ANIMASTOR_GPU_IDS"] = ",".join(gpu_ids)
+        concurrency = str(len(gpus) or 1)
+        if gpus:
+            os.environ["ANIMASTOR_GPU_IDS"] = ",".join(gpus)
     _exec_celery(
         "worker",
         "-Q",

@@ -3,6 +3,7 @@ ETA, and a queue depth that cannot be read shown as `?`, never 0."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -161,3 +162,24 @@ def test_a_negative_limit_or_interval_is_bad_input_not_a_traceback() -> None:
     ):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and "Invalid value" in result.output, (args, result.output)
+
+
+def test_gpu_ids_that_would_share_a_gpu_or_name_none_are_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`--gpus 0,1,` started three pool children and two of them shared GPU 0; `--gpus 0,0` put two on one GPU."""
+    from click.testing import CliRunner
+
+    from animastor_tasks.operator import process_commands
+    from animastor_tasks.operator.cli import main
+
+    started: list[tuple[str, ...]] = []
+    monkeypatch.setattr(process_commands, "_exec_celery", lambda *args: started.append(args))
+    monkeypatch.delenv("ANIMASTOR_GPU_IDS", raising=False)
+    for gpus in ("0,1,", ",", "0,0", "0, 0", "0 1", ""):
+        result = CliRunner().invoke(main, ["worker", "--stage", "audio", "--gpus", gpus])
+        assert result.exit_code == 2 and "Invalid value for '--gpus'" in result.output, (gpus, result.output)
+    assert started == []
+    result = CliRunner().invoke(main, ["worker", "--stage", "audio", "--gpus", " 3, GPU-8f2a ,MIG-1c/0"])
+    assert result.exit_code == 0, result.output
+    [argv] = started
+    assert argv[argv.index("-c") + 1] == "3"
+    assert os.environ["ANIMASTOR_GPU_IDS"] == "3,GPU-8f2a,MIG-1c/0"
