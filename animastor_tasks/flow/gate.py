@@ -172,6 +172,10 @@ def tick(ports: Ports) -> list[str]:
         return []
     started = time.monotonic()
     takeover.on_tick(ports)
+    # A slot whose refill was lost (its process died after the commit, Redis failed under the refill) would stay
+    # free while the books waiting for it wait on capacity deferrals that each later refill of the lane writes
+    # again: every lane's free slots go to its waiting books, one count of every lane per tick.
+    _hand_on_freed(ports, set(ports.settings.registry.queues()))
     books = ports.book_state.take_due(time.time())
     for first in range(0, len(books), BATCH_BOOKS):
         ports.publisher.enqueue_gates(books[first : first + BATCH_BOOKS])
@@ -218,8 +222,8 @@ def _read_facts(ports: Ports, books: Sequence[str]) -> dict[str, Facts]:
 
 
 def _hand_on_freed(ports: Ports, full: set[str]) -> None:
-    """Count the lanes seen full again, now that the batch's books have joined their waiting lists: a slot
-    freed meanwhile (its job's end may have looked at a list before they joined) is handed on now."""
+    """Count these lanes (seen full, or every lane on a tick) again, now that the books have joined their waiting
+    lists: a slot freed meanwhile (its job's end may have looked at a list before they joined) is handed on now."""
     stages = [s for s in ports.settings.registry.stages if s.queue in full]
     try:
         load = ports.assets.lane_load([s.name for s in stages])

@@ -19,7 +19,7 @@ from animastor_tasks.flow.generate import run_job
 from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import make_book, states, use_settings
+from .helpers import fake_artifact, make_book, states, use_settings
 from .test_elastic_share import lane, run_control, running
 
 
@@ -222,3 +222,24 @@ def test_a_batch_releases_nothing_on_facts_that_a_stop_all_and_a_new_regenerate_
     assert set(states(rt, "b").values()) == {"pending"}
     newest = max(rt.ports.commands.commands(book="b"), key=lambda c: c.created_at)
     assert newest.status == "active", newest
+
+
+def test_the_tick_hands_on_a_free_slot_whose_refill_was_lost(rt) -> None:
+    """A job that ended without its refill (its process died after the commit; Redis failed under the refill and
+    its fallback) left its slot free. The book's pairs waited on capacity deferrals that each later refill of
+    the lane wrote again, so the lane stayed a slot short for as long as the book's other jobs kept ending."""
+    lane(rt, lane_limit=2)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert running(rt, "b") == {"b": 2}
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "b", 0)  # it waits for the lane, as a refused refill leaves it
+    with rt.db.transaction() as conn:
+        c, s, st, dispatch_id, token = conn.execute(
+            "SELECT chapter_id, scene_id, stage, dispatch_id, fencing_token FROM asset_states"
+            " WHERE book_id = 'b' AND state = 'generating' ORDER BY scene_id LIMIT 1"
+        ).fetchone()
+    assert rt.ports.jobs.commit_job("b", (c, s, st), token, dispatch_id, fake_artifact("a"), "gpu.audio")
+    assert running(rt, "b") == {"b": 1}  # and no refill
+    tick(rt)
+    run_control(rt)
+    assert running(rt, "b") == {"b": 2}
