@@ -129,19 +129,22 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
         while keeper.kept is not None:
             job, name, trace = keeper.kept, keeper.task_name, keeper.trace
             fields = dataclasses.asdict(job)
+            # Held back, they run in another thread, where Celery's request (and the worker's name) is not set.
+            worker = _worker_name(task)
             aftermath(
                 partial(
                     _announce,
                     task,
                     "task-received",
                     job.dispatch_id,
+                    hostname=worker,
                     name=name,
                     args="()",
                     kwargs=repr(fields),
                     retries=0,
                 )
             )
-            aftermath(partial(_announce, task, "task-started", job.dispatch_id))  # the event carries its pid
+            aftermath(partial(_announce, task, "task-started", job.dispatch_id, hostname=worker))  # with its pid
             # Held back until the job has passed its start check, with its predecessor's bookkeeping.
             keeper = aftermath.keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
             ran = _run_kept(task, _job_ports(ports, keeper, aftermath), job, name, trace, run, aftermath)
@@ -229,7 +232,8 @@ def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: Ru
         _record(task.backend.mark_as_failure, job.dispatch_id, err)
         return False
     runtime = time.monotonic() - started
-    later(partial(_announce, task, "task-succeeded", job.dispatch_id, result=repr(outcome), runtime=runtime))
+    succeeded = {"result": repr(outcome), "runtime": runtime, "hostname": _worker_name(task)}
+    later(partial(_announce, task, "task-succeeded", job.dispatch_id, **succeeded))
     later(partial(_record, task.backend.mark_as_done, job.dispatch_id, outcome))
     _record(ports.counters.add, {f"job:kept:{job.stage}": 1})  # animastor_jobs_total{event="kept"}; held, as the rest
     return True
@@ -246,7 +250,7 @@ def progress_reporter(task: Task, job: Job) -> Callable[[float], None]:
         now = time.monotonic()
         if now - last[0] >= PROGRESS_EVERY:
             last[0] = now
-            meta = {
+            meta: dict[str, Any] = {
                 "book_id": job.book_id,
                 "chapter_id": job.chapter_id,
                 "scene_id": job.scene_id,
@@ -271,11 +275,15 @@ def _announce(task: Task, kind: str, dispatch_id: str, **fields: Any) -> None:
 _dispatchers: dict[str, Any] = {}  # this process's event dispatcher per worker hostname
 
 
-def _send_event(task: Task, kind: str, **fields: Any) -> None:
-    """An event under the worker's name, through a pooled producer (as the publisher sends `task-sent`):
-    `default_dispatcher` opens a channel per event, and on Redis a channel is a connection of its own,
-    so every progress report cost a connect and a close."""
-    hostname = task.request.hostname or "unknown"
+def _worker_name(task: Task) -> str:
+    return task.request.hostname or "unknown"
+
+
+def _send_event(task: Task, kind: str, *, hostname: str | None = None, **fields: Any) -> None:
+    """An event under the worker's name (`hostname`, else the running request's), through a pooled producer
+    (as the publisher sends `task-sent`): `default_dispatcher` opens a channel per event, and on Redis a
+    channel is a connection of its own, so every progress report cost a connect and a close."""
+    hostname = hostname or _worker_name(task)
     dispatcher = _dispatchers.get(hostname)
     if dispatcher is None:
         dispatcher = _dispatchers.setdefault(hostname, task.app.events.Dispatcher(hostname=hostname, enabled=False))

@@ -192,6 +192,9 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
     assert [k for k in kinds() if k != "task-progress"] == ["task-received", "task-started", "task-succeeded"]
     progress = next(e for e in heard if e["type"] == "task-progress")
     assert (progress["hostname"], progress["percent"], progress["scene_id"]) == ("gpu-audio@test", 100.0, "s2")
+    # Each under the worker's name: sent from the thread the announcements are held back in, they were sent
+    # under `unknown` (Celery keeps a task's request per thread), a worker Flower listed that never existed.
+    assert {e["hostname"] for e in heard if e.get("uuid") == kept.dispatch_id} == {"gpu-audio@test"}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
