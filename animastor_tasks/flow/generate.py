@@ -173,6 +173,9 @@ def _run_owned(
             generator = ports.generators.load(spec)
         except ConfigError as err:
             generator = _Unavailable(str(err))
+        except Exception as err:  # a plugin that cannot be imported or built: fail the pair once, as unavailable
+            log.exception("[GENERATE] %s generator %r could not be loaded", job.describe(), spec.generator)
+            generator = _Unavailable(f"generator {spec.generator!r} could not be loaded: {type(err).__name__}: {err}")
         request = GenerationRequest(
             job.book_id,
             job.chapter_id,

@@ -178,6 +178,29 @@ def test_an_unloadable_generator_fails_the_pair_once_with_the_reason(rt, tmp_pat
     assert states(rt, "b")[("ch1", "s1", "audio")] == "failed"  # not left generating to be re-dispatched
 
 
+def test_a_generator_whose_plugin_cannot_be_imported_fails_the_pair_once(rt, tmp_path) -> None:
+    """A plugin's missing dependency raises ImportError as it loads: it escaped the job, which left its start open,
+    so the pair was dispatched again and again until it failed as `worker_lost: 3 starts`, a reason that points
+    at dead workers rather than at the plugin."""
+
+    class _Broken:
+        def load(self, spec: StageSpec) -> Any:
+            raise ImportError("No module named 'torchaudio'")
+
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.ports = replace(rt.ports, generators=_Broken())
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    result = run_job(rt.ports, job, worker="test")
+    assert result["outcome"] == "failed" and "torchaudio" in result["error"], result
+    assert states(rt, "b")[job.pair] == "failed"
+    with rt.db.read() as conn:
+        [(open_dispatch,)] = conn.execute("SELECT open_dispatch FROM job_starts WHERE book_id = 'b'").fetchall()
+    assert open_dispatch is None
+
+
 def test_a_generator_bug_fails_the_pair_instead_of_looping(rt, tmp_path) -> None:
     with_stage(rt, replace(rt.settings.registry.get("audio"), params={"steps": "many"}), tmp_path)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
