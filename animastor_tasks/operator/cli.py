@@ -267,7 +267,7 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
             "status": r.status,
             "reason": r.reason,
             "progress": progress(r),
-            "age_seconds": round(now - r.created_at, 1),
+            "age_seconds": max(0.0, round(now - r.created_at, 1)),  # the database clock may run ahead of this host
         }
         for r in rows
     ]

@@ -35,3 +35,15 @@ def test_read_commands_exit_2_on_bad_input(rt) -> None:
     assert done.returncode == 2 and "unknown book 'no-such-book'" in done.stderr
     done = cli("layers", "set", "no-such-book", "--disable", "image")
     assert done.returncode == 2
+
+
+def test_a_commands_age_is_never_negative_when_the_database_clock_runs_ahead(rt) -> None:
+    """`age_seconds` is this host's clock against the database's `now()`: a CLI host a few seconds behind printed
+    negative ages, which `commands.schema.json` (minimum 0) refuses."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    with rt.db.transaction() as conn:  # the database's clock 30 s ahead of this host's
+        conn.execute("UPDATE commands SET created_at = now() + interval '30 seconds' WHERE book_id = 'b'")
+    [row] = json.loads(cli("commands", "b", "--json").stdout)
+    assert row["age_seconds"] == 0
