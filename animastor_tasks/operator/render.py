@@ -299,17 +299,20 @@ def _queue_depths(broker_url: str, queues: list[str]) -> dict[str, int | None]:
 
 
 def queues_table(rows: Sequence[QueueRow | Mapping[str, Any]]) -> Table:
-    table = Table("queue", "stage", "consumers", "depth", "in flight", "lane", "breaker", "deferred")
+    # The deferrals are counted across every book and stage (a count per stage would read every deferred pair):
+    # shown once, under the table, rather than as a column that repeated the same figures on every queue.
+    totals = rows[0]["deferred"] if rows else {}
+    deferred = " ".join(f"{k}={v}" for k, v in totals.items() if v) or "none"
+    table = Table(
+        "queue", "stage", "consumers", "depth", "in flight", "lane", "breaker", caption=f"deferred pairs: {deferred}"
+    )
     for r in rows:
         consumers = ", ".join(f"{escape(c['hostname'])} ({c['heartbeat_age_seconds']}s)" for c in r["consumers"])
         if not consumers:
             consumers = f"[bold red]none[/bold red] - start one: {r['start_worker']}"
-        deferred = " ".join(f"{k}={v}" for k, v in r["deferred"].items() if v) or "-"
         depth = Text("?", style="bold yellow") if r["depth"] is None else Text(str(r["depth"]))
         breaker = Text(r["breaker"], style="green" if r["breaker"] == "closed" else "bold red")
-        table.add_row(
-            r["queue"], r["stage"], consumers, depth, str(r["in_flight"]), str(r["lane_limit"]), breaker, deferred
-        )
+        table.add_row(r["queue"], r["stage"], consumers, depth, str(r["in_flight"]), str(r["lane_limit"]), breaker)
     return table
 
 

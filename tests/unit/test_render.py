@@ -119,7 +119,10 @@ def test_unreadable_queue_depth_shows_question_mark_not_zero() -> None:
     assert depth_cell(text_of(render.queues_table([queue_row(None)]))) == "?"
     assert depth_cell(text_of(render.queues_table([queue_row(0)]))) == "0"
     out = text_of(render.queues_table([queue_row(7)]))
-    assert depth_cell(out) == "7" and "capacity=3" in out and "idempotent" not in out
+    assert depth_cell(out) == "7" and "idempotent" not in out
+    # Farm-wide, once under the table: a column repeated the same totals on every queue's row.
+    two = text_of(render.queues_table([queue_row(7), {**queue_row(1), "queue": "gpu.image", "stage": "image"}]))
+    assert two.count("capacity=3") == 1 and "deferred pairs: capacity=3" in two
 
 
 def test_queue_depths_unknown_when_the_broker_is_down() -> None:
