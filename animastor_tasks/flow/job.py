@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair, Pair
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.ports import Ports
@@ -40,7 +41,12 @@ class Job:
 
 
 class Watcher(threading.Thread):
-    """Renews the lease every TTL/3 and watches the cancel flag; sets `stop` when either is lost."""
+    """Renews the lease every TTL/3 and watches the cancel flag; sets `stop` when either is lost.
+
+    A job a forced regenerate fenced off finds its lease swapped for its stop marker: it stops, and the
+    watcher renews the marker until the job has returned (`done`), so the pair keeps its slot (and is not
+    taken over and run a second time) while a generator deaf to `should_stop` (a long backend call) runs on.
+    """
 
     def __init__(self, ports: Ports, job: Job, spec: StageSpec, poll: float = 0.25) -> None:
         super().__init__(name=f"lease-{job.dispatch_id[:8]}", daemon=True)
@@ -48,23 +54,29 @@ class Watcher(threading.Thread):
         self.stop = threading.Event()
         self.done = threading.Event()
         self.why = ""
+        self.holding = job.dispatch_id  # what the pair's lease holds for this job: its dispatch id, or its stop marker
 
     def run(self) -> None:
         renew_every = self.spec.lease_ttl / 3
         next_renew = time.monotonic() + renew_every
+        leases, pair, ttl = self.ports.leases, self.job.lease_pair, self.spec.lease_ttl
         while not self.done.wait(self.poll):
             try:
-                if self.ports.book_state.cancel_flag_set(self.job.book_id):
+                if not self.stop.is_set() and self.ports.book_state.cancel_flag_set(self.job.book_id):
                     self._halt("book cancelled")
                     return
                 if time.monotonic() >= next_renew:
                     next_renew = time.monotonic() + renew_every
-                    if not self.ports.leases.renew_lease(
-                        self.job.lease_pair, self.job.dispatch_id, self.spec.lease_ttl
+                    if leases.renew_lease(pair, self.holding, ttl):
+                        leases.touch_delivery(self.job.dispatch_id, ttl)
+                    elif self.holding == self.job.dispatch_id and leases.renew_lease(
+                        pair, stop_marker(self.holding), ttl
                     ):
+                        self.holding = stop_marker(self.holding)
+                        self._halt("superseded by a forced regenerate")
+                    else:
                         self._halt("lease lost")
                         return
-                    self.ports.leases.touch_delivery(self.job.dispatch_id, self.spec.lease_ttl)
             except StoreUnavailable as err:
                 log.warning("[GENERATE] %s watcher cannot reach redis: %s", self.job.describe(), err)
 

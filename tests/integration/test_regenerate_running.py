@@ -172,3 +172,37 @@ def test_a_forced_regenerate_re_makes_a_ready_scene_that_waits_past_the_force_wi
     with rt.db.transaction() as conn:
         made = conn.execute("SELECT count(*) FROM events WHERE kind = 'job.ready' AND book_id = 'b'").fetchone()[0]
     assert made == 4  # both scenes, twice
+
+
+def test_a_job_fenced_off_inside_a_long_backend_call_keeps_its_slot_until_it_returns(rt, tmp_path) -> None:
+    """A forced regenerate swaps the running job's lease for a stop marker of one lease TTL. A job blocked in its
+    backend (an HTTP read of minutes) cannot stop before the call returns; once the marker lapsed, the tick took
+    the pair over and a second run of the scene started beside the first, the lane counting one slot."""
+    from animastor_tasks.flow import takeover
+
+    from .test_job_troubles import _Scripted, _use_generator
+
+    audio(rt, tmp_path, lease_ttl=3)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    released = threading.Event()
+    _use_generator(rt, _Scripted(lambda request, progress: released.wait(20)))  # deaf to should_stop
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    taken_by_worker(rt)
+    thread, outcome = in_thread(rt, job)
+    time.sleep(0.3)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
+    time.sleep(4.5)  # more than the stop marker's lease TTL, the job still inside its backend call
+    takeover.on_tick(rt.ports)
+    gate.gate_pass(rt.ports, "b")
+    [held] = dispatched_jobs(rt, "b")
+    assert held.dispatch_id == job.dispatch_id, "a second run started while the first still ran"
+    released.set()
+    thread.join(timeout=10)
+    assert outcome["outcome"] == "stopped", outcome
+    # Once it has returned, its hold ends with it: the pair goes out again at the next tick, not a lease TTL later.
+    takeover.on_tick(rt.ports)
+    gate.gate_pass(rt.ports, "b")
+    [fresh] = dispatched_jobs(rt, "b")
+    assert fresh.dispatch_id != job.dispatch_id
