@@ -45,7 +45,8 @@ STOP_MARKER_PREFIX = "stopping:"
 
 def stop_marker(dispatch_id: str) -> str:
     """The value a fenced-off job's lease is swapped for: its renewal (compare on its dispatch id) fails,
-    so it stops, while the pair still reads as held until one lease TTL has passed."""
+    so it stops, while the pair still reads as held: its watcher renews the marker until the job has
+    returned, and a job whose worker died leaves it to lapse one lease TTL later."""
     return f"{STOP_MARKER_PREFIX}{dispatch_id}"
 
 
