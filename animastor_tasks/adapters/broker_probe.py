@@ -22,10 +22,15 @@ def amqp_message_counts(url: str, queues: Collection[str]) -> dict[str, int]:
     return {queue: ready for queue, (ready, _) in _amqp_declare(url, queues).items()}
 
 
+def queue_not_found(err: Exception) -> bool:
+    """A passive declare of a queue nobody declared yet (AMQP 404): nothing waits in it, nobody consumes it."""
+    return getattr(err, "code", None) == 404 or "NOT_FOUND" in str(err)
+
+
 def _amqp_declare(url: str, queues: Collection[str]) -> dict[str, tuple[int, int]]:
     """(ready messages, consumers) per queue; (0, 0) for a queue that does not exist.
 
-    A connection failure raises (the callers treat it as "the broker cannot tell").
+    Any other failure raises (the callers treat it as "the broker cannot tell").
     """
     from kombu import Connection
 
@@ -36,8 +41,12 @@ def _amqp_declare(url: str, queues: Collection[str]) -> dict[str, tuple[int, int
             try:
                 _, ready, consumers = channel.queue_declare(queue=queue, passive=True)
                 counts[queue] = (int(ready), int(consumers))
-            except Exception as err:  # a missing queue closes the channel with 404
-                log.debug("[PRESENCE] passive declare of %s failed: %s", queue, err)
+            except Exception as err:  # a missing queue closes the channel with 404: nobody consumes it, nothing waits
+                if not queue_not_found(err):
+                    # Anything else (a broker shutting down, a queue whose node is down) says nothing of its
+                    # consumers: taken as none, it BLOCKED a stage whose workers were alive.
+                    raise
+                log.debug("[PRESENCE] passive declare of %s: no such queue", queue)
                 counts[queue] = (0, 0)
             finally:
                 try:

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from animastor_tasks.adapters.broker_probe import queue_not_found
 from animastor_tasks.contract import BookStatus, QueueRow
 from animastor_tasks.domain.vocabulary import NO_LONGER_ACTIVE, AssetState
 from animastor_tasks.worker.wiring import Wiring
@@ -266,12 +267,6 @@ def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list
     ]
 
 
-def _not_found(err: Exception) -> bool:
-    """A passive declare of a queue nobody declared yet: nothing is waiting in it (AMQP 404;
-    Redis has no key for an empty queue). Any other failure means the depth is unknown."""
-    return getattr(err, "code", None) == 404 or "NOT_FOUND" in str(err)
-
-
 def _queue_depths(broker_url: str, queues: list[str]) -> dict[str, int | None]:
     """Messages waiting in each queue, asked of the broker; None where it cannot say (shown as `?`:
     an unreadable depth must not read as an empty queue)."""
@@ -289,7 +284,7 @@ def _queue_depths(broker_url: str, queues: list[str]) -> dict[str, int | None]:
                 try:
                     depths[queue] = int(channel.queue_declare(queue=queue, passive=True).message_count)
                 except Exception as err:
-                    depths[queue] = 0 if _not_found(err) else None
+                    depths[queue] = 0 if queue_not_found(err) else None  # else unknown
                 finally:
                     with contextlib.suppress(Exception):  # a channel the broker closed (404) may refuse a close
                         channel.close()

@@ -10,6 +10,7 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -256,3 +257,27 @@ def test_the_slot_of_a_job_taken_over_goes_to_the_book_waiting_for_the_lane(rt: 
     assert rt.redis.client.zrange(rt.redis.keys.lane_waiters("gpu.audio"), 0, -1) == []  # handed the slot
     refill.refill(rt.ports, "b", "gpu.audio")  # that refill, as the control worker runs it
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+
+
+def test_a_passive_declare_that_fails_for_another_reason_than_a_missing_queue_is_no_count(
+    rt: Wiring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every failed passive declare was read as a queue nobody consumes: a broker shutting down (or a queue whose
+    node is down) counted 0 consumers, and the tick BLOCKED a stage whose workers were alive."""
+    if not _amqp_reachable():
+        pytest.skip("RabbitMQ is not listening on 127.0.0.1:5672")
+    from amqp import exceptions
+    from amqp.channel import Channel
+
+    from animastor_tasks.adapters.broker_probe import amqp_consumer_counts
+
+    url = "amqp://guest:guest@127.0.0.1:5672//"
+    missing = f"gpu.none-{uuid.uuid4().hex[:8]}"
+    assert amqp_consumer_counts(url, [missing]) == {missing: 0}  # no such queue: nobody consumes it
+
+    def shutting_down(self: Channel, *args: Any, **kwargs: Any) -> Any:
+        raise exceptions.ConnectionForced("CONNECTION_FORCED - broker forced connection closure")
+
+    monkeypatch.setattr(Channel, "queue_declare", shutting_down)
+    with pytest.raises(exceptions.ConnectionForced):
+        amqp_consumer_counts(url, ["gpu.audio"])
