@@ -136,7 +136,7 @@ class Snapshot:
     active: set[SceneKey]  # the book's scenes in the active index
     consumers: dict[str, int]  # live heartbeats per queue asked for
     breaker_clean: dict[str, bool]  # no failure recorded: publishing needs no breaker call
-    # When this process saw Redis lose its data (-inf: never); until workers heartbeat again, no consumer proves nothing
+    # When Redis lost its data or came back from an outage (-inf: never): till workers beat, no consumer proves nothing
     data_lost_at: float = float("-inf")
     waiters: dict[str, list[str]] = field(default_factory=dict)  # per queue asked for: the head of its waiting list
     first_deferral_end: float | None = None  # when the book's earliest live deferral ends (None: none live)

@@ -161,6 +161,34 @@ def test_the_tick_blocks_a_stage_whose_heartbeats_stopped(rt: Wiring, tmp_path: 
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")
 
 
+def test_the_tick_blocks_no_stage_while_heartbeats_come_back_after_redis_did(
+    rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heartbeats lapse while Redis cannot be reached, and come back within a heartbeat of it: a tick run in between
+    read "no consumer" and BLOCKED every stage with jobs in flight, its commands ended for good."""
+    import redis as redis_py
+
+    one_job(rt, tmp_path, lease_ttl=60, heartbeat_ttl=1)
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise redis_py.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    rt.redis.client.delete(rt.redis.keys.lock("tick"))
+    with monkeypatch.context() as outage:
+        outage.setattr(rt.redis.client, "execute_command", unreachable)
+        with pytest.raises(StoreUnavailable):
+            gate.tick(rt.ports)
+        time.sleep(1.1)  # the workers' heartbeats lapse meanwhile
+    tick(rt)  # Redis answers again; the workers have not beaten yet
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+    (command,) = rt.ports.commands.commands(book="b")
+    assert command.status == "active", command
+    time.sleep(rt.settings.presence_ttl_seconds)  # and when they never come back, the stage is BLOCKED after all
+    tick(rt)
+    (command,) = rt.ports.commands.commands(book="b")
+    assert (command.status, command.reason) == ("blocked", "no_worker:audio")
+
+
 def _amqp_reachable() -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", 5672), timeout=1):
         return True

@@ -7,6 +7,7 @@ at the edge, so no caller sees a redis traceback.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -40,13 +41,22 @@ class RedisConnection:
         self.breaker_release_script = self.client.register_script(_script("breaker_release"))
         self.start_delivery_script = self.client.register_script(_script("start_delivery"))
         self._batch = threading.local()  # this thread's open `batched` pipeline, if any
+        # When Redis answered again after this process could not reach it: what lapses with time (the workers'
+        # heartbeats) may have lapsed meanwhile only because they could not reach it either.
+        self.recovered_at = float("-inf")
+        self._unreachable = False
 
     @contextmanager
     def errors(self) -> Iterator[None]:
         try:
             yield
         except redis.RedisError as err:
+            if isinstance(err, redis.ConnectionError | redis.TimeoutError):
+                self._unreachable = True
             raise StoreUnavailable("redis", self.url, str(err) or type(err).__name__) from err
+        if self._unreachable:
+            self._unreachable = False
+            self.recovered_at = time.time()
 
     def run(self, fn: Callable[[], T]) -> T:
         with self.errors():

@@ -163,7 +163,7 @@ class BookStateStore:
             active=active,
             consumers={q: int(per_queue[3 * i]) for i, q in enumerate(queues)},
             breaker_clean={q: not per_queue[3 * i + 1] for i, q in enumerate(queues)},
-            data_lost_at=self._data_lost_at,
+            data_lost_at=self._lost_or_recovered_at(),
             waiters={q: [str(b) for b in per_queue[3 * i + 2]] for i, q in enumerate(queues)},
             first_deferral_end=min(deferral_ends, default=None),
             due_at=None if due_at is None else float(due_at),
@@ -189,8 +189,14 @@ class BookStateStore:
             books, _ = pipe.execute()
         return [str(b) for b in books]
 
+    def _lost_or_recovered_at(self) -> float:
+        """Since when Redis's presence cannot be trusted: it lost its data, or this process could not reach it (the
+        workers' heartbeats lapsed with their own writes, and come back within a heartbeat of Redis)."""
+        return max(self._data_lost_at, self.conn.recovered_at)
+
     def data_lost_at(self, now: float | None = None) -> float:
-        """When this process noticed that Redis lost its data (-inf if never), checked now in one round trip."""
+        """When this process noticed that Redis lost its data, or answered again after it could not reach it
+        (-inf if never), checked now in one round trip."""
         now = time.time() if now is None else now
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
@@ -198,7 +204,7 @@ class BookStateStore:
             pipe.get(self.conn.keys.epoch())
             _, epoch = pipe.execute()
         self._seen_epoch(epoch, now)
-        return self._data_lost_at
+        return self._lost_or_recovered_at()
 
     def _seen_epoch(self, epoch: Any, now: float) -> None:
         """A dataset token other than the one seen before means Redis was emptied meanwhile.
