@@ -83,7 +83,12 @@ def regenerate(
     try:
         created = ports.commands.create_commands(book, request_id, per_stage, force, rank)
     except DuplicateCommand:
-        return _replay(book, request_id, ports.commands.commands_for_request(request_id))
+        replayed = ports.commands.commands_for_request(request_id)
+        if not replayed:  # the id of a command that another request of several stages made
+            raise InvalidCommand(
+                f"command_id: {request_id} is already the id of a command of another request; send a new id"
+            ) from None
+        return _replay(book, request_id, replayed)
     pairs = [(c, s, stage) for stage in enabled for c, s in targets]
     # The snapshot the gate pass below needs, read after these writes in the same round trip.
     snap = ports.book_state.start_work(

@@ -65,6 +65,19 @@ def test_resending_a_command_id_is_a_no_op(rt, book) -> None:
     assert queued_messages(rt, "gpu.audio") == 1
 
 
+def test_a_command_id_that_names_a_command_of_another_request_is_refused(rt, book) -> None:
+    """A request of two stages names its commands uuid5(request, stage). Sent again as a request's own id (a
+    service that kept a command's id from the reply), it found no request of that id, failed on the command's
+    key and answered an empty replay: nothing done, and no error said so."""
+    request = str(uuid.uuid4())
+    created = regenerate_flow.regenerate(rt.ports, book, ["all"], command_id=request)["commands"]
+    audio = next(c["command_id"] for c in created if c["stage"] == "audio")
+    assert audio == str(uuid.uuid5(uuid.UUID(request), "audio"))
+    with pytest.raises(InvalidCommand, match="already the id of a command"):
+        regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]], command_id=audio)
+    assert len(rt.ports.commands.commands(book=book)) == 2
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
