@@ -80,7 +80,13 @@ def dispatch_pending(
         force = force | {pair for pair, _ in ports.commands.forced_in_flight(book, ports.settings.force_ttl_seconds)}
 
     specs = {s: ports.settings.registry.get(s) for s in {i.stage for i in todo} if s in ports.settings.registry}
-    todo = [i for i in todo if i.stage in specs]
+    unknown = {i.stage for i in todo} - specs.keys()
+    if unknown:
+        # A stage this process does not know (removed from ANIMASTOR_STAGES, or a worker configured without it):
+        # its pairs wait, their commands active, but the book is not asked for again at once for them, every tick.
+        log.warning("[DISPATCH] book=%r stages %s are not registered here; their pairs wait", book, sorted(unknown))
+        result.gone.update(i.pair for i in todo if i.stage in unknown)
+        todo = [i for i in todo if i.stage in specs]
     try:
         consumers = ports.presence.counts([spec.queue for spec in specs.values()], snap.consumers)
     except StoreUnavailable as err:

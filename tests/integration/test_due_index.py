@@ -19,7 +19,7 @@ from animastor_tasks.flow.generate import run_job
 from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import fake_artifact, make_book, states, use_settings
+from .helpers import advertise, fake_artifact, make_book, states, use_settings
 from .test_elastic_share import lane, run_control, running
 
 
@@ -243,3 +243,20 @@ def test_the_tick_hands_on_a_free_slot_whose_refill_was_lost(rt) -> None:
     tick(rt)
     run_control(rt)
     assert running(rt, "b") == {"b": 2}
+
+
+def test_a_book_whose_pairs_belong_to_a_stage_no_longer_registered_is_not_passed_on_every_tick(rt) -> None:
+    """A stage removed from ANIMASTOR_STAGES (or a control worker configured without it) left its pending pairs
+    neither dispatched nor counted as handled: the pass asked for the book again at once, every tick, for ever."""
+    registry = rt.settings.registry
+    capped = replace(registry, stages=tuple(replace(s, book_cap=1) for s in registry.stages))
+    use_settings(rt, replace(rt.settings, registry=capped))
+    advertise(rt, "gpu.audio", "gpu.image")
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "b", ["image"])  # one runs, two wait
+    use_settings(rt, replace(rt.settings, registry=replace(capped, stages=(capped.get("audio"),))))  # image gone
+    for bucket in ("capacity", "idempotent"):
+        rt.redis.client.delete(rt.redis.keys.deferrals("b", bucket))
+    gate.gate_pass(rt.ports, "b")
+    assert list(states(rt, "b").values()).count("pending") == 2  # they wait, their command still active
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "b") is None
