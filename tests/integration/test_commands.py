@@ -248,3 +248,26 @@ def test_reconcile_leaves_the_flag_of_a_book_a_regenerate_took_back_from_stop_al
     reconcile_flow.reconcile(rt.ports, force=True)
     assert not rt.ports.book_state.cancel_flag_set(book)
     assert "generating" in states(rt, book).values()
+
+
+def test_a_scene_removed_by_an_import_between_the_checks_and_the_writes_is_a_clear_error(rt, book) -> None:
+    """The regenerate checks its scenes, then writes its commands: a re-import that removed a named scene in
+    between made the write fail with a raw driver error (a traceback, exit 1 at the CLI) instead of InvalidCommand."""
+    from dataclasses import replace as replace_book
+
+    checked = rt.catalog.command_context
+
+    def checked_then_removed(*args: object) -> object:
+        context = checked(*args)
+        full = make_book("b1", chapters=2, scenes=3)
+        first, *rest = full.chapters
+        rt.catalog.import_book(replace_book(full, chapters=[replace_book(first, scenes=first.scenes[1:]), *rest]))
+        return context
+
+    rt.catalog.command_context = checked_then_removed  # type: ignore[method-assign]
+    try:
+        with pytest.raises(InvalidCommand, match="removed"):
+            regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]])
+    finally:
+        del rt.catalog.command_context
+    assert rt.ports.commands.commands(book=book) == []

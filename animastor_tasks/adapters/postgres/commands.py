@@ -29,7 +29,7 @@ from animastor_tasks.domain.vocabulary import (
     Priority,
     values,
 )
-from animastor_tasks.errors import DuplicateCommand
+from animastor_tasks.errors import DuplicateCommand, InvalidCommand
 from animastor_tasks.ports import CommandRow, NewCommands
 
 ACTIVE = str(CommandStatus.ACTIVE)
@@ -126,6 +126,11 @@ class CommandStore:
                     superseded += fenced
         except psycopg.errors.UniqueViolation as err:
             raise DuplicateCommand(f"command id {request_id} was already used") from err
+        except (psycopg.errors.NotNullViolation, psycopg.errors.ForeignKeyViolation) as err:
+            # A target's scene has no row (position) any more: an import removed it after the regenerate checked it.
+            raise InvalidCommand(
+                f"scenes: a scene named was removed from book {book!r} while the command was made; nothing was written"
+            ) from err
         return NewCommands(created, superseded)
 
     def commands_for_request(self, request_id: str) -> list[CommandRow]:
