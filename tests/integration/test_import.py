@@ -42,6 +42,33 @@ def test_reimport_dirties_only_ready_audio_of_changed_text(rt) -> None:
     assert queued_messages(rt, "gpu.audio") == 0
 
 
+def test_a_reimport_by_a_process_that_does_not_know_a_stage_leaves_that_stages_media_alone(rt) -> None:
+    """The import computes each stage's input hash with its own stage table: run from a shell whose
+    ANIMASTOR_STAGES lacks a stage, it dropped that stage's hashes, so every ready asset of it was marked stale
+    (and the active commands targeting them were released) although nothing of the book had changed."""
+    from dataclasses import replace
+
+    from animastor_tasks.adapters.postgres.catalog import Catalog
+    from animastor_tasks.domain.book import parse_book
+
+    book = make_book()
+    rt.catalog.import_book(book)
+    with rt.db.transaction() as conn:
+        conn.execute(
+            "UPDATE asset_states a SET state = 'ready', artifact_sha256 = 'x', input_hash = s.input_hashes ->> a.stage"
+            " FROM scenes s WHERE s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
+        )
+    registry = rt.settings.registry
+    audio_only = Catalog(rt.db, replace(registry, stages=(registry.get("audio"),)))
+    assert audio_only.import_book(book).assets_dirtied == 0
+    assert set(states(rt, "b1").values()) == {"ready"}
+    doc = book_to_dict(book)
+    doc["chapters"][0]["scenes"][0]["prompt"] = "A different picture"  # a change it cannot hash for images
+    assert audio_only.import_book(parse_book(doc)).assets_dirtied == 1
+    assert states(rt, "b1")[("ch1", "s1", "image")] == "dirty"
+    assert rt.catalog.import_book(parse_book(doc)).assets_dirtied == 0  # the full table hashes it again
+
+
 def test_reimport_removes_dropped_scenes(rt) -> None:
     rt.catalog.import_book(make_book(scenes=3))
     summary = rt.catalog.import_book(make_book(scenes=2))

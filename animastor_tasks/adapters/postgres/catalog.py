@@ -91,7 +91,12 @@ class Catalog:
                     "INSERT INTO scenes (book_id, chapter_id, scene_id, position, text, prompt, input_hashes)"
                     " VALUES (%s, %s, %s, %s, %s, %s, %s)"
                     " ON CONFLICT (book_id, chapter_id, scene_id) DO UPDATE SET position = EXCLUDED.position,"
-                    " text = EXCLUDED.text, prompt = EXCLUDED.prompt, input_hashes = EXCLUDED.input_hashes",
+                    " text = EXCLUDED.text, prompt = EXCLUDED.prompt,"
+                    # The hashes of stages this process does not know are kept while the scene's inputs are the same:
+                    # an import from a shell with another stage table marked their ready media stale. Changed, they go.
+                    " input_hashes = CASE WHEN scenes.text IS NOT DISTINCT FROM EXCLUDED.text"
+                    "  AND scenes.prompt IS NOT DISTINCT FROM EXCLUDED.prompt"
+                    "  THEN scenes.input_hashes || EXCLUDED.input_hashes ELSE EXCLUDED.input_hashes END",
                     [
                         (
                             book.book_id,
