@@ -161,7 +161,7 @@ def _paged(ports: Ports, report: PassReport, *, dispatch_work: bool, full_lanes:
     if seen_full - given:
         # Counted without a lock, these lanes' pairs waited without a claim: a job that ended before the book
         # joined their waiting lists found nobody to hand its slot to. Counted again now that it waits.
-        _hand_on_freed(ports, seen_full - given)
+        hand_on_freed(ports, seen_full - given)
 
 
 def tick(ports: Ports) -> list[str]:
@@ -172,10 +172,6 @@ def tick(ports: Ports) -> list[str]:
         return []
     started = time.monotonic()
     takeover.on_tick(ports)
-    # A slot whose refill was lost (its process died after the commit, Redis failed under the refill) would stay
-    # free while the books waiting for it wait on capacity deferrals that each later refill of the lane writes
-    # again: every lane's free slots go to its waiting books, one count of every lane per tick.
-    _hand_on_freed(ports, set(ports.settings.registry.queues()))
     books = ports.book_state.take_due(time.time())
     for first in range(0, len(books), BATCH_BOOKS):
         ports.publisher.enqueue_gates(books[first : first + BATCH_BOOKS])
@@ -201,7 +197,7 @@ def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True
             except StoreUnavailable as err:  # one book's store error must not cost the others their pass
                 log.warning("[COMMAND-GATE] book=%r pass failed: %s", book, err)
     if full:
-        _hand_on_freed(ports, full)
+        hand_on_freed(ports, full)
     return reports
 
 
@@ -221,9 +217,10 @@ def _read_facts(ports: Ports, books: Sequence[str]) -> dict[str, Facts]:
     return {book: (snaps[book], rows[book]) for book in books}
 
 
-def _hand_on_freed(ports: Ports, full: set[str]) -> None:
-    """Count these lanes (seen full, or every lane on a tick) again, now that the books have joined their waiting
-    lists: a slot freed meanwhile (its job's end may have looked at a list before they joined) is handed on now."""
+def hand_on_freed(ports: Ports, full: set[str]) -> None:
+    """Count these lanes (seen full, or every lane in reconcile) again, now that the books have joined their
+    waiting lists: a slot freed meanwhile (its job's end may have looked at a list before they joined) is handed
+    on now."""
     stages = [s for s in ports.settings.registry.stages if s.queue in full]
     try:
         load = ports.assets.lane_load([s.name for s in stages])

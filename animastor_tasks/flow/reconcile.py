@@ -55,6 +55,11 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     # The books' facts read several at a time, as the tick's passes read them: one statement per book cost
     # most of a reconcile (9 ms of 10 per book of 1,000 pairs).
     report["released"] += sum(len(r.released) for r in gate.gate_batch(ports, books, dispatch_work=False))
+    # A slot whose refill was lost (its process died after the commit, Redis failed under the refill and its
+    # fallback) stood free while its books waited on capacity deferrals that each later refill of the lane wrote
+    # again: every lane's free slots go to the books waiting for it (one statement; a tick's count of them raced
+    # with the refills on their way and doubled a busy tick's cost).
+    gate.hand_on_freed(ports, set(ports.settings.registry.queues()))
     ports.deferrals.prune_deferrals(books, time.time())
     report["pruned_events"] = ports.journal.prune_journal(
         ports.settings.journal_retention_days, ports.settings.journal_max_rows

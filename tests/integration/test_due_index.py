@@ -224,7 +224,7 @@ def test_a_batch_releases_nothing_on_facts_that_a_stop_all_and_a_new_regenerate_
     assert newest.status == "active", newest
 
 
-def test_the_tick_hands_on_a_free_slot_whose_refill_was_lost(rt) -> None:
+def test_reconcile_hands_on_a_free_slot_whose_refill_was_lost(rt) -> None:
     """A job that ended without its refill (its process died after the commit; Redis failed under the refill and
     its fallback) left its slot free. The book's pairs waited on capacity deferrals that each later refill of
     the lane wrote again, so the lane stayed a slot short for as long as the book's other jobs kept ending."""
@@ -240,7 +240,7 @@ def test_the_tick_hands_on_a_free_slot_whose_refill_was_lost(rt) -> None:
         ).fetchone()
     assert rt.ports.jobs.commit_job("b", (c, s, st), token, dispatch_id, fake_artifact("a"), "gpu.audio")
     assert running(rt, "b") == {"b": 1}  # and no refill
-    tick(rt)
+    reconcile_flow.reconcile(rt.ports, force=True)
     run_control(rt)
     assert running(rt, "b") == {"b": 2}
 

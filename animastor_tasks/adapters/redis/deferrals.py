@@ -76,12 +76,14 @@ class DeferralStore:
         with (keeping its place if it waits already), so books take turns. When that priority is more
         urgent than the head's, `exclude` keeps the slot: the answer is `[exclude]`, the list unchanged.
         When nobody waits, the pairs of `exclude` deferred for capacity may try again on the slot its job
-        freed: with `requeue_from`, that bucket is emptied in the same step.
+        freed: with `requeue_from`, that bucket is emptied in the same step. While the lane's breaker is open
+        nobody is taken: each would find the lane refused and pass the slot on, emptying the list.
         """
         keys = [
             self.conn.keys.lane_waiters(queue),
             self.conn.keys.dispatch(requeue_from) if requeue_from else "",
             self.conn.keys.deferrals(exclude, DeferralBucket.CAPACITY) if requeue_from and exclude else "",
+            self.conn.keys.breaker(queue),
         ]
         args: list[str | float] = [count, exclude or "", time.time(), RANK_SCALE, priority_rank(Priority.NORMAL)]
         taken = self.conn.run(lambda: self._take(keys=keys, args=args))
