@@ -96,7 +96,7 @@ def dispatch_pending(
         log.warning("[DISPATCH] book=%r consumer count unavailable, dispatching nothing: %s", book, err)
         return result
 
-    presence_unsure = now - snap.data_lost_at < ports.settings.presence_ttl_seconds
+    presence_unsure = now - snap.presence_unsure_since < ports.settings.presence_ttl_seconds
     unsure: set[str] = set()
     for stage, spec in specs.items():
         if consumers.get(spec.queue, 0) == 0:

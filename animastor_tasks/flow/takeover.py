@@ -125,8 +125,8 @@ def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report
     specs = [ports.settings.registry.get(s) for s in by_stage if s in ports.settings.registry]
     if not specs:
         return
-    if time.time() - ports.book_state.data_lost_at() < ports.settings.presence_ttl_seconds:
-        return  # Redis lost its data moments ago: presence is not rebuilt yet, "no consumer" proves nothing
+    if time.time() - ports.book_state.presence_unsure_since() < ports.settings.presence_ttl_seconds:
+        return  # Redis lost its data or came back moments ago: presence not rebuilt yet, "no consumer" proves nothing
     counts = ports.presence.counts([s.queue for s in specs])
     for spec in specs:
         if counts.get(spec.queue, 0) == 0:

@@ -107,7 +107,7 @@ def fresh_connections(**_: Any) -> None:
     try:
         # Remember the Redis dataset from the start, so a later FLUSHALL or empty restart is noticed
         # (see BookStateStore._seen_epoch) even by a child that had run no gate pass before it.
-        wiring.current().ports.book_state.data_lost_at()
+        wiring.current().ports.book_state.presence_unsure_since()
     except Exception as err:  # Redis down at fork: noticed at the first gate pass instead
         log.warning("[WORKER] could not read the Redis epoch at start: %s", err)
     warm.warm_up(app)

@@ -189,6 +189,30 @@ def test_the_tick_blocks_no_stage_while_heartbeats_come_back_after_redis_did(
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")
 
 
+def test_an_outage_without_data_loss_reads_no_forced_pairs_back_from_postgres(
+    rt: Wiring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The force set is read back from Postgres after Redis lost its data; after an outage that lost nothing the
+    set is still there, and reading it back would cost every pass a query over the book's commands."""
+    import redis as redis_py
+
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise redis_py.ConnectionError("Connection refused.")
+
+    with monkeypatch.context() as outage:
+        outage.setattr(rt.redis.client, "execute_command", unreachable)
+        with pytest.raises(StoreUnavailable):
+            rt.ports.book_state.cancel_flag_set("b")
+    read_back: list[Any] = []
+    monkeypatch.setattr(rt.ports.commands, "forced_in_flight", lambda *args: read_back.append(args) or [])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert rt.redis.recovered_at > 0 and "generating" in states(rt, "b").values()
+    assert read_back == []
+
+
 def _amqp_reachable() -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", 5672), timeout=1):
         return True

@@ -163,7 +163,8 @@ class BookStateStore:
             active=active,
             consumers={q: int(per_queue[3 * i]) for i, q in enumerate(queues)},
             breaker_clean={q: not per_queue[3 * i + 1] for i, q in enumerate(queues)},
-            data_lost_at=self._lost_or_recovered_at(),
+            data_lost_at=self._data_lost_at,
+            presence_unsure_since=self._lost_or_recovered_at(),
             waiters={q: [str(b) for b in per_queue[3 * i + 2]] for i, q in enumerate(queues)},
             first_deferral_end=min(deferral_ends, default=None),
             due_at=None if due_at is None else float(due_at),
@@ -194,9 +195,9 @@ class BookStateStore:
         workers' heartbeats lapsed with their own writes, and come back within a heartbeat of Redis)."""
         return max(self._data_lost_at, self.conn.recovered_at)
 
-    def data_lost_at(self, now: float | None = None) -> float:
+    def presence_unsure_since(self, now: float | None = None) -> float:
         """When this process noticed that Redis lost its data, or answered again after it could not reach it
-        (-inf if never), checked now in one round trip."""
+        (-inf if never), checked now in one round trip: "no consumer" proves nothing for a presence TTL after."""
         now = time.time() if now is None else now
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
