@@ -204,7 +204,7 @@ def _run_owned(
         _quietly("free capacity", _free_capacity, ports, job, spec, True)  # first: a free slot waits for no bookkeeping
     finally:
         watcher.done.set()
-        delivered.release, delivered.holding = True, watcher.holding
+        delivered.release, delivered.watcher = True, watcher
         later(partial(_wind_down, ports, job, watcher, time.monotonic() - started))
     delivered.ready = True
     later(partial(ports.counters.add, {f"job:ready:{job.stage}": 1}))
@@ -230,18 +230,15 @@ class _Delivered:
     dispatched_at: float | None  # when the dispatch was published (its claimer's clock); None: unknown
     release: bool = False
     ready: bool = False
-    holding: str = ""  # the value of the pair's lease the job held last (`Watcher.holding`): its dispatch id at first
-
-    def __post_init__(self) -> None:
-        self.holding = self.job.dispatch_id
+    watcher: Watcher | None = None  # the run's, once it has one
 
     def end(self) -> None:
         leases, job = self.ports.leases, self.job
         with leases.batched():
-            if (
-                self.release
-            ):  # the job's lease, or the stop marker it held instead once a forced regenerate fenced it off
-                leases.release_lease(job.lease_pair, self.holding)
+            if self.release:
+                # Its lease, or the stop marker it holds instead once a forced regenerate fenced it off: read once
+                # its watcher has ended (`_wind_down`), as it may swap to the marker until then.
+                leases.release_lease(job.lease_pair, job.dispatch_id if self.watcher is None else self.watcher.holding)
             if self.ready:
                 self.ports.deferrals.clear_deferrals(job.book_id, [job.pair])
             leases.end_delivery(job.dispatch_id)

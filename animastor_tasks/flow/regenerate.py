@@ -46,7 +46,7 @@ def regenerate(
 
     A scene whose job is running: with `force=False` the running job completes it for this command;
     with `force=True` that job is stopped (its output, if it still commits, is refused) and a fresh run
-    is dispatched once it has stopped, within one lease TTL plus one reconcile period.
+    is dispatched once it has stopped (within one tick of its return).
     """
     if not isinstance(force, bool):
         raise InvalidCommand(f"force: must be true or false, got {show_value(force)}")
@@ -138,9 +138,9 @@ def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[
 def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str | None]]) -> None:
     """Running jobs a forced command fenced off (their token moved on in Postgres already): each lease
     still held by its job is swapped for a stop marker, so the job's next renewal fails and it stops,
-    while the pair reads as held (reconcile leaves it `generating`, its slot counted) until one lease
-    TTL has passed; a copy still queued is revoked. Should Redis fail here the job runs on, fenced off,
-    and its pair comes back when its lease ends."""
+    while the pair reads as held (reconcile leaves it `generating`, its slot counted) until the job has
+    returned (its watcher renews the marker) or one lease TTL after its worker died; a copy still queued is
+    revoked. Should Redis fail here the job runs on, fenced off, and its pair comes back when its lease ends."""
     holders = ports.leases.lease_holders([(book, *pair) for pair, _ in superseded])
     registry = ports.settings.registry
     ports.leases.take_leases(
