@@ -173,9 +173,13 @@ def _run_owned(
             generator = ports.generators.load(spec)
         except ConfigError as err:
             generator = _Unavailable(str(err))
-        except Exception as err:  # a plugin that cannot be imported or built: fail the pair once, as unavailable
+        except Exception as err:
+            # A plugin that cannot be imported fails the pair once; one whose factory failed (a GPU out of memory,
+            # its backend unreachable) is a backend failure: retried, it feeds the breaker, which gives the pairs
+            # back once open rather than failing a whole command in seconds.
             log.exception("[GENERATE] %s generator %r could not be loaded", job.describe(), spec.generator)
-            generator = _Unavailable(f"generator {spec.generator!r} could not be loaded: {type(err).__name__}: {err}")
+            why = f"generator {spec.generator!r} could not be loaded: {type(err).__name__}: {err}"
+            generator = _Unavailable(why, retryable=not isinstance(err, ImportError))
         request = GenerationRequest(
             job.book_id,
             job.chapter_id,
@@ -385,8 +389,9 @@ class _Unavailable:
 
     name = "unavailable"
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, retryable: bool = False) -> None:
         self.reason = reason
+        self.retryable = retryable
 
     def generate(self, request: GenerationRequest, should_stop: Callable[[], bool], progress: Any) -> Media:
-        raise GeneratorError(self.reason, retryable=False)
+        raise GeneratorError(self.reason, retryable=self.retryable)

@@ -201,6 +201,25 @@ def test_a_generator_whose_plugin_cannot_be_imported_fails_the_pair_once(rt, tmp
     assert open_dispatch is None
 
 
+def test_a_generator_whose_factory_fails_is_a_backend_failure_that_feeds_the_breaker(rt, tmp_path) -> None:
+    """A factory that fails for a passing reason (a GPU out of memory as the model loads) failed each pair at once
+    as a plugin that cannot be loaded: a whole command in seconds, and the breaker heard nothing."""
+
+    class _OutOfMemory:
+        def load(self, spec: StageSpec) -> Any:
+            raise RuntimeError("CUDA out of memory")
+
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path, generate_max_retries=1, retry_backoff_base=0.0)
+    rt.ports = replace(rt.ports, generators=_OutOfMemory())
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    result = run_job(rt.ports, job, worker="test")
+    assert result["attempts"] == 2 and "CUDA out of memory" in result["error"], result
+    assert rt.redis.client.hget(rt.redis.keys.breaker("gpu.audio"), "failures") == "1"
+
+
 def test_a_generator_bug_fails_the_pair_instead_of_looping(rt, tmp_path) -> None:
     with_stage(rt, replace(rt.settings.registry.get("audio"), params={"steps": "many"}), tmp_path)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
