@@ -109,6 +109,7 @@ def _refused(
         if back:
             delivered.release = True
             _quietly("free capacity", _free_capacity, ports, job, spec)
+            _quietly("mark due", ports.book_state.set_due, job.book_id, time.time())  # its pass releases the pair
     return _reject(ports, job, denial, result)
 
 

@@ -313,8 +313,11 @@ def test_a_job_refused_at_its_start_frees_its_slot_at_once(rt, tmp_path) -> None
     [job] = dispatched_jobs(rt, "b")
     layers_flow.set_layers(rt.ports, "b", [], ["audio"])
     assert states(rt, "b")[job.pair] == "generating"  # a layer turned off releases only what waits
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "other", 0)  # the slot goes to a book waiting for the lane
     result = run_job(rt.ports, job, worker="test")
     assert result == {**result, "outcome": "fence_rejected", "reason": "layer_disabled"}
     assert rt.ports.leases.lease_holders([job.lease_pair]) == [None]
     assert states(rt, "b")[job.pair] != "generating"
     assert rt.ports.assets.lane_load(["audio"]).get("audio", 0) == 0
+    # and the book's next pass, which releases the pair, is due now rather than at reconcile's turn
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "b") is not None
