@@ -90,23 +90,24 @@ class CommandStore:
                         {"book": book, "stage": stage, "chapters": chapters, "scenes": scene_ids},
                     )
                     queue = values(states_taking(Take.QUEUE, force))
-                    if force:
-                        # The reader asked for fresh media: a target's ready media no longer counts as made from
-                        # its inputs, so it is never settled `already_completed` from it, however long the pair
-                        # waits for a slot (the force set, in Redis, lives one force window).
-                        conn.execute(
-                            "UPDATE asset_states a SET input_hash = NULL FROM unnest(%s::text[], %s::text[]) AS t(c, s)"
-                            " WHERE a.book_id = %s AND a.stage = %s AND a.chapter_id = t.c AND a.scene_id = t.s"
-                            " AND a.state = ANY(%s) AND a.input_hash IS NOT NULL",
-                            (chapters, scene_ids, book, stage, [*queue, str(AssetState.PENDING)]),
-                        )
+                    # Forced, the reader asked for fresh media: a target's ready media no longer counts as made from
+                    # its inputs (its hash cleared), so it is never settled `already_completed` from it, however long
+                    # the pair waits for a slot (the force set, in Redis, lives one force window).
                     conn.execute(
-                        "UPDATE asset_states a SET state = %s, error = NULL, updated_at = now()"
+                        "UPDATE asset_states a SET state = %s, error = NULL, updated_at = now(),"
+                        " input_hash = CASE WHEN %s THEN NULL ELSE a.input_hash END"
                         " FROM unnest(%s::text[], %s::text[]) AS t(c, s)"
                         " WHERE a.book_id = %s AND a.stage = %s AND a.chapter_id = t.c AND a.scene_id = t.s"
                         " AND a.state = ANY(%s)",
-                        (AssetState.PENDING, chapters, scene_ids, book, stage, queue),
+                        (AssetState.PENDING, force, chapters, scene_ids, book, stage, queue),
                     )
+                    if force:  # and a target already queued (by a command without force) is taken the same way
+                        conn.execute(
+                            "UPDATE asset_states a SET input_hash = NULL FROM unnest(%s::text[], %s::text[]) AS t(c, s)"
+                            " WHERE a.book_id = %s AND a.stage = %s AND a.chapter_id = t.c AND a.scene_id = t.s"
+                            " AND a.state = %s AND a.input_hash IS NOT NULL",
+                            (chapters, scene_ids, book, stage, AssetState.PENDING),
+                        )
                     fenced: list[tuple[Pair, str | None]] = []
                     rerun = states_taking(Take.RERUN, force)
                     if rerun:
