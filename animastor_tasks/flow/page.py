@@ -8,7 +8,6 @@ once (`PAGE`); then it is a run of pages (`paged_pass.py`). Either way the rule 
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -84,17 +83,14 @@ def pass_rows(
 def still_denied(ports: Ports, book: str, pairs: list[Pair]) -> list[Pair]:
     """Of `pairs`, those that facts read now deny while they are pending. Facts read a batch ago are safe to
     dispatch on (a job re-checks the gate at its start) but not to release on: a Stop All and a new regenerate
-    between that read and the pass would have the pass release the new command's pairs on the old flag."""
-    rows = ports.assets.gate_rows_many([book], limit=PAGE)
-    found = None if rows is None else rows[book]
-    if found is None:  # gone, or grown past a page: its own next pass decides
+    between that read and the pass would have the pass release the new command's pairs on the old flag. Read by
+    key: these pairs' rows and the book's flag, whatever the size of the book."""
+    rows = ports.assets.gate_rows(book, pairs)
+    if rows is None:  # the book is gone: its own next pass drops it
         return []
-    snap = ports.book_state.book_snapshots([book], time.time(), ports.settings.registry.queues())[book]
+    facts = BookFacts(True, ports.book_state.cancel_flag_set(book), rows.tombstone, rows.layers_raw, rows.commanded)
     wanted = set(pairs)
-    _, denied = decide_all(
-        BookFacts(True, snap.cancel_flag, found.tombstone, found.layers_raw, found.commanded),
-        [i for i in found.in_flight if i.pair in wanted and i.state == AssetState.PENDING],
-    )
+    _, denied = decide_all(facts, [i for i in rows.in_flight if i.pair in wanted and i.state == AssetState.PENDING])
     return [pair for pair in pairs if pair in denied]
 
 
