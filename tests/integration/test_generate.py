@@ -178,22 +178,28 @@ def test_an_unloadable_generator_fails_the_pair_once_with_the_reason(rt, tmp_pat
     assert states(rt, "b")[("ch1", "s1", "audio")] == "failed"  # not left generating to be re-dispatched
 
 
+def run_with_a_loader_that_raises(rt: Wiring, tmp_path: Path, error: Exception, **settings: object) -> tuple[dict, Job]:
+    """One audio job run whose generator cannot be loaded: `error` raised by the stage's loader."""
+
+    class _Failing:
+        def load(self, spec: StageSpec) -> Any:
+            raise error
+
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path, **settings)
+    rt.ports = replace(rt.ports, generators=_Failing())
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    return run_job(rt.ports, job, worker="test"), job
+
+
 def test_a_generator_whose_plugin_cannot_be_imported_fails_the_pair_once(rt, tmp_path) -> None:
     """A plugin's missing dependency raises ImportError as it loads: it escaped the job, which left its start open,
     so the pair was dispatched again and again until it failed as `worker_lost: 3 starts`, a reason that points
     at dead workers rather than at the plugin."""
 
-    class _Broken:
-        def load(self, spec: StageSpec) -> Any:
-            raise ImportError("No module named 'torchaudio'")
-
-    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
-    rt.ports = replace(rt.ports, generators=_Broken())
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    [job] = dispatched_jobs(rt, "b")
-    result = run_job(rt.ports, job, worker="test")
+    result, job = run_with_a_loader_that_raises(rt, tmp_path, ImportError("No module named 'torchaudio'"))
     assert result["outcome"] == "failed" and "torchaudio" in result["error"], result
     assert states(rt, "b")[job.pair] == "failed"
     with rt.db.read() as conn:
@@ -205,17 +211,9 @@ def test_a_generator_whose_factory_fails_is_a_backend_failure_that_feeds_the_bre
     """A factory that fails for a passing reason (a GPU out of memory as the model loads) failed each pair at once
     as a plugin that cannot be loaded: a whole command in seconds, and the breaker heard nothing."""
 
-    class _OutOfMemory:
-        def load(self, spec: StageSpec) -> Any:
-            raise RuntimeError("CUDA out of memory")
-
-    with_stage(rt, rt.settings.registry.get("audio"), tmp_path, generate_max_retries=1, retry_backoff_base=0.0)
-    rt.ports = replace(rt.ports, generators=_OutOfMemory())
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    [job] = dispatched_jobs(rt, "b")
-    result = run_job(rt.ports, job, worker="test")
+    result, _ = run_with_a_loader_that_raises(
+        rt, tmp_path, RuntimeError("CUDA out of memory"), generate_max_retries=1, retry_backoff_base=0.0
+    )
     assert result["attempts"] == 2 and "CUDA out of memory" in result["error"], result
     assert rt.redis.client.hget(rt.redis.keys.breaker("gpu.audio"), "failures") == "1"
 

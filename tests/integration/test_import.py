@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from animastor_tasks.adapters.postgres.migrations import migrate
-from animastor_tasks.domain.book import book_to_dict
+from animastor_tasks.domain.book import Book, book_to_dict
 from animastor_tasks.errors import InvalidBook
 
 from .helpers import make_book, queued_messages, states
@@ -21,7 +21,8 @@ def test_import_creates_every_pair_dirty_and_queues_nothing(rt) -> None:
     assert queued_messages(rt, "gpu.audio") == 0 and rt.ports.book_state.active_books() == set()
 
 
-def test_reimport_dirties_only_ready_audio_of_changed_text(rt) -> None:
+def imported_all_ready(rt) -> Book:  # type: ignore[no-untyped-def]
+    """The sample book imported, every asset of it ready from its current inputs."""
     book = make_book()
     rt.catalog.import_book(book)
     with rt.db.transaction() as conn:
@@ -29,6 +30,11 @@ def test_reimport_dirties_only_ready_audio_of_changed_text(rt) -> None:
             "UPDATE asset_states a SET state = 'ready', artifact_sha256 = 'x', input_hash = s.input_hashes ->> a.stage"
             " FROM scenes s WHERE s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
         )
+    return book
+
+
+def test_reimport_dirties_only_ready_audio_of_changed_text(rt) -> None:
+    book = imported_all_ready(rt)
     doc = book_to_dict(book)
     doc["chapters"][0]["scenes"][0]["text"] = "A different text"
     from animastor_tasks.domain.book import parse_book
@@ -51,13 +57,7 @@ def test_a_reimport_by_a_process_that_does_not_know_a_stage_leaves_that_stages_m
     from animastor_tasks.adapters.postgres.catalog import Catalog
     from animastor_tasks.domain.book import parse_book
 
-    book = make_book()
-    rt.catalog.import_book(book)
-    with rt.db.transaction() as conn:
-        conn.execute(
-            "UPDATE asset_states a SET state = 'ready', artifact_sha256 = 'x', input_hash = s.input_hashes ->> a.stage"
-            " FROM scenes s WHERE s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id"
-        )
+    book = imported_all_ready(rt)
     registry = rt.settings.registry
     audio_only = Catalog(rt.db, replace(registry, stages=(registry.get("audio"),)))
     assert audio_only.import_book(book).assets_dirtied == 0
