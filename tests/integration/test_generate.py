@@ -150,6 +150,21 @@ def test_a_duplicate_delivery_runs_once(rt, tmp_path) -> None:
         assert conn.execute("SELECT count(*) FROM artifacts").fetchone()[0] == 1
 
 
+def test_a_redelivery_after_its_worker_died_leaves_the_dead_jobs_lease_to_lapse(rt, tmp_path) -> None:
+    """A worker killed mid-job (CUDA out of memory) has its message redelivered within seconds; the dead copy's
+    running marker still stands, so the redelivery is a duplicate, as it should be. But it renewed the dead
+    job's lease for a whole TTL first, so its pair was taken over that much later."""
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    assert rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, "w1", 60)[:2] == (True, True)
+    assert rt.ports.leases.renew_lease(job.lease_pair, job.dispatch_id, 1)  # its last renewal; then it died
+    assert rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, "w2", 60)[:2] == (True, False)
+    assert 0 < rt.redis.client.pttl(rt.redis.keys.lease(*job.lease_pair)) <= 1000
+
+
 def test_generator_errors_are_retried_then_failed_with_the_message(rt, tmp_path) -> None:
     failing = replace(rt.settings.registry.get("image"), params={"fail_rate": 1.0})
     with_stage(rt, failing, tmp_path, retry_backoff_base=0.01, generate_max_retries=2)

@@ -11,8 +11,10 @@ local dispatched_at = redis.call('HGET', KEYS[5], 'dispatched_at')
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
     return {0, 0, cancelled, dispatched_at}
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return {1, 1, cancelled, dispatched_at}
 end
+-- Another copy holds the running marker: its lease is left as it is (renewed by that copy while it runs). A
+-- copy of a worker that died stops renewing it, and its pair is taken over when it lapses, not a TTL later.
 return {1, 0, cancelled, dispatched_at}
