@@ -269,3 +269,13 @@ def result_backend_url(redis_url: str) -> str:
         return redis_url
     db = parse_qs(parts.query).get("db", ["0"])[0]
     return f"redis+socket://{parts.path}?virtual_host={db}"
+
+
+def redis_py_url(url: str) -> str:
+    """redis-py's spelling of a kombu Redis URL (the inverse of `result_backend_url`): a `redis+socket://` socket
+    becomes `unix://`, its `virtual_host` the database kombu keeps the queues in."""
+    parts = urlsplit(url)
+    if parts.scheme != "redis+socket":
+        return url
+    db = parse_qs(parts.query).get("virtual_host", ["0"])[0].strip("/")
+    return f"unix://{parts.netloc}{parts.path}?db={db if db.isdigit() else 0}"

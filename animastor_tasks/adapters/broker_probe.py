@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
+from animastor_tasks.config import redis_py_url
 from animastor_tasks.errors import StoreUnavailable
 
 log = logging.getLogger("animastor.broker")
@@ -86,16 +87,9 @@ def queued_dispatch_ids(broker_url: str, queues: Collection[str], limit: int = 1
 
     import redis
 
-    parts = urlsplit(broker_url)
-    if parts.scheme in ("redis", "rediss"):
-        client = redis.Redis.from_url(broker_url, socket_timeout=5)
-    elif parts.scheme == "redis+socket":  # kombu keeps the queues in the database its `virtual_host` names
-        db = parse_qs(parts.query).get("virtual_host", ["0"])[0].strip("/")
-        client = redis.Redis(
-            unix_socket_path=parts.path, db=int(db) if db.isdigit() else 0, password=parts.password, socket_timeout=5
-        )
-    else:
+    if urlsplit(broker_url).scheme not in ("redis", "rediss", "redis+socket"):
         return None
+    client = redis.Redis.from_url(redis_py_url(broker_url), socket_timeout=5)  # a socket's database as kombu's
     ids: set[str] = set()
     try:
         pipe = client.pipeline(transaction=False)

@@ -17,6 +17,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from animastor_tasks.config import redis_py_url
 from animastor_tasks.errors import StoreUnavailable, redact_url
 
 # libpq messages that mean nothing answered at all (no point in trying another database on the same server).
@@ -56,7 +57,7 @@ def probe_redis(url: str, timeout: float = 2.0) -> str | None:
     """None when a Redis server answers PING at `url` (redis://, rediss://, unix:// or kombu's redis+socket://)."""
     try:
         client = redis.Redis.from_url(
-            _redis_py_url(url), socket_connect_timeout=timeout, socket_timeout=timeout, retry=no_retry()
+            redis_py_url(url), socket_connect_timeout=timeout, socket_timeout=timeout, retry=no_retry()
         )
     except (ValueError, redis.RedisError) as err:
         return f"invalid Redis URL: {one_line(err)}"
@@ -147,10 +148,3 @@ def _no_server(reason: str) -> bool:
 
 def _pg_connect(conninfo: str, timeout: float, *, autocommit: bool = False) -> psycopg.Connection[Any]:
     return psycopg.connect(conninfo, connect_timeout=max(2, round(timeout)), autocommit=autocommit)
-
-
-def _redis_py_url(url: str) -> str:
-    """kombu's `redis+socket:///path` is redis-py's `unix:///path`."""
-    if url.startswith("redis+socket://"):
-        return "unix://" + url[len("redis+socket://") :]
-    return url

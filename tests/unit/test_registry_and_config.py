@@ -156,3 +156,12 @@ def test_a_unix_socket_redis_url_is_the_brokers_too_in_celerys_spelling() -> Non
     assert settings.broker_url == "redis+socket:///run/redis/redis.sock?virtual_host=2"
     tcp = Settings.from_env({"ANIMASTOR_REDIS_URL": "redis://10.0.0.5:6379/1"})
     assert tcp.broker_url == "redis://10.0.0.5:6379/1"
+
+
+def test_a_kombu_socket_url_is_spelled_for_redis_py_with_its_database() -> None:
+    from animastor_tasks.config import redis_py_url, result_backend_url
+
+    assert redis_py_url("redis+socket:///tmp/r/redis.sock?virtual_host=3") == "unix:///tmp/r/redis.sock?db=3"
+    assert redis_py_url("redis+socket:///tmp/r/redis.sock") == "unix:///tmp/r/redis.sock?db=0"
+    assert redis_py_url(result_backend_url("unix:///tmp/r.sock?db=2")) == "unix:///tmp/r.sock?db=2"
+    assert redis_py_url("redis://127.0.0.1:6379/2") == "redis://127.0.0.1:6379/2"
