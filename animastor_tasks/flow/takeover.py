@@ -23,7 +23,7 @@ from animastor_tasks.domain.gate import BookFacts, decide
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import dispatch
+from animastor_tasks.flow import dispatch, page
 from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.takeover")
@@ -65,7 +65,8 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
     facts_by_book: dict[str, BookFacts | None] = {}
     for book, pairs in pairs_by_book.items():
         try:
-            facts_by_book[book] = _facts(ports, book, pairs)
+            read = page.pair_facts(ports, book, pairs)
+            facts_by_book[book] = None if read is None else read[0]
         except StoreUnavailable as err:  # fail-closed: not "unauthorized" (that would release the pairs to dirty)
             log.warning("[TAKEOVER] book=%r facts unreadable, its pairs wait for the next tick: %s", book, err)
     registry = ports.settings.registry
@@ -105,15 +106,6 @@ def _due_now(ports: Ports, book: str) -> None:
         ports.book_state.set_due(book, time.time())
     except StoreUnavailable as err:
         log.warning("[TAKEOVER] book=%r not marked due; its next pass dispatches the pair: %s", book, err)
-
-
-def _facts(ports: Ports, book: str, pairs: Sequence[Pair]) -> BookFacts | None:
-    """The book's facts about these pairs, read by key (a whole book's, a million pairs, cost a dead job's
-    takeover 10 s and a gigabyte); None for a book that is gone. A store that cannot be read raises."""
-    rows = ports.assets.gate_rows(book, pairs)
-    if rows is None:
-        return None
-    return BookFacts(True, ports.book_state.cancel_flag_set(book), rows.tombstone, rows.layers_raw, rows.commanded)
 
 
 def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
