@@ -123,9 +123,6 @@ def dispatch_pending(
         elif state == "permit":
             permits[stage] = 1  # half-open: exactly one test dispatch
     todo = [i for i in todo if i.stage not in open_stages]
-    # An open lane's spare slots are of no use to the books waiting for it (each would find it open and lose
-    # its place in the waiting list): the claim neither counts it nor hands it on.
-    specs = {s: spec for s, spec in specs.items() if s not in open_stages}
 
     todo = _settle_idempotent(ports, book, todo, force, result, now)
     crowded = {s for s, spec in specs.items() if spec.queue in full_lanes and spec.queue != handed_lane}

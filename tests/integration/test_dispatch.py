@@ -314,7 +314,10 @@ def test_a_lane_whose_breaker_is_open_keeps_its_waiting_list(rt) -> None:
     # recount) take a waiter while it is open; once its cooldown is over, one does (the half-open test).
     assert dispatch.hand_over(rt.ports, "gpu.audio", 2) == []
     assert rt.redis.client.zrange(rt.redis.keys.lane_waiters("gpu.audio"), 0, -1) == ["first", "second"]
-    rt.redis.client.hset(rt.redis.keys.breaker("gpu.audio"), "open_until", time.time() - 1)
+    breaker = rt.redis.keys.breaker("gpu.audio")
+    rt.redis.client.hset(breaker, mapping={"open_until": time.time() - 1, "permit_until": time.time() + 60})
+    assert dispatch.hand_over(rt.ports, "gpu.audio", 1) == []  # half-open, its one test permit out: still open
+    rt.redis.client.hdel(breaker, "permit_until")
     assert dispatch.hand_over(rt.ports, "gpu.audio", 1) == ["first"]
 
 

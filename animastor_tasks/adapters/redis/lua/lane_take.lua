@@ -7,15 +7,20 @@
 -- KEYS[2] the finished dispatch's metadata hash (field `rank`), or '' for no re-queue
 -- KEYS[3] a key to delete when no book is taken, or '' for none: the deferrals of the book that freed
 --         the slot that wait for capacity, which may try again when nobody else waits
--- KEYS[4] the lane's breaker hash, or '' for none: while it is open nobody is taken (each would find the lane
---         refused and pass the slot on, emptying the list and losing its order)
+-- KEYS[4] the lane's breaker hash, or '' for none: while it is open (as breaker_acquire.lua says: before
+--         `open_until`, or its half-open permit out) nobody is taken: each would find the lane refused and pass
+--         the slot on, emptying the list and losing its order
 -- ARGV[1] how many books to take
 -- ARGV[2] a book never to take ('' for none): the one that freed the slot
 -- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank, ARGV[5] the default rank
 -- returns the books taken, best first
 local count = tonumber(ARGV[1])
-if KEYS[4] ~= '' and tonumber(redis.call('HGET', KEYS[4], 'open_until') or '0') > tonumber(ARGV[3]) then
-    count = 0
+if KEYS[4] ~= '' then
+    local now = tonumber(ARGV[3])
+    local open_until = tonumber(redis.call('HGET', KEYS[4], 'open_until') or '0')
+    if open_until > now or (open_until ~= 0 and tonumber(redis.call('HGET', KEYS[4], 'permit_until') or '0') > now) then
+        count = 0
+    end
 end
 local requeue = KEYS[2] ~= '' and ARGV[2] ~= ''
 local scale = tonumber(ARGV[4])
