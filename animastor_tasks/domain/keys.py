@@ -121,6 +121,10 @@ class Keyspace:
     def running(self, dispatch_id: str) -> str:
         return self._key("running", dispatch_id)
 
+    def holding(self, holder: str) -> str:
+        """What one worker process runs now (`liveness.delivery_holder`): a dead process's job is found by it."""
+        return self._key("holding", holder)
+
     def queued(self, dispatch_id: str) -> str:
         """The undelivered marker of a dispatch: set with its lease, removed by its first delivery."""
         return self._key("queued", dispatch_id)

@@ -60,6 +60,17 @@ def queued_lease_ttl() -> int:
     return QUEUED_LEASE_SECONDS
 
 
+#: How long a worker process's entry saying which job it runs lives: longer than any one job (a job's hard time
+#: limit); an entry left behind is harmless, since whatever it names is only ever removed while still held.
+HOLDING_ENTRY_SECONDS = 6 * 3600
+
+
+def delivery_holder(worker: str, pid: int) -> str:
+    """Who holds a running job: its worker's node name and the pool process's id, which both the process
+    running it and the worker's main process, the one that sees it die, can name."""
+    return f"{worker}#{pid}"
+
+
 def lost_in_queue(undelivered: Collection[str], queued: Collection[str]) -> set[str]:
     """Dispatches never delivered that the broker no longer holds as waiting: their message is lost."""
     return set(undelivered) - set(queued)

@@ -18,11 +18,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from celery import Task
 
+from animastor_tasks.domain.liveness import delivery_holder
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, refill
@@ -33,6 +35,7 @@ from animastor_tasks.flow.job import Job
 from animastor_tasks.ports import Ports
 from animastor_tasks.worker import chain, wiring
 from animastor_tasks.worker.app import app, settings
+from animastor_tasks.worker.lost import GenerateRequest
 
 
 def ports() -> Ports:
@@ -100,13 +103,14 @@ def _register_generate(spec: StageSpec) -> None:
         bind=True,
         acks_late=True,
         reject_on_worker_lost=True,
+        Request=GenerateRequest,  # a job whose pool process dies is let go at once (worker/lost.py)
         soft_time_limit=settings.job_soft_time_limit,
         time_limit=settings.job_time_limit,
     )
     def generate(
         self: Task, book_id: str, chapter_id: str, scene_id: str, stage: str, dispatch_id: str, fencing_token: int
     ) -> dict[str, Any]:
-        worker = self.request.hostname or "unknown"
+        worker = delivery_holder(self.request.hostname or "unknown", os.getpid())
 
         def run(job_ports: Ports, job: Job, progress: Callable[[float], None], later: Later) -> dict[str, Any]:
             return run_job(job_ports, job, worker=worker, progress=progress, later=later)

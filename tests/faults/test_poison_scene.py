@@ -19,27 +19,12 @@ import pytest
 from tests.e2e.harness import audio_stage, image_stage, stage_table
 from tests.integration.helpers import make_book
 from tests.support import wait_for
+from tests.support.cluster import pool_children
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.timeout(180)]
 
 LIMIT = 3
 POISON = ("ch1", "s2", "audio")
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of `pid` (a prefork worker's pool processes), read from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
 
 
 def test_a_scene_that_kills_its_worker_fails_after_the_limit_and_never_loops(make_stack, figure) -> None:
@@ -81,7 +66,7 @@ def test_a_scene_that_kills_its_worker_fails_after_the_limit_and_never_loops(mak
     while poison_state()[0] != "failed":
         assert time.monotonic() < deadline, f"poison pair never failed; killed {killed}\n{cluster.report()}"
         for _, dispatch_id in poison_starts()[len(killed) :]:
-            children = wait_for(lambda: _children(gpu.pid) or None, 10, interval=0.02, what="a pool child")
+            children = wait_for(lambda: pool_children(gpu.pid) or None, 10, interval=0.02, what="a pool child")
             for pid in children:  # -c 1: the one pool child, running the poison job now
                 os.kill(pid, signal.SIGKILL)
             killed.append((dispatch_id, children[0]))

@@ -25,6 +25,22 @@ from tests.support import wait_for
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def pool_children(pid: int) -> list[int]:
+    """Direct children of `pid` (a prefork worker's pool processes), read from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
 @dataclass
 class Proc:
     """One started worker or beat: the supervised process, what it is for and, once ready, its node name."""

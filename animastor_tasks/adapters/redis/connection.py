@@ -40,6 +40,7 @@ class RedisConnection:
         self.breaker_record_script = self.client.register_script(_script("breaker_record"))
         self.breaker_release_script = self.client.register_script(_script("breaker_release"))
         self.start_delivery_script = self.client.register_script(_script("start_delivery"))
+        self.abandon_delivery_script = self.client.register_script(_script("abandon_delivery"))
         self._batch = threading.local()  # this thread's open `batched` pipeline, if any
         # When Redis answered again after this process could not reach it: what lapses with time (the workers'
         # heartbeats) may have lapsed meanwhile only because they could not reach it either.

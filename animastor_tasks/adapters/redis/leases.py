@@ -7,7 +7,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
-from animastor_tasks.domain.liveness import UNDELIVERED_MARKER_SECONDS
+from animastor_tasks.domain.liveness import HOLDING_ENTRY_SECONDS, UNDELIVERED_MARKER_SECONDS
+from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair
 
 
@@ -80,7 +81,8 @@ class LeaseStore:
     ) -> tuple[bool, bool, bool, float | None]:
         """(the dispatch still held the pair's lease, now the running job's for `ttl`; this delivery owns the
         dispatch; the book is cancelled; when the dispatch was published, None if unknown), in one atomic round
-        trip (`lua/start_delivery.lua`).
+        trip (`lua/start_delivery.lua`). `worker`: the holder (`liveness.delivery_holder`), whose entry then
+        names this job until the next one it runs.
 
         A second delivery of a dispatch that is still running (broker redelivery after a
         visibility timeout) finds the running marker and does not run again. Any delivery ends the
@@ -90,11 +92,35 @@ class LeaseStore:
         lease, running, queued = keys.lease(*pair), keys.running(dispatch_id), keys.queued(dispatch_id)
         held, owned, cancelled, published = self.conn.run(
             lambda: self.conn.start_delivery_script(
-                keys=[lease, running, queued, keys.cancel_flag(pair[0]), keys.dispatch(dispatch_id)],
-                args=[dispatch_id, ttl * 1000, worker, ttl],
+                keys=[
+                    lease,
+                    running,
+                    queued,
+                    keys.cancel_flag(pair[0]),
+                    keys.dispatch(dispatch_id),
+                    keys.holding(worker),
+                ],
+                args=[dispatch_id, ttl * 1000, worker, ttl, HOLDING_ENTRY_SECONDS],
             )
         )
         return bool(held), bool(owned), bool(cancelled), _seconds(published)
+
+    def abandon_delivery(self, holder: str, redelivered: str | None) -> tuple[str, bool] | None:
+        """Let go of the job a dead worker process held (`lua/abandon_delivery.lua`): (its dispatch id, whether
+        its lease was dropped too), or None when it held none still running. `redelivered`: the dispatch whose
+        message the broker delivers again, which keeps its lease for that delivery to run it."""
+        keys = self.conn.keys
+        entry: Any = self.conn.run(lambda: self.conn.client.get(keys.holding(holder)))
+        if entry is None or "\n" not in str(entry):
+            return None
+        dispatch_id, lease = str(entry).split("\n", 1)
+        freed, dropped = self.conn.run(
+            lambda: self.conn.abandon_delivery_script(
+                keys=[keys.running(dispatch_id), lease, keys.holding(holder)],
+                args=[holder, dispatch_id, stop_marker(dispatch_id), "1" if redelivered == dispatch_id else "0"],
+            )
+        )
+        return (dispatch_id, bool(dropped)) if freed else None
 
     def touch_delivery(self, dispatch_id: str, ttl: int) -> None:
         self.conn.run(lambda: self.conn.client.expire(self.conn.keys.running(dispatch_id), ttl))

@@ -1,0 +1,105 @@
+"""A GPU worker's pool process killed mid-job (the OOM killer, a CUDA fault), its main process alive: the job
+runs again at once, not once its lease lapses. The stage keeps the default `lease_ttl` of 120 s, so a pair
+that waited for its lease would still be `generating` long after these tests' bounds.
+
+- the job its message names: the redelivery (`reject_on_worker_lost`) runs it again, not refused as a
+  duplicate while the dead process's running marker stands;
+- a job kept to follow in the same task (no message of its own): its lease is given up and the tick takes the
+  pair over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from tests.integration.helpers import make_book
+from tests.support import wait_for
+from tests.support.cluster import Proc, pool_children
+from tests.support.stack import Stack
+
+from .harness import audio_stage, image_stage, stage_table
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+SLOW = {"steps": 10, "step_seconds": 0.2}  # 2 s per job: a kill lands well inside it
+LEASE_TTL = 120  # the default: what a pair would wait for without the main process letting its job go
+BOUND = 15.0  # seconds from the kill to the pair ready again: a tick (1 s here) and a 2 s job, with room
+
+
+def _stack(make_stack: Any, **audio: Any) -> tuple[Stack, Proc]:
+    stack = make_stack(
+        stages=stage_table(audio=audio_stage(params=SLOW, lease_ttl=LEASE_TTL, **audio), image=image_stage()),
+        presence_ttl_seconds=10,  # a pool process's death must not read as the worker gone
+    )
+    cluster = stack.cluster
+    gpu = cluster.gpu("audio", wait=False)
+    cluster.wait_ready(cluster.control(wait=False), gpu, cluster.beat(wait=False))
+    return stack, gpu
+
+
+def _started(stack: Stack, book: str, scene: str) -> list[dict[str, Any]]:
+    return [e for e in stack.events("job.started", book) if e["scene_id"] == scene]
+
+
+def _kill_pool_child(gpu: Proc) -> int:
+    [child] = wait_for(lambda: pool_children(gpu.pid) or None, 10, interval=0.02, what="the pool child")
+    os.kill(child, signal.SIGKILL)
+    return child
+
+
+def _state(stack: Stack, book: str, scene: str) -> str:
+    [(state,)] = stack.query(
+        "SELECT state FROM asset_states WHERE book_id = %s AND scene_id = %s AND stage = 'audio'", (book, scene)
+    )
+    return str(state)
+
+
+def test_a_job_whose_pool_process_dies_is_redelivered_and_runs_again_at_once(make_stack, figure) -> None:
+    stack, gpu = _stack(make_stack)
+    book = make_book("lost-process", chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+
+    stack.client.regenerate(book.book_id, ["audio"], wait=False)
+    wait_for(lambda: _started(stack, book.book_id, "s1") or None, 20, what="the job started")
+    time.sleep(0.5)  # inside its run
+    killed = _kill_pool_child(gpu)
+    at = time.monotonic()
+    wait_for(lambda: _state(stack, book.book_id, "s1") == "ready", BOUND, what="the pair ready again")
+    took = time.monotonic() - at
+
+    starts = _started(stack, book.book_id, "s1")
+    assert len(starts) == 2, starts
+    assert starts[0]["dispatch_id"] == starts[1]["dispatch_id"], "the redelivered message ran, not a new dispatch"
+    assert [s["detail"]["lost_starts"] for s in starts] == [0, 1]
+    assert not stack.cluster.logs_mentioning("duplicate delivery")
+    assert gpu.log().count("its redelivery runs it again") == 1, gpu.tail()
+    assert gpu.alive()
+    figure(f"pool process {killed} SIGKILLed mid-job: ready again {took:.1f}s later (lease_ttl {LEASE_TTL} s)")
+
+
+def test_a_kept_job_whose_pool_process_dies_is_taken_over_by_the_next_tick(make_stack, figure) -> None:
+    # One slot: the first job's refill claims the second scene and, nothing waiting in the queue, the same
+    # process runs it in the same task.
+    stack, gpu = _stack(make_stack, lane_limit=1, book_quota=1)
+    book = make_book("lost-kept", chapters=1, scenes=2)
+    stack.rt.catalog.import_book(book)
+
+    stack.client.regenerate(book.book_id, ["audio"], wait=False)
+    wait_for(lambda: _state(stack, book.book_id, "s1") == "ready" or None, 20, what="the first job ready")
+    [second] = wait_for(lambda: _started(stack, book.book_id, "s2") or None, 10, what="the kept job started")
+    time.sleep(0.5)
+    killed = _kill_pool_child(gpu)
+    at = time.monotonic()
+    wait_for(lambda: _state(stack, book.book_id, "s2") == "ready", BOUND, what="the kept pair ready again")
+    took = time.monotonic() - at
+
+    starts = _started(stack, book.book_id, "s2")
+    assert len(starts) == 2 and starts[1]["dispatch_id"] != second["dispatch_id"], starts
+    assert starts[1]["detail"]["lost_starts"] == 1
+    assert gpu.log().count(f"running dispatch {second['dispatch_id']}; the tick takes its pair over") == 1, gpu.tail()
+    figure(f"pool process {killed} SIGKILLed in a kept job: pair taken over and ready {took:.1f}s later")

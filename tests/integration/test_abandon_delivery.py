@@ -1,0 +1,61 @@
+"""What a worker's main process frees when one of its pool processes dies mid-job (`LeaseStore.abandon_delivery`,
+on the real Redis): only what that process still held, the lease only where no redelivery will run the job."""
+
+from __future__ import annotations
+
+from animastor_tasks.adapters.redis.leases import LeaseStore
+from animastor_tasks.domain.targets import stop_marker
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.job import Job
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import advertise, make_book
+from .test_generate import dispatched_jobs, with_stage
+
+DEAD, OTHER = "audio@gpu-1#101", "audio@gpu-2#202"
+
+
+def _started_job(rt: Wiring, tmp_path, holder: str = DEAD) -> Job:
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    assert rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, holder, 120)[:2] == (True, True)
+    return job
+
+
+def _lease(rt: Wiring, job: Job) -> str | None:
+    return rt.redis.client.get(rt.redis.keys.lease(*job.lease_pair))
+
+
+def test_the_redelivered_job_keeps_its_lease_and_its_redelivery_runs(rt, tmp_path) -> None:
+    job = _started_job(rt, tmp_path)
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=job.dispatch_id) == (job.dispatch_id, False)
+    assert _lease(rt, job) == job.dispatch_id
+    assert rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, OTHER, 120)[:2] == (True, True)
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=job.dispatch_id) is None  # entry gone
+
+
+def test_a_job_no_message_will_bring_back_gives_up_its_lease(rt, tmp_path) -> None:
+    job = _started_job(rt, tmp_path)
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered="another-dispatch") == (job.dispatch_id, True)
+    assert _lease(rt, job) is None
+    assert not rt.redis.client.exists(rt.redis.keys.running(job.dispatch_id))
+
+
+def test_a_fenced_jobs_stop_marker_goes_even_when_its_message_comes_back(rt, tmp_path) -> None:
+    job = _started_job(rt, tmp_path)
+    rt.redis.client.set(rt.redis.keys.lease(*job.lease_pair), stop_marker(job.dispatch_id))
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=job.dispatch_id) == (job.dispatch_id, True)
+    assert _lease(rt, job) is None
+
+
+def test_what_another_process_runs_is_never_touched(rt, tmp_path) -> None:
+    job = _started_job(rt, tmp_path, holder=OTHER)
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=None) is None
+    # The dead process's entry names the job, but the job is another copy's now: nothing is freed.
+    rt.redis.client.set(rt.redis.keys.holding(DEAD), f"{job.dispatch_id}\n{rt.redis.keys.lease(*job.lease_pair)}")
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=None) is None
+    assert _lease(rt, job) == job.dispatch_id
+    assert rt.redis.client.get(rt.redis.keys.running(job.dispatch_id)) == OTHER
