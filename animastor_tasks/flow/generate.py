@@ -35,7 +35,7 @@ from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import refill
-from animastor_tasks.flow.job import Job, Watcher
+from animastor_tasks.flow.job import Job, Watcher, commit_when_reachable
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
 
 log = logging.getLogger("animastor.generate")
@@ -203,7 +203,7 @@ def _run_owned(
             return _unsuccessful(ports, job, spec, ErrorKind.ARTIFACT, str(err), attempts, result)
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         artifact["input_hash"] = row.input_hash
-        if not ports.jobs.commit_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, artifact, spec.queue):
+        if not commit_when_reachable(ports, job, spec, artifact, watcher):
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)
         _quietly("free capacity", _free_capacity, ports, job, spec, True)  # first: a free slot waits for no bookkeeping

@@ -6,7 +6,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
+from animastor_tasks.domain.deferral import compute_backoff
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair, Pair
@@ -87,3 +89,29 @@ class Watcher(threading.Thread):
 
     def should_stop(self) -> bool:
         return self.stop.is_set()
+
+
+# A commit waits for its store to come back, not for a backend to recover: it asks again soon and often.
+COMMIT_RETRY_FIRST, COMMIT_RETRY_MAX = 0.25, 2.0
+
+
+def commit_when_reachable(ports: Ports, job: Job, spec: StageSpec, artifact: dict[str, Any], watcher: Watcher) -> bool:
+    """`Jobs.commit_job`, tried again while Postgres cannot be reached (a failover, a restart), for as long as a
+    dead job's pair would wait for its lease (`lease_ttl`) and while the job keeps its lease (its watcher still
+    renews it). *Why:* the GPU work is done and its media stored; thrown away on the first refused connection,
+    the scene ran again from the start, and its start, left open, counted as one lost to a dead worker."""
+    deadline = time.monotonic() + spec.lease_ttl
+    attempt = 0
+    while True:
+        try:
+            return ports.jobs.commit_job(
+                job.book_id, job.pair, job.fencing_token, job.dispatch_id, artifact, spec.queue
+            )
+        except StoreUnavailable as err:
+            attempt += 1
+            delay = compute_backoff(attempt, base=COMMIT_RETRY_FIRST, maximum=COMMIT_RETRY_MAX)
+            if time.monotonic() + delay > deadline or watcher.should_stop():
+                raise
+            log.warning("[GENERATE] %s commit failed (%s); again in %.1fs", job.describe(), err, delay)
+            if watcher.stop.wait(delay):
+                raise

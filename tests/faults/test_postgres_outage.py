@@ -9,6 +9,7 @@ the recovery, never silently dropped; when Postgres is back the work resumes and
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,8 +23,11 @@ from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.client import Client
 from animastor_tasks.dev.local_stores import LocalStores
 from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.generate import run_job
 from tests.e2e.harness import RedisQueueTap, audio_stage, image_stage, stage_table, wait_for
-from tests.integration.helpers import make_book
+from tests.integration.helpers import advertise, make_book
+from tests.integration.test_generate import dispatched_jobs
 
 from .checks import check_runs, unauthorized_dispatches
 
@@ -150,3 +154,40 @@ def test_postgres_outage_during_a_run(private_postgres, make_stack, figure, scal
         f"{recovered:.2f}s; lost 0, duplicated 0, unauthorized dispatches 0, leases expired "
         f"{len(stack.events('lease.expired', book.book_id))}"
     )
+
+
+def test_a_job_that_ends_while_postgres_is_down_commits_once_it_is_back(private_postgres, make_stack, figure) -> None:
+    """The GPU work of a job whose commit meets the outage is kept: the commit waits for Postgres (the job still
+    holds its lease) instead of the scene running again from the start with its start counted as lost."""
+    postgres, url = private_postgres
+    slow = {"steps": 10, "step_seconds": 0.2}  # 2 s of generation: Postgres goes down meanwhile
+    stack = make_stack(
+        stages=stage_table(audio=audio_stage(params=slow, lease_ttl=30), image=image_stage()), database_url=url
+    )
+    rt = stack.rt
+    book = make_book("commit-outage", chapters=1, scenes=1)
+    rt.catalog.import_book(book)
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, book.book_id, ["audio"])
+    [job] = dispatched_jobs(rt, book.book_id)
+
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(run_job(rt.ports, job, worker="commit-test#1")))
+    runner.start()
+    wait_for(lambda: stack.events("job.started", book.book_id), 10, what="the job started")
+    postgres.stop_postgres()
+    down = time.monotonic()
+    time.sleep(4.0)  # the generation ends inside the outage: its commit fails until Postgres is back
+    assert runner.is_alive(), f"the job ended while Postgres was down: {outcome}"
+    assert postgres.start(redis=False, database="animastor_faults")["ANIMASTOR_DATABASE_URL"] == url
+    up = time.monotonic()
+    runner.join(timeout=30)
+    committed = time.monotonic() - up
+
+    assert outcome.get("outcome") == "ready", outcome
+    assert stack.states(book.book_id) == {("ch1", "s1", "audio"): "ready", ("ch1", "s1", "image"): "dirty"}
+    assert len(stack.events("job.started", book.book_id)) == 1  # ran once: no second start, none counted lost
+    assert stack.query("SELECT count(*) FROM artifacts WHERE book_id = %s", (book.book_id,)) == [(1,)]
+    [(open_start,)] = stack.query("SELECT open_dispatch FROM job_starts WHERE book_id = %s", (book.book_id,))
+    assert open_start is None
+    figure(f"commit met a {up - down:.1f}s Postgres outage: committed {committed:.2f}s after it came back, ran once")
