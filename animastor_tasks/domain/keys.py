@@ -125,6 +125,10 @@ class Keyspace:
         """What one worker process runs now (`liveness.delivery_holder`): a dead process's job is found by it."""
         return self._key("holding", holder)
 
+    def holders(self, node: str) -> str:
+        """The holders a worker's processes have been (one per pool process): what its next start lets go of."""
+        return self._key("holders", node)
+
     def queued(self, dispatch_id: str) -> str:
         """The undelivered marker of a dispatch: set with its lease, removed by its first delivery."""
         return self._key("queued", dispatch_id)

@@ -71,6 +71,11 @@ def delivery_holder(worker: str, pid: int) -> str:
     return f"{worker}#{pid}"
 
 
+def holder_node(holder: str) -> str:
+    """The worker node name a holder belongs to (the inverse of `delivery_holder` for its first part)."""
+    return holder.rsplit("#", 1)[0]
+
+
 def lost_in_queue(undelivered: Collection[str], queued: Collection[str]) -> set[str]:
     """Dispatches never delivered that the broker no longer holds as waiting: their message is lost."""
     return set(undelivered) - set(queued)

@@ -17,7 +17,7 @@ from animastor_tasks.adapters.redis import counters
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ConfigError, redact_url
-from animastor_tasks.worker import chain, tracing, warm
+from animastor_tasks.worker import chain, lost, tracing, warm
 from animastor_tasks.worker.logs import LogSetup
 from animastor_tasks.worker.presence import PresenceStep
 
@@ -58,6 +58,13 @@ def set_up_solo(sender: Any = None, **_: Any) -> None:
     if not any(word in str(name) for word in ("prefork", "processes")):
         tracing.setup()
         warm.warm_up(app)
+
+
+@signals.worker_init.connect
+def let_go_of_previous_run(sender: Any = None, **_: Any) -> None:
+    """Jobs this node's previous run held when it was killed are let go before this run takes any (lost.py)."""
+    if getattr(sender, "hostname", None):
+        lost.let_go_of_previous_run(settings, sender.hostname)
 
 
 @signals.celeryd_init.connect

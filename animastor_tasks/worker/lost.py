@@ -15,8 +15,13 @@ message of its own). So, before Celery requeues or acknowledges the message:
   lease as well, and the tick takes the pair over within one tick.
 
 Both count the start as lost (`job_rules.lost_starts`), so a scene that kills every process running it still
-fails after `ANIMASTOR_WORKER_LOST_LIMIT` starts. A worker whose main process dies too is covered by its leases
-lapsing, as before.
+fails after `ANIMASTOR_WORKER_LOST_LIMIT` starts.
+
+A worker killed whole (SIGKILL after a deployment's grace period, a container restarted) that starts again
+under the same node name lets go, before it runs anything, of the jobs its previous run still held: their
+leases are dropped and the tick takes the pairs over, rather than the lane's slots waiting for those leases to
+lapse. (Node names are unique, as Celery requires; a second live worker under the same name would have its
+jobs fenced off.) One that never comes back is covered by its leases lapsing, as before.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
 from celery.worker.request import Request
 
+from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.adapters.redis.leases import LeaseStore
+from animastor_tasks.config import Settings
+from animastor_tasks.domain.keys import Keyspace
 from animastor_tasks.domain.liveness import delivery_holder
 from animastor_tasks.errors import StoreUnavailable
 
@@ -72,3 +80,22 @@ def let_go(worker: str, pid: int, redelivered: str | None) -> None:
     dispatch_id, dropped = freed
     then = "the tick takes its pair over" if dropped else "its redelivery runs it again"
     log.warning("[GENERATE] pool process %s died running dispatch %s; %s", holder, dispatch_id, then)
+
+
+def let_go_of_previous_run(settings: Settings, node: str) -> None:
+    """`worker_init`, in the main process before any pool process starts: free what the previous run of this
+    node still held. On a connection of its own, closed again, so that none crosses the pool's fork."""
+    conn = RedisConnection(settings.redis_url, Keyspace(settings.key_prefix))
+    try:
+        freed = LeaseStore(conn).abandon_node(node)
+    except StoreUnavailable as err:
+        log.warning("[WORKER] %s: what a previous run held is left to its leases: %s", node, err)
+        return
+    finally:
+        conn.client.close()
+    for dispatch_id, _ in freed:
+        log.warning(
+            "[WORKER] %s started again: dispatch %s of its previous run let go; the tick takes it over",
+            node,
+            dispatch_id,
+        )

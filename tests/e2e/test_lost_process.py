@@ -103,3 +103,26 @@ def test_a_kept_job_whose_pool_process_dies_is_taken_over_by_the_next_tick(make_
     assert starts[1]["detail"]["lost_starts"] == 1
     assert gpu.log().count(f"running dispatch {second['dispatch_id']}; the tick takes its pair over") == 1, gpu.tail()
     figure(f"pool process {killed} SIGKILLed in a kept job: pair taken over and ready {took:.1f}s later")
+
+
+def test_a_worker_killed_whole_and_started_again_lets_go_of_its_previous_runs_job(make_stack, figure) -> None:
+    stack, gpu = _stack(make_stack, lane_limit=1, book_quota=1)  # one slot: the dead job's lease holds it
+    book = make_book("lost-worker", chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+    node = gpu.hostname
+    assert node
+
+    stack.client.regenerate(book.book_id, ["audio"], wait=False)
+    [first] = wait_for(lambda: _started(stack, book.book_id, "s1") or None, 20, what="the job started")
+    time.sleep(0.5)
+    stack.cluster.kill(gpu)  # the whole process group: nothing of that run is left to tell
+    at = time.monotonic()
+    # The same node name, as a restarted container has (the harness's readiness check knows its own names only).
+    again = stack.cluster.gpu("audio", args=["-n", node], wait=False)
+    wait_for(lambda: _state(stack, book.book_id, "s1") == "ready", BOUND, what="the pair ready again")
+    took = time.monotonic() - at
+
+    starts = _started(stack, book.book_id, "s1")
+    assert len(starts) == 2 and starts[1]["dispatch_id"] != first["dispatch_id"], starts
+    assert again.log().count(f"dispatch {first['dispatch_id']} of its previous run let go") == 1, again.tail()
+    figure(f"GPU worker SIGKILLed mid-job and started again as {node}: pair ready {took:.1f}s after the kill")

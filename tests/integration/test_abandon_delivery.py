@@ -59,3 +59,22 @@ def test_what_another_process_runs_is_never_touched(rt, tmp_path) -> None:
     assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=None) is None
     assert _lease(rt, job) == job.dispatch_id
     assert rt.redis.client.get(rt.redis.keys.running(job.dispatch_id)) == OTHER
+
+
+def test_a_node_started_again_lets_go_of_what_its_previous_run_still_held(rt, tmp_path) -> None:
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    running, ended, elsewhere = dispatched_jobs(rt, "b")
+    leases = rt.ports.leases
+    for job, holder in ((running, "audio@gpu-1#7"), (ended, "audio@gpu-1#8"), (elsewhere, "audio@gpu-2#7")):
+        assert leases.start_delivery(job.lease_pair, job.dispatch_id, holder, 120)[:2] == (True, True)
+    leases.release_lease(ended.lease_pair, ended.dispatch_id)
+    leases.end_delivery(ended.dispatch_id)
+
+    assert LeaseStore(rt.redis).abandon_node("audio@gpu-1") == [(running.dispatch_id, True)]
+    assert [_lease(rt, j) for j in (running, ended, elsewhere)] == [None, None, elsewhere.dispatch_id]
+    assert not rt.redis.client.exists(rt.redis.keys.holders("audio@gpu-1"))
+    assert rt.redis.client.smembers(rt.redis.keys.holders("audio@gpu-2")) == {"audio@gpu-2#7"}
+    assert LeaseStore(rt.redis).abandon_node("audio@gpu-1") == []  # a second start finds nothing

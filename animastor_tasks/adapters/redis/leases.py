@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
-from animastor_tasks.domain.liveness import HOLDING_ENTRY_SECONDS, UNDELIVERED_MARKER_SECONDS
+from animastor_tasks.domain.liveness import HOLDING_ENTRY_SECONDS, UNDELIVERED_MARKER_SECONDS, holder_node
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair
 
@@ -99,6 +99,7 @@ class LeaseStore:
                     keys.cancel_flag(pair[0]),
                     keys.dispatch(dispatch_id),
                     keys.holding(worker),
+                    keys.holders(holder_node(worker)),
                 ],
                 args=[dispatch_id, ttl * 1000, worker, ttl, HOLDING_ENTRY_SECONDS],
             )
@@ -121,6 +122,15 @@ class LeaseStore:
             )
         )
         return (dispatch_id, bool(dropped)) if freed else None
+
+    def abandon_node(self, node: str) -> list[tuple[str, bool]]:
+        """At a worker's start, before it runs anything: let go of what its previous run's processes still held
+        (that run was killed), as `abandon_delivery` with no redelivery. What was let go, as there."""
+        keys = self.conn.keys
+        holders: Any = self.conn.run(lambda: self.conn.client.smembers(keys.holders(node)))
+        freed = [f for holder in sorted(holders) if (f := self.abandon_delivery(holder, None)) is not None]
+        self.conn.run(lambda: self.conn.client.delete(keys.holders(node)))
+        return freed
 
     def touch_delivery(self, dispatch_id: str, ttl: int) -> None:
         self.conn.run(lambda: self.conn.client.expire(self.conn.keys.running(dispatch_id), ttl))

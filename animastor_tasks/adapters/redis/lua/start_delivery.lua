@@ -2,7 +2,8 @@
 -- has left its queue); if the dispatch still holds the pair's queued lease, the lease becomes the running
 -- job's (its TTL) and the delivery takes the dispatch's running marker unless another copy holds it.
 -- KEYS[1] lease key, KEYS[2] running marker, KEYS[3] undelivered marker, KEYS[4] the book's cancel flag,
--- KEYS[5] the dispatch's metadata hash, KEYS[6] the holder's entry (which job its process runs)
+-- KEYS[5] the dispatch's metadata hash, KEYS[6] the holder's entry (which job its process runs), KEYS[7] the
+-- holders of the holder's worker node
 -- ARGV[1] dispatch id, ARGV[2] lease ttl in ms, ARGV[3] holder (worker and process), ARGV[4] running marker
 -- ttl in s, ARGV[5] the holder entry's ttl in s
 -- returns {lease held, delivery owned, book cancelled, when the dispatch was published (nil: unknown)}
@@ -15,6 +16,8 @@ end
 if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4]) then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     redis.call('SET', KEYS[6], ARGV[1] .. '\n' .. KEYS[1], 'EX', ARGV[5])
+    redis.call('SADD', KEYS[7], ARGV[3])
+    redis.call('EXPIRE', KEYS[7], ARGV[5])
     return {1, 1, cancelled, dispatched_at}
 end
 -- Another copy holds the running marker: its lease is left as it is (renewed by that copy while it runs). A
