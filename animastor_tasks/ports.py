@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.capacity import CapacityCounts
 from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.domain.resend import FirstSending
 from animastor_tasks.domain.types import BookPair, Pair, SceneKey
 from animastor_tasks.domain.vocabulary import AssetState, Priority
 
@@ -30,6 +31,7 @@ class CommandContext:
     scenes: list[SceneKey]  # the named scenes that exist, or every scene, in reading order
     layers_raw: str | None
     replay_of: list[str]  # commands already created for this request id
+    first_sending: FirstSending | None = None  # what they were made from (with replay_of)
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,6 @@ class Commands(Protocol):
         force: bool,
         priority: Priority = Priority.NORMAL,
     ) -> NewCommands: ...
-    def commands_for_request(self, request_id: str) -> list[CommandRow]: ...
     def command_statuses(self, command_ids: Sequence[str]) -> dict[str, str]: ...
     def commands(
         self, *, book: str | None = None, command_ids: Sequence[str] | None = None, limit: int = 200

@@ -19,11 +19,13 @@ from typing import Any
 
 from animastor_tasks.domain.book import show_value, validate_id
 from animastor_tasks.domain.gate import layer_enabled, parse_layers
+from animastor_tasks.domain.resend import resend_differs
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import Pair
+from animastor_tasks.domain.vocabulary import Priority
 from animastor_tasks.errors import DuplicateCommand, InvalidCommand
 from animastor_tasks.flow import gate, page, refill, validate
-from animastor_tasks.ports import CommandRow, Ports, Snapshot
+from animastor_tasks.ports import CommandContext, CommandRow, Ports, Snapshot
 
 log = logging.getLogger("animastor.commands")
 BIG_BOOK_SCENES = 500  # active scenes (the active index) from which a regenerate does not pass the whole book
@@ -60,7 +62,7 @@ def regenerate(
     if not context.exists:
         raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
     if context.replay_of:
-        return _replay(book, request_id, ports.commands.commands(command_ids=context.replay_of))
+        return _replay(ports, context, request_id, book, wanted, force, rank)
     if named is not None:
         missing = [i for i, pair in enumerate(named) if pair not in context.scenes]
         if missing:
@@ -83,12 +85,12 @@ def regenerate(
     try:
         created = ports.commands.create_commands(book, request_id, per_stage, force, rank)
     except DuplicateCommand:
-        replayed = ports.commands.commands_for_request(request_id)
-        if not replayed:  # the id of a command that another request of several stages made
+        again = ports.catalog.command_context(book, named, request_id)  # a resend that came in meanwhile made them
+        if not again.replay_of:  # the id of a command that another request of several stages made
             raise InvalidCommand(
                 f"command_id: {request_id} is already the id of a command of another request; send a new id"
             ) from None
-        return _replay(book, request_id, replayed)
+        return _replay(ports, again, request_id, book, wanted, force, rank)
     pairs = [(c, s, stage) for stage in enabled for c, s in targets]
     # The snapshot the gate pass below needs, read after these writes in the same round trip.
     snap = ports.book_state.start_work(
@@ -156,7 +158,18 @@ def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str |
     log.info("[COMMAND] book=%r forced over %d running job(s): fenced off, told to stop", book, len(superseded))
 
 
-def _replay(book: str, request_id: str, rows: list[CommandRow]) -> dict[str, Any]:
-    if rows and rows[0].book_id != book:
+def _replay(
+    ports: Ports, context: CommandContext, request_id: str, book: str, wanted: list[str], force: bool, rank: Priority
+) -> dict[str, Any]:
+    """The commands a resend of `request_id` made, held to the request they were first made from (domain/resend.py)."""
+    first = context.first_sending
+    changed = "book_id" if first is None else resend_differs(first, book, wanted, force, rank)
+    if changed == "book_id":
         raise InvalidCommand(f"command_id: {request_id} was already used for another book")
+    if changed is not None:
+        raise InvalidCommand(
+            f"command_id: {request_id} was first sent with other {changed}; a resend must repeat its request"
+            " (send a new command_id for a new one)"
+        )
+    rows = ports.commands.commands(command_ids=context.replay_of)
     return {"commands": _describe(rows), "skipped": [], "replayed": True}

@@ -166,7 +166,7 @@ def _scene_arg(value: str) -> tuple[str, str]:
 @click.argument("book_id")
 @click.option("--stage", "stages", multiple=True, required=True, help="audio, image, ... or all")
 @click.option("--scene", "scenes", multiple=True, metavar="CH/SC", help="Only these scenes (default: whole book).")
-@click.option("--command-id", default=None, help="A UUID; resending it is a no-op.")
+@click.option("--command-id", default=None, help="A UUID; resending the same request with it is a no-op.")
 @click.option("--no-force", is_flag=True, help="Skip scenes whose ready output has the same inputs.")
 @click.option(
     "--priority",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import replace
 
@@ -63,6 +64,39 @@ def test_resending_a_command_id_is_a_no_op(rt, book) -> None:
     assert again.get("replayed") is True
     assert len(rt.ports.commands.commands(book=book)) == 1
     assert queued_messages(rt, "gpu.audio") == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"scenes": [["ch1", "s2"]]}, "other scenes"),
+        ({"scenes": [["ch1", "s1"], ["ch1", "s2"]]}, "other scenes"),
+        ({"stages": ["image"]}, "other stages (first sent for audio)"),
+        ({"force": False}, "other force (first sent with true)"),
+        ({"priority": "interactive"}, "other priority (first sent as normal)"),
+    ],
+)
+def test_a_command_id_resent_with_another_request_is_refused_and_changes_nothing(rt, book, change, needle) -> None:
+    """The id names one request. Another request under it got the first one's commands back as a replay, and its
+    own scenes, stages, force or priority were dropped without a word."""
+    cid = str(uuid.uuid4())
+    sent = {"stages": ["audio"], "scenes": [["ch1", "s1"]]}
+    regenerate_flow.regenerate(rt.ports, book, command_id=cid, **sent)
+    before = states(rt, book)
+    with pytest.raises(InvalidCommand, match=rf"command_id: {cid} was first sent with {re.escape(needle)}"):
+        regenerate_flow.regenerate(rt.ports, book, command_id=cid, **{**sent, **change})
+    assert [c.command_id for c in rt.ports.commands.commands(book=book)] == [cid]
+    assert states(rt, book) == before
+    assert queued_messages(rt, "gpu.audio") == 1 and queued_messages(rt, "gpu.image") == 0
+
+
+def test_a_resend_may_name_stages_whose_layer_made_no_command(rt, book) -> None:
+    layers_flow.set_layers(rt.ports, book, [], ["image"])
+    cid = str(uuid.uuid4())
+    first = regenerate_flow.regenerate(rt.ports, book, ["all"], command_id=cid)
+    assert [c["stage"] for c in first["commands"]] == ["audio"]
+    again = regenerate_flow.regenerate(rt.ports, book, ["audio", "image"], command_id=cid)
+    assert again["replayed"] is True and [c["command_id"] for c in again["commands"]] == [cid]
 
 
 def test_a_command_id_that_names_a_command_of_another_request_is_refused(rt, book) -> None:

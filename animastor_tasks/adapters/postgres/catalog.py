@@ -14,9 +14,10 @@ from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.book import Book
 from animastor_tasks.domain.inputs import scene_hashes
 from animastor_tasks.domain.registry import MediaRegistry
+from animastor_tasks.domain.resend import FirstSending, named_match
 from animastor_tasks.domain.targets import INPUT_CHANGED, SCENE_REMOVED
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.domain.vocabulary import AssetState, Priority
 from animastor_tasks.ports import CommandContext
 
 
@@ -43,6 +44,18 @@ _NAMED_SCENES = (
     "FROM (SELECT DISTINCT c, sc FROM unnest(%(chapters)s::text[], %(scenes)s::text[]) AS t(c, sc)) t"
     " CROSS JOIN LATERAL (SELECT k.chapter_id, k.scene_id, k.position FROM scenes k WHERE k.book_id = b.book_id"
     "  AND k.chapter_id = t.c AND k.scene_id = t.sc LIMIT 1) s"
+)
+
+# The terms a request id's commands were made from, and when scenes are named, how many targets its first command
+# has and how many of the named scenes are among them (`resend.named_match`).
+_FIRST_SENDING = (
+    "SELECT c.book_id, array_agg(c.stage), bool_and(c.force), min(c.priority), {counts}"
+    " FROM commands c WHERE c.request_id = %(request)s GROUP BY c.book_id"
+)
+_NAMED_COUNTS = (
+    "(SELECT count(*) FROM command_targets t WHERE t.command_id = %(first)s::uuid),"
+    " (SELECT count(*) FROM command_targets t WHERE t.command_id = %(first)s::uuid AND (t.chapter_id, t.scene_id)"
+    "  IN (SELECT * FROM unnest(%(chapters)s::text[], %(scenes)s::text[])))"
 )
 
 
@@ -157,9 +170,17 @@ class Catalog:
             params.update(chapters=[c for c, _ in named], scenes=[sc for _, sc in named])
         with self.db.read() as conn:
             row = conn.execute(_COMMAND_CONTEXT.format(scenes=scenes), params).fetchone()
-        if row is None:
-            return CommandContext(False, [], None, [])
-        return CommandContext(True, [(c, sc) for c, sc in row[2]], row[0], list(row[1]))
+            if row is None:
+                return CommandContext(False, [], None, [])
+            first = None
+            if row[1]:  # a resend: what the first sending was, to hold this one to it
+                counts = "NULL, NULL" if named is None else _NAMED_COUNTS
+                terms = conn.execute(_FIRST_SENDING.format(counts=counts), {**params, "first": row[1][0]}).fetchone()
+                if terms is not None:
+                    book, stages, force, priority, stored, found = terms
+                    same = None if named is None else named_match(stored, named, found)
+                    first = FirstSending(book, frozenset(stages), force, Priority(priority), same)
+        return CommandContext(True, [(c, sc) for c, sc in row[2]], row[0], list(row[1]), first)
 
     def book_exists(self, book_id: str) -> bool:
         with self.db.read() as conn:

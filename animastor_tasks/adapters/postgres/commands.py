@@ -134,11 +134,6 @@ class CommandStore:
             ) from err
         return NewCommands(created, superseded)
 
-    def commands_for_request(self, request_id: str) -> list[CommandRow]:
-        with self.db.read() as conn:
-            ids = [r[0] for r in conn.execute("SELECT command_id FROM commands WHERE request_id = %s", (request_id,))]
-        return self.commands(command_ids=[str(i) for i in ids]) if ids else []
-
     def command_statuses(self, command_ids: Sequence[str]) -> dict[str, str]:
         """Each command's status, by its key alone (`commands` counts the states of all its targets)."""
         with self.db.read() as conn:
