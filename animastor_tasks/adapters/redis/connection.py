@@ -20,6 +20,7 @@ from animastor_tasks.domain.keys import Keyspace
 from animastor_tasks.errors import StoreUnavailable
 
 T = TypeVar("T")
+CLOCK_CHECK_SECONDS = 60.0  # how often a process measures its clock's offset to the server's (`server_time`)
 
 
 def _script(name: str) -> str:
@@ -46,6 +47,7 @@ class RedisConnection:
         # heartbeats) may have lapsed meanwhile only because they could not reach it either.
         self.recovered_at = float("-inf")
         self._unreachable = False
+        self._clock_offset, self._clock_checked = 0.0, float("-inf")  # `server_time`
 
     @contextmanager
     def errors(self) -> Iterator[None]:
@@ -90,6 +92,19 @@ class RedisConnection:
             own = self.client.pipeline(transaction=False)
             yield own
             own.execute()
+
+    def server_time(self) -> float:
+        """Now by the Redis server's clock: what expiries that other hosts read are scored by (heartbeats), so that a
+        host whose clock is off neither reads as gone (its stage BLOCKED) nor lingers once dead. This process's
+        offset to that clock is measured (one TIME round trip) at first use and once a minute after."""
+        if time.monotonic() >= self._clock_checked + CLOCK_CHECK_SECONDS:
+            with self.errors():
+                before = time.time()
+                seconds, micros = self.client.time()
+                after = time.time()
+            self._clock_offset = seconds + micros / 1e6 - (before + after) / 2
+            self._clock_checked = time.monotonic()
+        return time.time() + self._clock_offset
 
     def ping(self) -> None:
         self.run(self.client.ping)

@@ -1,7 +1,8 @@
 """Consumer presence: each worker's heartbeat per queue, with a TTL, and the live count a
 dispatch trusts.
 
-A heartbeat writes `hostname -> expiry` into one sorted set per queue; a clean stop
+A heartbeat writes `hostname -> expiry` into one sorted set per queue, by the Redis server's clock (hosts'
+clocks differ; every reader of a heartbeat judges it by that clock too); a clean stop
 removes it, a SIGKILLed worker's entry expires within one TTL. On AMQP the broker's own
 count may only lower it: a zero there wins (a killed worker's connection closes at once),
 but a count above zero never stands in for missing heartbeats. A worker cut off by a
@@ -11,7 +12,6 @@ timeout; its heartbeats have stopped, so it is not live.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 
 from animastor_tasks.adapters.broker_probe import amqp_consumer_counts
@@ -24,7 +24,7 @@ class PresenceStore:
         self.amqp_url = amqp_url
 
     def heartbeat(self, hostname: str, queues: Iterable[str], ttl: float, gone: Iterable[str] = ()) -> None:
-        expires = time.time() + ttl
+        expires = self.conn.server_time() + ttl  # the server's clock: its readers run on other hosts
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             for queue in queues:
@@ -34,8 +34,9 @@ class PresenceStore:
             pipe.execute()
 
     def live_consumers(self, queues: Sequence[str], now: float | None = None) -> dict[str, dict[str, float]]:
-        """{queue: {hostname: heartbeat expiry}} for consumers whose heartbeat is still live."""
-        now = time.time() if now is None else now
+        """{queue: {hostname: heartbeat expiry}} for consumers whose heartbeat is still live; expiries and `now` by
+        the Redis server's clock (`RedisConnection.server_time`)."""
+        now = self.conn.server_time() if now is None else now
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             for queue in queues:

@@ -134,8 +134,9 @@ class BookStateStore:
         keys = self.conn.keys
         pipe.setnx(keys.epoch(), uuid.uuid4().hex)
         pipe.get(keys.epoch())
+        beats_after = self.conn.server_time()  # heartbeats are scored by the server's clock, not the pass's `now`
         for queue in queues:
-            pipe.zcount(keys.consumers(queue), f"({now}", "+inf")
+            pipe.zcount(keys.consumers(queue), f"({beats_after}", "+inf")
             pipe.exists(keys.breaker(queue))
             pipe.zrange(keys.lane_waiters(queue), 0, max(waiters, 1) - 1)
 

@@ -1,0 +1,43 @@
+"""Heartbeats are judged by the Redis server's clock, so a GPU host whose clock is off is neither taken for gone
+(its stage BLOCKED as `no_worker`) nor kept alive after it died. Each "host" is a connection of its own, as a
+separate machine has; a host's clock being off is its `time.time` shifted while it writes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from animastor_tasks.adapters.redis.connection import RedisConnection
+from animastor_tasks.adapters.redis.presence import PresenceStore
+from animastor_tasks.worker.wiring import Wiring
+
+TTL = 6.0
+
+
+@contextmanager
+def clock_off_by(monkeypatch: pytest.MonkeyPatch, seconds: float) -> Iterator[None]:
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + seconds)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(time, "time", real)
+
+
+@pytest.mark.parametrize("off", [-30.0, 30.0])
+def test_a_host_whose_clock_is_off_counts_as_live_for_its_ttl_and_no_longer(rt: Wiring, monkeypatch, off) -> None:
+    host = RedisConnection(rt.settings.redis_url, rt.redis.keys)
+    try:
+        with clock_off_by(monkeypatch, off):
+            PresenceStore(host).heartbeat("audio@skewed", ["gpu.audio"], TTL)
+        assert rt.presence.counts(["gpu.audio"]) == {"gpu.audio": 1}
+        [expiry] = rt.presence.live_consumers(["gpu.audio"])["gpu.audio"].values()
+        assert abs(expiry - (rt.redis.server_time() + TTL)) < 1.0
+        assert rt.ports.book_state.book_snapshots(["b"], time.time(), ["gpu.audio"])["b"].consumers == {"gpu.audio": 1}
+        # Gone once its TTL has passed by the server's clock, whatever the host's clock said.
+        assert rt.presence.live_consumers(["gpu.audio"], rt.redis.server_time() + TTL + 0.1) == {"gpu.audio": {}}
+    finally:
+        host.close()
