@@ -60,9 +60,9 @@ def queued_lease_ttl() -> int:
     return QUEUED_LEASE_SECONDS
 
 
-#: How long a worker process's entry saying which job it runs lives: longer than any one job (a job's hard time
+#: How long a worker process's entry saying which job it runs lives: a day, far longer than a job's hard time
 #: limit); an entry left behind is harmless, since whatever it names is only ever removed while still held.
-HOLDING_ENTRY_SECONDS = 6 * 3600
+HOLDING_ENTRY_SECONDS = 24 * 3600
 
 
 def delivery_holder(worker: str, pid: int) -> str:

@@ -7,10 +7,11 @@ to `lease_ttl` (120 s by default) before the tick takes it over: a GPU idle whil
 
 The main process knows which pool process died (`Request.worker_pid`), and each process leaves an entry
 naming the job it runs (`liveness.delivery_holder`; a job kept to follow in the same task too, which has no
-message of its own). So, before Celery requeues or acknowledges the message:
+message of its own). So, as Celery reports the death (before it requeues the message):
 
-- the job the message names gives up its running marker and keeps its lease: the redelivery, at the head of
-  the queue, runs it again at once;
+- the job the message names gives up its running marker, and its lease becomes a queued lease again (the
+  message goes back into its queue, behind any backlog there): its redelivery runs it, at once where nothing
+  waits before it;
 - any other job (kept to follow, or a message Celery acknowledges, as after a hard time limit) gives up its
   lease as well, and the tick takes the pair over within one tick.
 
@@ -20,13 +21,15 @@ fails after `ANIMASTOR_WORKER_LOST_LIMIT` starts.
 A worker killed whole (SIGKILL after a deployment's grace period, a container restarted) that starts again
 under the same node name lets go, before it runs anything, of the jobs its previous run still held: their
 leases are dropped and the tick takes the pairs over, rather than the lane's slots waiting for those leases to
-lapse. (Node names are unique, as Celery requires; a second live worker under the same name would have its
-jobs fenced off.) One that never comes back is covered by its leases lapsing, as before.
+lapse. A heartbeat of the name still live is watched for one beat first: a name that beats again is another
+live worker's, whose jobs are left alone. One that never comes back is covered by its leases lapsing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -35,9 +38,11 @@ from celery.worker.request import Request
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.adapters.redis.leases import LeaseStore
+from animastor_tasks.adapters.redis.presence import PresenceStore
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.keys import Keyspace
 from animastor_tasks.domain.liveness import delivery_holder
+from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import StoreUnavailable
 
 log = logging.getLogger("animastor.generate")
@@ -52,50 +57,79 @@ class GenerateRequest(Request):
         exc = exc_info.exception
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
-        if isinstance(exc, _PROCESS_GONE) and self.worker_pid:
+        if isinstance(exc, _PROCESS_GONE) and self._in_pool_process():
             let_go(self.hostname, self.worker_pid, redelivered=self.kwargs.get("dispatch_id"))
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        if not soft and self.worker_pid:  # the process is killed and the message acknowledged: nothing redelivers it
+        if not soft and self._in_pool_process():  # the process is being killed; its message is acknowledged
             let_go(self.hostname, self.worker_pid, redelivered=None)
         super().on_timeout(soft, timeout)
+
+    def _in_pool_process(self) -> bool:
+        """The job ran in a pool process of its own (not in this one: a solo or threads pool)."""
+        return bool(self.worker_pid) and self.worker_pid != os.getpid()
+
+
+def _connection(settings: Settings) -> RedisConnection:
+    """A short-lived connection of the main process's own: none is shared with the threads of the worker's
+    wiring, none crosses a pool fork, and an unreachable Redis holds the worker's event loop one second."""
+    return RedisConnection(settings.redis_url, Keyspace(settings.key_prefix), socket_timeout=1.0)
 
 
 def let_go(worker: str, pid: int, redelivered: str | None) -> None:
     """Free what the dead process `pid` of `worker` held. Never raises: the lease's lapse still frees it."""
-    from animastor_tasks.worker import wiring
+    from animastor_tasks.worker.app import settings
 
     holder = delivery_holder(worker, pid)
+    conn = _connection(settings)
     try:
-        freed = LeaseStore(wiring.current().redis).abandon_delivery(holder, redelivered)
+        freed = LeaseStore(conn).abandon_delivery(holder, redelivered)
     except StoreUnavailable as err:
         log.warning("[GENERATE] pool process %s died; its job is left to its lease: %s", holder, err)
         return
     except Exception:
         log.exception("[GENERATE] pool process %s died; its job is left to its lease", holder)
         return
+    finally:
+        conn.close()
     if freed is None:
         return
     dispatch_id, dropped = freed
-    then = "the tick takes its pair over" if dropped else "its redelivery runs it again"
+    then = "the tick takes its pair over" if dropped else "its message, back in its queue, runs it again"
     log.warning("[GENERATE] pool process %s died running dispatch %s; %s", holder, dispatch_id, then)
 
 
 def let_go_of_previous_run(settings: Settings, node: str) -> None:
     """`worker_init`, in the main process before any pool process starts: free what the previous run of this
-    node still held. On a connection of its own, closed again, so that none crosses the pool's fork."""
-    conn = RedisConnection(settings.redis_url, Keyspace(settings.key_prefix))
+    node still held. A heartbeat of the name still live (a run killed moments ago) is watched for one beat
+    first: one that beats again is another live worker under the same name, whose jobs are left alone."""
+    conn = _connection(settings)
     try:
+        last = _last_beat(conn, settings, node)
+        if last is not None:
+            time.sleep(settings.presence_ttl_seconds / 3 + 0.5)  # a live worker beats every TTL/3
+            again = _last_beat(conn, settings, node)
+            if again is not None and again > last:
+                log.warning(
+                    "[WORKER] another worker runs as %s: its jobs are left alone (give each its own name)", node
+                )
+                return
         freed = LeaseStore(conn).abandon_node(node)
     except StoreUnavailable as err:
         log.warning("[WORKER] %s: what a previous run held is left to its leases: %s", node, err)
         return
     finally:
-        conn.client.close()
+        conn.close()
     for dispatch_id, _ in freed:
         log.warning(
             "[WORKER] %s started again: dispatch %s of its previous run let go; the tick takes it over",
             node,
             dispatch_id,
         )
+
+
+def _last_beat(conn: RedisConnection, settings: Settings, node: str) -> float | None:
+    """When the live heartbeat of `node` expires (the latest over the queues it advertises), None if none is live."""
+    live = PresenceStore(conn).live_consumers([CONTROL_QUEUE, *settings.registry.queues()])
+    return max((beats[node] for beats in live.values() if node in beats), default=None)

@@ -31,9 +31,9 @@ LEASE_TTL = 120  # the default: what a pair would wait for without the main proc
 BOUND = 15.0  # seconds from the kill to the pair ready again: a tick (1 s here) and a 2 s job, with room
 
 
-def _stack(make_stack: Any, **audio: Any) -> tuple[Stack, Proc]:
+def _stack(make_stack: Any, params: dict[str, Any] = SLOW, **audio: Any) -> tuple[Stack, Proc]:
     stack = make_stack(
-        stages=stage_table(audio=audio_stage(params=SLOW, lease_ttl=LEASE_TTL, **audio), image=image_stage()),
+        stages=stage_table(audio=audio_stage(params=params, lease_ttl=LEASE_TTL, **audio), image=image_stage()),
         presence_ttl_seconds=10,  # a pool process's death must not read as the worker gone
     )
     cluster = stack.cluster
@@ -77,7 +77,7 @@ def test_a_job_whose_pool_process_dies_is_redelivered_and_runs_again_at_once(mak
     assert starts[0]["dispatch_id"] == starts[1]["dispatch_id"], "the redelivered message ran, not a new dispatch"
     assert [s["detail"]["lost_starts"] for s in starts] == [0, 1]
     assert not stack.cluster.logs_mentioning("duplicate delivery")
-    assert gpu.log().count("its redelivery runs it again") == 1, gpu.tail()
+    assert gpu.log().count("its message, back in its queue, runs it again") == 1, gpu.tail()
     assert gpu.alive()
     figure(f"pool process {killed} SIGKILLed mid-job: ready again {took:.1f}s later (lease_ttl {LEASE_TTL} s)")
 
@@ -126,3 +126,18 @@ def test_a_worker_killed_whole_and_started_again_lets_go_of_its_previous_runs_jo
     assert len(starts) == 2 and starts[1]["dispatch_id"] != first["dispatch_id"], starts
     assert again.log().count(f"dispatch {first['dispatch_id']} of its previous run let go") == 1, again.tail()
     figure(f"GPU worker SIGKILLed mid-job and started again as {node}: pair ready {took:.1f}s after the kill")
+
+
+def test_a_second_live_worker_under_the_same_name_leaves_the_first_ones_job_alone(make_stack, figure) -> None:
+    stack, gpu = _stack(make_stack, params={"steps": 12, "step_seconds": 1.0})  # still running when the twin decides
+    book = make_book("same-name", chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+    stack.client.regenerate(book.book_id, ["audio"], wait=False)
+    [first] = wait_for(lambda: _started(stack, book.book_id, "s1") or None, 20, what="the job started")
+    twin = stack.cluster.gpu("audio", args=["-n", gpu.hostname], wait=False)  # a misconfigured second worker
+    wait_for(lambda: "another worker runs as" in twin.log() or None, 20, what="the twin to see the live name")
+    assert _state(stack, book.book_id, "s1") == "generating"  # the twin decided while the job ran
+    wait_for(lambda: _state(stack, book.book_id, "s1") == "ready", 30, what="the first worker's job ready")
+    assert _started(stack, book.book_id, "s1") == [first]  # never taken over, never run again
+    assert "of its previous run let go" not in twin.log()
+    figure("a second worker started under a live worker's name: its job left alone, ready after one start")

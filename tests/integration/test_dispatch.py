@@ -126,6 +126,26 @@ def test_capacity_outcomes_defer_sixty_seconds_and_completion_frees_them(rt) -> 
     assert all(55 < score - time.time() <= 60 for _, score in deferred)
 
 
+def test_a_commit_sent_again_after_it_landed_is_answered_as_committed(rt) -> None:
+    """A commit whose answer was lost with its connection (a failover) is sent again by its job. The pair is
+    `ready` already, so the compare matched nothing, and the job called its own committed output discarded:
+    reported `fence_rejected`, its freed slot never handed on."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    with rt.db.transaction() as conn:
+        token, dispatch_id = conn.execute(
+            "SELECT fencing_token, dispatch_id FROM asset_states WHERE book_id = 'b' AND stage = 'audio'"
+        ).fetchone()
+    artifact = fake_artifact("a")
+    pair = ("ch1", "s1", "audio")
+    assert rt.ports.jobs.commit_job("b", pair, token, dispatch_id, artifact, "gpu.audio")
+    assert rt.ports.jobs.commit_job("b", pair, token, dispatch_id, artifact, "gpu.audio")
+    with rt.db.transaction() as conn:
+        assert conn.execute("SELECT count(*) FROM artifacts WHERE dispatch_id = %s", (dispatch_id,)).fetchone() == (1,)
+    assert not rt.ports.jobs.commit_job("b", pair, token, "another-dispatch", fake_artifact("b"), "gpu.audio")
+
+
 def test_already_completed_is_idempotent_without_force(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     advertise(rt, "gpu.audio")

@@ -80,7 +80,8 @@ class JobStore:
     def commit_job(
         self, book: str, pair: Pair, token: int, dispatch_id: str, artifact: dict[str, Any], lane: str
     ) -> bool:
-        """`generating -> ready` + the artifact row, only if the token is still current.
+        """`generating -> ready` + the artifact row, only if the token is still current; True too when this
+        dispatch's commit is already in (a commit sent again).
 
         The pair keeps the hash of the input its media was made from (`artifact["input_hash"]`, read at the
         job's start), not the scene's hash now: a scene re-imported while its job ran stays stale (a regenerate
@@ -112,7 +113,10 @@ class JobStore:
                 settle_commands(conn, book, pair)
             if not committed.rowcount:
                 conn.rollback()
-                return False
+                # This very commit may have landed already, its answer lost with its connection (a retry after a
+                # failover, `flow.job.commit_when_reachable`): the dispatch's artifact row says so.
+                landed = conn.execute("SELECT 1 FROM artifacts WHERE dispatch_id = %s", (dispatch_id,)).fetchone()
+                return landed is not None
         return True
 
     def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool:
