@@ -50,7 +50,8 @@ class StageSpec:
 
     @property
     def fingerprint(self) -> str:
-        """Generator and parameters: part of the input hash, so changing either reruns the stage."""
+        """Generator and parameters: part of the input hash, so a book imported after either changed has its ready
+        media of the stage marked stale (a regenerate without force makes it again); until then, nothing changes."""
         return json.dumps([self.generator, dict(self.params)], sort_keys=True, separators=(",", ":"))
 
 
