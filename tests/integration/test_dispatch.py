@@ -126,17 +126,22 @@ def test_capacity_outcomes_defer_sixty_seconds_and_completion_frees_them(rt) -> 
     assert all(55 < score - time.time() <= 60 for _, score in deferred)
 
 
-def test_a_commit_sent_again_after_it_landed_is_answered_as_committed(rt) -> None:
-    """A commit whose answer was lost with its connection (a failover) is sent again by its job. The pair is
-    `ready` already, so the compare matched nothing, and the job called its own committed output discarded:
-    reported `fence_rejected`, its freed slot never handed on."""
+def _one_audio_job(rt) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    """Book "b" of one scene, its audio regenerated: the dispatched job's token and dispatch id."""
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     with rt.db.transaction() as conn:
-        token, dispatch_id = conn.execute(
+        return conn.execute(
             "SELECT fencing_token, dispatch_id FROM asset_states WHERE book_id = 'b' AND stage = 'audio'"
         ).fetchone()
+
+
+def test_a_commit_sent_again_after_it_landed_is_answered_as_committed(rt) -> None:
+    """A commit whose answer was lost with its connection (a failover) is sent again by its job. The pair is
+    `ready` already, so the compare matched nothing, and the job called its own committed output discarded:
+    reported `fence_rejected`, its freed slot never handed on."""
+    token, dispatch_id = _one_audio_job(rt)
     artifact = fake_artifact("a")
     pair = ("ch1", "s1", "audio")
     assert rt.ports.jobs.commit_job("b", pair, token, dispatch_id, artifact, "gpu.audio")
@@ -387,13 +392,7 @@ def test_cancel_sweeps_only_its_own_book(rt) -> None:
 
 
 def test_reconcile_returns_a_dead_lease_to_pending_once_and_fences_the_stale_job(rt) -> None:
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    with rt.db.transaction() as conn:
-        token, dispatch_id = conn.execute(
-            "SELECT fencing_token, dispatch_id FROM asset_states WHERE book_id = 'b' AND stage = 'audio'"
-        ).fetchone()
+    token, dispatch_id = _one_audio_job(rt)
     rt.redis.client.delete("gpu.audio")  # a worker took the job and died with it
     rt.ports.leases.drop_leases([("b", "ch1", "s1", "audio")])
     report = reconcile_flow.reconcile(rt.ports, force=True)
