@@ -9,9 +9,9 @@ The main process knows which pool process died (`Request.worker_pid`), and each 
 naming the job it runs (`liveness.delivery_holder`; a job kept to follow in the same task too, which has no
 message of its own). So, as Celery reports the death (before it requeues the message):
 
-- the job the message names gives up its running marker, and its lease becomes a queued lease again (the
-  message goes back into its queue, behind any backlog there): its redelivery runs it, at once where nothing
-  waits before it;
+- the job the message names gives up its running marker and keeps its lease: its redelivery runs it, at once
+  where nothing waits in the queue before it (on a Redis broker the message goes back behind any backlog; one
+  longer than the lease's TTL sees the tick take the pair over first, and the message then finds it gone);
 - any other job (kept to follow, or a message Celery acknowledges, as after a hard time limit) gives up its
   lease as well, and the tick takes the pair over within one tick.
 
@@ -96,7 +96,7 @@ def let_go(worker: str, pid: int, redelivered: str | None) -> None:
     if freed is None:
         return
     dispatch_id, dropped = freed
-    then = "the tick takes its pair over" if dropped else "its message, back in its queue, runs it again"
+    then = "the tick takes its pair over" if dropped else "its redelivery runs it again"
     log.warning("[GENERATE] pool process %s died running dispatch %s; %s", holder, dispatch_id, then)
 
 

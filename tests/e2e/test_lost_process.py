@@ -77,7 +77,7 @@ def test_a_job_whose_pool_process_dies_is_redelivered_and_runs_again_at_once(mak
     assert starts[0]["dispatch_id"] == starts[1]["dispatch_id"], "the redelivered message ran, not a new dispatch"
     assert [s["detail"]["lost_starts"] for s in starts] == [0, 1]
     assert not stack.cluster.logs_mentioning("duplicate delivery")
-    assert gpu.log().count("its message, back in its queue, runs it again") == 1, gpu.tail()
+    assert gpu.log().count("its redelivery runs it again") == 1, gpu.tail()
     assert gpu.alive()
     figure(f"pool process {killed} SIGKILLed mid-job: ready again {took:.1f}s later (lease_ttl {LEASE_TTL} s)")
 

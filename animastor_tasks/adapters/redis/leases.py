@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -110,7 +109,7 @@ class LeaseStore:
     def abandon_delivery(self, holder: str, redelivered: str | None) -> tuple[str, bool] | None:
         """Let go of the job a dead worker process held (`lua/abandon_delivery.lua`): (its dispatch id, whether
         its lease was dropped too), or None when it held none still running. `redelivered`: the dispatch whose
-        message the broker delivers again: its lease is a queued lease again, for that delivery to run it."""
+        message the broker delivers again, which keeps its lease as it is for that delivery to run it."""
         keys = self.conn.keys
         entry: Any = self.conn.run(lambda: self.conn.client.get(keys.holding(holder)))
         if entry is None or "\n" not in str(entry):
@@ -118,11 +117,8 @@ class LeaseStore:
         dispatch_id, lease = str(entry).split("\n", 1)
         freed, dropped = self.conn.run(
             lambda: self.conn.abandon_delivery_script(
-                keys=[keys.running(dispatch_id), lease, keys.holding(holder), keys.queued(dispatch_id)],
-                args=[
-                    *(holder, dispatch_id, stop_marker(dispatch_id), "1" if redelivered == dispatch_id else "0"),
-                    *(UNDELIVERED_MARKER_SECONDS, str(time.time())),
-                ],
+                keys=[keys.running(dispatch_id), lease, keys.holding(holder)],
+                args=[holder, dispatch_id, stop_marker(dispatch_id), "1" if redelivered == dispatch_id else "0"],
             )
         )
         return (dispatch_id, bool(dropped)) if freed else None
