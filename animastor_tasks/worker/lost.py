@@ -30,12 +30,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
 from celery.worker.request import Request
 
+from animastor_tasks.adapters.redis import counters
 from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.adapters.redis.leases import LeaseStore
 from animastor_tasks.adapters.redis.presence import PresenceStore
@@ -85,6 +87,7 @@ def let_go(worker: str, pid: int, redelivered: str | None) -> None:
     conn = _connection(settings)
     try:
         freed = LeaseStore(conn).abandon_delivery(holder, redelivered)
+        _count(conn, [freed] if freed else [])
     except StoreUnavailable as err:
         log.warning("[GENERATE] pool process %s died; its job is left to its lease: %s", holder, err)
         return
@@ -95,7 +98,7 @@ def let_go(worker: str, pid: int, redelivered: str | None) -> None:
         conn.close()
     if freed is None:
         return
-    dispatch_id, dropped = freed
+    dispatch_id, _, dropped = freed
     then = "the tick takes its pair over" if dropped else "its redelivery runs it again"
     log.warning("[GENERATE] pool process %s died running dispatch %s; %s", holder, dispatch_id, then)
 
@@ -116,17 +119,24 @@ def let_go_of_previous_run(settings: Settings, node: str) -> None:
                 )
                 return
         freed = LeaseStore(conn).abandon_node(node)
+        _count(conn, freed)
     except StoreUnavailable as err:
         log.warning("[WORKER] %s: what a previous run held is left to its leases: %s", node, err)
         return
     finally:
         conn.close()
-    for dispatch_id, _ in freed:
+    for dispatch_id, _, _ in freed:
         log.warning(
             "[WORKER] %s started again: dispatch %s of its previous run let go; the tick takes it over",
             node,
             dispatch_id,
         )
+
+
+def _count(conn: RedisConnection, freed: list[tuple[str, str, bool]]) -> None:
+    """`job:process_lost:<stage>` for the exporter."""
+    if freed:
+        counters.add_now(conn, Counter(f"job:process_lost:{stage}" for _, stage, _ in freed))
 
 
 def _last_beat(conn: RedisConnection, settings: Settings, node: str) -> float | None:

@@ -79,6 +79,7 @@ def test_a_job_whose_pool_process_dies_is_redelivered_and_runs_again_at_once(mak
     assert not stack.cluster.logs_mentioning("duplicate delivery")
     assert gpu.log().count("its redelivery runs it again") == 1, gpu.tail()
     assert gpu.alive()
+    assert stack.rt.redis.client.hget(stack.rt.redis.keys.metrics(), "job:process_lost:audio") == "1"
     figure(f"pool process {killed} SIGKILLed mid-job: ready again {took:.1f}s later (lease_ttl {LEASE_TTL} s)")
 
 

@@ -33,7 +33,7 @@ def test_the_redelivered_job_keeps_its_lease_as_it_is_and_its_redelivery_runs(rt
     """Never a longer lease: the process may have died after its job committed, before it released the lease,
     and Celery then acknowledges the message instead of redelivering it (the task's success was stored)."""
     job = _started_job(rt, tmp_path)
-    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=job.dispatch_id) == (job.dispatch_id, False)
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=job.dispatch_id) == (job.dispatch_id, "audio", False)
     assert _lease(rt, job) == job.dispatch_id
     assert 0 < rt.redis.client.ttl(rt.redis.keys.lease(*job.lease_pair)) <= 120
     assert rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, OTHER, 120)[:2] == (True, True)
@@ -42,7 +42,7 @@ def test_the_redelivered_job_keeps_its_lease_as_it_is_and_its_redelivery_runs(rt
 
 def test_a_job_no_message_will_bring_back_gives_up_its_lease(rt, tmp_path) -> None:
     job = _started_job(rt, tmp_path)
-    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered="another-dispatch") == (job.dispatch_id, True)
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered="another-dispatch") == (job.dispatch_id, "audio", True)
     assert _lease(rt, job) is None
     assert not rt.redis.client.exists(rt.redis.keys.running(job.dispatch_id))
 
@@ -50,7 +50,7 @@ def test_a_job_no_message_will_bring_back_gives_up_its_lease(rt, tmp_path) -> No
 def test_a_fenced_jobs_stop_marker_goes_even_when_its_message_comes_back(rt, tmp_path) -> None:
     job = _started_job(rt, tmp_path)
     rt.redis.client.set(rt.redis.keys.lease(*job.lease_pair), stop_marker(job.dispatch_id))
-    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=job.dispatch_id) == (job.dispatch_id, True)
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=job.dispatch_id) == (job.dispatch_id, "audio", True)
     assert _lease(rt, job) is None
 
 
@@ -76,7 +76,7 @@ def test_a_node_started_again_lets_go_of_what_its_previous_run_still_held(rt, tm
     leases.release_lease(ended.lease_pair, ended.dispatch_id)
     leases.end_delivery(ended.dispatch_id)
 
-    assert LeaseStore(rt.redis).abandon_node("audio@gpu-1") == [(running.dispatch_id, True)]
+    assert LeaseStore(rt.redis).abandon_node("audio@gpu-1") == [(running.dispatch_id, "audio", True)]
     assert [_lease(rt, j) for j in (running, ended, elsewhere)] == [None, None, elsewhere.dispatch_id]
     assert not rt.redis.client.exists(rt.redis.keys.holders("audio@gpu-1"))
     assert rt.redis.client.smembers(rt.redis.keys.holders("audio@gpu-2")) == {"audio@gpu-2#7"}

@@ -131,6 +131,16 @@ class CounterStore:
         return {str(k): str(v) for k, v in raw.items()}
 
 
+def add_now(conn: RedisConnection, counts: Mapping[str, int]) -> None:
+    """Add `counts` to the hash at once, in one round trip, with no store or writer thread: for the rare count
+    of a process that keeps none (a worker's main process, before and between its pool's forks)."""
+    with conn.errors():
+        pipe = conn.client.pipeline(transaction=False)
+        for name, n in counts.items():
+            pipe.hincrby(conn.keys.metrics(), name, n)
+        pipe.execute()
+
+
 def flush_all(**_: object) -> None:
     """What this process holds goes out before it leaves: at exit, and on `worker_process_shutdown` (a prefork
     child leaves by `os._exit`, past any atexit hook)."""

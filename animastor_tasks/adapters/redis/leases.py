@@ -106,9 +106,9 @@ class LeaseStore:
         )
         return bool(held), bool(owned), bool(cancelled), _seconds(published)
 
-    def abandon_delivery(self, holder: str, redelivered: str | None) -> tuple[str, bool] | None:
-        """Let go of the job a dead worker process held (`lua/abandon_delivery.lua`): (its dispatch id, whether
-        its lease was dropped too), or None when it held none still running. `redelivered`: the dispatch whose
+    def abandon_delivery(self, holder: str, redelivered: str | None) -> tuple[str, str, bool] | None:
+        """Let go of the job a dead worker process held (`lua/abandon_delivery.lua`): (its dispatch id, its stage,
+        whether its lease was dropped too), or None when it held none still running. `redelivered`: the dispatch whose
         message the broker delivers again, which keeps its lease as it is for that delivery to run it."""
         keys = self.conn.keys
         entry: Any = self.conn.run(lambda: self.conn.client.get(keys.holding(holder)))
@@ -121,9 +121,9 @@ class LeaseStore:
                 args=[holder, dispatch_id, stop_marker(dispatch_id), "1" if redelivered == dispatch_id else "0"],
             )
         )
-        return (dispatch_id, bool(dropped)) if freed else None
+        return (dispatch_id, keys.parse_lease(lease)[3], bool(dropped)) if freed else None
 
-    def abandon_node(self, node: str) -> list[tuple[str, bool]]:
+    def abandon_node(self, node: str) -> list[tuple[str, str, bool]]:
         """At a worker's start, before it runs anything: let go of what its previous run's processes still held
         (that run was killed), as `abandon_delivery` with no redelivery. What was let go, as there."""
         keys = self.conn.keys
