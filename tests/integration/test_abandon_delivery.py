@@ -42,7 +42,11 @@ def test_the_redelivered_job_keeps_its_lease_as_it_is_and_its_redelivery_runs(rt
 
 def test_a_job_no_message_will_bring_back_gives_up_its_lease(rt, tmp_path) -> None:
     job = _started_job(rt, tmp_path)
-    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered="another-dispatch") == (job.dispatch_id, "audio", True)
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered="another-dispatch") == (
+        job.dispatch_id,
+        "audio",
+        True,
+    )
     assert _lease(rt, job) is None
     assert not rt.redis.client.exists(rt.redis.keys.running(job.dispatch_id))
 

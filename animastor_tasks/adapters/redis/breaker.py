@@ -1,11 +1,10 @@
 """The circuit breaker per queue: N consecutive failures open it; after a cool-down one
 test permit is handed out (half-open); its success closes it. The moves are Lua scripts,
-so concurrent dispatchers never hand out two permits.
+so concurrent dispatchers never hand out two permits. Times go by the Redis server's clock: a GPU host
+records the failures that a control host on another clock reads the breaker by.
 """
 
 from __future__ import annotations
-
-import time
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
 
@@ -17,7 +16,7 @@ class BreakerStore:
 
     def breaker_acquire(self, queue: str, permit_seconds: float) -> str:
         key = self.conn.keys.breaker(queue)
-        now = time.time()
+        now = self.conn.server_time()
         permit = repr(now + permit_seconds)
         state = str(
             self.conn.run(lambda: self.conn.breaker_acquire_script(keys=[key], args=[now, permit_seconds, permit]))
@@ -37,7 +36,7 @@ class BreakerStore:
     def breaker_record(self, queue: str, ok: bool, threshold: int, cooldown: float, *, run: bool = False) -> str:
         """`run`: the result of a job's run (else of a publish); a publish success never clears run failures."""
         key = self.conn.keys.breaker(queue)
-        args = ["ok" if ok else "fail", time.time(), threshold, cooldown, "run" if run else "publish"]
+        args = ["ok" if ok else "fail", self.conn.server_time(), threshold, cooldown, "run" if run else "publish"]
         return str(self.conn.run(lambda: self.conn.breaker_record_script(keys=[key], args=args)))
 
     def breaker_state(self, queue: str) -> str:
@@ -45,4 +44,4 @@ class BreakerStore:
         open_until = float(raw.get("open_until", 0) or 0)
         if open_until == 0:
             return "closed"
-        return "open" if time.time() < open_until else "half-open"
+        return "open" if self.conn.server_time() < open_until else "half-open"

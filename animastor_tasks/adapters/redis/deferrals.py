@@ -6,7 +6,6 @@ A deferred pair costs a gate pass nothing but its share of the one snapshot read
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
@@ -85,6 +84,7 @@ class DeferralStore:
             self.conn.keys.deferrals(exclude, DeferralBucket.CAPACITY) if requeue_from and exclude else "",
             self.conn.keys.breaker(queue),
         ]
-        args: list[str | float] = [count, exclude or "", time.time(), RANK_SCALE, priority_rank(Priority.NORMAL)]
+        now = self.conn.server_time()  # the breaker's `open_until` is by the server's clock
+        args: list[str | float] = [count, exclude or "", now, RANK_SCALE, priority_rank(Priority.NORMAL)]
         taken = self.conn.run(lambda: self._take(keys=keys, args=args))
         return [str(b) for b in taken]

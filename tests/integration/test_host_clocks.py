@@ -1,5 +1,6 @@
-"""Heartbeats are judged by the Redis server's clock, so a GPU host whose clock is off is neither taken for gone
-(its stage BLOCKED as `no_worker`) nor kept alive after it died. Each "host" is a connection of its own, as a
+"""What one host writes by time and another reads (heartbeats, the circuit breaker) goes by the Redis server's
+clock, so a GPU host whose clock is off is neither taken for gone (its stage BLOCKED as `no_worker`) nor kept
+alive after it died, and its breaker holds for its cool-down. Each "host" is a connection of its own, as a
 separate machine has; a host's clock being off is its `time.time` shifted while it writes."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from animastor_tasks.adapters.redis.breaker import BreakerStore
 from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.adapters.redis.presence import PresenceStore
 from animastor_tasks.worker.wiring import Wiring
@@ -39,5 +41,30 @@ def test_a_host_whose_clock_is_off_counts_as_live_for_its_ttl_and_no_longer(rt: 
         assert rt.ports.book_state.book_snapshots(["b"], time.time(), ["gpu.audio"])["b"].consumers == {"gpu.audio": 1}
         # Gone once its TTL has passed by the server's clock, whatever the host's clock said.
         assert rt.presence.live_consumers(["gpu.audio"], rt.redis.server_time() + TTL + 0.1) == {"gpu.audio": {}}
+    finally:
+        host.close()
+
+
+def test_a_breaker_a_host_with_its_clock_behind_opens_holds_for_its_cooldown(rt: Wiring, monkeypatch) -> None:
+    """Scored by the GPU host's clock, 60 s behind, a 30 s cool-down was over before it began: the control
+    host handed out a test permit at once, to a backend that had just failed."""
+    host = RedisConnection(rt.settings.redis_url, rt.redis.keys)
+    try:
+        with clock_off_by(monkeypatch, -60.0):
+            assert BreakerStore(host).breaker_record("gpu.audio", False, 1, 30.0, run=True) == "open"
+        assert rt.breaker.breaker_state("gpu.audio") == "open"
+        assert rt.breaker.breaker_acquire("gpu.audio", 5.0) == "open"
+    finally:
+        host.close()
+
+
+def test_a_breaker_a_host_with_its_clock_ahead_opens_ends_with_its_cooldown(rt: Wiring, monkeypatch) -> None:
+    host = RedisConnection(rt.settings.redis_url, rt.redis.keys)
+    try:
+        with clock_off_by(monkeypatch, 60.0):
+            assert BreakerStore(host).breaker_record("gpu.audio", False, 1, 0.5, run=True) == "open"
+        time.sleep(0.6)
+        assert rt.breaker.breaker_state("gpu.audio") == "half-open"
+        assert rt.breaker.breaker_acquire("gpu.audio", 5.0) == "permit"
     finally:
         host.close()
