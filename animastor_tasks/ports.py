@@ -8,6 +8,7 @@ A port method does one thing a flow needs; it never hands out a driver's client.
 from __future__ import annotations
 
 import collections.abc
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -19,8 +20,6 @@ from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.resend import FirstSending
 from animastor_tasks.domain.types import BookPair, Pair, SceneKey
 from animastor_tasks.domain.vocabulary import AssetState, Priority
-
-# -- records -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -398,3 +397,4 @@ class Ports:
     queue_probe: QueueProbe
     artifacts: ArtifactStore
     generators: Generators
+    clock: Callable[[], float] = time.time  # now, for times other hosts read; wiring: the Redis server's clock

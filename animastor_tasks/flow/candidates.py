@@ -68,7 +68,7 @@ def _rounds(
     queues = ports.settings.registry.queues()
     read = 0
     for _ in range(MAX_ROUNDS):
-        started, now = time.monotonic(), time.time()
+        started, now = time.monotonic(), ports.clock()
         rows = ports.assets.gate_candidates(book, [s.name for s in specs], limit)
         if rows is None:
             return None, False
@@ -93,7 +93,7 @@ def _rounds(
             ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
         # A denied candidate asks for the book's full pass now (it releases the pair); a deferral written here
         # brings the next pass forward. Never removed here: the pairs this read left out still wait.
-        due = time.time() if report.denied else min(result.deferred_until.values(), default=None)
+        due = ports.clock() if report.denied else min(result.deferred_until.values(), default=None)
         if due is not None:
             page.write_due(ports, book, due, snap.due_at)
         if report.denied or fetched < limit:

@@ -76,7 +76,7 @@ def _gate_pass(
     snapshot: Snapshot | None,
 ) -> PassReport:
     report = PassReport(book)
-    now = time.time()
+    now = ports.clock()
     if known is not None:
         snap, rows = known
     else:
@@ -172,7 +172,7 @@ def tick(ports: Ports) -> list[str]:
         return []
     started = time.monotonic()
     takeover.on_tick(ports)
-    books = ports.book_state.take_due(time.time())
+    books = ports.book_state.take_due(ports.clock())
     for first in range(0, len(books), BATCH_BOOKS):
         ports.publisher.enqueue_gates(books[first : first + BATCH_BOOKS])
     ports.counters.observe("tick_seconds", time.monotonic() - started)
@@ -210,7 +210,7 @@ def _read_facts(ports: Ports, books: Sequence[str]) -> dict[str, Facts]:
         rows = ports.assets.gate_rows_many(books, limit=page.PAGE)
         if rows is None:
             return {}
-        snaps = ports.book_state.book_snapshots(books, time.time(), ports.settings.registry.queues())
+        snaps = ports.book_state.book_snapshots(books, ports.clock(), ports.settings.registry.queues())
     except StoreUnavailable as err:
         log.warning("[COMMAND-GATE] facts of %d books unreadable; each pass reads its own: %s", len(books), err)
         return {}

@@ -109,7 +109,7 @@ def _refused(
         if back:
             delivered.release = True
             _quietly("free capacity", _free_capacity, ports, job, spec)
-            _quietly("mark due", ports.book_state.set_due, job.book_id, time.time())  # its pass releases the pair
+            _quietly("mark due", ports.book_state.set_due, job.book_id, ports.clock())  # its pass releases the pair
     return _reject(ports, job, denial, result)
 
 
@@ -162,8 +162,8 @@ def _run_owned(
         return _give_up(ports, job, spec, worker_lost, result)
     log.info("[GENERATE] %s started on %s", job.describe(), worker)
     ports.counters.add({f"job:started:{job.stage}": 1})
-    if delivered.dispatched_at:  # its wait in its queue: the claimer's clock against this one's (keep hosts on NTP)
-        ports.counters.observe(f"queue_wait_seconds:{job.stage}", max(0.0, time.time() - delivered.dispatched_at))
+    if delivered.dispatched_at:  # its wait in its queue, both ends by the Redis server's clock (`Ports.clock`)
+        ports.counters.observe(f"queue_wait_seconds:{job.stage}", max(0.0, ports.clock() - delivered.dispatched_at))
 
     watcher = Watcher(ports, job, spec)
     watcher.start()
@@ -232,7 +232,7 @@ class _Delivered:
     ports: Ports
     job: Job
     cancelled: bool  # the book's cancel flag, read as the delivery was taken
-    dispatched_at: float | None  # when the dispatch was published (its claimer's clock); None: unknown
+    dispatched_at: float | None  # when the dispatch was published (`Ports.clock`); None: unknown
     release: bool = False
     ready: bool = False
     watcher: Watcher | None = None  # the run's, once it has one

@@ -60,7 +60,7 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     # again: every lane's free slots go to the books waiting for it (one statement; a tick's count of them raced
     # with the refills on their way and doubled a busy tick's cost).
     gate.hand_on_freed(ports, set(ports.settings.registry.queues()))
-    ports.deferrals.prune_deferrals(books, time.time())
+    ports.deferrals.prune_deferrals(books, ports.clock())
     report["pruned_events"] = ports.journal.prune_journal(
         ports.settings.journal_retention_days, ports.settings.journal_max_rows
     )

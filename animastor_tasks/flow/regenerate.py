@@ -13,7 +13,6 @@ stopped, and reconcile then hands the pair back to `pending` for a fresh run.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from typing import Any
 
@@ -98,7 +97,7 @@ def regenerate(
         pairs,
         targets,
         force_ttl=ports.settings.force_ttl_seconds if force else None,
-        snapshot=(time.time(), ports.settings.registry.queues()),
+        snapshot=(ports.clock(), ports.settings.registry.queues()),
         most_scenes=BIG_BOOK_SCENES,
     )
     if created.superseded:
@@ -134,7 +133,7 @@ def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[
     report = refill.refill(ports, book)
     judged = report.denied.keys() | set(report.authorized)
     if not judged.issuperset(pairs):
-        page.write_due(ports, book, time.time(), None)
+        page.write_due(ports, book, ports.clock(), None)
 
 
 def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str | None]]) -> None:

@@ -14,7 +14,6 @@ which asks the broker.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -103,7 +102,7 @@ def _due_now(ports: Ports, book: str) -> None:
     """The book's next gate pass is due now (the tick that took the pair over sends it), so the pair is
     dispatched again at once, to whichever live host takes it first."""
     try:
-        ports.book_state.set_due(book, time.time())
+        ports.book_state.set_due(book, ports.clock())
     except StoreUnavailable as err:
         log.warning("[TAKEOVER] book=%r not marked due; its next pass dispatches the pair: %s", book, err)
 
@@ -117,7 +116,7 @@ def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report
     specs = [ports.settings.registry.get(s) for s in by_stage if s in ports.settings.registry]
     if not specs:
         return
-    if time.time() - ports.book_state.presence_unsure_since() < ports.settings.presence_ttl_seconds:
+    if ports.clock() - ports.book_state.presence_unsure_since() < ports.settings.presence_ttl_seconds:
         return  # Redis lost its data or came back moments ago: presence not rebuilt yet, "no consumer" proves nothing
     counts = ports.presence.counts([s.queue for s in specs])
     for spec in specs:

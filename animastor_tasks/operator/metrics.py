@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -221,7 +220,9 @@ def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
             breaker.add_metric([row["queue"], state], 1.0 if row["breaker"] == state else 0.0)
     # Every row carries the same totals (deferrals are counted across the active books).
     totals = (
-        rows[0]["deferred"] if rows else rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), time.time())
+        rows[0]["deferred"]
+        if rows
+        else rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), rt.ports.clock())
     )
     for bucket, count in sorted(totals.items()):
         deferred.add_metric([bucket], float(count))
@@ -273,7 +274,7 @@ def last_tick_age(settings: Settings | None = None, *, now: float | None = None)
     conn = RedisConnection(settings.redis_url, Keyspace(settings.key_prefix), socket_timeout=3.0)
     try:
         raw = conn.run(lambda: conn.client.hget(conn.keys.metrics(), histogram_field("tick_seconds", "last")))
-        return (time.time() if now is None else now) - float(raw) if raw is not None else None
+        return (conn.server_time() if now is None else now) - float(raw) if raw is not None else None
     except (StoreUnavailable, ValueError):
         return None
     finally:

@@ -241,7 +241,7 @@ def show_commands(rows: list[dict[str, Any]], console: Console | None = None) ->
 def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list[QueueRow]:
     """`running`: the lanes' generating pairs per stage, when the caller read them (None: read here)."""
     specs = rt.settings.stages
-    now, beats_now = time.time(), rt.redis.server_time()  # heartbeats go by the Redis server's clock
+    now = beats_now = rt.ports.clock()  # deferrals and heartbeats go by the Redis server's clock
     live = rt.presence.live_consumers([s.queue for s in specs], beats_now)
     amqp = rt.presence.counts([s.queue for s in specs]) if rt.presence.amqp_url else {}
     running = rt.reads.lane_usage() if running is None else running

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +62,7 @@ def job_path_reads(ports: Ports) -> None:
         pass
     ports.assets.gate_candidates(NO_BOOK, stages, 1)
     ports.assets.lane_load(stages)
-    ports.book_state.pair_snapshot(NO_BOOK, [pair], time.time(), registry.queues())
+    ports.book_state.pair_snapshot(NO_BOOK, [pair], ports.clock(), registry.queues())  # measures the clock too
     ports.leases.start_delivery((NO_BOOK, *pair), "warm-up", "warm-up", 1)  # the job start's Redis step
 
 

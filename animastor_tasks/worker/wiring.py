@@ -94,6 +94,7 @@ def build(settings: Settings, app: Celery | None = None, *, db_wait: float = 5.0
         queue_probe=BrokerProbe(settings.broker_url),
         artifacts=artifact_store(settings),
         generators=TimeLimitedGenerators(EntryPointGenerators(settings), settings.job_soft_time_limit),
+        clock=conn.server_time,
     )
     return Wiring(ports, db, conn, catalog, presence, counters, breaker, deferrals, OperatorReads(db))
 

@@ -14,7 +14,12 @@ import pytest
 from animastor_tasks.adapters.redis.breaker import BreakerStore
 from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.adapters.redis.presence import PresenceStore
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.worker import wiring
 from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import advertise, make_book
+from .test_commands import cap_books
 
 TTL = 6.0
 
@@ -68,3 +73,21 @@ def test_a_breaker_a_host_with_its_clock_ahead_opens_ends_with_its_cooldown(rt: 
         assert rt.breaker.breaker_acquire("gpu.audio", 5.0) == "permit"
     finally:
         host.close()
+
+
+def test_a_deferral_written_by_a_control_host_whose_clock_is_ahead_ends_on_time(rt: Wiring, monkeypatch) -> None:
+    """A pass on a control host 60 s ahead wrote a capacity deferral (a minute) that ended two minutes away for
+    every other host: the pair waited twice its window for a pass that would give it a free slot."""
+    cap_books(rt, cap=1)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    with clock_off_by(monkeypatch, 60.0):
+        host = wiring.build(rt.settings)
+        try:
+            regenerate_flow.regenerate(host.ports, "b", ["audio"])
+        finally:
+            host.close()
+    [(member, ends)] = rt.redis.client.zrange(rt.redis.keys.deferrals("b", "capacity"), 0, -1, withscores=True)
+    assert member == "ch1:s2:audio"
+    window = rt.settings.deferral_windows.capacity_seconds
+    assert abs(ends - (rt.redis.server_time() + window)) < 5.0, ends - rt.redis.server_time()

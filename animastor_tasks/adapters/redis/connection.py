@@ -59,7 +59,7 @@ class RedisConnection:
             raise StoreUnavailable("redis", self.url, str(err) or type(err).__name__) from err
         if self._unreachable:
             self._unreachable = False
-            self.recovered_at = time.time()
+            self.recovered_at = time.time() + self._clock_offset  # by the server's clock, as `server_time`
 
     def run(self, fn: Callable[[], T]) -> T:
         with self.errors():
@@ -96,14 +96,18 @@ class RedisConnection:
     def server_time(self) -> float:
         """Now by the Redis server's clock: what expiries that other hosts read are scored by (heartbeats), so that a
         host whose clock is off neither reads as gone (its stage BLOCKED) nor lingers once dead. This process's
-        offset to that clock is measured (one TIME round trip) at first use and once a minute after."""
+        offset to that clock is measured (one TIME round trip) at first use and once a minute after; a Redis that
+        cannot be reached then leaves the last offset in use (none yet: this host's clock) and never raises."""
         if time.monotonic() >= self._clock_checked + CLOCK_CHECK_SECONDS:
-            with self.errors():
+            self._clock_checked = time.monotonic()
+            try:
                 before = time.time()
                 seconds, micros = self.client.time()
                 after = time.time()
-            self._clock_offset = seconds + micros / 1e6 - (before + after) / 2
-            self._clock_checked = time.monotonic()
+            except redis.RedisError:
+                self._clock_checked -= CLOCK_CHECK_SECONDS - 1.0  # asked again in a second
+            else:
+                self._clock_offset = seconds + micros / 1e6 - (before + after) / 2
         return time.time() + self._clock_offset
 
     def ping(self) -> None:

@@ -6,7 +6,6 @@ Everything here can be rebuilt from Postgres (see `flow.reconcile`).
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -199,7 +198,7 @@ class BookStateStore:
     def presence_unsure_since(self, now: float | None = None) -> float:
         """When this process noticed that Redis lost its data, or answered again after it could not reach it
         (-inf if never), checked now in one round trip: "no consumer" proves nothing for a presence TTL after."""
-        now = time.time() if now is None else now
+        now = self.conn.server_time() if now is None else now
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             pipe.setnx(self.conn.keys.epoch(), uuid.uuid4().hex)
@@ -297,7 +296,7 @@ class BookStateStore:
             for book in books:
                 pipe.sadd(self.conn.keys.active_scenes(book), *members[book])
             pipe.sadd(self.conn.keys.active_books(), *books)
-            pipe.zadd(self.conn.keys.due(), dict.fromkeys(books, time.time()), nx=True)
+            pipe.zadd(self.conn.keys.due(), dict.fromkeys(books, self.conn.server_time()), nx=True)
             pipe.execute()
 
     def deactivate(self, book: str, scenes: Iterable[SceneKey]) -> None:
