@@ -14,6 +14,7 @@ import pytest
 from animastor_tasks.adapters.redis.breaker import BreakerStore
 from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.adapters.redis.presence import PresenceStore
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker import wiring
 from animastor_tasks.worker.wiring import Wiring
@@ -91,3 +92,21 @@ def test_a_deferral_written_by_a_control_host_whose_clock_is_ahead_ends_on_time(
     assert member == "ch1:s2:audio"
     window = rt.settings.deferral_windows.capacity_seconds
     assert abs(ends - (rt.redis.server_time() + window)) < 5.0, ends - rt.redis.server_time()
+
+
+def test_a_process_that_started_with_redis_down_dates_its_recovery_by_the_servers_clock(
+    rt: Wiring, monkeypatch
+) -> None:
+    """Its clock offset was never measured; dated by its own clock 60 s behind, the recovery looked a minute old
+    at once, and "no consumer" was believed before the workers could beat again: stages BLOCKED."""
+    host = RedisConnection("redis://127.0.0.1:1/0", rt.redis.keys, socket_timeout=0.2)  # nothing listens there
+    try:
+        with clock_off_by(monkeypatch, -60.0):
+            with pytest.raises(StoreUnavailable):
+                host.ping()
+            host.client = rt.redis.client  # Redis answers again
+            host.ping()
+            recovered = host.recovered_at
+        assert abs(recovered - rt.redis.server_time()) < 2.0, recovered - rt.redis.server_time()
+    finally:
+        host.client = None  # type: ignore[assignment]  # the borrowed client stays the fixture's

@@ -47,7 +47,8 @@ class RedisConnection:
         # heartbeats) may have lapsed meanwhile only because they could not reach it either.
         self.recovered_at = float("-inf")
         self._unreachable = False
-        self._clock_offset, self._clock_checked = 0.0, float("-inf")  # `server_time`
+        self._server_minus_monotonic: float | None = None  # `server_time`: unknown until measured
+        self._clock_checked = float("-inf")
 
     @contextmanager
     def errors(self) -> Iterator[None]:
@@ -59,7 +60,8 @@ class RedisConnection:
             raise StoreUnavailable("redis", self.url, str(err) or type(err).__name__) from err
         if self._unreachable:
             self._unreachable = False
-            self.recovered_at = time.time() + self._clock_offset  # by the server's clock, as `server_time`
+            self._clock_checked = float("-inf")  # measured again now: it may never have been
+            self.recovered_at = self.server_time()
 
     def run(self, fn: Callable[[], T]) -> T:
         with self.errors():
@@ -94,21 +96,28 @@ class RedisConnection:
             own.execute()
 
     def server_time(self) -> float:
-        """Now by the Redis server's clock: what expiries that other hosts read are scored by (heartbeats), so that a
-        host whose clock is off neither reads as gone (its stage BLOCKED) nor lingers once dead. This process's
-        offset to that clock is measured (one TIME round trip) at first use and once a minute after; a Redis that
-        cannot be reached then leaves the last offset in use (none yet: this host's clock) and never raises."""
+        """Now by the Redis server's clock: what every time other hosts read is written and judged by (heartbeats,
+        deferrals, breakers), so that a host whose clock is off neither reads as gone (its stage BLOCKED) nor
+        lingers once dead. Measured (one TIME round trip) at first use and once a minute after, and carried on
+        by this host's monotonic clock in between, so a step of its wall clock (NTP) moves nothing. A Redis
+        that cannot be reached then leaves the last measure in use; before any, this host's clock. Never raises."""
         if time.monotonic() >= self._clock_checked + CLOCK_CHECK_SECONDS:
             self._clock_checked = time.monotonic()
             try:
-                before = time.time()
+                before = time.monotonic()
                 seconds, micros = self.client.time()
-                after = time.time()
+                after = time.monotonic()
             except redis.RedisError:
                 self._clock_checked -= CLOCK_CHECK_SECONDS - 1.0  # asked again in a second
             else:
-                self._clock_offset = seconds + micros / 1e6 - (before + after) / 2
-        return time.time() + self._clock_offset
+                self._server_minus_monotonic = seconds + micros / 1e6 - (before + after) / 2
+        return self.server_time_as_known()
+
+    def server_time_as_known(self) -> float:
+        """`server_time` from the last measure, with no round trip: for a caller that must not wait on Redis."""
+        if self._server_minus_monotonic is None:
+            return time.time()
+        return self._server_minus_monotonic + time.monotonic()
 
     def ping(self) -> None:
         self.run(self.client.ping)

@@ -83,7 +83,7 @@ class CounterStore:
             increments[histogram_field(name, f"le={bound}")] += 1
             increments[histogram_field(name, "count")] += 1
             increments[histogram_field(name, "sum_us")] += max(0, round(seconds * 1_000_000))
-            latest[histogram_field(name, "last")] = f"{self.conn.server_time():.3f}"  # read on other hosts
+            latest[histogram_field(name, "last")] = f"{self.conn.server_time_as_known():.3f}"  # read on other hosts
 
     @contextmanager
     def _holding(self) -> Iterator[tuple[Counter[str], dict[str, str]]]:
