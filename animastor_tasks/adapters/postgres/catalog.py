@@ -52,10 +52,12 @@ _FIRST_SENDING = (
     "SELECT c.book_id, array_agg(c.stage), bool_and(c.force), min(c.priority), {counts}"
     " FROM commands c WHERE c.request_id = %(request)s GROUP BY c.book_id"
 )
+# Each named scene looked up by key (the targets' primary key): a whole-book command of 100,000 targets is not read.
 _NAMED_COUNTS = (
-    "(SELECT count(*) FROM command_targets t WHERE t.command_id = %(first)s::uuid),"
-    " (SELECT count(*) FROM command_targets t WHERE t.command_id = %(first)s::uuid AND (t.chapter_id, t.scene_id)"
-    "  IN (SELECT * FROM unnest(%(chapters)s::text[], %(scenes)s::text[])))"
+    "(SELECT f.target_count FROM commands f WHERE f.command_id = %(first)s::uuid),"
+    " (SELECT count(*) FROM (SELECT DISTINCT c, sc FROM unnest(%(chapters)s::text[], %(scenes)s::text[]) AS n(c, sc)) n"
+    "  WHERE EXISTS (SELECT 1 FROM command_targets t WHERE t.command_id = %(first)s::uuid AND t.chapter_id = n.c"
+    "  AND t.scene_id = n.sc))"
 )
 
 
@@ -172,15 +174,17 @@ class Catalog:
             row = conn.execute(_COMMAND_CONTEXT.format(scenes=scenes), params).fetchone()
             if row is None:
                 return CommandContext(False, [], None, [])
-            first = None
-            if row[1]:  # a resend: what the first sending was, to hold this one to it
+            replay_of, first = list(row[1]), None
+            if replay_of:  # a resend: what the first sending was, to hold this one to it
                 counts = "NULL, NULL" if named is None else _NAMED_COUNTS
-                terms = conn.execute(_FIRST_SENDING.format(counts=counts), {**params, "first": row[1][0]}).fetchone()
-                if terms is not None:
+                terms = conn.execute(_FIRST_SENDING.format(counts=counts), {**params, "first": replay_of[0]}).fetchone()
+                if terms is None:  # its commands were pruned meanwhile: a new request, as after the retention
+                    replay_of = []
+                else:
                     book, stages, force, priority, stored, found = terms
                     same = None if named is None else named_match(stored, named, found)
                     first = FirstSending(book, frozenset(stages), force, Priority(priority), same)
-        return CommandContext(True, [(c, sc) for c, sc in row[2]], row[0], list(row[1]), first)
+        return CommandContext(True, [(c, sc) for c, sc in row[2]], row[0], replay_of, first)
 
     def book_exists(self, book_id: str) -> bool:
         with self.db.read() as conn:
