@@ -61,7 +61,7 @@ def queued_lease_ttl() -> int:
 
 
 #: How long a worker process's entry saying which job it runs lives: a day, far longer than a job's hard time
-#: limit); an entry left behind is harmless, since whatever it names is only ever removed while still held.
+#: limit; an entry left behind is harmless, since whatever it names is only ever removed while still held.
 HOLDING_ENTRY_SECONDS = 24 * 3600
 
 

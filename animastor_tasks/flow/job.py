@@ -97,9 +97,10 @@ COMMIT_RETRY_FIRST, COMMIT_RETRY_MAX = 0.25, 2.0
 
 def commit_when_reachable(ports: Ports, job: Job, spec: StageSpec, artifact: dict[str, Any], watcher: Watcher) -> bool:
     """`Jobs.commit_job`, tried again while Postgres cannot be reached (a failover, a restart), for as long as a
-    dead job's pair would wait for its lease (`lease_ttl`) and while the job keeps its lease (its watcher still
-    renews it). *Why:* the GPU work is done and its media stored; thrown away on the first refused connection,
-    the scene ran again from the start, and its start, left open, counted as one lost to a dead worker."""
+    dead job's pair would wait for its lease (`lease_ttl`) and until the job's watcher stops it (its lease lost,
+    its book cancelled); a late commit is harmless, as its token is compared. *Why:* the GPU work is done and
+    its media stored; thrown away on the first refused connection, the scene ran again from the start, and its
+    start, left open, counted as one lost to a dead worker."""
     deadline = time.monotonic() + spec.lease_ttl
     attempt = 0
     while True:

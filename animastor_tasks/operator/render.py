@@ -241,8 +241,8 @@ def show_commands(rows: list[dict[str, Any]], console: Console | None = None) ->
 def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list[QueueRow]:
     """`running`: the lanes' generating pairs per stage, when the caller read them (None: read here)."""
     specs = rt.settings.stages
-    now = beats_now = rt.ports.clock()  # deferrals and heartbeats go by the Redis server's clock
-    live = rt.presence.live_consumers([s.queue for s in specs], beats_now)
+    now = rt.ports.clock()  # deferrals and heartbeats go by the Redis server's clock
+    live = rt.presence.live_consumers([s.queue for s in specs], now)
     amqp = rt.presence.counts([s.queue for s in specs]) if rt.presence.amqp_url else {}
     running = rt.reads.lane_usage() if running is None else running
     depth = _queue_depths(rt.settings.broker_url, [s.queue for s in specs])
@@ -254,7 +254,7 @@ def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list
             "consumers": [
                 {
                     "hostname": host,
-                    "heartbeat_age_seconds": round(rt.settings.presence_ttl_seconds - (exp - beats_now), 1),
+                    "heartbeat_age_seconds": round(rt.settings.presence_ttl_seconds - (exp - now), 1),
                 }
                 for host, exp in sorted(live.get(spec.queue, {}).items())
             ],

@@ -133,9 +133,8 @@ class BookStateStore:
         keys = self.conn.keys
         pipe.setnx(keys.epoch(), uuid.uuid4().hex)
         pipe.get(keys.epoch())
-        beats_after = self.conn.server_time()  # heartbeats are scored by the server's clock, not the pass's `now`
-        for queue in queues:
-            pipe.zcount(keys.consumers(queue), f"({beats_after}", "+inf")
+        for queue in queues:  # `now` by the server's clock (`Ports.clock`), as heartbeats are scored
+            pipe.zcount(keys.consumers(queue), f"({now}", "+inf")
             pipe.exists(keys.breaker(queue))
             pipe.zrange(keys.lane_waiters(queue), 0, max(waiters, 1) - 1)
 
