@@ -1,4 +1,4 @@
-"""The seams between the flows and the outside world: one Protocol per I/O role, and the records that cross them.
+"""The seams between the flows and the outside world: one Protocol per I/O role (the records crossing them: records.py).
 
 The flows (`flow/`) see only these; Postgres, Redis, Celery, the broker, the artifact store and the generators
 live behind them in `adapters/` and `generators/`, and `worker/wiring.py` builds the real ones once per process.
@@ -11,158 +11,26 @@ import collections.abc
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.capacity import CapacityCounts
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.domain.resend import FirstSending
 from animastor_tasks.domain.types import BookPair, Pair, SceneKey
 from animastor_tasks.domain.vocabulary import AssetState, Priority
-
-
-@dataclass(frozen=True)
-class CommandContext:
-    """What a regenerate must know before it writes anything."""
-
-    exists: bool
-    scenes: list[SceneKey]  # the named scenes that exist, or every scene, in reading order
-    layers_raw: str | None
-    replay_of: list[str]  # commands already created for this request id
-    first_sending: FirstSending | None = None  # what they were made from (with replay_of)
-
-
-@dataclass(frozen=True)
-class CommandRow:
-    command_id: str
-    book_id: str
-    stage: str
-    status: str
-    reason: str | None
-    targets: int
-    created_at: float
-    progress: dict[str, int] = field(default_factory=dict)
-    released: dict[str, int] = field(default_factory=dict)  # targets released to dirty, by reason
-
-
-@dataclass(frozen=True)
-class NewCommands:
-    """What `create_commands` wrote: the command ids, and the generating pairs a forced command fenced off."""
-
-    command_ids: list[str]
-    superseded: list[tuple[Pair, str | None]] = field(default_factory=list)  # with the job's dispatch id, to stop
-
-
-class InFlight(NamedTuple):
-    """A pending or generating pair as a gate pass sees it; a named tuple (0.5 µs to build, a dataclass 2.0)."""
-
-    chapter: str
-    scene: str
-    stage: str
-    state: str
-    token: int
-    position: int
-    dispatch_id: str | None
-    ready_hash: str | None  # hash of the inputs of the last committed artifact
-    current_hash: str | None  # hash of the scene's current inputs
-    has_artifact: bool
-    commanded: bool  # an active command of this stage targets the scene
-    rank: int  # `priority_rank` of the most urgent active command targeting it (0 first)
-    since: float | None  # when the oldest active command targeting it was created
-    pair: Pair  # (chapter, scene, stage), made once: a pass over 100k pairs asks for it 800k times
-
-
-@dataclass(frozen=True)
-class GateRows:
-    layers_raw: str | None
-    tombstone: bool
-    commanded: frozenset[Pair]  # in-flight pairs an active command targets
-    in_flight: tuple[InFlight, ...]
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A pair moved pending -> generating under a new token and dispatch id."""
-
-    chapter: str
-    scene: str
-    stage: str
-    token: int
-    dispatch_id: str
-
-    @property
-    def pair(self) -> Pair:
-        return (self.chapter, self.scene, self.stage)
-
-
-@dataclass(frozen=True)
-class GeneratingRow:
-    book: str
-    chapter: str
-    scene: str
-    stage: str
-    token: int
-    dispatch_id: str | None
-
-    @property
-    def pair(self) -> Pair:
-        return (self.chapter, self.scene, self.stage)
-
-
-@dataclass(frozen=True)
-class JobRow:
-    """A pair's row as a starting job reads it (under its row lock)."""
-
-    state: str
-    token: int
-    owner: str | None  # the dispatch id the pair is generating for
-    text: str
-    prompt: str
-    tombstone: bool
-    commanded: bool  # an active command of the stage targets the scene
-    layers_raw: str | None
-    open_start: str | None = None  # the dispatch whose start of this pair never ended (its worker died?)
-    lost_starts: int = 0  # worker-lost starts in a row before that one
-    input_hash: str | None = None  # the scene's input hash for the stage: what the job's media is made from
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Everything Redis knows that a gate pass needs, read in one round trip."""
-
-    cancel_flag: bool
-    force: set[Pair]
-    deferred: dict[str, set[Pair]]  # live deferrals by bucket
-    active: set[SceneKey]  # the book's scenes in the active index
-    consumers: dict[str, int]  # live heartbeats per queue asked for
-    breaker_clean: dict[str, bool]  # no failure recorded: publishing needs no breaker call
-    data_lost_at: float = float("-inf")  # when Redis lost its data (-inf: never): the force set with it
-    presence_unsure_since: float = float("-inf")  # data lost or back from an outage: no consumer proves nothing yet
-    waiters: dict[str, list[str]] = field(default_factory=dict)  # per queue asked for: the head of its waiting list
-    first_deferral_end: float | None = None  # when the book's earliest live deferral ends (None: none live)
-    due_at: float | None = None  # when the due index asks for the book's next pass (None: it does not)
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """Everything a generator may use: ids for tracing, the scene input and the stage params."""
-
-    book_id: str
-    chapter_id: str
-    scene_id: str
-    stage: str
-    input: str  # scene text (audio) or prompt (image)
-    params: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class Media:
-    """The bytes a generator produced and their MIME type."""
-
-    data: bytes
-    media_type: str
-
+from animastor_tasks.records import (  # re-exported: the flows and adapters import them from here
+    Claim,
+    CommandContext,
+    CommandRow,
+    GateRows,
+    GeneratingRow,
+    GenerationRequest,
+    JobRow,
+    Media,
+    NewCommands,
+    Snapshot,
+)
 
 # -- Postgres: the durable truth ----------------------------------------------------------
 

@@ -24,7 +24,8 @@ from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import DeferralBucket, Outcome, no_worker_reason
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import publish
-from animastor_tasks.ports import Claim, InFlight, Ports, Snapshot
+from animastor_tasks.ports import Claim, Ports, Snapshot
+from animastor_tasks.records import InFlight
 
 log = logging.getLogger("animastor.dispatch")
 

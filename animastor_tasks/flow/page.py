@@ -17,7 +17,8 @@ from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import dispatch
-from animastor_tasks.ports import GateRows, InFlight, Ports, Snapshot
+from animastor_tasks.ports import GateRows, Ports, Snapshot
+from animastor_tasks.records import InFlight
 
 log = logging.getLogger("animastor.gate")
 PAGE = 10_000  # in-flight pairs a pass holds at once

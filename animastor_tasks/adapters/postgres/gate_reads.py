@@ -13,7 +13,8 @@ from animastor_tasks.adapters.postgres import literals
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import IN_FLIGHT, Priority, priority_rank, values
-from animastor_tasks.ports import GateRows, InFlight
+from animastor_tasks.ports import GateRows
+from animastor_tasks.records import InFlight
 
 # A book's own row among its gate rows (no chapter): its layers (8th column) and its tombstone (12th).
 _BOOK_COLUMNS = (
