@@ -176,6 +176,10 @@ class Leases(Protocol):
         self, pair: BookPair, dispatch_id: str, worker: str, ttl: int
     ) -> tuple[bool, bool, bool, float | None]: ...
     def touch_delivery(self, dispatch_id: str, ttl: int) -> None: ...
+    def delivery_holders(self, dispatch_ids: Sequence[str]) -> list[str | None]: ...  # `<node>#<pid>` running each
+    def abandon_delivery(  # (its dispatch id, its stage, whether its lease went too), None when it held none
+        self, holder: str, redelivered: str | None
+    ) -> tuple[str, str, bool] | None: ...
     def end_delivery(self, dispatch_id: str) -> None: ...
     def batched(self) -> AbstractContextManager[None]: ...  # this thread's writes in the block: one round trip
 
@@ -190,6 +194,7 @@ class Presence(Protocol):
     """Live consumers per queue: worker heartbeats, and the broker's own count where it has one."""
 
     def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]: ...
+    def last_beats(self, queues: Sequence[str]) -> dict[str, float]: ...  # node -> latest expiry, lapsed included
 
 
 class Counters(Protocol):

@@ -76,6 +76,19 @@ def holder_node(holder: str) -> str:
     return holder.rsplit("#", 1)[0]
 
 
+#: How long a node's heartbeat stays on record after it stopped: names of hosts long gone (every pod a Deployment
+#: replaced) are forgotten after that, and their jobs' leases have lapsed many times over by then.
+FORGET_SILENT_NODE_SECONDS = 24 * 3600
+
+
+def silent_nodes(last_beats: Mapping[str, float], now: float, presence_ttl: float) -> set[str]:
+    """The worker nodes whose heartbeat lapsed more than one more TTL ago (`last_beats`: when each node's latest
+    heartbeat expires, by the Redis server's clock): a lost host, or one a deployment replaced under a new name.
+    One TTL of grace past the expiry, so a beat that came late (a busy host, a slow Redis) never reads as a death.
+    A node with no heartbeat on record is not among them: nothing says when, or whether, it stopped."""
+    return {node for node, expires in last_beats.items() if expires + presence_ttl < now}
+
+
 def lost_in_queue(undelivered: Collection[str], queued: Collection[str]) -> set[str]:
     """Dispatches never delivered that the broker no longer holds as waiting: their message is lost."""
     return set(undelivered) - set(queued)

@@ -1,6 +1,6 @@
 """Prompt takeover: on every tick, a `generating` pair whose started job stopped renewing its lease goes
-back (`pending` if still authorized, else `dirty`), and a stage with jobs in flight but no live worker
-heartbeat is BLOCKED.
+back (`pending` if still authorized, else `dirty`), a job held by a worker node whose heartbeat has stopped
+gives up its lease first, and a stage with jobs in flight but no live worker heartbeat is BLOCKED.
 
 Why on the tick and not only in reconcile: a lapsed lease is the one sign that a host died or was cut
 off mid-job, and waiting for the 30 s reconcile pass left its pair idle for up to a lease TTL plus that
@@ -9,6 +9,12 @@ until it starts (domain/liveness.py), a lapsed lease needs no broker evidence: t
 `generating` pairs (bounded by the lane limits), their leases and their undelivered markers, three round
 trips. A lease-less job that was never delivered (its lease lost with Redis, say) is left to reconcile,
 which asks the broker.
+
+Why a silent node's jobs go before their leases lapse: a host that is lost for good, or a pod a deployment
+replaced under a new name, never comes back to let go of its jobs (a worker started again under its old name
+does, `worker/lost.py`), and its leases held their lane's slots for a whole lease TTL (120 s by default) while
+the job could run elsewhere. Its heartbeat says it is gone within two presence TTLs (`liveness.silent_nodes`).
+A node cut off from Redis but still running is stopped from committing by fencing, as after a lapsed lease.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from animastor_tasks.domain import liveness
 from animastor_tasks.domain.gate import BookFacts, decide
+from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import StoreUnavailable
@@ -30,17 +38,48 @@ log = logging.getLogger("animastor.takeover")
 
 def on_tick(ports: Ports) -> dict[str, int]:
     """The tick's share of reconcile; a store that cannot be read changes nothing this tick."""
-    report = {"expired": 0, "blocked": 0}
+    report = {"expired": 0, "blocked": 0, "let_go": 0}
     try:
         generating = ports.assets.generating_pairs()
         if generating:
             block_consumerless(ports, generating, report)
+            let_go_of_silent_nodes(ports, generating, report)
             expire_lapsed(ports, ports.assets.generating_pairs(), report)
     except StoreUnavailable as err:
         log.warning("[TAKEOVER] stores unreadable, nothing taken over this tick: %s", err)
     except Exception as err:  # the AMQP broker refusing a passive declare: no evidence either way
         log.warning("[TAKEOVER] consumer count unavailable, nothing taken over this tick: %s", err)
     return report
+
+
+def let_go_of_silent_nodes(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
+    """The jobs whose worker node stopped beating give up their leases (`abandon_delivery`, as when a node starts
+    again): `expire_lapsed` then takes their pairs over in this same tick."""
+    started = [g.dispatch_id for g in generating if g.dispatch_id]
+    holders = [h for h in ports.leases.delivery_holders(started) if h is not None]
+    if not holders:
+        return
+    now = ports.clock()
+    if now - ports.book_state.presence_unsure_since() < 2 * ports.settings.presence_ttl_seconds:
+        return  # Redis lost its data or came back moments ago: heartbeats not rebuilt yet, silence proves nothing
+    beats = ports.presence.last_beats([CONTROL_QUEUE, *ports.settings.registry.queues()])
+    silent = liveness.silent_nodes(beats, now, ports.settings.presence_ttl_seconds)
+    lost: Counter[str] = Counter()
+    for holder in sorted(h for h in set(holders) if liveness.holder_node(h) in silent):
+        freed = ports.leases.abandon_delivery(holder, None)
+        if freed is None:
+            continue
+        dispatch_id, stage, _ = freed
+        lost[f"job:node_lost:{stage}"] += 1
+        log.warning(
+            "[TAKEOVER] worker %s stopped beating %.0fs ago while running dispatch %s: its pair is taken over",
+            liveness.holder_node(holder),
+            now - beats[liveness.holder_node(holder)],
+            dispatch_id,
+        )
+    report["let_go"] += sum(lost.values())
+    if lost:
+        ports.counters.add(lost)
 
 
 def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:

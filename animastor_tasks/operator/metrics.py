@@ -38,6 +38,7 @@ JOB_EVENTS = (
     "retry",
     "worker_lost",
     "process_lost",  # its pool process died mid-job, and the worker's main process let the job go (worker/lost.py)
+    "node_lost",  # its worker node stopped beating (a lost host, a replaced pod): the tick let the job go
     "kept",  # run by the process whose slot it was claimed for, without a broker message (worker/chain.py)
     *(str(o) for o in JobOutcome if o is not JobOutcome.FENCE_REJECTED),
 )

@@ -142,3 +142,36 @@ def test_a_second_live_worker_under_the_same_name_leaves_the_first_ones_job_alon
     assert _started(stack, book.book_id, "s1") == [first]  # never taken over, never run again
     assert "of its previous run let go" not in twin.log()
     figure("a second worker started under a live worker's name: its job left alone, ready after one start")
+
+
+def test_a_worker_that_never_comes_back_has_its_job_taken_over_by_another(make_stack, figure) -> None:
+    """A lost host, or a pod a deployment replaced under a new name: nothing of it comes back to let go of its job.
+    Old code: its lease held the lane's one slot for `lease_ttl` (120 s), the other worker idle."""
+    stack = make_stack(
+        stages=stage_table(
+            audio=audio_stage(params=SLOW, lease_ttl=LEASE_TTL, lane_limit=1, book_quota=1), image=image_stage()
+        ),
+        presence_ttl_seconds=2,  # the default is 6: silent for two TTLs, so gone about 4-6 s after the kill
+    )
+    cluster = stack.cluster
+    workers = [cluster.gpu("audio", wait=False), cluster.gpu("audio", wait=False)]  # two hosts, each its own name
+    cluster.wait_ready(cluster.control(wait=False), *workers, cluster.beat(wait=False))
+    book = make_book("lost-host", chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+
+    stack.client.regenerate(book.book_id, ["audio"], wait=False)
+    [first] = wait_for(lambda: _started(stack, book.book_id, "s1") or None, 20, what="the job started")
+    [lost] = [w for w in workers if f"dispatch={first['dispatch_id']} token=1 started on" in w.log()]
+    [other] = [w for w in workers if w is not lost]
+    time.sleep(0.5)
+    cluster.kill(lost)  # the whole process group, never started again
+    at = time.monotonic()
+    wait_for(lambda: _state(stack, book.book_id, "s1") == "ready", BOUND, what="the pair ready on the other worker")
+    took = time.monotonic() - at
+
+    starts = _started(stack, book.book_id, "s1")
+    assert len(starts) == 2 and starts[1]["dispatch_id"] != first["dispatch_id"], starts
+    assert f"dispatch={starts[1]['dispatch_id']} token=2 started on {other.hostname}" in other.log(), other.tail()
+    assert len(cluster.logs_mentioning(f"worker {lost.hostname} stopped beating")) == 1
+    assert stack.rt.redis.client.hget(stack.rt.redis.keys.metrics(), "job:node_lost:audio") == "1"
+    figure(f"GPU worker {lost.hostname} SIGKILLed mid-job, never back: ready on another worker {took:.1f}s later")

@@ -7,6 +7,7 @@ from animastor_tasks.domain.liveness import (
     Dispatched,
     lost_in_queue,
     queued_lease_ttl,
+    silent_nodes,
     still_queued,
 )
 
@@ -52,3 +53,11 @@ def test_a_queued_lease_lives_as_long_as_the_undelivered_marker() -> None:
 def test_undelivered_jobs_the_broker_no_longer_holds_are_lost() -> None:
     assert lost_in_queue({"a", "b", "c"}, {"b", "c", "zz"}) == {"a"}
     assert lost_in_queue(set(), {"b"}) == set()
+
+
+def test_a_node_is_silent_once_one_more_ttl_has_passed_since_its_last_heartbeat_expired() -> None:
+    beats = {"live": 105.0, "late": 99.0, "gone": 93.9, "edge": 94.0}
+    # now 100, TTL 6: "late" expired 1 s ago (a beat may come late); "edge" exactly one TTL ago, not past it.
+    assert silent_nodes(beats, 100.0, 6.0) == {"gone"}
+    assert silent_nodes(beats, 200.0, 6.0) == set(beats)
+    assert silent_nodes({}, 100.0, 6.0) == set()

@@ -132,6 +132,14 @@ class LeaseStore:
         self.conn.run(lambda: self.conn.client.delete(keys.holders(node)))
         return freed
 
+    def delivery_holders(self, dispatch_ids: Sequence[str]) -> list[str | None]:
+        """Which process runs each dispatch (its running marker: `<node>#<pid>`), None where none does."""
+        if not dispatch_ids:
+            return []
+        keys = [self.conn.keys.running(d) for d in dispatch_ids]
+        holders: list[Any] = self.conn.run(lambda: self.conn.client.mget(keys))
+        return [None if h is None else str(h) for h in holders]
+
     def touch_delivery(self, dispatch_id: str, ttl: int) -> None:
         self.conn.run(lambda: self.conn.client.expire(self.conn.keys.running(dispatch_id), ttl))
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 
 from animastor_tasks.adapters.broker_probe import amqp_consumer_counts
 from animastor_tasks.adapters.redis.connection import RedisConnection
+from animastor_tasks.domain.liveness import FORGET_SILENT_NODE_SECONDS
 
 
 class PresenceStore:
@@ -43,6 +44,22 @@ class PresenceStore:
                 pipe.zrangebyscore(self.conn.keys.consumers(queue), f"({now}", "+inf", withscores=True)
             answers = pipe.execute()
         return {queue: dict(members) for queue, members in zip(queues, answers, strict=False)}
+
+    def last_beats(self, queues: Sequence[str]) -> dict[str, float]:
+        """{hostname: when its latest heartbeat over `queues` expires}, lapsed ones included (by the server's clock).
+        A name silent for `FORGET_SILENT_NODE_SECONDS` is dropped on the way."""
+        forget_before = self.conn.server_time() - FORGET_SILENT_NODE_SECONDS
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for queue in queues:
+                pipe.zremrangebyscore(self.conn.keys.consumers(queue), "-inf", f"({forget_before}")
+                pipe.zrange(self.conn.keys.consumers(queue), 0, -1, withscores=True)
+            answers = pipe.execute()
+        beats: dict[str, float] = {}
+        for members in answers[1::2]:
+            for hostname, expires in members:
+                beats[hostname] = max(expires, beats.get(hostname, expires))
+        return beats
 
     def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]:
         """Live consumers per queue; `heartbeats`: live heartbeat counts already read (a gate pass
