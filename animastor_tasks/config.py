@@ -40,6 +40,7 @@ class Settings:
     reconcile_seconds: float = 30.0
     reconcile_pairs: int = 100_000  # pairs in flight one reconcile passes at most (one book at least)
     presence_ttl_seconds: float = 6.0
+    silent_worker_seconds: float = 30.0  # a GPU worker's heartbeat silent this long: the tick gives its jobs away
     force_ttl_seconds: int = 120
     capacity_defer_seconds: int = 60
     idempotent_defer_seconds: int = 900
@@ -69,6 +70,7 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         redis_url = _url(env, "ANIMASTOR_REDIS_URL", DEFAULT_REDIS_URL, ("redis", "rediss", "unix"))
+        presence_ttl = _number(env, "ANIMASTOR_PRESENCE_TTL_SECONDS", 6.0, minimum=1.0)
         settings = cls(
             database_url=_url(env, "ANIMASTOR_DATABASE_URL", DEFAULT_DATABASE_URL, ("postgresql", "postgres")),
             redis_url=redis_url,
@@ -83,7 +85,11 @@ class Settings:
             tick_seconds=_number(env, "ANIMASTOR_TICK_SECONDS", 5.0, minimum=0.1),
             reconcile_seconds=_number(env, "ANIMASTOR_RECONCILE_SECONDS", 30.0, minimum=0.5),
             reconcile_pairs=_integer(env, "ANIMASTOR_RECONCILE_PAIRS", 100_000, minimum=1),
-            presence_ttl_seconds=_number(env, "ANIMASTOR_PRESENCE_TTL_SECONDS", 6.0, minimum=1.0),
+            presence_ttl_seconds=presence_ttl,
+            # Unset, at least two presence TTLs: a longer TTL set before this setting existed stays valid.
+            silent_worker_seconds=_number(
+                env, "ANIMASTOR_SILENT_WORKER_SECONDS", max(30.0, 2 * presence_ttl), minimum=2.0
+            ),
             force_ttl_seconds=_integer(env, "ANIMASTOR_FORCE_TTL_SECONDS", 120, minimum=1),
             capacity_defer_seconds=_integer(env, "ANIMASTOR_CAPACITY_DEFER_SECONDS", 60, minimum=1),
             idempotent_defer_seconds=_integer(env, "ANIMASTOR_IDEMPOTENT_DEFER_SECONDS", 900, minimum=1),
@@ -105,6 +111,7 @@ class Settings:
             db_pool_max=_integer(env, "ANIMASTOR_DB_POOL_MAX", 8, minimum=1),
         )
         settings.check_time_limits()
+        settings.check_silence()
         return settings
 
     def check_time_limits(self) -> None:
@@ -114,6 +121,14 @@ class Settings:
                 "time limits must satisfy ANIMASTOR_JOB_SOFT_TIME_LIMIT < ANIMASTOR_JOB_TIME_LIMIT < "
                 f"ANIMASTOR_VISIBILITY_TIMEOUT, got {self.job_soft_time_limit} < {self.job_time_limit} < "
                 f"{self.visibility_timeout}"
+            )
+
+    def check_silence(self) -> None:
+        """A worker's heartbeat may come late by most of a TTL: silence must outlast two before it means a death."""
+        if self.silent_worker_seconds < 2 * self.presence_ttl_seconds:
+            raise ConfigError(
+                "ANIMASTOR_SILENT_WORKER_SECONDS must be at least twice ANIMASTOR_PRESENCE_TTL_SECONDS, got"
+                f" {self.silent_worker_seconds:g} and {self.presence_ttl_seconds:g}"
             )
 
     @property

@@ -194,7 +194,7 @@ class Presence(Protocol):
     """Live consumers per queue: worker heartbeats, and the broker's own count where it has one."""
 
     def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]: ...
-    def last_beats(self, queues: Sequence[str]) -> dict[str, float]: ...  # node -> latest expiry, lapsed included
+    def last_beats(self, nodes: Sequence[str]) -> dict[str, float]: ...  # node -> its last heartbeat, if on record
 
 
 class Counters(Protocol):

@@ -76,17 +76,16 @@ def holder_node(holder: str) -> str:
     return holder.rsplit("#", 1)[0]
 
 
-#: How long a node's heartbeat stays on record after it stopped: names of hosts long gone (every pod a Deployment
-#: replaced) are forgotten after that, and their jobs' leases have lapsed many times over by then.
+#: How long a node's last heartbeat stays on record after it stopped: names of hosts long gone (every pod a
+#: Deployment replaced) are forgotten after that, and their jobs' leases have lapsed many times over by then.
 FORGET_SILENT_NODE_SECONDS = 24 * 3600
 
 
-def silent_nodes(last_beats: Mapping[str, float], now: float, presence_ttl: float) -> set[str]:
-    """The worker nodes whose heartbeat lapsed more than one more TTL ago (`last_beats`: when each node's latest
-    heartbeat expires, by the Redis server's clock): a lost host, or one a deployment replaced under a new name.
-    One TTL of grace past the expiry, so a beat that came late (a busy host, a slow Redis) never reads as a death.
-    A node with no heartbeat on record is not among them: nothing says when, or whether, it stopped."""
-    return {node for node, expires in last_beats.items() if expires + presence_ttl < now}
+def silent_nodes(last_beats: Mapping[str, float], now: float, silent_seconds: float) -> set[str]:
+    """The worker nodes whose last heartbeat (`last_beats`, by the Redis server's clock) is more than `silent_seconds`
+    old: a lost host, one a deployment replaced under a new name, or one cut off from Redis that long. A node with
+    no heartbeat on record is not among them: nothing says when, or whether, it stopped."""
+    return {node for node, beat in last_beats.items() if now - beat > silent_seconds}
 
 
 def lost_in_queue(undelivered: Collection[str], queued: Collection[str]) -> set[str]:

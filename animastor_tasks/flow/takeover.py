@@ -13,8 +13,9 @@ which asks the broker.
 Why a silent node's jobs go before their leases lapse: a host that is lost for good, or a pod a deployment
 replaced under a new name, never comes back to let go of its jobs (a worker started again under its old name
 does, `worker/lost.py`), and its leases held their lane's slots for a whole lease TTL (120 s by default) while
-the job could run elsewhere. Its heartbeat says it is gone within two presence TTLs (`liveness.silent_nodes`).
-A node cut off from Redis but still running is stopped from committing by fencing, as after a lapsed lease.
+the job could run elsewhere. Its last heartbeat says since when it is gone (`liveness.silent_nodes`). A node only
+cut off from Redis that long loses its jobs too: each stops at its next lease renewal once the link is back, and
+fencing refuses its commit, as after a lapsed lease (`ANIMASTOR_SILENT_WORKER_SECONDS` is the blip ridden out).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Any
 
 from animastor_tasks.domain import liveness
 from animastor_tasks.domain.gate import BookFacts, decide
-from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import StoreUnavailable
@@ -53,30 +53,37 @@ def on_tick(ports: Ports) -> dict[str, int]:
 
 
 def let_go_of_silent_nodes(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
-    """The jobs whose worker node stopped beating give up their leases (`abandon_delivery`, as when a node starts
-    again): `expire_lapsed` then takes their pairs over in this same tick."""
-    started = [g.dispatch_id for g in generating if g.dispatch_id]
-    holders = [h for h in ports.leases.delivery_holders(started) if h is not None]
-    if not holders:
+    """The jobs whose worker node has not beaten for `silent_worker_seconds` give up their leases
+    (`abandon_delivery`, as when a node starts again): `expire_lapsed` then takes their pairs over in this same
+    tick. Two round trips, both bounded by the jobs in flight; a store error leaves the jobs to their leases."""
+    settings = ports.settings
+    try:
+        started = [g.dispatch_id for g in generating if g.dispatch_id]
+        holders = {h for h in ports.leases.delivery_holders(started) if h is not None}
+        if not holders:
+            return
+        now = ports.clock()
+        if now - ports.book_state.presence_unsure_since() < settings.silent_worker_seconds:
+            return  # Redis lost its data or was out of reach moments ago: every node looks silent until it beats again
+        beats = ports.presence.last_beats(sorted({liveness.holder_node(h) for h in holders}))
+        silent = liveness.silent_nodes(beats, now, settings.silent_worker_seconds)
+        lost: Counter[str] = Counter()
+        for holder in sorted(h for h in holders if liveness.holder_node(h) in silent):
+            freed = ports.leases.abandon_delivery(holder, None)
+            if freed is None:
+                continue
+            dispatch_id, stage, _ = freed
+            lost[f"job:node_lost:{stage}"] += 1
+            node = liveness.holder_node(holder)
+            log.warning(
+                "[TAKEOVER] worker %s stopped beating %.0fs ago while running dispatch %s: its pair is taken over",
+                node,
+                now - beats[node],
+                dispatch_id,
+            )
+    except StoreUnavailable as err:
+        log.warning("[TAKEOVER] silent workers not looked for this tick: %s", err)
         return
-    now = ports.clock()
-    if now - ports.book_state.presence_unsure_since() < 2 * ports.settings.presence_ttl_seconds:
-        return  # Redis lost its data or came back moments ago: heartbeats not rebuilt yet, silence proves nothing
-    beats = ports.presence.last_beats([CONTROL_QUEUE, *ports.settings.registry.queues()])
-    silent = liveness.silent_nodes(beats, now, ports.settings.presence_ttl_seconds)
-    lost: Counter[str] = Counter()
-    for holder in sorted(h for h in set(holders) if liveness.holder_node(h) in silent):
-        freed = ports.leases.abandon_delivery(holder, None)
-        if freed is None:
-            continue
-        dispatch_id, stage, _ = freed
-        lost[f"job:node_lost:{stage}"] += 1
-        log.warning(
-            "[TAKEOVER] worker %s stopped beating %.0fs ago while running dispatch %s: its pair is taken over",
-            liveness.holder_node(holder),
-            now - beats[liveness.holder_node(holder)],
-            dispatch_id,
-        )
     report["let_go"] += sum(lost.values())
     if lost:
         ports.counters.add(lost)

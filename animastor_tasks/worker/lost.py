@@ -22,7 +22,7 @@ A worker killed whole (SIGKILL after a deployment's grace period, a container re
 under the same node name lets go, before it runs anything, of the jobs its previous run still held: their
 leases are dropped and the tick takes the pairs over, rather than the lane's slots waiting for those leases to
 lapse. A heartbeat of the name still live is watched for one beat first: a name that beats again is another
-live worker's, whose jobs are left alone. One that never comes back is covered by its leases lapsing.
+live worker's, whose jobs are left alone. One that never comes back is let go by the tick (flow/takeover.py).
 """
 
 from __future__ import annotations

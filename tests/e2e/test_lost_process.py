@@ -151,7 +151,7 @@ def test_a_worker_that_never_comes_back_has_its_job_taken_over_by_another(make_s
         stages=stage_table(
             audio=audio_stage(params=SLOW, lease_ttl=LEASE_TTL, lane_limit=1, book_quota=1), image=image_stage()
         ),
-        presence_ttl_seconds=2,  # the default is 6: silent for two TTLs, so gone about 4-6 s after the kill
+        silent_worker_seconds=6,  # the least the e2e stacks' presence TTL of 3 s allows (the default is 30)
     )
     cluster = stack.cluster
     workers = [cluster.gpu("audio", wait=False), cluster.gpu("audio", wait=False)]  # two hosts, each its own name
@@ -166,7 +166,8 @@ def test_a_worker_that_never_comes_back_has_its_job_taken_over_by_another(make_s
     time.sleep(0.5)
     cluster.kill(lost)  # the whole process group, never started again
     at = time.monotonic()
-    wait_for(lambda: _state(stack, book.book_id, "s1") == "ready", BOUND, what="the pair ready on the other worker")
+    # 6 s of silence, a tick, a 2 s job: well inside 25 s, and the lease (120 s) far outside it.
+    wait_for(lambda: _state(stack, book.book_id, "s1") == "ready", 25, what="the pair ready on the other worker")
     took = time.monotonic() - at
 
     starts = _started(stack, book.book_id, "s1")

@@ -1,6 +1,6 @@
-"""A job whose worker node stopped beating (a lost host, a pod replaced under a new name) gives up its lease on the
-next tick, which takes its pair over at once; a node still beating, one only just late, or one with no heartbeat on
-record keeps its jobs until their leases lapse (real Redis and Postgres, the tick's own flow)."""
+"""A job whose worker node has not beaten for `silent_worker_seconds` (a lost host, a pod replaced under a new name)
+gives up its lease on the next tick, which takes its pair over at once; a node that beat more recently, or one with
+no heartbeat on record, keeps its jobs until their leases lapse (real Redis and Postgres, the tick's own flow)."""
 
 from __future__ import annotations
 
@@ -31,19 +31,20 @@ def _running_job(rt: Wiring, tmp_path: Path) -> Job:
     return job
 
 
-def _beat(rt: Wiring, expired_ago: float) -> None:
-    """`NODE`'s last heartbeat, which expired `expired_ago` seconds ago (negative: still live)."""
-    rt.presence.heartbeat(NODE, ["gpu.audio"], -expired_ago)
+def _beat(rt: Wiring, ago: float, node: str = NODE) -> None:
+    """`node`'s heartbeat `ago` seconds ago: its last one."""
+    rt.presence.heartbeat(node, ["gpu.audio"], rt.settings.presence_ttl_seconds)
+    rt.redis.client.zadd(rt.redis.keys.beats(), {node: rt.redis.server_time() - ago})
 
 
 def _state(rt: Wiring) -> str:
     return states(rt, "b")[("ch1", "s1", "audio")]
 
 
-def test_a_job_of_a_node_silent_for_two_presence_ttls_is_taken_over_on_the_tick(rt: Wiring, tmp_path: Path) -> None:
+def test_a_job_of_a_silent_node_is_taken_over_on_the_tick(rt: Wiring, tmp_path: Path) -> None:
     """Old code: the pair stayed `generating` under its 120 s lease."""
     job = _running_job(rt, tmp_path)
-    _beat(rt, rt.settings.presence_ttl_seconds + 1)
+    _beat(rt, rt.settings.silent_worker_seconds + 1)
 
     report = takeover.on_tick(rt.ports)
 
@@ -56,19 +57,19 @@ def test_a_job_of_a_node_silent_for_two_presence_ttls_is_taken_over_on_the_tick(
 
 
 @pytest.mark.parametrize(
-    "expired_ago",
+    "silence",  # the node's silence, as a share of `silent_worker_seconds`
     [
-        pytest.param(-5.0, id="still-beating"),
-        pytest.param(1.0, id="late-by-less-than-a-ttl"),
+        pytest.param(0.0, id="beating"),
+        pytest.param(0.95, id="silent-for-a-little-less-than-the-setting"),
         pytest.param(None, id="no-heartbeat-on-record"),
     ],
 )
 def test_a_job_of_a_node_not_known_to_be_gone_keeps_its_lease(
-    rt: Wiring, tmp_path: Path, expired_ago: float | None
+    rt: Wiring, tmp_path: Path, silence: float | None
 ) -> None:
     job = _running_job(rt, tmp_path)
-    if expired_ago is not None:
-        _beat(rt, expired_ago)
+    if silence is not None:
+        _beat(rt, silence * rt.settings.silent_worker_seconds)
 
     report = takeover.on_tick(rt.ports)
 
@@ -81,7 +82,7 @@ def test_a_job_of_a_node_not_known_to_be_gone_keeps_its_lease(
 def test_silence_proves_nothing_right_after_redis_lost_its_data(rt: Wiring, tmp_path: Path) -> None:
     """Heartbeats come back within a beat of a flushed Redis; until then every node looks silent."""
     job = _running_job(rt, tmp_path)
-    _beat(rt, rt.settings.presence_ttl_seconds + 1)
+    _beat(rt, rt.settings.silent_worker_seconds + 1)
     rt.ports.book_state.presence_unsure_since()  # the dataset token, as every process has seen it
     rt.redis.client.delete(rt.redis.keys.epoch())  # what a FLUSHALL does to it
 
@@ -90,9 +91,24 @@ def test_silence_proves_nothing_right_after_redis_lost_its_data(rt: Wiring, tmp_
     assert rt.ports.leases.lease_holders([job.lease_pair]) == [job.dispatch_id]
 
 
-def test_a_name_silent_for_a_day_is_forgotten(rt: Wiring) -> None:
-    rt.presence.heartbeat("audio@gone-long-ago", ["gpu.audio"], -2 * 24 * 3600)
+def test_a_node_beating_with_no_queue_left_is_not_silent(rt: Wiring, tmp_path: Path) -> None:
+    """An operator drains a worker with `cancel_consumer`: its queue entries go, its heartbeat goes on."""
+    job = _running_job(rt, tmp_path)
+    _beat(rt, rt.settings.silent_worker_seconds + 1)
+    rt.presence.heartbeat(NODE, [], rt.settings.presence_ttl_seconds, gone=["gpu.audio"])  # its beat now
+
+    assert takeover.on_tick(rt.ports)["let_go"] == 0
+    assert rt.ports.leases.lease_holders([job.lease_pair]) == [job.dispatch_id]
+
+
+def test_a_clean_stop_takes_the_last_beat_away_and_a_name_silent_for_a_day_is_forgotten(rt: Wiring) -> None:
     _beat(rt, 30)
-    beats = rt.ports.presence.last_beats(["gpu.audio", "gpu.image"])
+    _beat(rt, 2 * 24 * 3600, node="audio@gone-long-ago")
+    rt.presence.heartbeat("audio@stopped", ["gpu.audio"], 6)
+    rt.presence.heartbeat("audio@stopped", [], 0, gone=["gpu.audio"])
+
+    beats = rt.ports.presence.last_beats([NODE, "audio@gone-long-ago", "audio@stopped", "audio@never"])
+
     assert set(beats) == {NODE}
-    assert rt.redis.client.zscore(rt.redis.keys.consumers("gpu.audio"), "audio@gone-long-ago") is None
+    assert 29 < rt.redis.server_time() - beats[NODE] < 32
+    assert rt.redis.client.zcard(rt.redis.keys.beats()) == 1

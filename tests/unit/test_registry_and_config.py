@@ -49,6 +49,8 @@ def test_a_third_stage_is_configuration_only() -> None:
         ({"ANIMASTOR_KEY_PREFIX": "bad prefix*"}, "ANIMASTOR_KEY_PREFIX"),
         ({"ANIMASTOR_JOB_TIME_LIMIT": "10", "ANIMASTOR_JOB_SOFT_TIME_LIMIT": "20"}, "SOFT_TIME_LIMIT"),
         ({"ANIMASTOR_VISIBILITY_TIMEOUT": "100"}, "VISIBILITY_TIMEOUT"),
+        ({"ANIMASTOR_SILENT_WORKER_SECONDS": "10"}, "twice ANIMASTOR_PRESENCE_TTL_SECONDS"),  # the TTL is 6
+        ({"ANIMASTOR_PRESENCE_TTL_SECONDS": "20", "ANIMASTOR_SILENT_WORKER_SECONDS": "30"}, "got 30 and 20"),
         # A whole number given as `inf` was an OverflowError traceback; `2.5` was silently truncated.
         ({"ANIMASTOR_FORCE_TTL_SECONDS": "inf"}, "ANIMASTOR_FORCE_TTL_SECONDS"),
         ({"ANIMASTOR_TICK_SECONDS": "inf"}, "ANIMASTOR_TICK_SECONDS"),
@@ -165,3 +167,9 @@ def test_a_kombu_socket_url_is_spelled_for_redis_py_with_its_database() -> None:
     assert redis_py_url("redis+socket:///tmp/r/redis.sock") == "unix:///tmp/r/redis.sock?db=0"
     assert redis_py_url(result_backend_url("unix:///tmp/r.sock?db=2")) == "unix:///tmp/r.sock?db=2"
     assert redis_py_url("redis://127.0.0.1:6379/2") == "redis://127.0.0.1:6379/2"
+
+
+def test_silence_defaults_to_thirty_seconds_or_two_presence_ttls_if_longer() -> None:
+    assert Settings.from_env({}).silent_worker_seconds == 30.0
+    assert Settings.from_env({"ANIMASTOR_PRESENCE_TTL_SECONDS": "60"}).silent_worker_seconds == 120.0
+    assert Settings.from_env({"ANIMASTOR_SILENT_WORKER_SECONDS": "12.5"}).silent_worker_seconds == 12.5

@@ -25,14 +25,33 @@ class PresenceStore:
         self.amqp_url = amqp_url
 
     def heartbeat(self, hostname: str, queues: Iterable[str], ttl: float, gone: Iterable[str] = ()) -> None:
-        expires = self.conn.server_time() + ttl  # the server's clock: its readers run on other hosts
+        """`hostname` consumes `queues` for `ttl` seconds more (and no longer `gone`); its last beat is noted beside,
+        whatever it consumes. A `ttl` of 0 with no queues is a clean stop: its last beat goes too."""
+        now = self.conn.server_time()  # the server's clock: its readers run on other hosts
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             for queue in queues:
-                pipe.zadd(self.conn.keys.consumers(queue), {hostname: expires})
+                pipe.zadd(self.conn.keys.consumers(queue), {hostname: now + ttl})
             for queue in gone:
                 pipe.zrem(self.conn.keys.consumers(queue), hostname)
+            if ttl:
+                pipe.zadd(self.conn.keys.beats(), {hostname: now})
+            else:
+                pipe.zrem(self.conn.keys.beats(), hostname)
             pipe.execute()
+
+    def last_beats(self, nodes: Sequence[str]) -> dict[str, float]:
+        """{node: when it last beat} for those of `nodes` on record (by the server's clock). A name silent for
+        `FORGET_SILENT_NODE_SECONDS` is dropped on the way."""
+        if not nodes:
+            return {}
+        forget_before = self.conn.server_time() - FORGET_SILENT_NODE_SECONDS
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            pipe.zremrangebyscore(self.conn.keys.beats(), "-inf", f"({forget_before}")
+            pipe.zmscore(self.conn.keys.beats(), list(nodes))
+            _, beats = pipe.execute()
+        return {node: float(beat) for node, beat in zip(nodes, beats, strict=True) if beat is not None}
 
     def live_consumers(self, queues: Sequence[str], now: float | None = None) -> dict[str, dict[str, float]]:
         """{queue: {hostname: heartbeat expiry}} for consumers whose heartbeat is still live; expiries and `now` by
@@ -44,22 +63,6 @@ class PresenceStore:
                 pipe.zrangebyscore(self.conn.keys.consumers(queue), f"({now}", "+inf", withscores=True)
             answers = pipe.execute()
         return {queue: dict(members) for queue, members in zip(queues, answers, strict=False)}
-
-    def last_beats(self, queues: Sequence[str]) -> dict[str, float]:
-        """{hostname: when its latest heartbeat over `queues` expires}, lapsed ones included (by the server's clock).
-        A name silent for `FORGET_SILENT_NODE_SECONDS` is dropped on the way."""
-        forget_before = self.conn.server_time() - FORGET_SILENT_NODE_SECONDS
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=False)
-            for queue in queues:
-                pipe.zremrangebyscore(self.conn.keys.consumers(queue), "-inf", f"({forget_before}")
-                pipe.zrange(self.conn.keys.consumers(queue), 0, -1, withscores=True)
-            answers = pipe.execute()
-        beats: dict[str, float] = {}
-        for members in answers[1::2]:
-            for hostname, expires in members:
-                beats[hostname] = max(expires, beats.get(hostname, expires))
-        return beats
 
     def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]:
         """Live consumers per queue; `heartbeats`: live heartbeat counts already read (a gate pass

@@ -22,5 +22,5 @@ if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4]) then
 end
 -- Another copy holds the running marker: its lease is left as it is (renewed by that copy while it runs). A
 -- copy whose pool process died is let go by its worker's main process (abandon_delivery.lua); one whose whole
--- worker died stops renewing the lease, and its pair is taken over when it lapses, not a TTL later.
+-- worker died is let go when that worker starts again, or by the tick once its heartbeat has gone silent.
 return {1, 0, cancelled, dispatched_at}
