@@ -51,6 +51,7 @@ class Commands(Protocol):
         per_stage: dict[str, tuple[str, list[SceneKey]]],
         force: bool,
         priority: Priority = Priority.NORMAL,
+        asked: tuple[Sequence[str], bool] | None = None,  # the request's stages and whether it named no scenes
     ) -> NewCommands: ...
     def command_statuses(self, command_ids: Sequence[str]) -> dict[str, str]: ...
     def commands(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from animastor_tasks.domain.book import show_value, validate_id
 from animastor_tasks.domain.gate import layer_enabled, parse_layers
@@ -61,7 +61,7 @@ def regenerate(
     if not context.exists:
         raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
     if context.replay_of:
-        return _replay(ports, context, request_id, book, wanted, force, rank)
+        return _replay(ports, context, request_id, book, wanted, force, rank, named is None)
     if named is not None:
         missing = [i for i, pair in enumerate(named) if pair not in context.scenes]
         if missing:
@@ -82,14 +82,16 @@ def regenerate(
     # A new explicit intent lifts the cancel; Redis first, so a Redis outage writes nothing.
     ports.book_state.clear_cancel_flag(book)
     try:
-        created = ports.commands.create_commands(book, request_id, per_stage, force, rank)
+        # As named (`all` kept): `validate.stage_names` above checked it is a list of known names.
+        asked = (list(dict.fromkeys(cast("list[str]", stages))), named is None)
+        created = ports.commands.create_commands(book, request_id, per_stage, force, rank, asked)
     except DuplicateCommand:
         again = ports.catalog.command_context(book, named, request_id)  # a resend that came in meanwhile made them
         if not again.replay_of:  # the id of a command that another request of several stages made
             raise InvalidCommand(
                 f"command_id: {request_id} is already the id of a command of another request; send a new id"
             ) from None
-        return _replay(ports, again, request_id, book, wanted, force, rank)
+        return _replay(ports, again, request_id, book, wanted, force, rank, named is None)
     pairs = [(c, s, stage) for stage in enabled for c, s in targets]
     # The snapshot the gate pass below needs, read after these writes in the same round trip.
     snap = ports.book_state.start_work(
@@ -158,11 +160,18 @@ def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str |
 
 
 def _replay(
-    ports: Ports, context: CommandContext, request_id: str, book: str, wanted: list[str], force: bool, rank: Priority
+    ports: Ports,
+    context: CommandContext,
+    request_id: str,
+    book: str,
+    wanted: list[str],
+    force: bool,
+    rank: Priority,
+    whole_book: bool,
 ) -> dict[str, Any]:
     """The commands a resend of `request_id` made, held to the request they were first made from (domain/resend.py)."""
     first = context.first_sending
-    changed = "book_id" if first is None else resend_differs(first, book, wanted, force, rank)
+    changed = "book_id" if first is None else resend_differs(first, book, wanted, force, rank, whole_book)
     if changed == "book_id":
         raise InvalidCommand(f"command_id: {request_id} was already used for another book")
     if changed is not None:

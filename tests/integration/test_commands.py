@@ -99,6 +99,34 @@ def test_a_resend_may_name_stages_whose_layer_made_no_command(rt, book) -> None:
     assert again["replayed"] is True and [c["command_id"] for c in again["commands"]] == [cid]
 
 
+EVERY_SCENE = [[f"ch{c}", f"s{n}"] for c in (1, 2) for n in (1, 2, 3)]  # the `book` fixture's
+
+
+@pytest.mark.parametrize(
+    ("first", "again", "needle"),
+    [
+        ({"stages": ["audio"]}, {"stages": ["audio", "image"]}, "other stages (first sent for audio)"),
+        ({"stages": ["all"]}, {"stages": ["audio"]}, "other stages (first sent for audio, image)"),
+        ({"scenes": [["ch1", "s1"]]}, {"scenes": None}, "other scenes (first sent for named scenes)"),
+        ({"scenes": None}, {"scenes": EVERY_SCENE}, "other scenes (first sent for the whole book)"),
+    ],
+)
+def test_a_resend_must_ask_for_what_the_first_sending_asked_not_only_what_it_made(
+    rt, book, first, again, needle
+) -> None:
+    """Image's layer is off: the first sending made an audio command whatever it asked. Old code held a resend to
+    the commands alone, and a resend adding image, or asking for the whole book where the first named a scene,
+    got the first sending's commands back as a replay: its own intent dropped without a word."""
+    layers_flow.set_layers(rt.ports, book, [], ["image"])
+    cid = str(uuid.uuid4())
+    sent = {"stages": ["audio"], "scenes": [["ch1", "s1"]]}
+    regenerate_flow.regenerate(rt.ports, book, command_id=cid, **{**sent, **first})
+    made = rt.ports.commands.commands(book=book)
+    with pytest.raises(InvalidCommand, match=rf"command_id: {cid} was first sent with {re.escape(needle)}"):
+        regenerate_flow.regenerate(rt.ports, book, command_id=cid, **{**sent, **again})
+    assert rt.ports.commands.commands(book=book) == made
+
+
 def test_a_command_id_that_names_a_command_of_another_request_is_refused(rt, book) -> None:
     """A request of two stages names its commands uuid5(request, stage). Sent again as a request's own id (a
     service that kept a command's id from the reply), it found no request of that id, failed on the command's

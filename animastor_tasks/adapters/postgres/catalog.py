@@ -14,7 +14,7 @@ from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.book import Book
 from animastor_tasks.domain.inputs import scene_hashes
 from animastor_tasks.domain.registry import MediaRegistry
-from animastor_tasks.domain.resend import FirstSending, named_match
+from animastor_tasks.domain.resend import FirstSending, named_match, spelled_out
 from animastor_tasks.domain.targets import INPUT_CHANGED, SCENE_REMOVED
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState, Priority
@@ -49,7 +49,8 @@ _NAMED_SCENES = (
 # The terms a request id's commands were made from, and when scenes are named, how many targets its first command
 # has and how many of the named scenes are among them (`resend.named_match`).
 _FIRST_SENDING = (
-    "SELECT c.book_id, array_agg(c.stage), bool_and(c.force), min(c.priority), {counts}"
+    "SELECT c.book_id, array_agg(c.stage), bool_and(c.force), min(c.priority), min(c.requested_stages),"
+    " bool_and(c.whole_book), {counts}"
     " FROM commands c WHERE c.request_id = %(request)s GROUP BY c.book_id"
 )
 # Each named scene looked up by key (the targets' primary key): a whole-book command of 100,000 targets is not read.
@@ -181,9 +182,17 @@ class Catalog:
                 if terms is None:  # its commands were pruned meanwhile: a new request, as after the retention
                     replay_of = []
                 else:
-                    book, stages, force, priority, stored, found = terms
+                    book, stages, force, priority, asked, whole_book, stored, found = terms
                     same = None if named is None else named_match(stored, named, found)
-                    first = FirstSending(book, frozenset(stages), force, Priority(priority), same)
+                    first = FirstSending(
+                        book,
+                        frozenset(stages),
+                        force,
+                        Priority(priority),
+                        same,
+                        None if asked is None else spelled_out(asked, list(self.registry.names())),
+                        whole_book,
+                    )
         return CommandContext(True, [(c, sc) for c, sc in row[2]], row[0], replay_of, first)
 
     def book_exists(self, book_id: str) -> bool:

@@ -46,6 +46,7 @@ class CommandStore:
         per_stage: dict[str, tuple[str, list[SceneKey]]],
         force: bool,
         priority: Priority = Priority.NORMAL,
+        asked: tuple[Sequence[str], bool] | None = None,
     ) -> NewCommands:
         """Commands (active) + targets, and each target taken as `domain.targets.regenerate_take` says, in
         one transaction: dirty/ready/failed -> `pending`; pending, and generating without force, stay (the
@@ -53,9 +54,11 @@ class CommandStore:
         fenced off: its token moves on (the running job can neither commit nor fail it) and its input hash
         is cleared (the fresh run cannot be settled as already completed).
 
-        `per_stage` maps stage -> (command_id, [(chapter, scene)]). `DuplicateCommand` when
-        the request id was used already (the caller replays the first answer).
+        `per_stage` maps stage -> (command_id, [(chapter, scene)]); `asked`: the stages the request named (`all`
+        as such) and whether it asked for the whole book, kept with each command to hold a resend to (0009).
+        `DuplicateCommand` when the request id was used already (the caller replays the first answer).
         """
+        asked_stages, whole_book = (None, None) if asked is None else (list(asked[0]), asked[1])
         created: list[str] = []
         superseded: list[tuple[Pair, str | None]] = []
         try:
@@ -71,8 +74,19 @@ class CommandStore:
                     scene_ids = [s for _, s in scenes]
                     conn.execute(
                         "INSERT INTO commands (command_id, book_id, stage, status, force, request_id, priority,"
-                        " target_count) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                        (command_id, book, stage, ACTIVE, force, request_id, priority, len(scenes)),
+                        " target_count, requested_stages, whole_book) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                        (
+                            command_id,
+                            book,
+                            stage,
+                            ACTIVE,
+                            force,
+                            request_id,
+                            priority,
+                            len(scenes),
+                            asked_stages,
+                            whole_book,
+                        ),
                     )
                     conn.execute(
                         "INSERT INTO command_targets (command_id, book_id, chapter_id, scene_id, stage)"
