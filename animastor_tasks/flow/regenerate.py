@@ -82,7 +82,7 @@ def regenerate(
     # A new explicit intent lifts the cancel; Redis first, so a Redis outage writes nothing.
     ports.book_state.clear_cancel_flag(book)
     try:
-        # As named (`all` kept): `validate.stage_names` above checked it is a list of known names.
+        # As named (`all` kept): `validate.stage_names` above checked it is a list or tuple of known names.
         asked = (list(dict.fromkeys(cast("list[str]", stages))), named is None)
         created = ports.commands.create_commands(book, request_id, per_stage, force, rank, asked)
     except DuplicateCommand:

@@ -47,6 +47,7 @@ OTHER_KINDS = {
     "lock",
     "metrics",
     "epoch",
+    "beats",
 }
 EXAMPLES = current_scale().pick(60, 500)
 

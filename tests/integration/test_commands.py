@@ -127,6 +127,20 @@ def test_a_resend_must_ask_for_what_the_first_sending_asked_not_only_what_it_mad
     assert rt.ports.commands.commands(book=book) == made
 
 
+def test_a_command_of_an_older_version_holds_a_resend_to_its_commands_only(rt, book) -> None:
+    """Written before migration 0009, a command says nothing of what its request asked: a resend adding a stage, or
+    asking for the whole book, replays as it always did rather than being refused on a guess."""
+    layers_flow.set_layers(rt.ports, book, [], ["image"])
+    cid = str(uuid.uuid4())
+    regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]], command_id=cid)
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE commands SET requested_stages = NULL, whole_book = NULL WHERE request_id = %s", (cid,))
+    again = regenerate_flow.regenerate(rt.ports, book, ["audio", "image"], None, command_id=cid)
+    assert again["replayed"] is True and [c["command_id"] for c in again["commands"]] == [cid]
+    with pytest.raises(InvalidCommand, match="other stages"):  # still held to the commands it made
+        regenerate_flow.regenerate(rt.ports, book, ["image"], None, command_id=cid)
+
+
 def test_a_command_id_that_names_a_command_of_another_request_is_refused(rt, book) -> None:
     """A request of two stages names its commands uuid5(request, stage). Sent again as a request's own id (a
     service that kept a command's id from the reply), it found no request of that id, failed on the command's

@@ -49,19 +49,16 @@ class LeaseStore:
                 self.conn.restore_script(keys=lease_and_marker, args=[dispatch_id, int(ttl * 1000)], client=pipe)
             pipe.execute()
 
+    def _values(self, keys: list[str]) -> list[Any]:
+        """The values of `keys`, None where one is missing: one round trip, none for no keys."""
+        return list(self.conn.run(lambda: self.conn.client.mget(keys))) if keys else []
+
     def lease_holders(self, pairs: Sequence[BookPair]) -> list[str | None]:
-        if not pairs:
-            return []
-        holders: list[Any] = self.conn.run(lambda: self.conn.client.mget([self.conn.keys.lease(*p) for p in pairs]))
-        return [None if h is None else str(h) for h in holders]
+        return [None if h is None else str(h) for h in self._values([self.conn.keys.lease(*p) for p in pairs])]
 
     def undelivered(self, dispatch_ids: Sequence[str]) -> list[float | None]:
         """Per dispatch id, when it was dispatched if no delivery has taken it yet, else None."""
-        if not dispatch_ids:
-            return []
-        keys = [self.conn.keys.queued(d) for d in dispatch_ids]
-        marks: list[Any] = self.conn.run(lambda: self.conn.client.mget(keys))
-        return [None if m is None else float(m) for m in marks]
+        return [None if m is None else float(m) for m in self._values([self.conn.keys.queued(d) for d in dispatch_ids])]
 
     def renew_lease(self, pair: BookPair, dispatch_id: str, ttl: float) -> bool:
         return bool(
@@ -134,11 +131,7 @@ class LeaseStore:
 
     def delivery_holders(self, dispatch_ids: Sequence[str]) -> list[str | None]:
         """Which process runs each dispatch (its running marker: `<node>#<pid>`), None where none does."""
-        if not dispatch_ids:
-            return []
-        keys = [self.conn.keys.running(d) for d in dispatch_ids]
-        holders: list[Any] = self.conn.run(lambda: self.conn.client.mget(keys))
-        return [None if h is None else str(h) for h in holders]
+        return [None if h is None else str(h) for h in self._values([self.conn.keys.running(d) for d in dispatch_ids])]
 
     def touch_delivery(self, dispatch_id: str, ttl: int) -> None:
         self.conn.run(lambda: self.conn.client.expire(self.conn.keys.running(dispatch_id), ttl))
