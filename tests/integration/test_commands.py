@@ -97,6 +97,8 @@ def test_a_resend_may_name_stages_whose_layer_made_no_command(rt, book) -> None:
     assert [c["stage"] for c in first["commands"]] == ["audio"]
     again = regenerate_flow.regenerate(rt.ports, book, ["audio", "image"], command_id=cid)
     assert again["replayed"] is True and [c["command_id"] for c in again["commands"]] == [cid]
+    # The answer a retry gets is the first one's, its skipped stages included (it used to say none was skipped).
+    assert again["skipped"] == first["skipped"] == [{"stage": "image", "reason": "layer_disabled"}]
 
 
 EVERY_SCENE = [[f"ch{c}", f"s{n}"] for c in (1, 2) for n in (1, 2, 3)]  # the `book` fixture's
