@@ -59,22 +59,21 @@ def let_go_of_silent_nodes(ports: Ports, generating: Sequence[GeneratingRow], re
     settings = ports.settings
     try:
         started = [g.dispatch_id for g in generating if g.dispatch_id]
-        holders = {h for h in ports.leases.delivery_holders(started) if h is not None}
-        if not holders:
+        node_of = {h: liveness.holder_node(h) for h in ports.leases.delivery_holders(started) if h is not None}
+        if not node_of:
             return
         now = ports.clock()
         if now - ports.book_state.presence_unsure_since() < settings.silent_worker_seconds:
             return  # Redis lost its data or was out of reach moments ago: every node looks silent until it beats again
-        beats = ports.presence.last_beats(sorted({liveness.holder_node(h) for h in holders}))
+        beats = ports.presence.last_beats(sorted(set(node_of.values())))
         silent = liveness.silent_nodes(beats, now, settings.silent_worker_seconds)
         lost: Counter[str] = Counter()
-        for holder in sorted(h for h in holders if liveness.holder_node(h) in silent):
-            freed = ports.leases.abandon_delivery(holder, None)
+        for holder, node in sorted(node_of.items()):
+            freed = ports.leases.abandon_delivery(holder, None) if node in silent else None
             if freed is None:
                 continue
             dispatch_id, stage, _ = freed
             lost[f"job:node_lost:{stage}"] += 1
-            node = liveness.holder_node(holder)
             log.warning(
                 "[TAKEOVER] worker %s stopped beating %.0fs ago while running dispatch %s: its pair is taken over",
                 node,
