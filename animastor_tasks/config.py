@@ -23,6 +23,7 @@ from animastor_tasks.errors import ConfigError, redact_url
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/animastor"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+MAX_RETENTION_DAYS = 36_500
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3's bucket naming rules
@@ -96,9 +97,9 @@ class Settings:
             breaker_threshold=_integer(env, "ANIMASTOR_BREAKER_THRESHOLD", 5, minimum=1),
             breaker_cooldown_seconds=_number(env, "ANIMASTOR_BREAKER_COOLDOWN_SECONDS", 30.0, minimum=0.1),
             **_artifact_store(env),
-            journal_retention_days=_number(env, "ANIMASTOR_JOURNAL_RETENTION_DAYS", 7.0, minimum=0.0),
+            journal_retention_days=_retention_days(env, "ANIMASTOR_JOURNAL_RETENTION_DAYS", 7.0),
             journal_max_rows=_integer(env, "ANIMASTOR_JOURNAL_MAX_ROWS", 1_000_000, minimum=100),
-            command_retention_days=_number(env, "ANIMASTOR_COMMAND_RETENTION_DAYS", 0.0, minimum=0.0),
+            command_retention_days=_retention_days(env, "ANIMASTOR_COMMAND_RETENTION_DAYS", 0.0),
             job_soft_time_limit=_integer(env, "ANIMASTOR_JOB_SOFT_TIME_LIMIT", 1800, minimum=1),
             job_time_limit=_integer(env, "ANIMASTOR_JOB_TIME_LIMIT", 1900, minimum=1),
             visibility_timeout=_integer(env, "ANIMASTOR_VISIBILITY_TIMEOUT", 3600, minimum=1),
@@ -171,7 +172,7 @@ def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ..
     return value
 
 
-def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float) -> float:
+def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float, maximum: float = math.inf) -> float:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return float(default)
@@ -183,7 +184,15 @@ def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float
         raise ConfigError(f"{name}={raw!r} must be a finite number")
     if not value >= minimum:
         raise ConfigError(f"{name}={raw!r} must be at least {minimum}")
+    if value > maximum:
+        raise ConfigError(f"{name}={raw!r} must be at most {maximum:g}")
     return value
+
+
+def _retention_days(env: Mapping[str, str], name: str, default: float) -> float:
+    """Days of history kept. Capped at a century: a larger "keep for ever" passed start-up and then failed every
+    reconcile on Postgres's date range, where the cut-off is computed."""
+    return _number(env, name, default, minimum=0.0, maximum=MAX_RETENTION_DAYS)
 
 
 def _integer(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:

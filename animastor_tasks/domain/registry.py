@@ -15,6 +15,11 @@ from typing import Any
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _QUEUE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 INPUT_FIELDS = ("text", "prompt")
+STAGE_KEYS = frozenset(
+    ("queue", "input", "media_type", "lease_ttl", "lane_limit", "book_quota", "window", "book_cap")
+    + ("generator", "endpoint", "params")
+)
+_KNOWN = ", ".join(sorted(STAGE_KEYS))
 
 DEFAULT_TABLE: dict[str, dict[str, Any]] = {
     "audio": {"queue": "gpu.audio", "input": "text", "media_type": "audio/wav"},
@@ -81,6 +86,12 @@ def _positive_int(stage: str, key: str, value: Any) -> int:
     return value
 
 
+def _text(stage: str, key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"stage {stage!r}: {key} must be a non-empty string, got {value!r}")
+    return value
+
+
 def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
     """Build the registry from `{stage: {queue, input, media_type, lease_ttl, ...}}`."""
     table = DEFAULT_TABLE if table is None else table
@@ -105,6 +116,9 @@ def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
         endpoint = entry.get("endpoint")
         if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://"))):
             raise ValueError(f"stage {name!r}: endpoint must be an http(s) URL, got {endpoint!r}")
+        unknown = sorted(set(entry) - STAGE_KEYS)
+        if unknown:  # a misspelt limit was ignored: the stage ran with the default it meant to change
+            raise ValueError(f"stage {name!r}: unknown key(s) {', '.join(map(repr, unknown))} (known: {_KNOWN})")
         params = entry.get("params", {})
         if not isinstance(params, Mapping):
             raise ValueError(f"stage {name!r}: params must be an object, got {params!r}")
@@ -113,13 +127,13 @@ def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
                 name=name,
                 queue=queue,
                 input_field=input_field,
-                media_type=str(entry.get("media_type", "application/octet-stream")),
+                media_type=_text(name, "media_type", entry.get("media_type", "application/octet-stream")),
                 lease_ttl=_positive_int(name, "lease_ttl", entry.get("lease_ttl", 120)),
                 lane_limit=_positive_int(name, "lane_limit", entry.get("lane_limit", 8)),
                 book_quota=_positive_int(name, "book_quota", entry.get("book_quota", 4)),
                 window=_positive_int(name, "window", entry.get("window", 4)),
                 book_cap=None if entry.get("book_cap") is None else _positive_int(name, "book_cap", entry["book_cap"]),
-                generator=str(entry.get("generator", "http" if endpoint else "builtin")),
+                generator=_text(name, "generator", entry.get("generator", "http" if endpoint else "builtin")),
                 endpoint=endpoint,
                 params=dict(params),
             )

@@ -24,6 +24,7 @@ from animastor_tasks.worker.presence import PresenceStep
 try:
     settings = Settings.from_env()
     log_setup = LogSetup.from_env()  # ANIMASTOR_LOG_LEVEL / ANIMASTOR_LOG_FORMAT, checked at start-up too
+    tracing.wanted()  # ANIMASTOR_OTEL too
 except ConfigError as err:  # a worker or beat with a bad setting stops here, with the variable named
     sys.stderr.write(f"animastor-tasks: {err}\n")
     raise SystemExit(2) from err

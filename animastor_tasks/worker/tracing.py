@@ -24,14 +24,21 @@ from contextlib import contextmanager
 from importlib import metadata
 from typing import Any
 
+from animastor_tasks.errors import ConfigError
+
 log = logging.getLogger("animastor.worker")
+SWITCH = "ANIMASTOR_OTEL"
 
 _provider: Any = None
 
 
 def wanted(env: Mapping[str, str] | None = None) -> bool:
-    """True when the operator asked for tracing (`ANIMASTOR_OTEL=1`)."""
-    return (os.environ if env is None else env).get("ANIMASTOR_OTEL", "").strip() == "1"
+    """True when the operator asked for tracing (`ANIMASTOR_OTEL=1`); unset, empty or `0` is off. Anything else
+    is a `ConfigError` naming the variable: `true` turned tracing off without a word."""
+    raw = (os.environ if env is None else env).get(SWITCH, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{SWITCH}={raw!r} must be 1 (trace) or 0 (off)")
+    return raw == "1"
 
 
 def _exporter(env: Mapping[str, str]) -> Any:

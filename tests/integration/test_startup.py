@@ -18,3 +18,16 @@ def test_time_limits_out_of_order_stop_the_process(program: list[str]) -> None:
     assert done.returncode == 2, done.stderr
     assert "ANIMASTOR_JOB_SOFT_TIME_LIMIT < ANIMASTOR_JOB_TIME_LIMIT < ANIMASTOR_VISIBILITY_TIMEOUT" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("ANIMASTOR_OTEL", "true"), ("ANIMASTOR_STAGES", '{"audio": {"lane_limt": 2}}')],
+)
+def test_a_worker_with_a_misspelt_setting_stops_naming_it(variable: str, value: str) -> None:
+    """`ANIMASTOR_OTEL=true` ran the worker without tracing, a misspelt stage limit ran it with the default."""
+    env = {**os.environ, variable: value}
+    program = [sys.executable, "-m", "celery", "-A", "animastor_tasks", "worker"]
+    done = subprocess.run(program, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2, done.stderr
+    assert variable in done.stderr and "Traceback" not in done.stderr

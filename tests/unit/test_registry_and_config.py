@@ -56,6 +56,14 @@ def test_a_third_stage_is_configuration_only() -> None:
         ({"ANIMASTOR_TICK_SECONDS": "inf"}, "ANIMASTOR_TICK_SECONDS"),
         ({"ANIMASTOR_BREAKER_THRESHOLD": "2.5"}, "ANIMASTOR_BREAKER_THRESHOLD"),
         ({"ANIMASTOR_INFERENCE_API_KEY": "sk-a\x00b"}, "ANIMASTOR_INFERENCE_API_KEY"),
+        # "Keep for ever" as a huge number passed start-up, then every reconcile failed on Postgres's interval range.
+        ({"ANIMASTOR_JOURNAL_RETENTION_DAYS": "999999999"}, "ANIMASTOR_JOURNAL_RETENTION_DAYS"),
+        ({"ANIMASTOR_COMMAND_RETENTION_DAYS": "1e9"}, "ANIMASTOR_COMMAND_RETENTION_DAYS"),
+        # A null generator or media type became the string 'None'; a misspelt key was ignored (8 slots kept).
+        ({"ANIMASTOR_STAGES": '{"image": {"endpoint": "http://x", "generator": null}}'}, "generator"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"media_type": null}}'}, "media_type"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"media_type": 3}}'}, "media_type"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"lane_limt": 2}}'}, "lane_limt"),
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], needle: str) -> None:

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from animastor_tasks.errors import ConfigError
 from animastor_tasks.worker import tracing
 
 
@@ -29,3 +30,11 @@ def test_switch_on_without_the_extra_warns_and_stays_off(
     monkeypatch.setitem(sys.modules, "opentelemetry", None)
     assert tracing.setup({"ANIMASTOR_OTEL": "1"}) is None
     assert "otel extra is missing" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["true", "yes", "on", "2"])
+def test_a_switch_value_other_than_0_or_1_names_the_variable(value: str) -> None:
+    """`ANIMASTOR_OTEL=true` turned tracing off without a word; the other switches stop the process instead."""
+    with pytest.raises(ConfigError, match="ANIMASTOR_OTEL"):
+        tracing.wanted({"ANIMASTOR_OTEL": value})
+    assert tracing.wanted({"ANIMASTOR_OTEL": " 1 "}) and not tracing.wanted({"ANIMASTOR_OTEL": ""})
