@@ -16,8 +16,8 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _QUEUE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 INPUT_FIELDS = ("text", "prompt")
 STAGE_KEYS = frozenset(
-    ("queue", "input", "media_type", "lease_ttl", "lane_limit", "book_quota", "window", "book_cap")
-    + ("generator", "endpoint", "params")
+    {"queue", "input", "media_type", "lease_ttl", "lane_limit", "book_quota", "window", "book_cap", "generator"}
+    | {"endpoint", "params"}
 )
 _KNOWN = ", ".join(sorted(STAGE_KEYS))
 
