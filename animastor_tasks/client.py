@@ -133,7 +133,7 @@ class Client:
             "book_id": book_id,
             "stages": list(stages),
             "scenes": None if scenes is None else [list(s) for s in scenes],
-            "command_id": command_id or str(uuid.uuid4()),
+            "command_id": str(uuid.uuid4()) if command_id is None else command_id,  # "" is the worker's to refuse
             "force": force,
         }
         if priority is not None:  # sent only when asked for, so older control workers still accept the call

@@ -18,6 +18,9 @@ def set_layers(ports: Ports, book_id: object, enable: list[str], disable: list[s
     for stage in [*enable, *disable]:
         if stage not in known:
             raise InvalidCommand(f"stage: unknown stage {show_value(stage)} (known: {', '.join(known)})")
+    both = sorted(set(enable) & set(disable))
+    if both:
+        raise InvalidCommand(f"stage: {', '.join(map(show_value, both))} both enabled and disabled; name each once")
     layers = {f"{s}_enabled": layer_enabled(parse_layers(ports.catalog.layers(book)), s) for s in known}
     layers.update({f"{s}_enabled": True for s in enable})
     layers.update({f"{s}_enabled": False for s in disable})

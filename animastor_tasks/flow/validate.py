@@ -5,12 +5,15 @@ A bad value raises `InvalidCommand` naming the field and showing the value.
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from animastor_tasks.domain.book import check_storable, show_value, validate_id
 from animastor_tasks.domain.vocabulary import Priority
 from animastor_tasks.errors import InvalidCommand
 from animastor_tasks.ports import Ports
+
+_CANONICAL_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
 def known_book(ports: Ports, book_id: object) -> str:
@@ -56,14 +59,25 @@ def scene_ids(scenes: object) -> list[tuple[str, str]] | None:
 
 
 def request_id(command_id: object) -> str:
+    """The caller's UUID in its canonical 8-4-4-4-12 form (the contract's schema), lower-cased as Postgres answers
+    it. Braces, `urn:uuid:` or hyphens elsewhere were read as the same UUID and answered as another string."""
     if command_id is None:
         return str(uuid.uuid4())
     if not isinstance(command_id, str):
         raise InvalidCommand(f"command_id: must be a UUID string or null, got {show_value(command_id)}")
-    try:
-        return str(uuid.UUID(command_id))
-    except ValueError as err:
-        raise InvalidCommand(f"command_id: not a UUID, got {show_value(command_id)}") from err
+    if not _CANONICAL_UUID.fullmatch(command_id):
+        raise InvalidCommand(
+            f"command_id: not a UUID in its canonical form (8-4-4-4-12 hex digits), got {show_value(command_id)}"
+        )
+    return command_id.lower()
+
+
+def lane(ports: Ports, queue: object) -> str | None:
+    """A GPU queue named by a caller (a gate pass of one lane): None, or a stage's queue."""
+    known = ports.settings.registry.queues()
+    if queue is not None and (not isinstance(queue, str) or queue not in known):
+        raise InvalidCommand(f"lane: must be null or one of {', '.join(known)}, got {show_value(queue)}")
+    return queue
 
 
 def priority(value: object) -> Priority:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -155,6 +156,31 @@ def layers_show(book_id: str, as_json: bool) -> None:
 
 
 # -- commands ---------------------------------------------------------------------------------
+class Seconds(click.ParamType):
+    """A finite number of seconds, at least `least` (above it when `open_low`): `nan` and `inf` passed click's
+    FloatRange, and were a traceback in `sleep` or a wait that never ended."""
+
+    name = "seconds"
+
+    def __init__(self, least: float, *, open_low: bool = False) -> None:
+        self.least, self.open_low = least, open_low
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        too_low = seconds <= self.least if self.open_low else seconds < self.least
+        if not math.isfinite(seconds) or too_low:
+            bound = f"above {self.least:g}" if self.open_low else f"at least {self.least:g}"
+            self.fail(f"{value!r} must be a finite number {bound}", param, ctx)
+        return seconds
+
+
+WAIT = Seconds(0, open_low=True)  # how long a command waits for the control worker's answer
+INTERVAL = Seconds(0.1)  # a --watch view's refresh
+
+
 def _scene_arg(value: str) -> tuple[str, str]:
     chapter, sep, scene = value.partition("/")
     if not sep:
@@ -174,7 +200,7 @@ def _scene_arg(value: str) -> tuple[str, str]:
     default=None,
     help="Who gets a free GPU slot first (default: normal).",
 )
-@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the control worker.")
+@click.option("--timeout", default=30.0, show_default=True, type=WAIT, help="Seconds to wait for the control worker.")
 @click.option("--json", "as_json", is_flag=True)
 def regenerate(
     book_id: str,
@@ -211,7 +237,7 @@ def regenerate(
 @main.command()
 @click.argument("book_id")
 @click.option("--reason", default=None)
-@click.option("--timeout", default=30.0, show_default=True)
+@click.option("--timeout", default=30.0, show_default=True, type=WAIT)
 @click.option("--json", "as_json", is_flag=True)
 def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> None:
     """Stop All for a book (enqueues animastor.cancel)."""
@@ -235,7 +261,7 @@ def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> N
 @click.argument("book_id")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--watch", is_flag=True, help="Refresh until every command is terminal, with rate and ETA.")
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1))
+@click.option("--interval", default=1.0, show_default=True, type=INTERVAL)
 def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
     """Commands of a book with progress, and every scene's state per stage (one cell each)."""
     from animastor_tasks.flow import status as status_flow
@@ -254,10 +280,12 @@ def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
     """Recent commands with status, reason, progress and age."""
+    from animastor_tasks.flow import validate
     from animastor_tasks.flow.status import progress
     from animastor_tasks.operator import render as views
 
-    rows = _wired().ports.commands.commands(book=book_id, limit=limit)
+    ports = _wired().ports
+    rows = ports.commands.commands(book=None if book_id is None else validate.known_book(ports, book_id), limit=limit)
     now = time.time()
     data = [
         {
@@ -277,7 +305,7 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
-@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1))
+@click.option("--interval", default=2.0, show_default=True, type=INTERVAL)
 def queues(as_json: bool, watch: bool, interval: float) -> None:
     """GPU queues: consumers, depth (? when the broker cannot say), running, lane limit, breaker, deferrals."""
     from animastor_tasks.operator import render as views

@@ -214,8 +214,16 @@ def dev_inference_server(
 
 
 @click.command("metrics")
-@click.option("--address", default="127.0.0.1", show_default=True, envvar="ANIMASTOR_METRICS_ADDRESS")
-@click.option("--port", default=9808, show_default=True, envvar="ANIMASTOR_METRICS_PORT", type=click.IntRange(0, 65535))
+# `show_envvar`: an error then names the variable, which an operator who set only it recognizes.
+@click.option("--address", default="127.0.0.1", show_default=True, envvar="ANIMASTOR_METRICS_ADDRESS", show_envvar=True)
+@click.option(
+    "--port",
+    default=9808,
+    show_default=True,
+    envvar="ANIMASTOR_METRICS_PORT",
+    show_envvar=True,
+    type=click.IntRange(0, 65535),
+)
 def metrics_cmd(address: str, port: int) -> None:
     """Serve Prometheus metrics on http://ADDRESS:PORT/metrics until Ctrl-C (see docs/operations.md)."""
     from animastor_tasks.operator import metrics

@@ -27,7 +27,7 @@ from celery import Task
 from animastor_tasks.domain.liveness import delivery_holder
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import gate, refill
+from animastor_tasks.flow import gate, refill, validate
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import Later, run_job
@@ -62,9 +62,8 @@ def cancel(book_id: str, reason: str | None = None) -> dict[str, Any]:
 @app.task(name="animastor.gate")
 def gate_task(book_id: str, lane: str | None = None) -> dict[str, Any]:
     # `lane`: a message of a version that handed slots through this task; handed slots are refills now.
-    return _pass_result(
-        book_id, gate.gate_pass(ports(), book_id) if lane is None else refill.refill(ports(), book_id, lane)
-    )
+    book, queue = validate.known_book(ports(), book_id), validate.lane(ports(), lane)
+    return _pass_result(book, gate.gate_pass(ports(), book) if queue is None else refill.refill(ports(), book, queue))
 
 
 @app.task(name="animastor.refill", ignore_result=True)

@@ -75,4 +75,5 @@ def test_a_one_scene_regenerate_in_a_big_book_dispatches_it_without_passing_the_
     regenerate_flow.regenerate(rt.ports, "big", ["audio"], [["ch1", behind]], priority="bulk")
     assert passed == []
     due = rt.redis.client.zscore(rt.redis.keys.due(), "big")
-    assert due is not None and asked - 1 <= float(due) <= time.time()  # the tick passes the book whole at once
+    # The tick passes the book whole at once: due now, on the runtime's clock (a second either way of this host's).
+    assert due is not None and asked - 1 <= float(due) <= time.time() + 1

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from animastor_tasks.flow import regenerate as regenerate_flow
 
@@ -35,6 +40,54 @@ def test_read_commands_exit_2_on_bad_input(rt) -> None:
     assert done.returncode == 2 and "unknown book 'no-such-book'" in done.stderr
     done = cli("layers", "set", "no-such-book", "--disable", "image")
     assert done.returncode == 2
+
+
+@pytest.mark.parametrize("book", ["no-such-book", "   ", "bad\x01id"])
+def test_commands_of_a_book_that_is_not_one_exit_2(rt, book: str) -> None:
+    """`commands BOOK` printed `[]` (exit 0) for an unknown book, where `status` says it is unknown."""
+    done = cli("commands", book, "--json")
+    assert done.returncode == 2, done.stdout
+    assert "book_id" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_commands_of_an_argument_that_is_not_utf8_exit_2(rt) -> None:
+    """A non-UTF-8 byte in argv reached the database driver as a lone surrogate: a traceback, no JSON."""
+    done = subprocess.run(
+        [sys.executable.encode(), b"-m", b"animastor_tasks.operator.cli", b"commands", b"bad\xff", b"--json"],
+        capture_output=True,
+        timeout=60,
+        env=os.environ.copy(),
+    )
+    assert done.returncode == 2, done.stderr
+    assert b"Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("status", "b", "--watch", "--interval", "nan"),
+        ("status", "b", "--watch", "--interval", "inf"),
+        ("queues", "--watch", "--interval", "nan"),
+        ("regenerate", "b", "--stage", "audio", "--timeout", "nan"),
+        ("regenerate", "b", "--stage", "audio", "--timeout", "0"),
+        ("cancel", "b", "--timeout", "-1"),
+    ],
+)
+def test_seconds_that_are_not_a_positive_finite_number_are_usage_errors(rt, args: tuple[str, ...]) -> None:
+    """`--interval nan` was a ValueError traceback; `--timeout nan` waited for ever; `--timeout -1` enqueued the
+    command, then failed at once saying no control worker answered."""
+    done = cli(*args)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and ("--interval" in done.stderr or "--timeout" in done.stderr)
+    assert rt.redis.client.llen("animastor.control") == 0  # nothing was sent
+
+
+def test_layers_both_on_and_off_at_once_is_refused(rt) -> None:
+    """`--enable audio --disable audio` turned audio off without a word."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    done = cli("layers", "set", "b", "--enable", "audio", "--disable", "audio")
+    assert done.returncode == 2 and "audio" in done.stderr
+    assert json.loads(cli("layers", "show", "b", "--json").stdout)["audio"] is True
 
 
 def test_a_commands_age_is_never_negative_when_the_database_clock_runs_ahead(rt) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import subprocess
 import sys
 import time
@@ -44,3 +46,16 @@ def test_no_control_worker_times_out_with_a_clear_message(rt, settings) -> None:
     with pytest.raises(AnimastorError, match=r"no answer within 1s; is a control worker consuming animastor\.control"):
         client.regenerate("b1", ["audio"])
     client.close()
+
+
+def test_an_empty_command_id_is_sent_as_given_not_replaced(rt, settings) -> None:
+    """`command_id=""` was swapped for a fresh UUID on every call: a caller whose id came out empty made a new
+    command (and GPU work) on each retry instead of hearing its id is not one."""
+    client = Client(settings)
+    try:
+        client.regenerate("b1", ["audio"], command_id="", wait=False)
+    finally:
+        client.close()
+    [raw] = rt.redis.client.lrange("animastor.control", 0, -1)
+    _args, kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
+    assert kwargs["command_id"] == ""

@@ -169,6 +169,11 @@ def test_a_command_id_that_names_a_command_of_another_request_is_refused(rt, boo
         ({"book_id": 42, "stages": ["audio"]}, "book_id"),
         ({"book_id": "b1", "stages": ["audio"], "command_id": "not-a-uuid"}, "command_id"),
         ({"book_id": "b1", "stages": ["audio"], "force": "yes"}, "force"),
+        # Spellings `uuid.UUID` reads but the contract's schema refuses: each was stored as another string.
+        ({"book_id": "b1", "stages": ["audio"], "command_id": "{12345678-1234-5678-1234-567812345678}"}, "command_id"),
+        ({"book_id": "b1", "stages": ["audio"], "command_id": "urn:uuid:12345678-1234-5678-1234-567812345678"}, "UUID"),
+        ({"book_id": "b1", "stages": ["audio"], "command_id": "12345678123456781234567812345678"}, "command_id"),
+        ({"book_id": "b1", "stages": ["audio"], "command_id": "1-2345678123456781234567812345678"}, "command_id"),
     ],
 )
 def test_bad_calls_are_refused_and_write_nothing(rt, book, kwargs, needle) -> None:

@@ -15,6 +15,7 @@ from referencing import Registry, Resource
 from animastor_tasks import contract
 from animastor_tasks.dev.samples import load_sample_book
 from animastor_tasks.domain.book import book_to_dict
+from animastor_tasks.errors import InvalidCommand
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import layers as layers_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -195,3 +196,15 @@ def test_typed_dict_keys_match_the_schema(typed: Any, schema: dict[str, Any]) ->
     properties, required = _schema_keys(schema)
     assert set(typing.get_type_hints(typed)) == properties
     assert set(typed.__required_keys__) == required
+
+
+@pytest.mark.parametrize(
+    ("book_id", "lane", "needle"),
+    [(42, None, "book_id"), ("", None, "book_id"), ("nope", None, "unknown book"), ("b", "gpu.nope", "lane")],
+)
+def test_a_gate_task_of_no_such_book_or_lane_is_refused(rt, book_id: Any, lane: Any, needle: str) -> None:
+    """`animastor.gate` of a number was a TypeError from the Redis key builder; of an empty or unknown book it
+    answered an empty pass, as if the book had been looked at."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    with pytest.raises(InvalidCommand, match=needle):
+        tasks.gate_task.run(book_id, lane=lane)

@@ -253,3 +253,14 @@ def test_a_postgres_outage_is_blamed_on_postgres_and_keeps_the_queue_families(tm
     assert value(samples, "animastor_breaker_state", queue="gpu.audio", state="closed") == 1
     in_flight = ("animastor_queue_in_flight", (("queue", "gpu.audio"), ("stage", "audio")))
     assert in_flight not in samples  # unknown, not a made-up 0
+
+
+@pytest.mark.parametrize("port", ["abc", "70000"])
+def test_a_bad_port_in_the_environment_is_named(port: str) -> None:
+    """Click blamed `--port`, which an operator who set only ANIMASTOR_METRICS_PORT never typed."""
+    from click.testing import CliRunner
+
+    from animastor_tasks.operator.cli import main
+
+    done = CliRunner().invoke(main, ["metrics"], env={"ANIMASTOR_METRICS_PORT": port})
+    assert done.exit_code == 2 and "ANIMASTOR_METRICS_PORT" in done.output, done.output
