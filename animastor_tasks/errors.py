@@ -98,11 +98,13 @@ class ArtifactStoreError(AnimastorError):
 
 
 class GeneratorError(AnimastorError):
-    """A generator failed; `retryable` says whether another attempt may succeed."""
+    """A generator failed; `retryable` says whether another attempt may succeed, and `retry_after` (seconds)
+    when the backend said when to try again (HTTP `Retry-After`), for the worker's backoff."""
 
-    def __init__(self, message: str, *, retryable: bool = True) -> None:
+    def __init__(self, message: str, *, retryable: bool = True, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.retry_after = retry_after
 
 
 class GenerationStopped(GeneratorError):

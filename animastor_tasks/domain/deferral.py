@@ -41,6 +41,14 @@ def compute_backoff(attempt: int, *, base: float, maximum: float) -> float:
     return float(min(maximum, base * (2 ** (attempt - 1))))
 
 
+def retry_delay(attempt: int, *, base: float, maximum: float, asked: float | None) -> float:
+    """The wait before the next attempt: the backoff, or longer when the backend asked for longer (`Retry-After`),
+    both capped at `maximum`. Retried at the backoff alone, a rate-limited server refused every attempt and the
+    pair failed in seconds, inside the window the server had named."""
+    backoff = compute_backoff(attempt, base=base, maximum=maximum)
+    return backoff if asked is None else max(backoff, min(asked, maximum))
+
+
 RANK_SCALE = 1e10  # one priority rank outweighs any unix time: `wait_score`, and lua/lane_take.lua
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from animastor_tasks.domain.deferral import compute_backoff
+from animastor_tasks.domain.deferral import retry_delay
 from animastor_tasks.domain.gate import BookFacts, Denial, JobStartFacts, decide_job_start
 from animastor_tasks.domain.job_rules import (
     ErrorKind,
@@ -281,8 +281,9 @@ def _generate_with_retries(
                 log.exception("[GENERATE] %s generator raised", job.describe())
             if kind is not ErrorKind.BACKEND or attempt > ports.settings.generate_max_retries:
                 return None, message, attempt, kind
-        delay = compute_backoff(
-            attempt, base=ports.settings.retry_backoff_base, maximum=ports.settings.retry_backoff_max
+            asked = err.retry_after if isinstance(err, GeneratorError) else None
+        delay = retry_delay(
+            attempt, base=ports.settings.retry_backoff_base, maximum=ports.settings.retry_backoff_max, asked=asked
         )
         now = time.monotonic()
         if not another_attempt_fits(now - started, delay, now - tried, ports.settings.job_soft_time_limit):

@@ -18,6 +18,7 @@ import requests
 
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
+from animastor_tasks.generators.media import check_known_media
 from animastor_tasks.generators.transport import LIMIT_PARAMS, RETRYABLE_4XX, Limits, Transport, check_endpoint
 
 if TYPE_CHECKING:
@@ -36,8 +37,9 @@ class HttpGenerator:
     """Calls `spec.endpoint` with the scene input and returns the media in the response body.
 
     Params: `connect_timeout` (default 3.05 s), `read_timeout` (default 300 s, the
-    longest silence allowed between bytes), `max_bytes` (largest accepted body,
-    default 512 MiB). Every other param is passed to the server in `params`.
+    longest silence allowed between bytes), `total_timeout` (default twice `read_timeout`,
+    the whole answer), `max_bytes` (largest accepted body, default 512 MiB). Every other
+    param is passed to the server in `params`. A WAV or PNG body must parse as one.
     """
 
     name: str = "http"
@@ -72,6 +74,13 @@ class HttpGenerator:
         progress(0.0)
         log.debug("POST %s stage=%s scene=%s", self._transport.shown_url, request.stage, request.scene_id)
         media_type, data = self._transport.post(body, headers, limits, request, should_stop, self._check_media_type)
+        try:
+            check_known_media(media_type, data)
+        except ValueError as err:
+            raise GeneratorError(
+                f"stage {self.spec.name!r}: inference endpoint returned a body that is not {media_type} ({err})",
+                retryable=False,
+            ) from None
         progress(1.0)
         return Media(data, media_type)
 

@@ -81,7 +81,8 @@ def wav_duration_seconds(data: bytes) -> float:
 
     Read from the RIFF chunks rather than with `wave`, which knows integer PCM alone: a server writing 32-bit
     float or extensible-format WAV (torchaudio, scipy) had every pair of its stage failed as not a WAV file.
-    A data chunk of unknown length (0 or 0xFFFFFFFF, written by a streaming server) runs to the end.
+    A data chunk of unknown length (0 or 0xFFFFFFFF, written by a streaming server) runs to the end. No samples
+    at all (a TTS given only punctuation) or fewer bytes than the chunk declares (a body cut short) is no audio.
     """
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise ValueError("not a WAV file: no RIFF/WAVE header")
@@ -96,10 +97,27 @@ def wav_duration_seconds(data: bytes) -> float:
             if not rate or not block:
                 raise ValueError("not a WAV file: no usable fmt chunk before the data")
             available = len(data) - body
-            length = available if size in (0, 0xFFFFFFFF) else min(size, available)
-            return length // block / rate
+            if size not in (0, 0xFFFFFFFF) and size > available:
+                raise ValueError(f"WAV cut short: its data chunk declares {size} bytes, {available} are there")
+            frames = (available if size in (0, 0xFFFFFFFF) else size) // block
+            if not frames:
+                raise ValueError("WAV holds no samples")
+            return frames / rate
         at = body + size + (size & 1)  # chunks are padded to an even size
     raise ValueError("not a WAV file: no data chunk")
+
+
+WAV_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"})
+
+
+def check_known_media(media_type: str, data: bytes) -> None:
+    """ValueError when `data` is not a file of the format `media_type` names, for the formats read here (WAV,
+    PNG): a server's error text or a file still being written, sent under the right type, is not a result."""
+    kind = media_type.split(";")[0].strip().lower()
+    if kind in WAV_TYPES:
+        wav_duration_seconds(data)
+    elif kind == "image/png":
+        png_size(data)
 
 
 def _chunk(kind: bytes, payload: bytes) -> bytes:

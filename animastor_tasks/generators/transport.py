@@ -1,12 +1,14 @@
 """The HTTP behaviour every remote generator shares, so each protocol gets it right once.
 
 One POST to one configured URL: redirects are refused rather than followed (the key and
-the scene text must not be sent anywhere else), connect and read timeouts are bounded,
-the body is read in chunks (a stop is noticed mid-download, a huge body is cut off),
-5xx/408/429 are retryable and other 4xx are not, and an error carries the server's own
-message with the API key scrubbed out. When a server says when to come back
-(`Retry-After`), the generator can wait that long itself, capped, because the worker's
-backoff cannot know the hint.
+the scene text must not be sent anywhere else), and no credentials but the generator's own
+go with it (requests would add a `~/.netrc` entry's); connect and read timeouts are bounded,
+and so is the whole answer (`total_timeout`: a server trickling bytes resets the read timeout
+with each); the body is read as it arrives (a stop is noticed mid-download, a huge body is cut
+off), 5xx/408/429 are retryable and other 4xx are not, and an error carries the server's own
+message with the API key scrubbed out. When a server says when to come back (`Retry-After`),
+the generator can wait that long itself, capped, and an error it gives up with carries the
+hint on to the worker's backoff.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import requests
+import urllib3
 
 from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, redact_url
 from animastor_tasks.generators import GenerationRequest, number_param
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 # 4xx answers that mean "not now" rather than "never": worth another attempt.
 RETRYABLE_4XX = frozenset({408, 429})
 # Params read by the transport itself (never sent to a server).
-LIMIT_PARAMS = frozenset({"connect_timeout", "read_timeout", "max_bytes"})
+LIMIT_PARAMS = frozenset({"connect_timeout", "read_timeout", "total_timeout", "max_bytes"})
 RETRY_PARAMS = frozenset({"retries", "max_retry_after"})
 _CHUNK = 64 * 1024
 _MESSAGE_LIMIT = 300
@@ -44,6 +47,15 @@ _PERMANENT_REQUEST_ERRORS = (
     requests.exceptions.InvalidSchema,
     requests.exceptions.MissingSchema,
 )
+# What reading the body itself may raise (read straight from urllib3, not through requests' wrappers).
+_BODY_READ_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+
+
+def _no_credentials(request: requests.PreparedRequest) -> requests.PreparedRequest:
+    """An `auth` that adds nothing: without one, requests sends a `~/.netrc` entry's login (a `default` entry for
+    any host), in clear to a server of someone else's, and in place of the OpenAI generators' Bearer key."""
+    return request
+
 
 CheckType = Callable[[requests.Response], str]
 
@@ -54,6 +66,7 @@ class Limits:
 
     connect_timeout: float = 3.05
     read_timeout: float = 300.0
+    total_timeout: float = 600.0  # the whole answer, headers to last byte (checked as the body arrives)
     max_bytes: int = 512 * 1024 * 1024
     retries: int = 0  # extra attempts, only when the server sent Retry-After
     max_retry_after: float = 30.0
@@ -63,12 +76,13 @@ class Limits:
         """Read the limit params; `retries` is the default (0 keeps the retry params unread)."""
         connect = number_param(params, "connect_timeout", 3.05, minimum=0.001, maximum=600.0)
         read = number_param(params, "read_timeout", 300.0, minimum=0.001, maximum=86400.0)
+        total = number_param(params, "total_timeout", 2 * read, minimum=0.001, maximum=172800.0)
         max_bytes = int(number_param(params, "max_bytes", 512 * 1024 * 1024, minimum=1, integer=True))
         if not retries:
-            return cls(connect, read, max_bytes)
+            return cls(connect, read, total, max_bytes)
         extra = int(number_param(params, "retries", retries, minimum=0, maximum=10, integer=True))
         cap = number_param(params, "max_retry_after", 30.0, minimum=0.0, maximum=3600.0)
-        return cls(connect, read, max_bytes, extra, cap)
+        return cls(connect, read, total, max_bytes, extra, cap)
 
 
 def check_endpoint(stage: str, generator: str, endpoint: str | None) -> str:
@@ -124,11 +138,13 @@ class Transport:
         media_type, data = "", b""
         while True:
             wait: float | None = None
+            deadline = time.monotonic() + limits.total_timeout
             try:
                 with requests.post(
                     self.url,
                     json=body,
                     headers=dict(headers),
+                    auth=_no_credentials,
                     timeout=(limits.connect_timeout, limits.read_timeout),
                     allow_redirects=False,
                     stream=True,
@@ -137,7 +153,7 @@ class Transport:
                     if wait is None:
                         self._check_status(response)
                         media_type = check_type(response)
-                        data = self._read_body(response, limits.max_bytes, should_stop, request)
+                        data = self._read_body(response, limits, deadline, should_stop, request)
             except requests.exceptions.RequestException as err:
                 # Connection refused, DNS failure, connect/read timeout, connection reset mid-body.
                 raise GeneratorError(
@@ -200,26 +216,44 @@ class Transport:
         message = self.server_message(response)
         retryable = status >= 500 or status in RETRYABLE_4XX
         raise GeneratorError(
-            f"stage {self.stage!r}: inference endpoint answered {status}: {message}", retryable=retryable
+            f"stage {self.stage!r}: inference endpoint answered {status}: {message}",
+            retryable=retryable,
+            retry_after=retry_after_seconds(response.headers.get("Retry-After")) if retryable else None,
         )
 
     def _read_body(
         self,
         response: requests.Response,
-        max_bytes: int,
+        limits: Limits,
+        deadline: float,
         should_stop: Callable[[], bool],
         request: GenerationRequest,
     ) -> bytes:
-        """Read the body in chunks, so a stop is seen during a long download and a huge body is cut off."""
+        """Read the body as it arrives (one socket read at a time: a read of a whole chunk waited for all of it),
+        so a stop is seen during a long or trickling download, a huge body is cut off, and an answer still coming
+        at `total_timeout` is given up."""
         data = bytearray()
-        for chunk in response.iter_content(_CHUNK):
-            data += chunk
-            if len(data) > max_bytes:
+        while True:
+            try:
+                chunk = response.raw.read1(_CHUNK, decode_content=True)
+            except _BODY_READ_ERRORS as err:  # a read timeout, a reset mid-body, a broken compression
                 raise GeneratorError(
-                    f"stage {self.stage!r}: inference response exceeds max_bytes={max_bytes}", retryable=False
+                    f"stage {self.stage!r}: reading the answer of {self.shown_url} failed: "
+                    f"{type(err).__name__}: {self.clean(str(err))}"
+                ) from None
+            if not chunk:
+                return bytes(data)
+            data += chunk
+            if len(data) > limits.max_bytes:
+                raise GeneratorError(
+                    f"stage {self.stage!r}: inference response exceeds max_bytes={limits.max_bytes}", retryable=False
                 )
             self.check_stop(should_stop, request)
-        return bytes(data)
+            if time.monotonic() > deadline:
+                raise GeneratorError(
+                    f"stage {self.stage!r}: inference endpoint {self.shown_url} still sending its answer after"
+                    f" total_timeout={limits.total_timeout:g}s ({len(data)} bytes so far)"
+                )
 
     def server_message(self, response: requests.Response) -> str:
         """The server's error text (`{"error": "..."}`, OpenAI's `{"error": {"message": ...}}` or

@@ -86,6 +86,22 @@ def test_http_generator_with_injected_5xx_ends_ready_or_failed(rt, tmp_path, sta
     assert status.status in {"completed", "failed"}
 
 
+def test_a_backend_that_names_when_to_come_back_is_retried_then(rt, tmp_path, start_server) -> None:  # noqa: F811
+    """A 503 with `Retry-After: 0.8` was retried at the worker's backoff (10 ms here): inside the window the server
+    named, so a rate-limited backend failed its pairs in seconds. The hint now sets the wait, up to the cap."""
+    url = start_server("--fail-first", "1", "--retry-after", "0.8")
+    spec = replace(rt.settings.registry.get("audio"), generator="http", endpoint=f"{url}/v1/generate/audio")
+    with_stage(rt, spec, tmp_path, retry_backoff_base=0.01, retry_backoff_max=5.0, generate_max_retries=3)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    started = time.monotonic()
+    result = run_job(rt.ports, job, worker="test")
+    assert result["outcome"] == "ready" and result["attempts"] == 2
+    assert time.monotonic() - started >= 0.8
+
+
 def test_cancel_stops_a_running_job_within_two_seconds(rt, tmp_path) -> None:
     slow = replace(rt.settings.registry.get("audio"), params={"steps": 40, "step_seconds": 0.25})
     with_stage(rt, slow, tmp_path)

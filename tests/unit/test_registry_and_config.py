@@ -5,7 +5,13 @@ import json
 import pytest
 
 from animastor_tasks.config import Settings
-from animastor_tasks.domain.deferral import DeferralWindows, compute_backoff, deferral_bucket, deferral_seconds
+from animastor_tasks.domain.deferral import (
+    DeferralWindows,
+    compute_backoff,
+    deferral_bucket,
+    deferral_seconds,
+    retry_delay,
+)
 from animastor_tasks.domain.registry import registry_from_table
 from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import ConfigError
@@ -110,6 +116,10 @@ def test_taxonomy_windows() -> None:
 
 def test_backoff_is_capped_and_pure() -> None:
     assert [compute_backoff(n, base=1, maximum=5) for n in range(0, 6)] == [0, 1, 2, 4, 5, 5]
+    # A backend's Retry-After waits longer than the backoff, never past its cap, and never shortens it.
+    assert [retry_delay(n, base=1, maximum=5, asked=3) for n in range(1, 5)] == [3, 3, 4, 5]
+    assert retry_delay(1, base=1, maximum=5, asked=60) == 5
+    assert retry_delay(3, base=1, maximum=5, asked=None) == retry_delay(3, base=1, maximum=5, asked=0) == 4
 
 
 def test_result_backend_speaks_celerys_socket_form() -> None:

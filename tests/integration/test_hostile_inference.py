@@ -1,0 +1,183 @@
+"""Generators against inference servers that misbehave the ways third-party ones do: a body that trickles in,
+media that is broken or empty under the right Content-Type, a `~/.netrc` on the worker host.
+
+Each server is a real HTTP server on a loopback port, in a thread of this process, scripted per test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from animastor_tasks.config import Settings
+from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.errors import GenerationStopped, GeneratorError
+from animastor_tasks.generators import GenerationRequest, Media
+from animastor_tasks.generators.http import HttpGenerator
+from animastor_tasks.generators.media import render_png, synthesize_wav
+from animastor_tasks.generators.openai_speech import OpenAISpeechGenerator
+
+Answer = Callable[[BaseHTTPRequestHandler], None]
+SECRET = "sk-hostile-test-key"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    answer: Answer
+    seen: list[dict[str, str]]
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        type(self).seen.append(dict(self.headers))
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up, as it should have
+            type(self).answer(self)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Answer], str]]:
+    """`serve(answer)`: the base URL of a server answering every POST with `answer(handler)`."""
+    servers: list[tuple[ThreadingHTTPServer, threading.Thread]] = []
+
+    def start(answer: Answer) -> str:
+        handler = type("Handler", (_Handler,), {"answer": staticmethod(answer), "seen": []})
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        start.seen = handler.seen  # type: ignore[attr-defined]
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server, thread in servers:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def _media(status: int, media_type: str, body: bytes, *, length: int | None = None) -> Answer:
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(status)
+        handler.send_header("Content-Type", media_type)
+        handler.send_header("Content-Length", str(len(body) if length is None else length))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    return answer
+
+
+def _trickle(every: float, total: int = 200) -> Answer:
+    """A 200 whose body comes one byte at a time, each well within any read timeout."""
+
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "audio/wav")
+        handler.send_header("Content-Length", str(total))
+        handler.end_headers()
+        for _ in range(total):
+            handler.wfile.write(b"\0")
+            handler.wfile.flush()
+            time.sleep(every)
+
+    return answer
+
+
+def _spec(url: str, stage: str = "audio", generator: str = "http", **params: Any) -> StageSpec:
+    media_type = {"audio": "audio/wav", "image": "image/png"}[stage]
+    path = "/v1" if generator.startswith("openai") else f"/v1/generate/{stage}"
+    return StageSpec(stage, f"gpu.{stage}", "text" if stage == "audio" else "prompt", media_type,
+                     generator=generator, endpoint=url + path, params=params)  # fmt: skip
+
+
+def _generate(spec: StageSpec, *, key: str = "", stop: Callable[[], bool] = lambda: False) -> Media:
+    settings = replace(Settings(), inference_api_key=key)
+    kind = OpenAISpeechGenerator if spec.generator == "openai-speech" else HttpGenerator
+    request = GenerationRequest("b", "ch1", "s1", spec.name, "Words of the scene.", {})
+    return kind(spec, settings).generate(request, stop, lambda _: None)
+
+
+def test_a_trickling_body_is_left_as_soon_as_the_job_is_told_to_stop(serve: Callable[[Answer], str]) -> None:
+    """The body was read 64 KiB at a time, and a read waits for its whole chunk: a byte every 50 ms kept the job
+    (and its GPU slot) past a cancel until the body ended, 10 s here, however long the server went on."""
+    url = serve(_trickle(0.05))
+    started = time.monotonic()
+    with pytest.raises(GenerationStopped):
+        _generate(_spec(url, read_timeout=5), stop=lambda: time.monotonic() > started + 0.3)
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_trickle_past_the_whole_answers_deadline_is_a_retryable_error(serve: Callable[[Answer], str]) -> None:
+    """Each byte reset the read timeout: a server sending one every 50 ms held the job as long as it liked."""
+    url = serve(_trickle(0.05))
+    started = time.monotonic()
+    with pytest.raises(GeneratorError) as info:
+        _generate(_spec(url, read_timeout=0.5, total_timeout=1))
+    assert info.value.retryable and "total_timeout" in str(info.value)
+    assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize(
+    ("stage", "body", "why"),
+    [
+        ("audio", synthesize_wav("one two")[:44], "a WAV header with no samples (a TTS given only punctuation)"),
+        ("audio", synthesize_wav("one two three four")[:-2000], "a WAV cut short"),
+        ("audio", b'{"error": "CUDA out of memory"}', "a JSON error sent as audio/wav"),
+        ("image", render_png("a lighthouse")[:-20], "a PNG still being written"),
+    ],
+)
+def test_broken_media_under_the_right_content_type_is_not_a_result(
+    serve: Callable[[Answer], str], stage: str, body: bytes, why: str
+) -> None:
+    """The http generator checked the Content-Type and that the body was not empty: each of these was stored and
+    the pair marked ready, so nothing ever made it again."""
+    url = serve(_media(200, {"audio": "audio/wav", "image": "image/png"}[stage], body))
+    with pytest.raises(GeneratorError) as info:
+        _generate(_spec(url, stage))
+    assert not isinstance(info.value, GenerationStopped), why
+
+
+def test_a_header_only_wav_from_an_openai_server_is_not_a_result(serve: Callable[[Answer], str]) -> None:
+    url = serve(_media(200, "audio/wav", synthesize_wav("one")[:44]))
+    with pytest.raises(GeneratorError, match="WAV"):
+        _generate(_spec(url, generator="openai-speech", model="tts"), key=SECRET)
+
+
+def test_retry_after_of_a_refusal_travels_with_the_error(serve: Callable[[Answer], str]) -> None:
+    """The http generator never reads Retry-After itself: the worker's backoff now can, from the error."""
+
+    def busy(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(429)
+        handler.send_header("Retry-After", "7")
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    with pytest.raises(GeneratorError) as info:
+        _generate(_spec(serve(busy)))
+    assert info.value.retryable and info.value.retry_after == 7.0
+
+
+def test_netrc_credentials_on_the_worker_host_are_never_sent(
+    serve: Callable[[Answer], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """requests reads ~/.netrc for a call without `auth`: a `default` entry, meant for another service, went in
+    clear to the inference server, and replaced the OpenAI generators' Bearer key (every call a 401)."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text("default login someone password elsewhere-secret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    url = serve(_media(200, "audio/wav", synthesize_wav("one two")))
+    seen: list[dict[str, str]] = serve.seen  # type: ignore[attr-defined]
+    _generate(_spec(url))
+    _generate(_spec(url, generator="openai-speech", model="tts"), key=SECRET)
+    authorizations = [headers.get("Authorization") for headers in seen]
+    assert authorizations == [None, f"Bearer {SECRET}"]
