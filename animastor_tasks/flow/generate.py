@@ -32,6 +32,7 @@ from animastor_tasks.domain.job_rules import (
     worker_lost_reason,
 )
 from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import refill
@@ -110,6 +111,10 @@ def _refused(
             delivered.release = True
             _quietly("free capacity", _free_capacity, ports, job, spec)
             _quietly("mark due", ports.book_state.set_due, job.book_id, ports.clock())  # its pass releases the pair
+    elif denial is Denial.STALE_TOKEN:
+        # Superseded as it was being delivered: the stop marker a forced regenerate left it holds the pair's slot
+        # until it goes (the pair itself is the new token's, which the tick takes over once nothing holds it).
+        delivered.release = True
     return _reject(ports, job, denial, result)
 
 
@@ -209,7 +214,7 @@ def _run_owned(
         _quietly("free capacity", _free_capacity, ports, job, spec, True)  # first: a free slot waits for no bookkeeping
     finally:
         watcher.done.set()
-        delivered.release, delivered.watcher = True, watcher
+        delivered.release = True
         later(partial(_wind_down, ports, job, watcher, time.monotonic() - started))
     delivered.ready = True
     later(partial(ports.counters.add, {f"job:ready:{job.stage}": 1}))
@@ -235,15 +240,16 @@ class _Delivered:
     dispatched_at: float | None  # when the dispatch was published (`Ports.clock`); None: unknown
     release: bool = False
     ready: bool = False
-    watcher: Watcher | None = None  # the run's, once it has one
 
     def end(self) -> None:
         leases, job = self.ports.leases, self.job
         with leases.batched():
             if self.release:
-                # Its lease, or the stop marker it holds instead once a forced regenerate fenced it off: read once
-                # its watcher has ended (`_wind_down`), as it may swap to the marker until then.
-                leases.release_lease(job.lease_pair, job.dispatch_id if self.watcher is None else self.watcher.holding)
+                # Its lease, or the stop marker a forced regenerate swapped in for it: each released only if the pair's
+                # lease still holds it. The marker too when its watcher never took it up (the job returned before its
+                # next renewal): left, it kept the pair's slot, idle, for a whole lease TTL.
+                leases.release_lease(job.lease_pair, job.dispatch_id)
+                leases.release_lease(job.lease_pair, stop_marker(job.dispatch_id))
             if self.ready:
                 self.ports.deferrals.clear_deferrals(job.book_id, [job.pair])
             leases.end_delivery(job.dispatch_id)

@@ -139,20 +139,23 @@ def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[
 
 
 def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str | None]]) -> None:
-    """Running jobs a forced command fenced off (their token moved on in Postgres already): each lease
-    still held by its job is swapped for a stop marker, so the job's next renewal fails and it stops,
-    while the pair reads as held (reconcile leaves it `generating`, its slot counted) until the job has
-    returned (its watcher renews the marker) or one lease TTL after its worker died; a copy still queued is
-    revoked. Should Redis fail here the job runs on, fenced off, and its pair comes back when its lease ends."""
-    holders = ports.leases.lease_holders([(book, *pair) for pair, _ in superseded])
+    """Jobs a forced command fenced off (their token moved on in Postgres already). A running one's lease, still
+    held by it, is swapped for a stop marker, so the job's next renewal fails and it stops, while the pair reads as
+    held (reconcile leaves it `generating`, its slot counted) until the job has returned or one lease TTL after its
+    worker died. A job still queued (no delivery runs it) has nothing to return from: its lease is withdrawn, and
+    the next tick gives the pair's slot to the fresh run (a marker held it a lease TTL); its message is revoked,
+    and refused at its start if it comes all the same. A job whose delivery began after the read below fails its
+    start check: its token moved on first. Should Redis fail here a running job runs on, fenced off, and its pair
+    comes back when its lease ends."""
+    held = [(pair, d) for pair, d in superseded if d is not None and pair[2] in ports.settings.registry]
+    holders = ports.leases.lease_holders([(book, *pair) for pair, _ in held])
+    running = ports.leases.delivery_holders([d for _, d in held])
+    ours = [(pair, d, run) for (pair, d), holder, run in zip(held, holders, running, strict=True) if holder == d]
     registry = ports.settings.registry
     ports.leases.take_leases(
-        [
-            ((book, *pair), stop_marker(dispatch_id), registry.get(pair[2]).lease_ttl, {})
-            for (pair, dispatch_id), holder in zip(superseded, holders, strict=True)
-            if dispatch_id is not None and holder == dispatch_id and pair[2] in registry
-        ]
+        [((book, *pair), stop_marker(d), registry.get(pair[2]).lease_ttl, {}) for pair, d, run in ours if run]
     )
+    ports.leases.withdraw_queued([((book, *pair), d) for pair, d, run in ours if not run])
     dispatch_ids = [d for _, d in superseded if d]
     if dispatch_ids:
         ports.publisher.revoke(dispatch_ids)

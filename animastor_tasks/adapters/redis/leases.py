@@ -73,6 +73,17 @@ class LeaseStore:
         with self.conn.writes() as pipe:
             pipe.eval(self.conn.release_lua, 1, self.conn.keys.lease(*pair), dispatch_id)
 
+    def withdraw_queued(self, jobs: Sequence[tuple[BookPair, str]]) -> None:
+        """Queued dispatches that must never start: each one's lease released if it still holds it, and its
+        undelivered marker dropped, so the tick takes its pair over at once rather than ask the broker first. A
+        delivery that comes all the same finds no lease of its own and does not start. One round trip."""
+        if not jobs:
+            return
+        with self.conn.writes() as pipe:
+            for pair, dispatch_id in jobs:
+                pipe.eval(self.conn.release_lua, 1, self.conn.keys.lease(*pair), dispatch_id)
+                pipe.delete(self.conn.keys.queued(dispatch_id))
+
     def start_delivery(
         self, pair: BookPair, dispatch_id: str, worker: str, ttl: int
     ) -> tuple[bool, bool, bool, float | None]:
