@@ -1,12 +1,10 @@
 """The GPU job: run one scene x stage under its lease and commit only with a current token.
 
-At start the job must still hold the queued lease its dispatch took (domain/liveness.py), and
-the gate and the fencing token are re-checked by `domain.gate.decide_job_start`
-over facts read under the pair's row lock (the same transaction records the start).
-While the generator runs, a watcher renews the lease every TTL/3 and turns
-`should_stop()` true when the book is cancelled or the lease is lost. The output is
-committed with a compare-and-set on the token, so a superseded job can never
-overwrite a newer one.
+At start the job must still hold the queued lease its dispatch took (domain/liveness.py), and the gate and
+the fencing token are re-checked by `domain.gate.decide_job_start` over facts read under the pair's row
+lock (the same transaction records the start). While the generator runs, a watcher renews the lease every
+TTL/3 and turns `should_stop()` true when the book is cancelled or the lease is lost. The output is committed
+with a compare-and-set on the token, so a superseded job can never overwrite a newer one.
 """
 
 from __future__ import annotations
@@ -100,7 +98,8 @@ def _refused(
 ) -> dict[str, Any]:
     """Refused at its start check. A pair the gate denies (a Stop All, its layer off, no command) is still this
     job's: it goes back to `pending` for its book's pass to release, and its lease and slot are freed now rather
-    than when the lease lapses and the tick takes the pair over."""
+    than when the lease lapses and the tick takes the pair over. A job superseded as it was being delivered (stale
+    token) lets go of the stop marker a forced regenerate left it, which held the slot for a lease TTL."""
     if denial in (Denial.CANCELLED, Denial.LAYER_DISABLED, Denial.NO_ACTIVE_TASK):
         try:
             back = ports.jobs.give_back(job.book_id, job.pair, job.fencing_token, job.dispatch_id, denial, spec.queue)
@@ -112,8 +111,6 @@ def _refused(
             _quietly("free capacity", _free_capacity, ports, job, spec)
             _quietly("mark due", ports.book_state.set_due, job.book_id, ports.clock())  # its pass releases the pair
     elif denial is Denial.STALE_TOKEN:
-        # Superseded as it was being delivered: the stop marker a forced regenerate left it holds the pair's slot
-        # until it goes (the pair itself is the new token's, which the tick takes over once nothing holds it).
         delivered.release = True
     return _reject(ports, job, denial, result)
 
@@ -230,9 +227,8 @@ def _wind_down(ports: Ports, job: Job, watcher: Watcher, seconds: float) -> None
 
 @dataclass
 class _Delivered:
-    """A delivered job: what its delivery found, and what it leaves to Redis once it is over, in one round trip
-    (it was three): the lease released when the job ran under it, the pair's deferrals cleared when it ended
-    ready, and the delivery ended."""
+    """A delivered job: what its delivery found, and what it leaves to Redis once it is over, in one round trip (it
+    was three): the lease released when the job ran under it, its deferrals cleared if ready, the delivery ended."""
 
     ports: Ports
     job: Job
@@ -245,9 +241,8 @@ class _Delivered:
         leases, job = self.ports.leases, self.job
         with leases.batched():
             if self.release:
-                # Its lease, or the stop marker a forced regenerate swapped in for it: each released only if the pair's
-                # lease still holds it. The marker too when its watcher never took it up (the job returned before its
-                # next renewal): left, it kept the pair's slot, idle, for a whole lease TTL.
+                # Its lease, and the stop marker a forced regenerate swapped in, even one its watcher never took up
+                # (it returned before its next renewal): left, it kept the pair's slot idle for a lease TTL.
                 leases.release_lease(job.lease_pair, job.dispatch_id)
                 leases.release_lease(job.lease_pair, stop_marker(job.dispatch_id))
             if self.ready:
