@@ -139,15 +139,30 @@ def test_a_fenced_job_that_finishes_first_does_not_complete_the_forced_command(r
         assert conn.execute("SELECT count(*) FROM artifacts").fetchone()[0] == 0
 
 
-def test_the_slot_of_a_fenced_job_is_taken_over_on_the_first_tick_after_it_returned(rt, tmp_path) -> None:
-    """A job fenced off by a forced regenerate that returns before its watcher's next renewal (every job shorter than
-    a third of the lease TTL) left its stop marker in the pair's lease: nothing renewed it and nothing released it,
-    so the pair kept its GPU slot, idle, for a whole lease TTL (60 s here, 120 s by default) before the fresh run."""
-    audio(rt, tmp_path, params={"steps": 8, "step_seconds": 0.1}, lease_ttl=60)
+def one_queued_job(rt: Wiring, tmp_path: Path, **params: Any) -> Job:
+    """A one-scene book regenerated once: its job published (lease TTL 60 s), not yet taken by any worker."""
+    audio(rt, tmp_path, params=params, lease_ttl=60)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     [job] = dispatched_jobs(rt, "b")
+    return job
+
+
+def dispatched_after_a_tick(rt: Wiring) -> Job:
+    """The pair's job once the tick has taken over what nothing holds, and a gate pass has run."""
+    takeover.on_tick(rt.ports)
+    rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))
+    gate.gate_pass(rt.ports, "b")
+    [job] = dispatched_jobs(rt, "b")
+    return job
+
+
+def test_the_slot_of_a_fenced_job_is_taken_over_on_the_first_tick_after_it_returned(rt, tmp_path) -> None:
+    """A job fenced off by a forced regenerate that returns before its watcher's next renewal (every job shorter than
+    a third of the lease TTL) left its stop marker in the pair's lease: nothing renewed it and nothing released it,
+    so the pair kept its GPU slot, idle, for a whole lease TTL (60 s here, 120 s by default) before the fresh run."""
+    job = one_queued_job(rt, tmp_path, steps=8, step_seconds=0.1)
     taken_by_worker(rt)
     thread, outcome = in_thread(rt, job)
     time.sleep(0.3)
@@ -155,26 +170,15 @@ def test_the_slot_of_a_fenced_job_is_taken_over_on_the_first_tick_after_it_retur
     thread.join(timeout=5)
     assert outcome["outcome"] in ("fence_rejected", "stopped"), outcome
     assert not rt.redis.client.exists(rt.redis.keys.lease("b", *PAIR))  # nothing of the old job holds the slot
-    takeover.on_tick(rt.ports)
-    rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))
-    gate.gate_pass(rt.ports, "b")
-    [fresh] = dispatched_jobs(rt, "b")
-    assert fresh.dispatch_id != job.dispatch_id
+    assert dispatched_after_a_tick(rt).dispatch_id != job.dispatch_id
 
 
 def test_a_queued_job_a_forced_regenerate_supersedes_gives_its_slot_back_on_the_next_tick(rt, tmp_path) -> None:
     """A job still queued when a forced regenerate named its scene got a stop marker, as a running one does: nothing
     runs to return from it (revoked, or refused at its start), so the pair held its slot, idle, for a lease TTL."""
-    audio(rt, tmp_path, params={"steps": 1, "step_seconds": 0}, lease_ttl=60)
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    [queued] = dispatched_jobs(rt, "b")  # published, not yet taken by any worker
+    queued = one_queued_job(rt, tmp_path, steps=1, step_seconds=0)
     regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
-    takeover.on_tick(rt.ports)
-    rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))
-    gate.gate_pass(rt.ports, "b")
-    [fresh] = dispatched_jobs(rt, "b")
+    fresh = dispatched_after_a_tick(rt)
     assert fresh.dispatch_id != queued.dispatch_id and fresh.fencing_token > queued.fencing_token
     taken_by_worker(rt)
     assert run_job(rt.ports, queued, worker="test")["outcome"] == "fence_rejected"  # the old message, if it comes
@@ -184,28 +188,19 @@ def test_a_queued_job_a_forced_regenerate_supersedes_gives_its_slot_back_on_the_
 def test_a_job_superseded_between_its_delivery_and_its_start_check_leaves_no_marker(rt, tmp_path, monkeypatch) -> None:
     """The forced regenerate lands after the delivery took its running marker, before its start check: the job is
     refused (stale token) and its stop marker, which nothing would renew or release, goes with it."""
-    audio(rt, tmp_path, params={"steps": 1, "step_seconds": 0}, lease_ttl=60)
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    [job] = dispatched_jobs(rt, "b")
+    job = one_queued_job(rt, tmp_path, steps=1, step_seconds=0)
     taken_by_worker(rt)
-    leases = rt.ports.leases
-    deliver = leases.start_delivery
+    deliver = rt.ports.leases.start_delivery
 
     def delivered_then_forced(*args: Any) -> Any:
         found = deliver(*args)
         regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
         return found
 
-    monkeypatch.setattr(leases, "start_delivery", delivered_then_forced)
+    monkeypatch.setattr(rt.ports.leases, "start_delivery", delivered_then_forced)
     assert run_job(rt.ports, job, worker="test")["outcome"] == "fence_rejected"
     assert not rt.redis.client.exists(rt.redis.keys.lease("b", *PAIR))
-    takeover.on_tick(rt.ports)
-    rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))
-    gate.gate_pass(rt.ports, "b")
-    [fresh] = dispatched_jobs(rt, "b")
-    assert fresh.dispatch_id != job.dispatch_id
+    assert dispatched_after_a_tick(rt).dispatch_id != job.dispatch_id
 
 
 def test_a_forced_regenerate_re_makes_a_ready_scene_that_waits_past_the_force_window(rt, tmp_path) -> None:
