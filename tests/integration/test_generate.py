@@ -181,6 +181,29 @@ def test_a_redelivery_after_its_worker_died_leaves_the_dead_jobs_lease_to_lapse(
     assert 0 < rt.redis.client.pttl(rt.redis.keys.lease(*job.lease_pair)) <= 1000
 
 
+def test_a_redelivery_of_a_job_that_already_ended_leaves_no_lease_behind(rt, tmp_path, monkeypatch) -> None:
+    """A pool process that died after its job's commit, before the end of its delivery, has its message delivered
+    again with the lease kept for it. That delivery took the lease for a whole TTL, was refused at its start (the
+    pair was ready) and released nothing: a regenerate without force in that TTL read the lease as a job still
+    running (`already_generating`) and deferred the pair for the idempotent window, with nothing running."""
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    with monkeypatch.context() as died:  # the process dies once the commit is in: its delivery never ends
+        died.setattr("animastor_tasks.flow.generate._Delivered.end", lambda self: None)
+        assert run_job(rt.ports, job, worker="w#1")["outcome"] == "ready"
+    rt.ports.leases.abandon_delivery("w#1", job.dispatch_id)  # its worker lets it go; the broker redelivers
+    assert run_job(rt.ports, job, worker="w#2")["outcome"] == "fence_rejected"
+    assert rt.redis.client.pttl(rt.redis.keys.lease(*job.lease_pair)) == -2
+    with rt.db.transaction() as conn:  # the scene edited: a regenerate without force has work to do
+        conn.execute("UPDATE scenes SET text = 'new words', input_hashes = '{}'::jsonb WHERE book_id = 'b'")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)
+    [again] = dispatched_jobs(rt, "b")
+    assert again.fencing_token > job.fencing_token
+
+
 def test_generator_errors_are_retried_then_failed_with_the_message(rt, tmp_path) -> None:
     failing = replace(rt.settings.registry.get("image"), params={"fail_rate": 1.0})
     with_stage(rt, failing, tmp_path, retry_backoff_base=0.01, generate_max_retries=2)
