@@ -34,7 +34,7 @@ from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import refill
-from animastor_tasks.flow.job import Job, Watcher, commit_when_reachable
+from animastor_tasks.flow.job import Job, Watcher, guarded_progress, when_reachable
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
 
 log = logging.getLogger("animastor.generate")
@@ -82,7 +82,9 @@ def run_job(
         return {**result, "outcome": JobOutcome.DUPLICATE_DELIVERY}
     delivered = _Delivered(ports, job, cancelled, dispatched_at)
     try:
-        return _run_owned(ports, job, spec, worker, _guarded(progress, job), result, later=later, delivered=delivered)
+        return _run_owned(
+            ports, job, spec, worker, guarded_progress(progress, job), result, later=later, delivered=delivered
+        )
     finally:
         later(partial(_quietly, "end of delivery", delivered.end))
 
@@ -197,15 +199,16 @@ def _run_owned(
             ports.counters.add({f"job:stopped:{job.stage}": 1})
             return {**result, "outcome": JobOutcome.STOPPED, "reason": watcher.why}
         if media is None:
-            return _unsuccessful(ports, job, spec, kind or ErrorKind.BUG, error, attempts, result)
+            return _unsuccessful(ports, job, spec, watcher, kind or ErrorKind.BUG, error, attempts, result)
         _record_breaker(ports, spec.queue, breaker_feed(None))
         try:
             artifact = ports.artifacts.put(media.data, media.media_type)
         except ArtifactStoreError as err:  # credentials, bucket, endpoint: fail with the store's words
-            return _unsuccessful(ports, job, spec, ErrorKind.ARTIFACT, str(err), attempts, result)
+            return _unsuccessful(ports, job, spec, watcher, ErrorKind.ARTIFACT, str(err), attempts, result)
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         artifact["input_hash"] = row.input_hash
-        if not commit_when_reachable(ports, job, spec, artifact, watcher):
+        commit = partial(ports.jobs.commit_job, *job.owned, artifact, spec.queue)
+        if not when_reachable(job, spec, watcher, commit):
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)
         _quietly("free capacity", _free_capacity, ports, job, spec, True)  # first: a free slot waits for no bookkeeping
@@ -304,16 +307,24 @@ def _generate_with_retries(
 
 
 def _unsuccessful(
-    ports: Ports, job: Job, spec: StageSpec, kind: ErrorKind, error: str, attempts: int, result: dict[str, Any]
+    ports: Ports,
+    job: Job,
+    spec: StageSpec,
+    watcher: Watcher,
+    kind: ErrorKind,
+    error: str,
+    attempts: int,
+    result: dict[str, Any],
 ) -> dict[str, Any]:
     """The run produced nothing: a backend failure feeds the queue's breaker, then `domain.job_rules.verdict`
-    says whether the pair fails or goes back to `pending` (a store blip, the backend down)."""
+    says whether the pair fails or goes back to `pending` (a store blip, the backend down); either is written
+    through a Postgres failover (`when_reachable`)."""
     state = _record_breaker(ports, spec.queue, breaker_feed(kind))
     done = {**result, "error": error, "attempts": attempts}
     if verdict(kind, state) is Verdict.GIVE_BACK:
         why = f"breaker {state}" if kind is ErrorKind.BACKEND else f"{kind} error"
         try:
-            back = ports.jobs.give_back(job.book_id, job.pair, job.fencing_token, job.dispatch_id, error, spec.queue)
+            back = when_reachable(job, spec, watcher, partial(ports.jobs.give_back, *job.owned, error, spec.queue))
         except StoreUnavailable as err:
             # Its lease is released (or lapses): reconcile gives it back under the lease rules.
             log.warning("[GENERATE] %s cannot give the pair back now (%s); reconcile will", job.describe(), err)
@@ -326,7 +337,7 @@ def _unsuccessful(
         )
         _quietly("free capacity", _free_capacity, ports, job, spec)
         return {**done, "outcome": JobOutcome.GIVEN_BACK}
-    if not ports.jobs.fail_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, error, spec.queue):
+    if not when_reachable(job, spec, watcher, partial(ports.jobs.fail_job, *job.owned, error, spec.queue)):
         return _reject(ports, job, Denial.STALE_TOKEN, result)
     _quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1})
     log.error("[GENERATE] %s failed after %d attempt(s): %s", job.describe(), attempts, error)
@@ -368,23 +379,6 @@ def _quietly(what: str, fn: Callable[..., object], *args: Any) -> None:
         fn(*args)
     except Exception as err:
         log.warning("[GENERATE] %s skipped: %s: %s", what, type(err).__name__, err)
-
-
-def _guarded(progress: Callable[[float], None], job: Job) -> Callable[[float], None]:
-    """Progress is for Flower only: a result backend or broker that cannot be reached while the
-    generator reports it is logged once, never raised into the generator (it would fail the pair)."""
-    warned = False
-
-    def report(fraction: float) -> None:
-        nonlocal warned
-        try:
-            progress(fraction)
-        except Exception as err:
-            if not warned:
-                warned = True
-                log.warning("[GENERATE] %s progress not reported: %s: %s", job.describe(), type(err).__name__, err)
-
-    return report
 
 
 class _Unavailable:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from animastor_tasks.domain.deferral import compute_backoff
 from animastor_tasks.domain.registry import StageSpec
@@ -16,6 +17,7 @@ from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.ports import Ports
 
 log = logging.getLogger("animastor.generate")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,11 @@ class Job:
     stage: str
     dispatch_id: str
     fencing_token: int
+
+    @property
+    def owned(self) -> tuple[str, Pair, int, str]:
+        """(book, pair, token, dispatch id): what each write of the job's verdict is compared against."""
+        return self.book_id, self.pair, self.fencing_token, self.dispatch_id
 
     @property
     def pair(self) -> Pair:
@@ -91,28 +98,44 @@ class Watcher(threading.Thread):
         return self.stop.is_set()
 
 
-# A commit waits for its store to come back, not for a backend to recover: it asks again soon and often.
+# A verdict waits for its store to come back, not for a backend to recover: it asks again soon and often.
 COMMIT_RETRY_FIRST, COMMIT_RETRY_MAX = 0.25, 2.0
 
 
-def commit_when_reachable(ports: Ports, job: Job, spec: StageSpec, artifact: dict[str, Any], watcher: Watcher) -> bool:
-    """`Jobs.commit_job`, tried again while Postgres cannot be reached (a failover, a restart), for as long as a
-    dead job's pair would wait for its lease (`lease_ttl`) and until the job's watcher stops it (its lease lost,
-    its book cancelled); a late commit is harmless, as its token is compared. *Why:* the GPU work is done and
-    its media stored; thrown away on the first refused connection, the scene ran again from the start, and its
-    start, left open, counted as one lost to a dead worker."""
+def when_reachable(job: Job, spec: StageSpec, watcher: Watcher, write: Callable[[], T]) -> T:
+    """A job's write of its verdict (its commit, its failure, its give-back), tried again while Postgres cannot be
+    reached (a failover, a restart), for as long as a dead job's pair would wait for its lease (`lease_ttl`) and
+    until the job's watcher stops it (its lease lost, its book cancelled); a late write is harmless, as its token
+    is compared. *Why:* the verdict is the job's to write; lost on the first refused connection, the GPU work of a
+    finished job was thrown away, and the start, left open, counted as one lost to a dead worker (three such blips
+    failed a healthy scene as `worker_lost`)."""
     deadline = time.monotonic() + spec.lease_ttl
     attempt = 0
     while True:
         try:
-            return ports.jobs.commit_job(
-                job.book_id, job.pair, job.fencing_token, job.dispatch_id, artifact, spec.queue
-            )
+            return write()
         except StoreUnavailable as err:
             attempt += 1
             delay = compute_backoff(attempt, base=COMMIT_RETRY_FIRST, maximum=COMMIT_RETRY_MAX)
             if time.monotonic() + delay > deadline or watcher.should_stop():
                 raise
-            log.warning("[GENERATE] %s commit failed (%s); again in %.1fs", job.describe(), err, delay)
+            log.warning("[GENERATE] %s verdict not written (%s); again in %.1fs", job.describe(), err, delay)
             if watcher.stop.wait(delay):
                 raise
+
+
+def guarded_progress(progress: Callable[[float], None], job: Job) -> Callable[[float], None]:
+    """Progress is for Flower only: a result backend or broker that cannot be reached while the
+    generator reports it is logged once, never raised into the generator (it would fail the pair)."""
+    warned = False
+
+    def report(fraction: float) -> None:
+        nonlocal warned
+        try:
+            progress(fraction)
+        except Exception as err:
+            if not warned:
+                warned = True
+                log.warning("[GENERATE] %s progress not reported: %s: %s", job.describe(), type(err).__name__, err)
+
+    return report

@@ -120,6 +120,49 @@ def test_a_store_error_in_the_run_gives_the_pair_back_to_run_again(rt, tmp_path)
     assert command.status == "completed"
 
 
+def _unreachable_for(rt: Wiring, monkeypatch: pytest.MonkeyPatch, name: str, times: int) -> list[int]:
+    """`rt.ports.jobs.<name>` refuses its first `times` calls as Postgres does during a failover; the calls made."""
+    real, calls = getattr(rt.ports.jobs, name), [0]
+
+    def flaky(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] <= times:
+            raise StoreUnavailable("postgres", rt.settings.database_url, "connection refused")
+        return real(*args)
+
+    monkeypatch.setattr(rt.ports.jobs, name, flaky)
+    return calls
+
+
+def _open_start(rt: Wiring) -> Any:
+    with rt.db.transaction() as conn:
+        return conn.execute("SELECT open_dispatch FROM job_starts WHERE book_id = 'b'").fetchone()[0]
+
+
+def test_a_give_back_that_meets_a_postgres_failover_is_written_once_it_is_back(rt, tmp_path, monkeypatch) -> None:
+    """The give-back was tried once: refused, the job left its pair `generating` with its start open, so the next
+    start of the scene counted one lost to a dead worker (three such blips failed a healthy scene)."""
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    blip = StoreUnavailable("redis", rt.settings.redis_url, "Error 111 connecting to 127.0.0.1:6379")
+    _use_generator(rt, _Scripted(lambda request, progress: (_ for _ in ()).throw(blip)))
+    calls = _unreachable_for(rt, monkeypatch, "give_back", 2)
+    assert run_job(rt.ports, job, worker="test")["outcome"] == "given_back"
+    assert calls[0] == 3 and states(rt, "b")[PAIR] == "pending" and _open_start(rt) is None
+
+
+def test_a_failure_that_meets_a_postgres_failover_is_written_once_it_is_back(rt, tmp_path, monkeypatch) -> None:
+    """The failure was written once: refused, the StoreUnavailable left the job as an exception (the verdict lost,
+    the start open), and the scene ran again."""
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    refusal = GeneratorError("the server refused the text", retryable=False)
+    _use_generator(rt, _Scripted(lambda request, progress: (_ for _ in ()).throw(refusal)))
+    calls = _unreachable_for(rt, monkeypatch, "fail_job", 1)
+    assert run_job(rt.ports, job, worker="test")["outcome"] == "failed"
+    assert calls[0] == 2 and states(rt, "b")[PAIR] == "failed" and _open_start(rt) is None
+
+
 # -- item 3: a poison scene cannot loop --------------------------------------------------------------------
 
 

@@ -114,7 +114,7 @@ class JobStore:
             if not committed.rowcount:
                 conn.rollback()
                 # This very commit may have landed already, its answer lost with its connection (a retry after a
-                # failover, `flow.job.commit_when_reachable`): the dispatch's artifact row says so.
+                # failover, `flow.job.when_reachable`): the dispatch's artifact row says so.
                 landed = conn.execute("SELECT 1 FROM artifacts WHERE dispatch_id = %s", (dispatch_id,)).fetchone()
                 return landed is not None
         return True
