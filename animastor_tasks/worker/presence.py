@@ -4,6 +4,8 @@ A heartbeat thread writes `hostname -> expiry` into one sorted set per queue eve
 TTL/3. Queues added or cancelled at runtime (`add_consumer`/`cancel_consumer`) show
 up at the next beat because the consumer's live queue list is read each time; a
 clean stop removes the entries; a SIGKILLed worker's entries expire within one TTL.
+A consumer restarted because its broker connection was lost keeps its entries: the
+worker consumes again once the broker is back, and a stage with no consumer is BLOCKED.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 from typing import Any
 
 from celery import bootsteps, signals
+from celery.bootsteps import RUN
 from celery.worker import state as worker_state
 
 from animastor_tasks.errors import StoreUnavailable
@@ -29,9 +32,11 @@ class PresenceStep(bootsteps.StartStopStep):
         self._thread: threading.Thread | None = None
         self._advertised: set[str] = set()
         self._draining = threading.Event()
+        self._reconnecting = threading.Event()
 
     def start(self, parent: Any) -> None:
         self._draining.clear()
+        self._reconnecting.clear()
         if self._thread is not None and self._thread.is_alive():
             return  # the consumer restarted while a job was still draining: the heartbeat never stopped
         self._stop.clear()
@@ -39,6 +44,12 @@ class PresenceStep(bootsteps.StartStopStep):
         self._thread.start()
 
     def stop(self, parent: Any) -> None:
+        # A lost broker connection restarts the consumer (`stop`, then `start` once connected) while the blueprint
+        # still runs: withdrawing then made an idle worker look gone for the whole outage, and the gate BLOCKED its
+        # stage's commands. It keeps beating the queues it had until it consumes again.
+        if parent.blueprint.state == RUN:
+            self._reconnecting.set()
+            return
         # Warm shutdown stops the consumer before the pool has finished its jobs. Withdrawing now would tell
         # the gate that nobody consumes the stage: it would BLOCK the command and release the pair, and the
         # job still running would be fenced out at commit. So a worker with jobs keeps advertising until
@@ -67,7 +78,7 @@ class PresenceStep(bootsteps.StartStopStep):
                 self._withdraw(parent)
                 return
             try:
-                if self._draining.is_set():  # the consumer is gone: keep what it consumed while jobs finish
+                if self._draining.is_set() or self._reconnecting.is_set():  # no consumer now: keep what it had
                     queues = set(self._advertised)
                 else:
                     queues = {q.name for q in (parent.task_consumer.queues if parent.task_consumer else [])}

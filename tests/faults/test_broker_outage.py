@@ -21,6 +21,7 @@ from animastor_tasks.errors import StoreUnavailable
 from tests.e2e.harness import audio_stage, image_stage, stage_table, wait_for
 from tests.integration.helpers import make_book
 from tests.support.cluster import REPO_ROOT
+from tests.support.private_redis import PrivateRedis
 
 from .checks import unauthorized_dispatches
 
@@ -95,3 +96,29 @@ def test_broker_down_fails_fast_and_workers_reconnect(make_stack, redis_down_ok,
         f"broker came back the same 3 workers reconnected in {reconnected:.2f}s and a regenerate completed in "
         f"{completed:.2f}s; trials 1, lost 0, duplicated 0"
     )
+
+
+def test_an_idle_worker_stays_advertised_while_only_its_broker_is_down(make_stack, tmp_path, figure) -> None:
+    """A broker of its own (RabbitMQ, or a Redis that is not the coordination one) down longer than the presence
+    TTL: Celery restarts the consumer, which stopped the presence step, and an idle worker withdrew its queues at
+    once. The gate then saw no consumer of the stage and BLOCKED its commands, although the worker was alive and
+    consumed again as soon as the broker was back. Presence is withdrawn when the worker shuts down, not when its
+    connection restarts."""
+    with PrivateRedis(tmp_path / "broker") as broker:
+        stack = make_stack(broker_url=broker.url)
+        cluster = stack.cluster
+        worker = cluster.gpu("image")
+        assert cluster.advertised(worker)
+        broker.stop()
+        down = time.monotonic()
+        wait_for(lambda: "Connection to broker lost" in worker.log() or "Cannot connect" in worker.log(), 30,
+                 what="the worker lost its broker")  # fmt: skip
+        seen: list[int] = []
+        while time.monotonic() - down < 10:  # three presence TTLs
+            seen.append(0 if cluster.advertised(worker) is None else 1)
+            time.sleep(0.5)
+        assert worker.alive() and min(seen) == 1, seen
+        broker.start()
+        wait_for(lambda: worker.log().count("Connected to redis://") >= 2, 60, what="the worker reconnected")
+        assert cluster.advertised(worker)
+    figure(f"broker down 10s: the idle image worker advertised in all {len(seen)} reads (1 consumer each)")
