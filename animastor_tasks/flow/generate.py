@@ -104,7 +104,7 @@ def _refused(
     token) lets go of the stop marker a forced regenerate left it, which held the slot for a lease TTL."""
     if denial in (Denial.CANCELLED, Denial.LAYER_DISABLED, Denial.NO_ACTIVE_TASK):
         try:
-            back = ports.jobs.give_back(job.book_id, job.pair, job.fencing_token, job.dispatch_id, denial, spec.queue)
+            back = ports.jobs.give_back(*job.owned, denial, spec.queue)
         except StoreUnavailable as err:
             log.warning("[GENERATE] %s refused; its pair is left to its lease: %s", job.describe(), err)
             back = False
@@ -297,7 +297,7 @@ def _generate_with_retries(
         if watcher.stop.wait(delay):
             return None, "stopped", attempt, ErrorKind.STOPPED
         try:
-            current = ports.jobs.token_is_current(job.book_id, job.pair, job.fencing_token, job.dispatch_id)
+            current = ports.jobs.token_is_current(*job.owned)
         except StoreUnavailable as err:
             return None, f"{type(err).__name__}: {err}", attempt, ErrorKind.STORE
         if not current:
@@ -348,7 +348,7 @@ def _unsuccessful(
 def _give_up(ports: Ports, job: Job, spec: StageSpec, reason: str, result: dict[str, Any]) -> dict[str, Any]:
     """Too many starts of this pair lost their worker (a poison scene): fail it without GPU work."""
     try:
-        failed = ports.jobs.fail_job(job.book_id, job.pair, job.fencing_token, job.dispatch_id, reason, spec.queue)
+        failed = ports.jobs.fail_job(*job.owned, reason, spec.queue)
     finally:
         _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
     if not failed:

@@ -147,11 +147,11 @@ def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str |
     and refused at its start if it comes all the same. A job whose delivery began after the read below fails its
     start check: its token moved on first. Should Redis fail here a running job runs on, fenced off, and its pair
     comes back when its lease ends."""
-    held = [(pair, d) for pair, d in superseded if d is not None and pair[2] in ports.settings.registry]
+    registry = ports.settings.registry
+    held = [(pair, d) for pair, d in superseded if d is not None and pair[2] in registry]
     holders = ports.leases.lease_holders([(book, *pair) for pair, _ in held])
     running = ports.leases.delivery_holders([d for _, d in held])
     ours = [(pair, d, run) for (pair, d), holder, run in zip(held, holders, running, strict=True) if holder == d]
-    registry = ports.settings.registry
     ports.leases.take_leases(
         [((book, *pair), stop_marker(d), registry.get(pair[2]).lease_ttl, {}) for pair, d, run in ours if run]
     )

@@ -79,10 +79,11 @@ class LeaseStore:
         delivery that comes all the same finds no lease of its own and does not start. One round trip."""
         if not jobs:
             return
-        with self.conn.writes() as pipe:
+        with self.conn.batched():
             for pair, dispatch_id in jobs:
-                pipe.eval(self.conn.release_lua, 1, self.conn.keys.lease(*pair), dispatch_id)
-                pipe.delete(self.conn.keys.queued(dispatch_id))
+                self.release_lease(pair, dispatch_id)
+            with self.conn.writes() as pipe:
+                pipe.delete(*(self.conn.keys.queued(dispatch_id) for _, dispatch_id in jobs))
 
     def start_delivery(
         self, pair: BookPair, dispatch_id: str, worker: str, ttl: int
