@@ -4,11 +4,12 @@ One POST to one configured URL: redirects are refused rather than followed (the 
 the scene text must not be sent anywhere else), and no credentials but the generator's own
 go with it (requests would add a `~/.netrc` entry's); connect and read timeouts are bounded,
 and so is the whole answer (`total_timeout`: a server trickling bytes resets the read timeout
-with each); the body is read as it arrives (a stop is noticed mid-download, a huge body is cut
-off), 5xx/408/429 are retryable and other 4xx are not, and an error carries the server's own
-message with the API key scrubbed out. When a server says when to come back (`Retry-After`),
-the generator can wait that long itself, capped, and an error it gives up with carries the
-hint on to the worker's backoff.
+with each); a stop or that deadline cuts the connection wherever the request waits
+(`watchdog.py`); the body is read as it arrives (a huge body is cut off); 5xx/408/429 are
+retryable and other 4xx are not, and an error carries the server's own message with the API
+key scrubbed out. When a server says when to come back (`Retry-After`), the generator can
+wait that long itself, capped, and an error it gives up with carries the hint on to the
+worker's backoff.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import urllib3
 
 from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, redact_url
 from animastor_tasks.generators import GenerationRequest, number_param
+from animastor_tasks.generators.watchdog import Watchdog, watched_session
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ class Limits:
 
     connect_timeout: float = 3.05
     read_timeout: float = 300.0
-    total_timeout: float = 600.0  # the whole answer, headers to last byte (checked as the body arrives)
+    total_timeout: float = 600.0  # the whole answer, from sending to its last byte
     max_bytes: int = 512 * 1024 * 1024
     retries: int = 0  # extra attempts, only when the server sent Retry-After
     max_retry_after: float = 30.0
@@ -138,29 +140,37 @@ class Transport:
         media_type, data = "", b""
         while True:
             wait: float | None = None
-            deadline = time.monotonic() + limits.total_timeout
-            try:
-                with requests.post(
-                    self.url,
-                    json=body,
-                    headers=dict(headers),
-                    auth=_no_credentials,
-                    timeout=(limits.connect_timeout, limits.read_timeout),
-                    allow_redirects=False,
-                    stream=True,
-                ) as response:
-                    wait = self._retry_wait(response, attempt, limits)
-                    if wait is None:
-                        self._check_status(response)
-                        media_type = check_type(response)
-                        data = self._read_body(response, limits, deadline, should_stop, request)
-            except requests.exceptions.RequestException as err:
-                # Connection refused, DNS failure, connect/read timeout, connection reset mid-body.
-                raise GeneratorError(
-                    f"stage {self.stage!r}: inference endpoint {self.shown_url} failed: "
-                    f"{type(err).__name__}: {self.clean(str(err))}",
-                    retryable=not isinstance(err, _PERMANENT_REQUEST_ERRORS),
-                ) from None
+            with Watchdog(should_stop, time.monotonic() + limits.total_timeout) as watchdog:
+                try:
+                    with (
+                        watched_session() as session,
+                        session.post(
+                            self.url,
+                            json=body,
+                            headers=dict(headers),
+                            auth=_no_credentials,
+                            timeout=(limits.connect_timeout, limits.read_timeout),
+                            allow_redirects=False,
+                            stream=True,
+                        ) as response,
+                    ):
+                        wait = self._retry_wait(response, attempt, limits)
+                        if wait is None:
+                            self._check_status(response)
+                            media_type = check_type(response)
+                            data = self._read_body(response, limits, should_stop, request)
+                except requests.exceptions.RequestException as err:
+                    # Connection refused, DNS failure, connect/read timeout, connection reset mid-body.
+                    self._check_cut(watchdog, limits, request)
+                    raise GeneratorError(
+                        f"stage {self.stage!r}: inference endpoint {self.shown_url} failed: "
+                        f"{type(err).__name__}: {self.clean(str(err))}",
+                        retryable=not isinstance(err, _PERMANENT_REQUEST_ERRORS),
+                    ) from None
+                except GeneratorError:
+                    self._check_cut(watchdog, limits, request)
+                    raise
+                self._check_cut(watchdog, limits, request)  # a cut body without a length reads as one that ended
             if wait is None:
                 break
             attempt += 1
@@ -225,13 +235,11 @@ class Transport:
         self,
         response: requests.Response,
         limits: Limits,
-        deadline: float,
         should_stop: Callable[[], bool],
         request: GenerationRequest,
     ) -> bytes:
         """Read the body as it arrives (one socket read at a time: a read of a whole chunk waited for all of it),
-        so a stop is seen during a long or trickling download, a huge body is cut off, and an answer still coming
-        at `total_timeout` is given up."""
+        so a stop is seen during a long or trickling download and a huge body is cut off."""
         data = bytearray()
         while True:
             try:
@@ -249,11 +257,16 @@ class Transport:
                     f"stage {self.stage!r}: inference response exceeds max_bytes={limits.max_bytes}", retryable=False
                 )
             self.check_stop(should_stop, request)
-            if time.monotonic() > deadline:
-                raise GeneratorError(
-                    f"stage {self.stage!r}: inference endpoint {self.shown_url} still sending its answer after"
-                    f" total_timeout={limits.total_timeout:g}s ({len(data)} bytes so far)"
-                )
+
+    def _check_cut(self, watchdog: Watchdog, limits: Limits, request: GenerationRequest) -> None:
+        """What the watchdog's cut of the connection means, rather than the error the cut caused."""
+        if watchdog.why == "stopped":
+            raise _stopped(request)
+        if watchdog.why == "deadline":
+            raise GeneratorError(
+                f"stage {self.stage!r}: inference endpoint {self.shown_url} had not sent its whole answer after"
+                f" total_timeout={limits.total_timeout:g}s"
+            )
 
     def server_message(self, response: requests.Response) -> str:
         """The server's error text (`{"error": "..."}`, OpenAI's `{"error": {"message": ...}}` or
@@ -290,4 +303,8 @@ class Transport:
 
     def check_stop(self, should_stop: Callable[[], bool], request: GenerationRequest) -> None:
         if should_stop():
-            raise GenerationStopped(f"generation stopped for scene {request.scene_id} stage {request.stage}")
+            raise _stopped(request)
+
+
+def _stopped(request: GenerationRequest) -> GenerationStopped:
+    return GenerationStopped(f"generation stopped for scene {request.scene_id} stage {request.stage}")

@@ -7,6 +7,8 @@ Each server is a real HTTP server on a loopback port, in a thread of this proces
 from __future__ import annotations
 
 import contextlib
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -119,6 +121,59 @@ def test_a_trickling_body_is_left_as_soon_as_the_job_is_told_to_stop(serve: Call
 def test_a_trickle_past_the_whole_answers_deadline_is_a_retryable_error(serve: Callable[[Answer], str]) -> None:
     """Each byte reset the read timeout: a server sending one every 50 ms held the job as long as it liked."""
     url = serve(_trickle(0.05))
+    started = time.monotonic()
+    with pytest.raises(GeneratorError) as info:
+        _generate(_spec(url, read_timeout=0.5, total_timeout=1))
+    assert info.value.retryable and "total_timeout" in str(info.value)
+    assert time.monotonic() - started < 3.0
+
+
+def _computing(seconds: float, left: list[float]) -> Answer:
+    """A server still computing for `seconds` before its answer begins; it notes when its client went away (a
+    server that drops the work of a closed connection frees its GPU then), and answers if it is still there."""
+
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        conn: socket.socket = handler.connection
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([conn], [], [], 0.02)
+            if readable and conn.recv(1, socket.MSG_PEEK) == b"":
+                left.append(time.monotonic())
+                return
+        _media(200, "audio/wav", synthesize_wav("one two"))(handler)
+
+    return answer
+
+
+def test_a_server_still_computing_is_left_as_soon_as_the_job_is_told_to_stop(serve: Callable[[Answer], str]) -> None:
+    """No byte of the answer had come, so nothing checked the stop: a cancelled job (and its GPU slot) waited for
+    the server to finish, up to `read_timeout` (300 s by default), and the server computed on for nobody."""
+    left: list[float] = []
+    url = serve(_computing(6.0, left))
+    started = time.monotonic()
+    with pytest.raises(GenerationStopped):
+        _generate(_spec(url, read_timeout=10), stop=lambda: time.monotonic() > started + 0.3)
+    assert time.monotonic() - started < 2.0
+    wait_for = time.monotonic() + 3.0
+    while not left and time.monotonic() < wait_for:
+        time.sleep(0.02)
+    assert left and left[0] - started < 2.0, "the server never saw its client go"
+
+
+def test_headers_trickling_past_the_whole_answers_deadline_are_a_retryable_error(
+    serve: Callable[[Answer], str],
+) -> None:
+    """`total_timeout` was checked only as the body arrived: a server sending its headers a byte every 50 ms, each
+    within the read timeout, held the job for as long as it went on."""
+
+    def trickle_headers(handler: BaseHTTPRequestHandler) -> None:
+        handler.wfile.write(b"HTTP/1.1 200 OK\r\n")
+        for byte in b"X-Pad: " + b"x" * 160:  # 8 s of one header line
+            handler.wfile.write(bytes([byte]))
+            handler.wfile.flush()
+            time.sleep(0.05)
+
+    url = serve(trickle_headers)
     started = time.monotonic()
     with pytest.raises(GeneratorError) as info:
         _generate(_spec(url, read_timeout=0.5, total_timeout=1))
