@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import (  # noqa: F401  (fixtures and the report hook, reused as they are)
+    amqp_broker,
     make_stack,
     private_redis,
     pytest_runtest_makereport,
