@@ -172,8 +172,9 @@ class Demo:
         stage = "image" if "image" in settings.registry else settings.registry.names()[-1]
         spec = settings.registry.get(stage)
         self.step(f"5. BLOCKED: no worker consumes {spec.queue}")
-        self.say(f"stopping the {stage} worker (as if its GPU host went away)")
-        self.supervisor.stop(worker_name(stage))
+        # Killed, not stopped: a worker stopped cleanly is taken for a restart, and its stage waits for a successor.
+        self.say(f"killing the {stage} worker (as if its GPU host went away)")
+        self.supervisor.stop(worker_name(stage), first=signal.SIGKILL)
         wait_until(
             lambda: not rt.presence.live_consumers([spec.queue]).get(spec.queue),
             settings.presence_ttl_seconds + 5,

@@ -152,6 +152,10 @@ class Keyspace:
     def metrics(self) -> str:
         return self._key("metrics")
 
+    def departures(self) -> str:
+        """When a consumer last stopped consuming each queue cleanly (queue -> when, by the Redis server's clock)."""
+        return self._key("departures")
+
     def beats(self) -> str:
         """Each worker node's last heartbeat (name -> when, by the Redis server's clock), whatever it consumes."""
         return self._key("beats")

@@ -99,13 +99,20 @@ def dispatch_pending(
 
     presence_unsure = now - snap.presence_unsure_since < ports.settings.presence_ttl_seconds
     unsure: set[str] = set()
+    try:
+        restarting = successor_awaited(ports, [s.queue for s in specs.values() if consumers.get(s.queue, 0) == 0])
+    except StoreUnavailable as err:
+        log.warning("[DISPATCH] book=%r presence registry unreadable, dispatching nothing: %s", book, err)
+        return result
     for stage, spec in specs.items():
         if consumers.get(spec.queue, 0) == 0:
-            if presence_unsure:
-                # Redis lost its data moments ago: workers have not re-advertised yet. Dispatch nothing
-                # for the stage and block nothing; the next pass decides (no side effect here).
+            if presence_unsure or spec.queue in restarting:
+                # Redis lost its data moments ago (workers have not re-advertised yet), or the queue's last worker
+                # stopped cleanly moments ago (a restart): dispatch nothing for the stage and block nothing; the
+                # next pass decides (no side effect here).
                 unsure.add(stage)
-                log.warning("[DISPATCH] book=%r stage=%s presence not rebuilt after a Redis loss; waiting", book, stage)
+                why = "its last one stopped moments ago" if spec.queue in restarting else "a Redis loss"
+                log.warning("[DISPATCH] book=%r stage=%s has no worker for now (%s); waiting", book, stage, why)
                 continue
             result.blocked[stage] = block_lane(ports, spec, [book], exclude=book)[book]
             result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
@@ -290,6 +297,18 @@ def _defer(
         ports.deferrals.defer(book, bucket, pairs, seconds, now)
         if result is not None:
             result.deferred_until.update(dict.fromkeys(pairs, now + seconds))
+
+
+def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
+    """Those of `queues` (none of them consumed) whose last worker stopped cleanly less than
+    `silent_worker_seconds` ago: a restart, whose successor is given that long to consume before the stage's
+    commands are BLOCKED. *Why:* a deployment that replaces a stage's only worker (`docker compose up`)
+    leaves its queue without a consumer for the seconds the new one takes to start, and the tick BLOCKED
+    every command with work in flight there, for good. A StoreUnavailable is the caller's."""
+    if not queues:
+        return set()
+    grace = ports.settings.silent_worker_seconds
+    return {queue for queue, ago in ports.presence.departed_ago(queues).items() if ago < grace}
 
 
 def block_lane(

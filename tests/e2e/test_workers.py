@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from .harness import wait_for
+from .harness import audio_stage, stage_table, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -99,3 +99,25 @@ def test_gpus_option_pins_one_gpu_per_pool_child(make_stack, figure) -> None:
     children = set(re.findall(r"ForkPoolWorker-(\d+)\].*succeeded in .*'gpu': '(\d+)'", procs[1].log()))
     assert len({gpu for _, gpu in children}) == len({child for child, _ in children})  # one GPU per child
     figure(f"8 jobs on 2 pool children; GPUs seen {sorted(set(gpus))}; child->gpu {sorted(children)}")
+
+
+def test_a_stage_whose_only_worker_is_replaced_keeps_its_commands(make_stack, figure) -> None:
+    """A deployment replacing the stage's only worker (`docker compose up` recreates its container): the old one
+    finishes its job and stops cleanly, the new one consumes seconds later. Old code: a tick in between found jobs
+    queued and no consumer, and BLOCKED the command for good."""
+    from tests.integration.helpers import make_book
+
+    stack = make_stack(stages=stage_table(audio=audio_stage(params={"steps": 4, "step_seconds": 0.25})))
+    cluster = stack.cluster
+    control, beat, old = cluster.control(wait=False), cluster.beat(wait=False), cluster.gpu("audio", wait=False)
+    cluster.wait_ready(control, beat, old)
+    book = make_book("replaced-worker", chapters=1, scenes=6)
+    stack.rt.catalog.import_book(book)
+    stack.client.regenerate(book.book_id, ["audio"])
+    old.wait_log(" started on ", timeout=20)  # its first job runs
+    stopped = time.monotonic()
+    new = cluster.restart(old)  # SIGTERM, the running job finished first; a successor under a new name
+    gap = time.monotonic() - stopped
+    rows = stack.wait_commands(book.book_id, ["audio"], "completed", timeout=60)
+    assert rows["audio"].status == "completed" and new.alive()
+    figure(f"only audio worker replaced: {gap:.1f}s from SIGTERM to its successor ready; the command completed")

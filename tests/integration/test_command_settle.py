@@ -59,7 +59,7 @@ def test_disabling_a_layer_settles_the_command_with_its_released_targets(rt, boo
 
 
 def test_a_blocked_stage_reports_its_released_targets(rt, book) -> None:
-    rt.presence.heartbeat("test-worker@local", (), 1, gone=["gpu.audio"])  # no audio consumer
+    rt.redis.client.delete(rt.redis.keys.consumers("gpu.audio"))  # no audio consumer, none just stopped either
     cid = regenerate_flow.regenerate(rt.ports, book, ["audio"])["commands"][0]["command_id"]
     found = command(rt, book, cid)
     assert found["status"] == "blocked" and found["reason"] == "no_worker:audio"

@@ -161,6 +161,37 @@ def test_the_tick_blocks_a_stage_whose_heartbeats_stopped(rt: Wiring, tmp_path: 
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")
 
 
+def test_a_stage_whose_only_worker_stopped_cleanly_waits_for_its_successor(rt: Wiring, tmp_path: Path) -> None:
+    """A deployment replacing a stage's only worker (`docker compose up`): the old one stops cleanly and withdraws,
+    the new one consumes seconds later. Old code: the tick in between BLOCKED the command with its job in flight,
+    and a regenerate sent then was BLOCKED too, both for good."""
+    one_job(rt, tmp_path, lease_ttl=60)
+    rt.presence.heartbeat("test-worker@local", (), 0, gone=["gpu.audio"])  # its warm shutdown
+    tick(rt)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+    rt.catalog.import_book(make_book("c", chapters=1, scenes=1))
+    regenerate_flow.regenerate(rt.ports, "c", ["audio"])
+    assert states(rt, "c")[("ch1", "s1", "audio")] == "pending"
+    assert {c.status for c in rt.ports.commands.commands(book="b") + rt.ports.commands.commands(book="c")} == {"active"}
+    advertise(rt, "gpu.audio", host="successor@local")
+    tick(rt)
+    gate.gate_pass(rt.ports, "c")
+    assert states(rt, "c")[("ch1", "s1", "audio")] == "generating"
+
+
+def test_a_stage_whose_last_worker_stopped_cleanly_is_blocked_once_none_came_in_time(
+    rt: Wiring, tmp_path: Path
+) -> None:
+    one_job(rt, tmp_path, lease_ttl=60)
+    rt.presence.heartbeat("test-worker@local", (), 0, gone=["gpu.audio"])
+    left = rt.redis.server_time() - rt.settings.silent_worker_seconds - 1  # as if that long ago
+    rt.redis.client.zadd(rt.redis.keys.departures(), {"gpu.audio": left})
+    tick(rt)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "dirty"
+    (command,) = rt.ports.commands.commands(book="b")
+    assert (command.status, command.reason) == ("blocked", "no_worker:audio")
+
+
 def test_the_tick_blocks_no_stage_while_heartbeats_come_back_after_redis_did(
     rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -191,7 +192,7 @@ def test_blocked_alert_fires_while_a_stage_has_no_worker(watched_stack: tuple[St
     assert alerts(base, "AnimastorStageBlocked") == []
     book = f"a-{uuid.uuid4().hex[:6]}"
     stack.rt.catalog.import_book(make_book(book, scenes=2))
-    stack.supervisor.stop("image")
+    stack.supervisor.stop("image", first=signal.SIGKILL)  # its host lost (a clean stop is waited out as a restart)
     wait_for(lambda: not stack.rt.presence.live_consumers(["gpu.image"]).get("gpu.image"), 15, "no image consumer")
     blocked_id = stack.client.regenerate(book, ["image"])["commands"][0]["command_id"]
     wait_for(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -180,8 +181,8 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
         for store in ("redis", "postgres", "broker"):
             assert value(after, "animastor_store_up", store=store) == 1
 
-        # The image worker goes away: the next image command is BLOCKED, and the scrape says so.
-        stack.supervisor.stop("image")
+        # The image worker's host goes away: the next image command is BLOCKED, and the scrape says so.
+        stack.supervisor.stop("image", first=signal.SIGKILL)
         wait_for(
             lambda: value(scrape(url), "animastor_queue_consumers", queue="gpu.image", stage="image") == 0,
             15,

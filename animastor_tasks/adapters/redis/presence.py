@@ -3,7 +3,8 @@ dispatch trusts.
 
 A heartbeat writes `hostname -> expiry` into one sorted set per queue, by the Redis server's clock (hosts'
 clocks differ; every reader of a heartbeat judges it by that clock too); a clean stop
-removes it, a SIGKILLed worker's entry expires within one TTL. On AMQP the broker's own
+removes it and notes when the queue lost that consumer (a restart's successor is given time to
+come), a SIGKILLed worker's entry expires within one TTL. On AMQP the broker's own
 count may only lower it: a zero there wins (a killed worker's connection closes at once),
 but a count above zero never stands in for missing heartbeats. A worker cut off by a
 partition leaves a half-open connection the broker keeps counting until its heartbeat
@@ -34,6 +35,7 @@ class PresenceStore:
                 pipe.zadd(self.conn.keys.consumers(queue), {hostname: now + ttl})
             for queue in gone:
                 pipe.zrem(self.conn.keys.consumers(queue), hostname)
+                pipe.zadd(self.conn.keys.departures(), {queue: now})
             if ttl:
                 pipe.zadd(self.conn.keys.beats(), {hostname: now})
             else:
@@ -52,6 +54,15 @@ class PresenceStore:
             pipe.zmscore(self.conn.keys.beats(), list(nodes))
             _, beats = pipe.execute()
         return {node: float(beat) for node, beat in zip(nodes, beats, strict=True) if beat is not None}
+
+    def departed_ago(self, queues: Sequence[str]) -> dict[str, float]:
+        """{queue: seconds since a consumer last stopped consuming it cleanly} for those of `queues` on record."""
+        if not queues:
+            return {}
+        now = self.conn.server_time()
+        with self.conn.errors():
+            left = self.conn.client.zmscore(self.conn.keys.departures(), list(queues))
+        return {queue: now - float(when) for queue, when in zip(queues, left, strict=True) if when is not None}
 
     def live_consumers(self, queues: Sequence[str], now: float | None = None) -> dict[str, dict[str, float]]:
         """{queue: {hostname: heartbeat expiry}} for consumers whose heartbeat is still live; expiries and `now` by
