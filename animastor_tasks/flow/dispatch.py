@@ -167,20 +167,22 @@ def _settle_idempotent(
     if not leased:
         return todo
     busy: list[Pair] = []
-    skip: set[Pair] = set()
     for i, holder in leased:
         pair = i.pair
         if holder != i.dispatch_id:
-            # A concurrent pass claimed the pair after this one read it: not ours to judge, no write.
-            skip.add(pair)
-        elif pair in force:
+            # Another dispatch's lease: a concurrent pass's claim (the claim's compare-and-set on `pending` and the
+            # book's generating pairs, read under its lock, leave the pair to it), or one a claim that never
+            # committed left behind, which this claim's lease replaces. Skipped, such a pair waited out the stray
+            # lease's queued day, its book passed on every tick.
+            continue
+        if pair in force:
             # Force pre-clears the stale dispatch of exactly this pair (compare-and-delete on its id).
             ports.leases.release_lease((book, *pair), holder)
         else:
             busy.append(pair)
     _defer(ports, book, Outcome.ALREADY_GENERATING, busy, now, result)
     result.outcomes[Outcome.ALREADY_GENERATING] += len(busy)
-    skip.update(busy)
+    skip = set(busy)
     return [i for i in todo if i.pair not in skip]
 
 

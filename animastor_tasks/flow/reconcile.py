@@ -107,13 +107,12 @@ def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:
     if evidence is None:
         return  # the broker cannot be read: no evidence either way, the next pass decides
     queued, lost = evidence
-    ports.leases.restore_leases(
-        [
-            ((g.book, *g.pair), g.dispatch_id, liveness.queued_lease_ttl())
-            for g in generating
-            if g.dispatch_id is not None and g.dispatch_id in queued and g.stage in registry
-        ]
+    waiting = [g for g in generating if g.dispatch_id is not None and g.dispatch_id in queued and g.stage in registry]
+    superseded = ports.leases.restore_leases(
+        [((g.book, *g.pair), g.dispatch_id or "", g.token, liveness.queued_lease_ttl()) for g in waiting]
     )
+    _drop_restored_of_released(ports, [g for g in waiting if g.dispatch_id not in superseded])
+    lost = lost | superseded
     for g, holder in zip(generating, holders, strict=True):
         if g.dispatch_id in lost and holder == g.dispatch_id:
             ports.leases.release_lease((g.book, *g.pair), g.dispatch_id)
@@ -132,6 +131,19 @@ def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:
         if g.dispatch_id in lost or (holder is None and g.dispatch_id not in queued)
     ]
     takeover.expire(ports, dead, report)
+
+
+def _drop_restored_of_released(ports: Ports, restored: Sequence[GeneratingRow]) -> None:
+    """A pair released since it was read (Stop All, BLOCKED: `dirty`, its lease dropped) got its lease back from
+    the restore: it is dropped again (compare-and-delete), or that `dirty` pair held it for a queued lease's day,
+    every regenerate without force deferred as `already_generating`. They write Postgres before they drop the
+    lease, so a release this read misses drops the restored lease itself."""
+    if not restored:
+        return
+    still = {(g.book, g.pair, g.dispatch_id) for g in ports.assets.generating_pairs()}
+    for g in restored:
+        if (g.book, g.pair, g.dispatch_id) not in still:
+            ports.leases.release_lease((g.book, *g.pair), g.dispatch_id or "")
 
 
 def _queue_evidence(ports: Ports, generating: Sequence[GeneratingRow]) -> tuple[set[str], set[str]] | None:

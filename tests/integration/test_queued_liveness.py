@@ -81,13 +81,13 @@ def test_a_delivered_job_is_not_counted_as_queued(rt: Wiring, monkeypatch: pytes
 def test_restoring_a_lease_never_takes_it_from_another_dispatch(rt: Wiring) -> None:
     pair = ("b", "ch1", "s1", "audio")
     rt.ports.leases.take_leases([(pair, "newer", 30, {})])
-    rt.ports.leases.restore_leases([(pair, "older", 90)])
+    rt.ports.leases.restore_leases([(pair, "older", 1, 90)])
     assert rt.ports.leases.lease_holders([pair]) == ["newer"]
     assert rt.redis.client.pttl(rt.redis.keys.lease(*pair)) <= 30_000
-    rt.ports.leases.restore_leases([(pair, "newer", 90)])
+    rt.ports.leases.restore_leases([(pair, "newer", 1, 90)])
     assert rt.redis.client.pttl(rt.redis.keys.lease(*pair)) > 30_000
     rt.ports.leases.drop_leases([pair])
-    rt.ports.leases.restore_leases([(pair, "older", 90)])
+    rt.ports.leases.restore_leases([(pair, "older", 1, 90)])
     assert rt.ports.leases.lease_holders([pair]) == ["older"]
 
 
@@ -98,6 +98,6 @@ def test_restoring_a_queued_lease_leaves_a_job_that_started_meanwhile_alone(rt: 
     pair = ("b", "ch1", "s1", "audio")
     held, owned, *_ = rt.ports.leases.start_delivery(pair, ids["s1"], "w", 5)
     assert held and owned
-    rt.ports.leases.restore_leases([(pair, ids["s1"], liveness.queued_lease_ttl())])
+    rt.ports.leases.restore_leases([(pair, ids["s1"], 1, liveness.queued_lease_ttl())])
     assert 0 < rt.redis.client.pttl(rt.redis.keys.lease(*pair)) <= 5_000
     assert rt.ports.leases.lease_holders([pair]) == [ids["s1"]]

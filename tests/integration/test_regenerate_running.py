@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, takeover
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -183,6 +184,55 @@ def test_a_queued_job_a_forced_regenerate_supersedes_gives_its_slot_back_on_the_
     taken_by_worker(rt)
     assert run_job(rt.ports, queued, worker="test")["outcome"] == "fence_rejected"  # the old message, if it comes
     assert run_job(rt.ports, fresh, worker="test")["outcome"] == "ready"
+
+
+def test_reconcile_gives_no_lease_back_to_a_queued_job_a_forced_regenerate_superseded(
+    rt, tmp_path, monkeypatch
+) -> None:
+    """Its revoked message still lay in the queue, so reconcile took the job for one still waiting and restored its
+    lease for a queued lease's day; the worker then dropped the revoked message unrun, and the pair kept its slot,
+    idle, with its command active, for that day."""
+    monkeypatch.setattr(reconcile_flow, "RECOUNT_PAUSE_SECONDS", 0.0)
+    queued = one_queued_job(rt, tmp_path, steps=1, step_seconds=0)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
+    reconcile_flow.reconcile(rt.ports, force=True)
+    assert rt.ports.leases.lease_holders([queued.lease_pair]) != [queued.dispatch_id]
+    taken_by_worker(rt)  # a worker takes the revoked message and drops it unrun
+    fresh = dispatched_after_a_tick(rt)
+    assert fresh.dispatch_id != queued.dispatch_id
+    assert run_job(rt.ports, fresh, worker="test")["outcome"] == "ready"
+
+
+def test_reconcile_gives_no_lease_back_to_a_pair_stop_all_released_meanwhile(rt, tmp_path, monkeypatch) -> None:
+    """Reconcile read the pair `generating` with its job still queued; Stop All then released it (`dirty`, lease
+    dropped) before reconcile restored that lease: a `dirty` pair held a queued lease's day, and every regenerate
+    without force was deferred as `already_generating` for all of it."""
+    monkeypatch.setattr(reconcile_flow, "RECOUNT_PAUSE_SECONDS", 0.0)
+    queued = one_queued_job(rt, tmp_path, steps=1, step_seconds=0)
+    restore = rt.ports.leases.restore_leases
+
+    def stop_all_first(*args: Any, **kwargs: Any) -> Any:
+        cancel_flow.cancel(rt.ports, "b")
+        return restore(*args, **kwargs)
+
+    monkeypatch.setattr(rt.ports.leases, "restore_leases", stop_all_first)
+    reconcile_flow.reconcile(rt.ports, force=True)
+    assert states(rt, "b")[PAIR] == "dirty"
+    assert rt.ports.leases.lease_holders([queued.lease_pair]) == [None]
+
+
+def test_a_lease_left_by_a_claim_that_never_committed_does_not_hold_the_pair(rt, tmp_path) -> None:
+    """The claim's leases are written before its COMMIT; one that then failed, with Redis unreachable for the lease
+    drop too, left a lease of a dispatch that never was. The pair, pending, was skipped by every pass as claimed by
+    a concurrent one, for a queued lease's day, and its book was passed again on every tick."""
+    job = one_queued_job(rt, tmp_path, steps=1, step_seconds=0)
+    taken_by_worker(rt)
+    assert run_job(rt.ports, job, worker="test")["outcome"] == "ready"
+    rt.ports.leases.take_leases([(job.lease_pair, "never-committed", 86400, {})])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert states(rt, "b")[PAIR] == "generating"
+    [fresh] = dispatched_jobs(rt, "b")
+    assert rt.ports.leases.lease_holders([job.lease_pair]) == [fresh.dispatch_id]
 
 
 def test_a_job_superseded_between_its_delivery_and_its_start_check_leaves_no_marker(rt, tmp_path, monkeypatch) -> None:

@@ -35,19 +35,24 @@ class LeaseStore:
                     at = meta.get("dispatched_at", 0)
                     pipe.set(self.conn.keys.queued(dispatch_id), str(at), ex=UNDELIVERED_MARKER_SECONDS)
 
-    def restore_leases(self, leases: Sequence[tuple[BookPair, str, float]]) -> None:
-        """For each (pair, dispatch id, ttl) of a job still queued: take the lease if nobody holds it, extend it
-        if this dispatch does, leave it alone if another one does (a newer dispatch of the pair) or the job was
-        delivered meanwhile (`lua/restore_lease.lua`). One round trip."""
+    def restore_leases(self, leases: Sequence[tuple[BookPair, str, int, float]]) -> set[str]:
+        """For each (pair, dispatch id, the pair's token, ttl) of a job still queued: take the lease if nobody holds
+        it, extend it if this dispatch does, leave it alone if another one does (a newer dispatch of the pair) or
+        the job was delivered meanwhile (`lua/restore_lease.lua`). The dispatches whose token is not the pair's any
+        more (superseded while queued), which get none. One round trip."""
         if not leases:
-            return
+            return set()
         keys = self.conn.keys
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
-            for pair, dispatch_id, ttl in leases:
-                lease_and_marker = [keys.lease(*pair), keys.running(dispatch_id)]
-                self.conn.restore_script(keys=lease_and_marker, args=[dispatch_id, int(ttl * 1000)], client=pipe)
-            pipe.execute()
+            for pair, dispatch_id, token, ttl in leases:
+                self.conn.restore_script(
+                    keys=[keys.lease(*pair), keys.running(dispatch_id), keys.dispatch(dispatch_id)],
+                    args=[dispatch_id, int(ttl * 1000), token],
+                    client=pipe,
+                )
+            answers = pipe.execute()
+        return {dispatch_id for (_, dispatch_id, _, _), answer in zip(leases, answers, strict=True) if answer == -1}
 
     def _values(self, keys: list[str]) -> list[Any]:
         """The values of `keys`, None where one is missing: one round trip, none for no keys."""
