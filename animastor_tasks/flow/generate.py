@@ -158,7 +158,13 @@ def _run_owned(
     later: Later,
     delivered: _Delivered,
 ) -> dict[str, Any]:
-    denial, row, worker_lost = _start(ports, job, delivered.cancelled)
+    try:
+        denial, row, worker_lost = _start(ports, job, delivered.cancelled)
+    except StoreUnavailable:
+        # No GPU work yet: the lease goes with the delivery, and the tick takes the pair over once Postgres answers
+        # (left, each job of a queue drained during an outage held a slot idle for the rest of its lease TTL).
+        delivered.release = True
+        raise
     later.job_started()
     if denial is not None or row is None:
         return _refused(ports, job, spec, denial or Denial.UNKNOWN_PAIR, result, delivered)

@@ -18,7 +18,7 @@ from animastor_tasks.dev.inference_server import InferenceServer, make_server
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import GeneratorError, StoreUnavailable
-from animastor_tasks.flow import gate
+from animastor_tasks.flow import gate, takeover
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
 from animastor_tasks.ports import GenerationRequest, Generator, Media
@@ -149,6 +149,23 @@ def test_a_give_back_that_meets_a_postgres_failover_is_written_once_it_is_back(r
     calls = _unreachable_for(rt, monkeypatch, "give_back", 2)
     assert run_job(rt.ports, job, worker="test")["outcome"] == "given_back"
     assert calls[0] == 3 and states(rt, "b")[PAIR] == "pending" and _open_start(rt) is None
+
+
+def test_a_start_check_that_meets_a_postgres_failover_leaves_no_lease(rt, tmp_path, monkeypatch) -> None:
+    """The start check could not reach Postgres: the job raised with its delivery's lease (the stage's TTL) left to
+    lapse, and nothing renewed it. During an outage the workers burned through their queue, each job leaving such a
+    lease, and after it every such slot idled out the rest of its `lease_ttl` (120 s by default)."""
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    _unreachable_for(rt, monkeypatch, "starting", 1)
+    with pytest.raises(StoreUnavailable):
+        run_job(rt.ports, job, worker="test")
+    assert rt.redis.client.exists(rt.redis.keys.lease("b", *PAIR)) == 0
+    takeover.on_tick(rt.ports)  # once Postgres answers again
+    gate.gate_pass(rt.ports, "b")
+    [again] = dispatched_jobs(rt, "b")
+    assert again.dispatch_id != job.dispatch_id
+    assert run_job(rt.ports, again, worker="test")["outcome"] == "ready"
 
 
 def test_a_failure_that_meets_a_postgres_failover_is_written_once_it_is_back(rt, tmp_path, monkeypatch) -> None:
