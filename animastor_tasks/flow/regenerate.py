@@ -19,7 +19,6 @@ from typing import Any, cast
 from animastor_tasks.domain.book import show_value, validate_id
 from animastor_tasks.domain.gate import layer_enabled, parse_layers
 from animastor_tasks.domain.resend import resend_differs
-from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import Priority
 from animastor_tasks.errors import DuplicateCommand, InvalidCommand
@@ -139,27 +138,23 @@ def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[
 
 
 def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str | None]]) -> None:
-    """Jobs a forced command fenced off (their token moved on in Postgres already). A running one's lease, still
+    """Jobs a forced regenerate fenced off (their token moved on in Postgres already). A running one's lease, still
     held by it, is swapped for a stop marker, so the job's next renewal fails and it stops, while the pair reads as
     held (reconcile leaves it `generating`, its slot counted) until the job has returned or one lease TTL after its
     worker died. A job still queued (no delivery runs it) has nothing to return from: its lease is withdrawn, and
     the next tick gives the pair's slot to the fresh run (a marker held it a lease TTL); its message is revoked,
-    and refused at its start if it comes all the same. A job whose delivery began after the read below fails its
-    start check: its token moved on first. Should Redis fail here a running job runs on, fenced off, and its pair
-    comes back when its lease ends."""
+    and refused at its start if it comes all the same. Each is judged and acted on in one atomic step
+    (`Leases.supersede`): a job that ends meanwhile is never left a marker. A job whose delivery began after
+    that fails its start check: its token moved on first. Should Redis fail here a running job runs on, fenced
+    off, and its pair comes back when its lease ends."""
     registry = ports.settings.registry
-    held = [(pair, d) for pair, d in superseded if d is not None and pair[2] in registry]
-    holders = ports.leases.lease_holders([(book, *pair) for pair, _ in held])
-    running = ports.leases.delivery_holders([d for _, d in held])
-    ours = [(pair, d, run) for (pair, d), holder, run in zip(held, holders, running, strict=True) if holder == d]
-    ports.leases.take_leases(
-        [((book, *pair), stop_marker(d), registry.get(pair[2]).lease_ttl, {}) for pair, d, run in ours if run]
-    )
-    ports.leases.withdraw_queued([((book, *pair), d) for pair, d, run in ours if not run])
+    held = [((book, *pair), d, registry.get(pair[2]).lease_ttl) for pair, d in superseded if d and pair[2] in registry]
+    running = ports.leases.supersede(held)
     dispatch_ids = [d for _, d in superseded if d]
     if dispatch_ids:
         ports.publisher.revoke(dispatch_ids)
-    log.info("[COMMAND] book=%r forced over %d running job(s): fenced off, told to stop", book, len(superseded))
+    log.info("[COMMAND] book=%r forced over %d job(s), %d running: fenced off, told to stop", book,
+             len(superseded), running)  # fmt: skip
 
 
 def _replay(

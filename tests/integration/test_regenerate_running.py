@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, takeover
 from animastor_tasks.flow import reconcile as reconcile_flow
@@ -233,6 +234,36 @@ def test_a_lease_left_by_a_claim_that_never_committed_does_not_hold_the_pair(rt,
     assert states(rt, "b")[PAIR] == "generating"
     [fresh] = dispatched_jobs(rt, "b")
     assert rt.ports.leases.lease_holders([job.lease_pair]) == [fresh.dispatch_id]
+
+
+def test_a_running_job_that_ends_while_a_forced_regenerate_stops_it_leaves_no_marker(rt, tmp_path, monkeypatch) -> None:
+    """The regenerate read the lease as the job's and the job as running, then set the stop marker unconditionally:
+    a job that ended in between (its commit refused, its lease and marker released) left a marker nothing would
+    release, and the pair's slot idled for its lease TTL."""
+    job = one_queued_job(rt, tmp_path, steps=1, step_seconds=0)
+    taken_by_worker(rt)
+    held, owned, *_ = rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, "audio@host#1", 60)
+    assert held and owned
+    ended: list[bool] = []
+
+    def job_ends() -> None:  # as `_Delivered.end` does
+        rt.ports.leases.release_lease(job.lease_pair, job.dispatch_id)
+        rt.ports.leases.release_lease(job.lease_pair, stop_marker(job.dispatch_id))
+        rt.ports.leases.end_delivery(job.dispatch_id)
+        ended.append(True)
+
+    read = rt.ports.leases.delivery_holders
+
+    def read_then_the_job_ends(dispatch_ids: Any) -> Any:
+        seen = read(dispatch_ids)
+        job_ends()
+        return seen
+
+    monkeypatch.setattr(rt.ports.leases, "delivery_holders", read_then_the_job_ends)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
+    if not ended:
+        job_ends()  # it ends now, after the regenerate
+    assert rt.ports.leases.lease_holders([job.lease_pair]) == [None]
 
 
 def test_a_job_superseded_between_its_delivery_and_its_start_check_leaves_no_marker(rt, tmp_path, monkeypatch) -> None:

@@ -78,17 +78,23 @@ class LeaseStore:
         with self.conn.writes() as pipe:
             pipe.eval(self.conn.release_lua, 1, self.conn.keys.lease(*pair), dispatch_id)
 
-    def withdraw_queued(self, jobs: Sequence[tuple[BookPair, str]]) -> None:
-        """Queued dispatches that must never start: each one's lease released if it still holds it, and its
-        undelivered marker dropped, so the tick takes its pair over at once rather than ask the broker first. A
-        delivery that comes all the same finds no lease of its own and does not start. One round trip."""
+    def supersede(self, jobs: Sequence[tuple[BookPair, str, int]]) -> int:
+        """Dispatches a forced regenerate fenced off, each (pair, dispatch id, its stage's lease TTL): a running one
+        told to stop through its lease, a queued one withdrawn (`lua/supersede.lua`), each only while it holds its
+        pair's lease. A queued delivery that comes all the same finds no lease of its own and does not start. How
+        many were running; one round trip."""
         if not jobs:
-            return
-        with self.conn.batched():
-            for pair, dispatch_id in jobs:
-                self.release_lease(pair, dispatch_id)
-            with self.conn.writes() as pipe:
-                pipe.delete(*(self.conn.keys.queued(dispatch_id) for _, dispatch_id in jobs))
+            return 0
+        keys = self.conn.keys
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for pair, dispatch_id, ttl in jobs:
+                self.conn.supersede_script(
+                    keys=[keys.lease(*pair), keys.running(dispatch_id), keys.queued(dispatch_id)],
+                    args=[dispatch_id, stop_marker(dispatch_id), ttl * 1000],
+                    client=pipe,
+                )
+            return sum(1 for answer in pipe.execute() if answer == 1)
 
     def start_delivery(
         self, pair: BookPair, dispatch_id: str, worker: str, ttl: int
