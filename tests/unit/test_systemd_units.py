@@ -1,0 +1,63 @@
+"""The systemd units shipped under deploy/systemd: a stop must be the worker's warm shutdown, and each
+ExecStart must be a command line the CLI takes."""
+
+from __future__ import annotations
+
+import configparser
+import re
+import shlex
+from pathlib import Path
+
+import click
+import pytest
+
+from animastor_tasks.config import Settings
+from animastor_tasks.operator.cli import main
+
+UNITS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "systemd").glob("*.service"))
+
+
+def _unit(path: Path) -> configparser.SectionProxy:
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # systemd keys are case-sensitive
+    parser.read(path, encoding="utf-8")
+    return parser["Service"]
+
+
+def _seconds(value: str) -> float:
+    units = {"": 1, "s": 1, "min": 60, "h": 3600}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)\s*(min|h|s|)", value))
+
+
+def test_the_three_processes_have_a_unit() -> None:
+    assert [u.name for u in UNITS] == [
+        "animastor-beat.service",
+        "animastor-control.service",
+        "animastor-gpu-worker@.service",
+    ]
+
+
+@pytest.mark.parametrize("path", UNITS, ids=lambda p: p.name)
+def test_a_stop_signals_the_main_process_alone(path: Path) -> None:
+    """systemd's default KillMode (control-group) sends SIGTERM to every process of the unit: a Celery pool child
+    dies on it, so `systemctl stop` killed the running GPU job although the docs promised a warm shutdown."""
+    assert _unit(path)["KillMode"] == "mixed"
+
+
+def test_a_gpu_worker_is_given_longer_than_a_job_may_run() -> None:
+    gpu = _unit(next(u for u in UNITS if u.name.startswith("animastor-gpu-worker")))
+    assert _seconds(gpu["TimeoutStopSec"]) > Settings().job_time_limit
+
+
+@pytest.mark.parametrize("path", UNITS, ids=lambda p: p.name)
+def test_exec_start_is_a_command_the_cli_takes(path: Path) -> None:
+    argv = shlex.split(_unit(path)["ExecStart"].replace("%i", "audio").replace("%H", "gpu-host-1"))
+    assert argv[0].endswith("/animastor-tasks")
+    with click.Context(main) as ctx:
+        command = main.get_command(ctx, argv[1])
+        assert command is not None, argv
+        parsed = command.make_context(argv[1], argv[2:], parent=ctx).params
+    # Every option is the CLI's own (`worker` hands what it does not know to celery as it is).
+    assert parsed.get("celery_args", ()) == (), parsed
+    if "stage" in parsed:
+        assert parsed["hostname"] in ("control@gpu-host-1", f"{parsed['stage']}@gpu-host-1"), parsed
