@@ -44,6 +44,10 @@ def build_config(settings: Settings) -> dict[str, Any]:
         "task_routes": routes,
         "task_create_missing_queues": False,
         "worker_prefetch_multiplier": 1,
+        # Redis broker: a message fetched ahead waits in the unacked set until a worker acks it; one killed
+        # before it started the task left it there for the visibility timeout (an hour), so a regenerate or a
+        # Stop All ran an hour late. A worker fetches only for a free process (AMQP redelivers at once).
+        "worker_disable_prefetch": urlsplit(settings.broker_url).scheme.startswith("redis"),
         "task_acks_late": False,
         # Flower sees every task through worker events; a STARTED write to the result backend
         # and a task-sent event per publish would only add to each hop's latency. GPU jobs are the
