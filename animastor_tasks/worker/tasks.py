@@ -7,17 +7,23 @@
 | animastor.cancel            | animastor.control   | book_id, reason=None                                        |
 | animastor.gate              | animastor.control   | book_id, lane=None (set: a refill of that lane, as below)   |
 | animastor.refill            | animastor.control   | book_id, lane=None (the queue whose free slot it is handed; |
-|                             |                     | None: any; sent when a slot frees)                          |
+|                             |                     | None: any; sent when a slot frees), freed=None (the lane of |
+|                             |                     | the one slot freed, when no book was waiting for it)        |
 | animastor.gate_batch        | animastor.control   | book_ids (the due books; sent by the tick)                  |
 | animastor.tick              | animastor.control   | (none; beat)                                                |
 | animastor.reconcile         | animastor.control   | (none; beat)                                                |
 | animastor.generate.<stage>  | the stage's queue   | book_id, chapter_id, scene_id, stage, dispatch_id,          |
 |                             |                     | fencing_token (its process may run the next job of its      |
 |                             |                     | freed slot in the same task: worker/chain.py)               |
+
+The tasks only this runtime sends (all but regenerate and cancel) take, and log, kwargs they do not know:
+a newer version's message to an older worker during a rolling deploy runs rather than failing with a
+TypeError (a refill lost so left its slot idle until reconcile).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -37,9 +43,16 @@ from animastor_tasks.worker import chain, wiring
 from animastor_tasks.worker.app import app, settings
 from animastor_tasks.worker.lost import GenerateRequest
 
+log = logging.getLogger("animastor.worker")
+
 
 def ports() -> Ports:
     return wiring.current().ports
+
+
+def _newer(task: str, kwargs: dict[str, Any]) -> None:
+    if kwargs:
+        log.warning("[WORKER] %s: ignored %s, sent by a newer version", task, ", ".join(sorted(kwargs)))
 
 
 @app.task(name="animastor.regenerate")
@@ -60,14 +73,16 @@ def cancel(book_id: str, reason: str | None = None) -> dict[str, Any]:
 
 
 @app.task(name="animastor.gate")
-def gate_task(book_id: str, lane: str | None = None) -> dict[str, Any]:
+def gate_task(book_id: str, lane: str | None = None, **newer: Any) -> dict[str, Any]:
+    _newer("animastor.gate", newer)
     # `lane`: a message of a version that handed slots through this task; handed slots are refills now.
     book, queue = validate.known_book(ports(), book_id), validate.lane(ports(), lane)
     return _pass_result(book, gate.gate_pass(ports(), book) if queue is None else refill.refill(ports(), book, queue))
 
 
 @app.task(name="animastor.refill", ignore_result=True)
-def refill_task(book_id: str, lane: str | None = None, freed: str | None = None) -> dict[str, Any]:
+def refill_task(book_id: str, lane: str | None = None, freed: str | None = None, **newer: Any) -> dict[str, Any]:
+    _newer("animastor.refill", newer)
     return _pass_result(book_id, refill.refill(ports(), book_id, lane, one_slot_of=freed))
 
 
@@ -82,17 +97,20 @@ def _pass_result(book_id: str, report: gate.PassReport) -> dict[str, Any]:
 
 
 @app.task(name="animastor.gate_batch", ignore_result=True)
-def gate_batch(book_ids: list[str]) -> int:
+def gate_batch(book_ids: list[str], **newer: Any) -> int:
+    _newer("animastor.gate_batch", newer)
     return len(gate.gate_batch(ports(), book_ids))
 
 
 @app.task(name="animastor.tick", ignore_result=True)
-def tick() -> list[str]:
+def tick(**newer: Any) -> list[str]:
+    _newer("animastor.tick", newer)
     return gate.tick(ports())
 
 
 @app.task(name="animastor.reconcile", ignore_result=True)
-def reconcile() -> dict[str, Any]:
+def reconcile(**newer: Any) -> dict[str, Any]:
+    _newer("animastor.reconcile", newer)
     return reconcile_flow.reconcile(ports())
 
 
@@ -107,8 +125,16 @@ def _register_generate(spec: StageSpec) -> None:
         time_limit=settings.job_time_limit,
     )
     def generate(
-        self: Task, book_id: str, chapter_id: str, scene_id: str, stage: str, dispatch_id: str, fencing_token: int
+        self: Task,
+        book_id: str,
+        chapter_id: str,
+        scene_id: str,
+        stage: str,
+        dispatch_id: str,
+        fencing_token: int,
+        **newer: Any,
     ) -> dict[str, Any]:
+        _newer(spec.task_name, newer)
         worker = delivery_holder(self.request.hostname or "unknown", os.getpid())
 
         def run(job_ports: Ports, job: Job, progress: Callable[[float], None], later: Later) -> dict[str, Any]:

@@ -177,3 +177,22 @@ def test_a_reader_s_next_interactive_scene_takes_the_slot_its_last_one_freed_bef
     assert running(rt, "reader", "bulk") == {"reader": 1} and "bulk" in waiting(rt)
     finish_one(rt, "reader")  # nothing more of the reader's: the slot goes on to the bulk book
     assert running(rt, "reader", "bulk") == {"bulk": 1}
+
+
+def test_the_runtime_s_own_tasks_run_a_message_of_a_newer_version(rt, caplog) -> None:
+    """A rolling deploy: a newer version's message, with a kwarg this one does not know, reaches this worker. It
+    failed with a TypeError (a refill so lost left its slot idle until reconcile); it runs, the kwarg logged."""
+    lane(rt, lane_limit=8)
+    rt.catalog.import_book(make_book("x", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "x", ["audio"])
+    later = {"added_later": 1}
+    assert tasks.refill_task.run("x", lane="gpu.audio", freed=None, **later)["book_id"] == "x"
+    assert tasks.gate_task.run("x", **later)["book_id"] == "x"
+    assert tasks.gate_batch.run(["x"], **later) == 1
+    tasks.tick.run(**later)
+    assert "round_done" in tasks.reconcile.run(**later)
+    generate = tasks.app.tasks[rt.settings.registry.get("audio").task_name]
+    job = generate.run(book_id="x", chapter_id="ch1", scene_id="nope", stage="audio", dispatch_id="d",
+                       fencing_token=1, **later)  # fmt: skip
+    assert job["outcome"] == "fence_rejected"
+    assert "ignored added_later, sent by a newer version" in caplog.text
