@@ -176,3 +176,31 @@ def test_beat_healthcheck_answers_from_the_recorded_tick() -> None:
     finally:
         client.delete(key)
         client.close()
+
+
+def test_the_control_host_overlay_serves_gpu_hosts_of_their_own() -> None:
+    """docker-compose.yml was the documented control host of a farm of several hosts, but it published neither
+    Postgres nor Redis (the GPU hosts could not connect), kept the artifacts on a local volume, and passed no
+    ANIMASTOR_BROKER_URL: with RabbitMQ on the GPU hosts, the control worker published their jobs to a Redis
+    list nobody consumed."""
+    files = ("docker-compose.yml", "docker-compose.control-host.yml")
+    farm = {
+        "ANIMASTOR_ARTIFACT_URL": "s3://farm-artifacts/prod",
+        "AWS_ACCESS_KEY_ID": "key-id",
+        "AWS_SECRET_ACCESS_KEY": "key-secret",
+        "ANIMASTOR_BROKER_URL": "amqp://animastor:amqp-secret@rabbit.example:5672/animastor",
+        "ANIMASTOR_PRESENCE_TTL_SECONDS": "8",
+    }
+    proc = run_compose("config", env={**SECRETS, **farm}, files=files)
+    assert proc.returncode == 0, proc.stderr
+    blocks = services(proc.stdout)
+    for name, port in (("postgres", 5432), ("redis", 6379)):
+        assert re.search(rf"published: ['\"]?{port}\b|0\.0\.0\.0:{port}:{port}", blocks[name]), blocks[name]
+    for name in ("control", "beat", "flower", "metrics"):
+        env = environment(blocks[name])
+        assert env["ANIMASTOR_BROKER_URL"].strip("'\"") == farm["ANIMASTOR_BROKER_URL"], (name, env)
+        assert env["ANIMASTOR_ARTIFACT_URL"].strip("'\"") == farm["ANIMASTOR_ARTIFACT_URL"], (name, env)
+        assert env["ANIMASTOR_PRESENCE_TTL_SECONDS"].strip("'\"") == "8", (name, env)
+        assert "ANIMASTOR_SILENT_WORKER_SECONDS" in env, (name, env)
+    refused = run_compose("config", "-q", env=SECRETS, files=files)  # no shared artifact store named
+    assert refused.returncode != 0 and "ANIMASTOR_ARTIFACT_URL" in refused.stderr + refused.stdout
