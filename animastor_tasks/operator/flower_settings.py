@@ -86,12 +86,14 @@ def flower_options(env: _Mapping[str, str]) -> dict[str, _Any]:
 # Who can reach Flower is decided by the variables above alone: Flower reads its command line after this file,
 # so `--address=0.0.0.0` there slipped an instance without auth past the loopback rule.
 _GUARDED = frozenset({"address", "port", "basic_auth", "auth", "unix_socket"})
+GUARDED_HERE = _GUARDED | {"conf"}  # `animastor-tasks flower`, which passes the packaged settings file itself
 
 
-def refuse_guarded_flags(argv: _Sequence[str]) -> None:
-    """Refused: a command-line option (Tornado's `--name=value` or `--name value`) that would decide who reaches
-    Flower instead of the ANIMASTOR_FLOWER_* variables."""
-    found = sorted({arg.split("=", 1)[0] for arg in argv if arg.startswith("--") and _guarded(arg)})
+def refuse_guarded_flags(argv: _Sequence[str], guarded: frozenset[str] = _GUARDED) -> None:
+    """Refused: a command-line option (Tornado's `--name=value` or `--name value`, with any number of leading
+    dashes, as Tornado reads them) that would decide who reaches Flower instead of the ANIMASTOR_FLOWER_*
+    variables."""
+    found = sorted({arg.split("=", 1)[0] for arg in argv if arg.startswith("-") and _option(arg) in guarded})
     if found:
         raise Refused(
             f"{', '.join(found)} on the command line: set ANIMASTOR_FLOWER_ADDRESS, ANIMASTOR_FLOWER_PORT and "
@@ -99,8 +101,8 @@ def refuse_guarded_flags(argv: _Sequence[str]) -> None:
         )
 
 
-def _guarded(arg: str) -> bool:
-    return arg[2:].split("=", 1)[0].replace("-", "_") in _GUARDED
+def _option(arg: str) -> str:
+    return arg.lstrip("-").split("=", 1)[0].replace("-", "_")
 
 
 def options_or_exit(env: _Mapping[str, str], argv: _Sequence[str] | None = None) -> dict[str, _Any]:

@@ -166,13 +166,15 @@ def flower(flower_args: tuple[str, ...]) -> None:
     Address and port: ANIMASTOR_FLOWER_ADDRESS (127.0.0.1) and ANIMASTOR_FLOWER_PORT (5555). Refuses to
     start (exit status 2) without credentials; ANIMASTOR_FLOWER_DEV_NO_AUTH=1 allows none on loopback only.
     Other options go to `celery flower` as they are (`--url_prefix=flower`), except those that decide who reaches
-    it (`--address`, `--port`, `--basic_auth`, `--auth`, `--unix_socket`): refused, they come from the environment.
+    it (`--address`, `--port`, `--basic_auth`, `--auth`, `--unix_socket`, and `--conf`, however many dashes
+    lead them): refused, they come from the environment.
     """
     from animastor_tasks.operator import flower_settings
 
     try:
         flower_settings.flower_options(os.environ)
-        flower_settings.refuse_guarded_flags(flower_args)
+        # And a `--conf` of its own: Flower keeps the last one, and these settings would never run.
+        flower_settings.refuse_guarded_flags(flower_args, flower_settings.GUARDED_HERE)
     except flower_settings.Refused as err:  # said here, before Celery starts: exit status 2
         raise ConfigError(f"refusing to start Flower: {err}") from None
     _exec_celery("flower", f"--conf={flower_settings.conf_path()}", *flower_args)

@@ -99,7 +99,11 @@ def test_flower_refuses_to_start(tmp_path: Path, env: dict[str, str], expected: 
     assert "only-a-password" not in proc.stderr + proc.stdout  # the value itself is never echoed
 
 
-@pytest.mark.parametrize("flag", [["--address=0.0.0.0"], ["--port=80"], ["--basic-auth=ops:pw"]])
+@pytest.mark.parametrize(
+    "flag",
+    # Tornado strips any number of leading dashes: `-address=` and `---port=` slipped past a check for `--`.
+    [["--address=0.0.0.0"], ["--port=80"], ["--basic-auth=ops:pw"], ["-address=0.0.0.0"], ["---port=80"]],
+)
 def test_flower_refuses_options_that_decide_who_reaches_it_on_the_command_line(tmp_path: Path, flag: list[str]) -> None:
     """Flower reads its command line after the --conf file: `--address=0.0.0.0` there opened an instance without
     auth (ANIMASTOR_FLOWER_DEV_NO_AUTH=1) on every interface, past the loopback rule."""
@@ -113,6 +117,17 @@ def test_flower_refuses_options_that_decide_who_reaches_it_on_the_command_line(t
         assert proc.returncode == 2, (command, proc.returncode, proc.stdout, proc.stderr)
         assert "refusing to start Flower" in proc.stderr and "ANIMASTOR_FLOWER_ADDRESS" in proc.stderr
         assert "ops:pw" not in proc.stderr + proc.stdout
+
+
+def test_animastor_flower_refuses_a_conf_file_of_its_own(tmp_path: Path) -> None:
+    """Flower keeps the last `--conf`: `animastor-tasks flower --conf=/dev/null` ran without the packaged settings,
+    so without auth, on every interface, whatever the environment said."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ANIMASTOR_FLOWER_", "FLOWER_"))}
+    env = {**base, "ANIMASTOR_FLOWER_BASIC_AUTH": "ops:pw", "ANIMASTOR_FLOWER_PORT": str(free_port())}
+    command = [sys.executable, "-m", "animastor_tasks.operator.cli", "flower", "--conf=/dev/null"]
+    proc = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "refusing to start Flower" in proc.stderr and "conf" in proc.stderr
 
 
 @pytest.fixture
