@@ -182,7 +182,7 @@ def flower(flower_args: tuple[str, ...]) -> None:
 
 @click.command("dev-inference-server")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8765, show_default=True)
+@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--latency", default=0.0, show_default=True, help="Seconds added to every request.")
 @click.option("--failure-rate", default=0.0, show_default=True, help="Share of requests answered 503.")
 @click.option("--api-key", default=None, envvar="ANIMASTOR_INFERENCE_API_KEY")
@@ -212,6 +212,8 @@ def dev_inference_server(
         )
     except ValueError as err:  # a bad knob: the operator gets our message and exit code 2
         raise ConfigError(f"dev-inference-server: {err}") from err
+    except OSError as err:  # the port taken, the address not this host's
+        raise ConfigError(f"dev-inference-server: cannot listen on {host}:{port}: {err.strerror or err}") from err
     serve(server)
 
 

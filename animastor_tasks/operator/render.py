@@ -75,7 +75,7 @@ class RateMeter:
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "--:--"
-    hours, rest = divmod(round(seconds), 3600)
+    hours, rest = divmod(max(0, round(seconds)), 3600)  # a database clock ahead of this host: 0, not -1:59:55
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 

@@ -186,3 +186,11 @@ def test_gpu_ids_that_would_share_a_gpu_or_name_none_are_refused(monkeypatch) ->
     [argv] = started
     assert argv[argv.index("-c") + 1] == "3"
     assert os.environ["ANIMASTOR_GPU_IDS"] == "3,GPU-8f2a,MIG-1c/0"
+
+
+def test_a_command_made_by_a_clock_ahead_of_this_host_is_zero_old_not_negative() -> None:
+    """`created_at` is the database's clock: 5 s ahead of the CLI host, the age read `-1:59:55`."""
+    data = book(chapters=1, scenes=1)
+    data["commands"][0]["created_at"] = time.time() + 5
+    out = text_of(render.commands_table(data))
+    assert " 0:00" in out and "-1:" not in out
