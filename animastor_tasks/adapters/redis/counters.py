@@ -30,8 +30,9 @@ from animastor_tasks.adapters.redis.connection import RedisConnection
 
 log = logging.getLogger("animastor.telemetry")
 
-#: Upper bounds (seconds) of the duration histograms; everything above the last lands in "+Inf".
-DURATION_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: Upper bounds (seconds) of the duration histograms; everything above the last lands in "+Inf". Up to a
+#: minute: a reconcile pass may run until its lock lapses (0.8 x its 30 s period), and a p99 in "+Inf" read 10 s.
+DURATION_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 #: Bounds of the GPU-side histograms (a job or its wait in the queue takes seconds to half an hour).
 JOB_BUCKETS: tuple[float, ...] = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 #: Histograms (name before any `:<stage>`) that use `JOB_BUCKETS`.
