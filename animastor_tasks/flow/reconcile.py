@@ -135,15 +135,16 @@ def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:
 
 
 def _drop_restored_of_released(ports: Ports, restored: Sequence[GeneratingRow]) -> None:
-    """A pair released since it was read (Stop All, BLOCKED: `dirty`, its lease dropped) got its lease back from
-    the restore: it is dropped again (compare-and-delete), or that `dirty` pair held it for a queued lease's day,
-    every regenerate without force deferred as `already_generating`. They write Postgres before they drop the
-    lease, so a release this read misses drops the restored lease itself."""
+    """A pair released since it was read (Stop All, BLOCKED: `dirty`, its lease dropped), or whose job a forced
+    regenerate fenced off (its token moved on, its lease withdrawn), got its lease back from the restore: it is
+    dropped again (compare-and-delete). Left, that `dirty` pair held it for a queued lease's day, every regenerate
+    without force deferred as `already_generating`, or the forced run never went out. Both write Postgres before
+    they touch the lease, so a change this read misses drops the restored lease itself."""
     if not restored:
         return
-    still = {(g.book, g.pair, g.dispatch_id) for g in ports.assets.generating_pairs()}
+    still = {(g.book, g.pair, g.dispatch_id, g.token) for g in ports.assets.generating_pairs()}
     for g in restored:
-        if (g.book, g.pair, g.dispatch_id) not in still:
+        if (g.book, g.pair, g.dispatch_id, g.token) not in still:
             ports.leases.release_lease((g.book, *g.pair), g.dispatch_id or "")
 
 

@@ -222,6 +222,27 @@ def test_reconcile_gives_no_lease_back_to_a_pair_stop_all_released_meanwhile(rt,
     assert rt.ports.leases.lease_holders([queued.lease_pair]) == [None]
 
 
+def test_reconcile_gives_no_lease_back_to_a_job_a_forced_regenerate_superseded_meanwhile(
+    rt, tmp_path, monkeypatch
+) -> None:
+    """Reconcile read the pair (its token) before a forced regenerate fenced the queued job off and withdrew its
+    lease: the restore, on the token it had read, matched the dispatch's and gave the lease back for a day."""
+    monkeypatch.setattr(reconcile_flow, "RECOUNT_PAUSE_SECONDS", 0.0)
+    queued = one_queued_job(rt, tmp_path, steps=1, step_seconds=0)
+    restore = rt.ports.leases.restore_leases
+
+    def forced_regenerate_first(*args: Any, **kwargs: Any) -> Any:
+        regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
+        return restore(*args, **kwargs)
+
+    monkeypatch.setattr(rt.ports.leases, "restore_leases", forced_regenerate_first)
+    reconcile_flow.reconcile(rt.ports, force=True)
+    monkeypatch.undo()
+    assert rt.ports.leases.lease_holders([queued.lease_pair]) == [None]
+    taken_by_worker(rt)  # the revoked message is dropped unrun
+    assert dispatched_after_a_tick(rt).dispatch_id != queued.dispatch_id
+
+
 def test_a_lease_left_by_a_claim_that_never_committed_does_not_hold_the_pair(rt, tmp_path) -> None:
     """The claim's leases are written before its COMMIT; one that then failed, with Redis unreachable for the lease
     drop too, left a lease of a dispatch that never was. The pair, pending, was skipped by every pass as claimed by
