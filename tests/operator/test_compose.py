@@ -204,3 +204,20 @@ def test_the_control_host_overlay_serves_gpu_hosts_of_their_own() -> None:
         assert "ANIMASTOR_SILENT_WORKER_SECONDS" in env, (name, env)
     refused = run_compose("config", "-q", env=SECRETS, files=files)  # no shared artifact store named
     assert refused.returncode != 0 and "ANIMASTOR_ARTIFACT_URL" in refused.stderr + refused.stdout
+
+
+def test_a_longer_presence_ttl_alone_gives_settings_the_processes_accept() -> None:
+    """Every compose file passed ANIMASTOR_SILENT_WORKER_SECONDS=30 when it was unset: with the presence TTL raised
+    to 20 s (valid on its own), the silence setting was below twice the TTL and every process refused to start."""
+    for files in (BASE, CPU, ("docker-compose.gpu-host.yml",)):
+        farm = {"ANIMASTOR_HOST_NAME": "gpu-1", "ANIMASTOR_DATABASE_URL": "postgresql://u:p@db/a",
+                "ANIMASTOR_REDIS_URL": "redis://r:6379/0", "ANIMASTOR_ARTIFACT_URL": "s3://farm-bucket/p",
+                "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}  # fmt: skip
+        proc = run_compose("config", env={**SECRETS, **farm, "ANIMASTOR_PRESENCE_TTL_SECONDS": "20"}, files=files)
+        assert proc.returncode == 0, proc.stderr
+        for name, block in services(proc.stdout).items():
+            if "ANIMASTOR_PRESENCE_TTL_SECONDS" not in block:
+                continue
+            env = {k: v.strip("'\"") for k, v in environment(block).items()}
+            settings = Settings.from_env(env)
+            assert settings.silent_worker_seconds >= 2 * settings.presence_ttl_seconds, (files, name)
