@@ -192,6 +192,20 @@ def test_a_stage_whose_last_worker_stopped_cleanly_is_blocked_once_none_came_in_
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")
 
 
+def test_a_clean_stop_beside_a_live_worker_does_not_delay_blocking_once_that_one_dies(
+    rt: Wiring, tmp_path: Path
+) -> None:
+    """Worker A stopped cleanly while B still consumed the queue, then B died: the departure A left made the stage
+    wait for a successor (30 s) although its last worker had died, not stopped (one presence TTL)."""
+    one_job(rt, tmp_path, lease_ttl=60, heartbeat_ttl=60)
+    advertise(rt, "gpu.audio", host="b@local", ttl=0.5)
+    rt.presence.heartbeat("test-worker@local", (), 0, gone=["gpu.audio"])  # A's warm shutdown, B still live
+    time.sleep(0.6)  # B dies: its heartbeat lapses
+    tick(rt)
+    (command,) = rt.ports.commands.commands(book="b")
+    assert (command.status, command.reason) == ("blocked", "no_worker:audio")
+
+
 def test_the_tick_blocks_no_stage_while_heartbeats_come_back_after_redis_did(
     rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

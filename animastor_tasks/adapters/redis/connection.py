@@ -37,6 +37,7 @@ class RedisConnection:
         self.renew_script = self.client.register_script(_script("renew_lease"))
         self.restore_script = self.client.register_script(_script("restore_lease"))
         self.supersede_script = self.client.register_script(_script("supersede"))
+        self.withdraw_consumer_script = self.client.register_script(_script("withdraw_consumer"))
         self.release_lua = _script("release_lease")
         self.breaker_acquire_script = self.client.register_script(_script("breaker_acquire"))
         self.breaker_record_script = self.client.register_script(_script("breaker_record"))

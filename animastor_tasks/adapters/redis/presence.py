@@ -3,8 +3,8 @@ dispatch trusts.
 
 A heartbeat writes `hostname -> expiry` into one sorted set per queue, by the Redis server's clock (hosts'
 clocks differ; every reader of a heartbeat judges it by that clock too); a clean stop
-removes it and notes when the queue lost that consumer (a restart's successor is given time to
-come), a SIGKILLed worker's entry expires within one TTL. On AMQP the broker's own
+removes it and, when that leaves the queue without a live consumer, notes when (a restart's
+successor is given time to come); a SIGKILLed worker's entry expires within one TTL. On AMQP the broker's own
 count may only lower it: a zero there wins (a killed worker's connection closes at once),
 but a count above zero never stands in for missing heartbeats. A worker cut off by a
 partition leaves a half-open connection the broker keeps counting until its heartbeat
@@ -33,9 +33,12 @@ class PresenceStore:
             pipe = self.conn.client.pipeline(transaction=False)
             for queue in queues:
                 pipe.zadd(self.conn.keys.consumers(queue), {hostname: now + ttl})
-            for queue in gone:
-                pipe.zrem(self.conn.keys.consumers(queue), hostname)
-                pipe.zadd(self.conn.keys.departures(), {queue: now})
+            for queue in gone:  # lua/withdraw_consumer.lua: its departure noted if it leaves nobody consuming
+                self.conn.withdraw_consumer_script(
+                    keys=[self.conn.keys.consumers(queue), self.conn.keys.departures()],
+                    args=[hostname, now, queue],
+                    client=pipe,
+                )
             if ttl:
                 pipe.zadd(self.conn.keys.beats(), {hostname: now})
             else:
