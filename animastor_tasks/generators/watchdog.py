@@ -72,8 +72,10 @@ class Watchdog:
 
 
 def _shut(sock: socket.socket) -> None:
+    """The socket's own shutdown, a TLS one's included: `SSLSocket.shutdown` would also drop its TLS state under
+    the thread reading from it."""
     with contextlib.suppress(OSError):  # closed already
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def _adopted(sock: socket.socket) -> socket.socket:
@@ -89,8 +91,14 @@ class _WatchedHTTPConnection(HTTPConnection):
 
 
 class _WatchedHTTPSConnection(HTTPSConnection):
-    def _new_conn(self) -> socket.socket:  # the TCP socket under TLS: shutting it down ends a TLS read too
+    def _new_conn(self) -> socket.socket:  # the TCP socket, while the TLS handshake runs on it
         return _adopted(super()._new_conn())
+
+    def connect(self) -> None:
+        """And the TLS socket that takes the TCP one over (the TCP socket object is detached by then: cut, it
+        would do nothing)."""
+        super().connect()
+        _adopted(self.sock)
 
 
 class _WatchedHTTPPool(HTTPConnectionPool):

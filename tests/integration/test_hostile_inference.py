@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import select
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +29,7 @@ from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.http import HttpGenerator
 from animastor_tasks.generators.media import render_png, synthesize_wav
 from animastor_tasks.generators.openai_speech import OpenAISpeechGenerator
+from tests.support import missing
 
 Answer = Callable[[BaseHTTPRequestHandler], None]
 SECRET = "sk-hostile-test-key"
@@ -45,20 +49,48 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.fixture(scope="module")
+def tls_certificate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A self-signed certificate for 127.0.0.1 (its key beside it), made with the openssl command."""
+    if shutil.which("openssl") is None:
+        missing("the openssl command is not installed (apt-get install -y openssl)")
+    folder = tmp_path_factory.mktemp("tls")
+    key, cert = folder / "key.pem", folder / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert
+
+
 @pytest.fixture
-def serve() -> Iterator[Callable[[Answer], str]]:
+def serve_tls(
+    serve: Callable[..., str], tls_certificate: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[Answer], str]:
+    """`serve_tls(answer)`: as `serve`, over HTTPS, with its certificate trusted by requests."""
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tls_certificate))
+    return lambda answer: serve(answer, tls=tls_certificate)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., str]]:
     """`serve(answer)`: the base URL of a server answering every POST with `answer(handler)`."""
     servers: list[tuple[ThreadingHTTPServer, threading.Thread]] = []
 
-    def start(answer: Answer) -> str:
+    def start(answer: Answer, tls: Path | None = None) -> str:
         handler = type("Handler", (_Handler,), {"answer": staticmethod(answer), "seen": []})
         server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(tls, tls.with_name("key.pem"))
+            server.socket = context.wrap_socket(server.socket, server_side=True)
         server.daemon_threads = True
         thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         thread.start()
         servers.append((server, thread))
         start.seen = handler.seen  # type: ignore[attr-defined]
-        return f"http://127.0.0.1:{server.server_address[1]}"
+        return f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}"
 
     yield start
     for server, thread in servers:
@@ -128,6 +160,10 @@ def test_a_trickle_past_the_whole_answers_deadline_is_a_retryable_error(serve: C
     assert time.monotonic() - started < 3.0
 
 
+def _server(request: pytest.FixtureRequest, scheme: str) -> Callable[[Answer], str]:
+    return request.getfixturevalue("serve_tls" if scheme == "https" else "serve")
+
+
 def _computing(seconds: float, left: list[float]) -> Answer:
     """A server still computing for `seconds` before its answer begins; it notes when its client went away (a
     server that drops the work of a closed connection frees its GPU then), and answers if it is still there."""
@@ -137,7 +173,7 @@ def _computing(seconds: float, left: list[float]) -> Answer:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             readable, _, _ = select.select([conn], [], [], 0.02)
-            if readable and conn.recv(1, socket.MSG_PEEK) == b"":
+            if readable and socket.socket.recv(conn, 1, socket.MSG_PEEK) == b"":  # under TLS too
                 left.append(time.monotonic())
                 return
         _media(200, "audio/wav", synthesize_wav("one two"))(handler)
@@ -145,11 +181,15 @@ def _computing(seconds: float, left: list[float]) -> Answer:
     return answer
 
 
-def test_a_server_still_computing_is_left_as_soon_as_the_job_is_told_to_stop(serve: Callable[[Answer], str]) -> None:
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_server_still_computing_is_left_as_soon_as_the_job_is_told_to_stop(
+    scheme: str, request: pytest.FixtureRequest
+) -> None:
     """No byte of the answer had come, so nothing checked the stop: a cancelled job (and its GPU slot) waited for
-    the server to finish, up to `read_timeout` (300 s by default), and the server computed on for nobody."""
+    the server to finish, up to `read_timeout` (300 s by default), and the server computed on for nobody. Over
+    HTTPS the watchdog held the TCP socket that TLS had taken over, and its cut did nothing."""
     left: list[float] = []
-    url = serve(_computing(6.0, left))
+    url = _server(request, scheme)(_computing(6.0, left))
     started = time.monotonic()
     with pytest.raises(GenerationStopped):
         _generate(_spec(url, read_timeout=10), stop=lambda: time.monotonic() > started + 0.3)
@@ -160,8 +200,9 @@ def test_a_server_still_computing_is_left_as_soon_as_the_job_is_told_to_stop(ser
     assert left and left[0] - started < 2.0, "the server never saw its client go"
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
 def test_headers_trickling_past_the_whole_answers_deadline_are_a_retryable_error(
-    serve: Callable[[Answer], str],
+    scheme: str, request: pytest.FixtureRequest
 ) -> None:
     """`total_timeout` was checked only as the body arrived: a server sending its headers a byte every 50 ms, each
     within the read timeout, held the job for as long as it went on."""
@@ -173,7 +214,7 @@ def test_headers_trickling_past_the_whole_answers_deadline_are_a_retryable_error
             handler.wfile.flush()
             time.sleep(0.05)
 
-    url = serve(trickle_headers)
+    url = _server(request, scheme)(trickle_headers)
     started = time.monotonic()
     with pytest.raises(GeneratorError) as info:
         _generate(_spec(url, read_timeout=0.5, total_timeout=1))
