@@ -98,25 +98,25 @@ def dispatch_pending(
         return result
 
     presence_unsure = now - snap.presence_unsure_since < ports.settings.presence_ttl_seconds
-    unsure: set[str] = set()
+    unconsumed = {stage: spec for stage, spec in specs.items() if consumers.get(spec.queue, 0) == 0}
     try:
-        restarting = successor_awaited(ports, [s.queue for s in specs.values() if consumers.get(s.queue, 0) == 0])
+        restarting = set() if presence_unsure else successor_awaited(ports, [s.queue for s in unconsumed.values()])
     except StoreUnavailable as err:
         log.warning("[DISPATCH] book=%r presence registry unreadable, dispatching nothing: %s", book, err)
         return result
-    for stage, spec in specs.items():
-        if consumers.get(spec.queue, 0) == 0:
-            if presence_unsure or spec.queue in restarting:
-                # Redis lost its data moments ago (workers have not re-advertised yet), or the queue's last worker
-                # stopped cleanly moments ago (a restart): dispatch nothing for the stage and block nothing; the
-                # next pass decides (no side effect here).
-                unsure.add(stage)
-                why = "its last one stopped moments ago" if spec.queue in restarting else "a Redis loss"
-                log.warning("[DISPATCH] book=%r stage=%s has no worker for now (%s); waiting", book, stage, why)
-                continue
-            result.blocked[stage] = block_lane(ports, spec, [book], exclude=book)[book]
-            result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
-            result.gone.update(i.pair for i in todo if i.stage == stage)
+    unsure: set[str] = set()
+    for stage, spec in unconsumed.items():
+        if presence_unsure or spec.queue in restarting:
+            # Redis lost its data moments ago (workers have not re-advertised yet), or the queue's last worker
+            # stopped cleanly moments ago (a restart): dispatch nothing for the stage and block nothing; the
+            # next pass decides (no side effect here).
+            unsure.add(stage)
+            why = "a Redis loss" if presence_unsure else "its last one stopped moments ago"
+            log.warning("[DISPATCH] book=%r stage=%s has no worker for now (%s); waiting", book, stage, why)
+            continue
+        result.blocked[stage] = block_lane(ports, spec, [book], exclude=book)[book]
+        result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
+        result.gone.update(i.pair for i in todo if i.stage == stage)
     todo = [i for i in todo if i.stage not in result.blocked and i.stage not in unsure]
 
     permits: dict[str, int] = {}

@@ -164,7 +164,8 @@ def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report
     if ports.clock() - ports.book_state.presence_unsure_since() < ports.settings.presence_ttl_seconds:
         return  # Redis lost its data or came back moments ago: presence not rebuilt yet, "no consumer" proves nothing
     counts = ports.presence.counts([s.queue for s in specs])
-    restarting = dispatch.successor_awaited(ports, [s.queue for s in specs if counts.get(s.queue, 0) == 0])
-    for spec in specs:
-        if counts.get(spec.queue, 0) == 0 and spec.queue not in restarting:
+    unconsumed = [s for s in specs if counts.get(s.queue, 0) == 0]
+    restarting = dispatch.successor_awaited(ports, [s.queue for s in unconsumed])
+    for spec in unconsumed:
+        if spec.queue not in restarting:
             report["blocked"] += len(dispatch.block_lane(ports, spec, sorted(by_stage[spec.name])))
