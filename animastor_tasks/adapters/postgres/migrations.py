@@ -24,20 +24,30 @@ def migration_files() -> list[tuple[int, str, str]]:
 
 
 def migrate(db: Database) -> list[str]:
-    """Apply the migrations a database lacks; safe to run again and concurrently."""
+    """Apply the migrations a database lacks; safe to run again and concurrently.
+
+    Each migration commits on its own, so a table one of them locks is free again before the next
+    starts (one transaction for all held 0006's lock on `asset_states` through every later one). A
+    session advisory lock, held across them, makes a second migrate wait and then find nothing to do.
+    """
     applied: list[str] = []
-    with db.transaction() as conn:
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATIONS_LOCK_ID,))
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations ("
-            " version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        done = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}
-        for version, name, sql in migration_files():
-            if version in done:
-                continue
-            conn.execute(sql.encode())
-            conn.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", (version, name))
-            applied.append(name)
-            log.info("[DB] applied migration %s", name)
+    with db.read() as conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATIONS_LOCK_ID,))
+        try:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                " version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}
+            for version, name, sql in migration_files():
+                if version in done:
+                    continue
+                with conn.transaction():
+                    conn.execute(sql.encode())
+                    conn.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", (version, name))
+                applied.append(name)
+                log.info("[DB] applied migration %s", name)
+        finally:
+            if not conn.broken:
+                conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATIONS_LOCK_ID,))
     return applied
