@@ -14,8 +14,15 @@ log = logging.getLogger("animastor.broker")
 
 
 def amqp_consumer_counts(url: str, queues: Sequence[str]) -> dict[str, int]:
-    """Passive queue declare: the broker's consumer count (0 for a queue that does not exist)."""
-    return {queue: consumers for queue, (_, consumers) in _amqp_declare(url, queues).items()}
+    """Passive queue declare: the broker's consumer count (0 for a queue that does not exist).
+
+    A broker that cannot answer raises `StoreUnavailable`, as a store that is down does: a raw
+    connection error aborted a whole reconcile pass, and `animastor-tasks queues` with a traceback."""
+    try:
+        declared = _amqp_declare(url, queues)
+    except Exception as err:
+        raise StoreUnavailable("broker", url, str(err).strip() or type(err).__name__) from err
+    return {queue: consumers for queue, (_, consumers) in declared.items()}
 
 
 def amqp_message_counts(url: str, queues: Collection[str]) -> dict[str, int]:

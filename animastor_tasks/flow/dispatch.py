@@ -90,11 +90,8 @@ def dispatch_pending(
         todo = [i for i in todo if i.stage in specs]
     try:
         consumers = ports.presence.counts([spec.queue for spec in specs.values()], snap.consumers)
-    except StoreUnavailable as err:
-        log.warning("[DISPATCH] book=%r presence registry unreadable, dispatching nothing: %s", book, err)
-        return result
-    except Exception as err:  # the AMQP broker refusing a passive declare
-        log.warning("[DISPATCH] book=%r consumer count unavailable, dispatching nothing: %s", book, err)
+    except StoreUnavailable as err:  # the presence registry, or the AMQP broker refusing a passive declare
+        log.warning("[DISPATCH] book=%r consumers unreadable, dispatching nothing: %s", book, err)
         return result
 
     presence_unsure = now - snap.presence_unsure_since < ports.settings.presence_ttl_seconds

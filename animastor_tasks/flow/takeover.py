@@ -163,9 +163,13 @@ def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report
         return
     if ports.clock() - ports.book_state.presence_unsure_since() < ports.settings.presence_ttl_seconds:
         return  # Redis lost its data or came back moments ago: presence not rebuilt yet, "no consumer" proves nothing
-    counts = ports.presence.counts([s.queue for s in specs])
-    unconsumed = [s for s in specs if counts.get(s.queue, 0) == 0]
-    restarting = dispatch.successor_awaited(ports, [s.queue for s in unconsumed])
+    try:
+        counts = ports.presence.counts([s.queue for s in specs])
+        unconsumed = [s for s in specs if counts.get(s.queue, 0) == 0]
+        restarting = dispatch.successor_awaited(ports, [s.queue for s in unconsumed])
+    except StoreUnavailable as err:  # a broker that cannot count says nothing of the workers: the pass goes on
+        log.warning("[TAKEOVER] consumers unreadable, blocking nothing this pass: %s", err)
+        return
     for spec in unconsumed:
         if spec.queue not in restarting:
             report["blocked"] += len(dispatch.block_lane(ports, spec, sorted(by_stage[spec.name])))

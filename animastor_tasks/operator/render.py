@@ -18,9 +18,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from animastor_tasks.adapters.broker_probe import queue_not_found
+from animastor_tasks.adapters.broker_probe import amqp_consumer_counts, queue_not_found
 from animastor_tasks.contract import BookStatus, QueueRow
 from animastor_tasks.domain.vocabulary import NO_LONGER_ACTIVE, AssetState
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.worker.wiring import Wiring
 
 # Progress columns, most finished first.
@@ -243,7 +244,7 @@ def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list
     specs = rt.settings.stages
     now = rt.ports.clock()  # deferrals and heartbeats go by the Redis server's clock
     live = rt.presence.live_consumers([s.queue for s in specs], now)
-    amqp = rt.presence.counts([s.queue for s in specs]) if rt.presence.amqp_url else {}
+    amqp = _broker_consumers(rt.presence.amqp_url, [s.queue for s in specs])
     running = rt.reads.lane_usage() if running is None else running
     depth = _queue_depths(rt.settings.broker_url, [s.queue for s in specs])
     deferred = rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), now)
@@ -268,6 +269,17 @@ def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list
         }
         for spec in specs
     ]
+
+
+def _broker_consumers(amqp_url: str | None, queues: list[str]) -> dict[str, int]:
+    """The AMQP broker's own consumer count per queue (a connection it still holds counts, heartbeat or not);
+    none without AMQP or when it cannot say (shown as null, never as 0)."""
+    if not amqp_url:
+        return {}
+    try:
+        return amqp_consumer_counts(amqp_url, queues)
+    except StoreUnavailable:
+        return {}
 
 
 def _queue_depths(broker_url: str, queues: list[str]) -> dict[str, int | None]:

@@ -430,7 +430,7 @@ def test_presence_registry_down_dispatches_nothing(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
 
-    def unreadable(queues):  # type: ignore[no-untyped-def]
+    def unreadable(queues, heartbeats=None):  # type: ignore[no-untyped-def]
         from animastor_tasks.errors import StoreUnavailable
 
         raise StoreUnavailable("redis", "redis://127.0.0.1:1/0", "connection refused")

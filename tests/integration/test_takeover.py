@@ -376,5 +376,39 @@ def test_a_passive_declare_that_fails_for_another_reason_than_a_missing_queue_is
         raise exceptions.ConnectionForced("CONNECTION_FORCED - broker forced connection closure")
 
     monkeypatch.setattr(Channel, "queue_declare", shutting_down)
-    with pytest.raises(exceptions.ConnectionForced):
+    with pytest.raises(StoreUnavailable, match="CONNECTION_FORCED"):
         amqp_consumer_counts(url, ["gpu.audio"])
+
+
+def _unreachable_amqp_url() -> str:
+    """An AMQP URL nothing listens on: a port just bound and closed again."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"amqp://guest:guest@127.0.0.1:{port}//"
+
+
+def test_a_broker_that_cannot_count_consumers_blocks_nothing_and_reconcile_goes_on(rt: Wiring) -> None:
+    """Old code: the passive declare's connection error escaped `block_consumerless`, and the whole reconcile
+    pass failed with it (nothing after it ran: the gate batch, the freed slots handed on)."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    audio = {pair: state for pair, state in states(rt, "b").items() if pair[2] == "audio"}
+    assert set(audio.values()) == {"generating"}
+    rt.ports = replace(rt.ports, presence=PresenceStore(rt.redis, _unreachable_amqp_url()))
+    report = reconcile_flow.reconcile(rt.ports, force=True)
+    assert report["blocked"] == 0
+    [command] = rt.ports.commands.commands(book="b")
+    assert command.status == "active"
+    assert {pair: states(rt, "b")[pair] for pair in audio} == audio
+
+
+def test_the_queues_view_shows_an_unreadable_broker_count_as_unknown(rt: Wiring) -> None:
+    from animastor_tasks.operator.render import queue_overview
+
+    advertise(rt, "gpu.audio")
+    rt.presence = PresenceStore(rt.redis, _unreachable_amqp_url())
+    rows = {row["queue"]: row for row in queue_overview(rt, running={})}
+    assert rows["gpu.audio"]["broker_consumers"] is None
+    assert [c["hostname"] for c in rows["gpu.audio"]["consumers"]]  # the heartbeats are still shown
