@@ -196,3 +196,35 @@ def test_the_runtime_s_own_tasks_run_a_message_of_a_newer_version(rt, caplog) ->
                        fencing_token=1, **later)  # fmt: skip
     assert job["outcome"] == "fence_rejected"
     assert "ignored added_later, sent by a newer version" in caplog.text
+
+
+def test_a_reader_s_interactive_scene_takes_the_slot_its_own_bulk_job_freed_before_bulk_waiters(rt) -> None:
+    """Old code: the book whose job ended was never taken from the list for its own slot, and only its finished
+    (bulk) job's rank was weighed against the head: the other bulk book got the slot, and the reader's scene
+    waited a whole job more (every slot of a lane full of the reader's own bulk jobs: the next to end elsewhere)."""
+    lane(rt, lane_limit=1, book_quota=10, window=10)
+    for book in ("reader", "other"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], priority="bulk")  # s1 takes the slot
+    regenerate_flow.regenerate(rt.ports, "other", ["audio"], priority="bulk")  # waits for the lane
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], [["ch1", "s3"]], priority="interactive")
+    assert int(waiting(rt)["reader"] // 1e10) == 0
+    finish_one(rt, "reader")
+    assert states(rt, "reader")[("ch1", "s3", "audio")] == "generating"
+    assert running(rt, "reader", "other") == {"reader": 1}
+    assert "reader" not in waiting(rt) or int(waiting(rt)["reader"] // 1e10) == 2  # only its bulk scene waits
+    finish_one(rt, "reader")  # the interactive scene ends: now the other bulk book's turn
+    assert running(rt, "reader", "other") == {"other": 1}
+
+
+def test_a_book_whose_interactive_job_ends_does_not_keep_the_slot_for_its_bulk_scenes(rt) -> None:
+    """Old code: the finished job's interactive rank outranked a normal waiter, and the book kept the slot for
+    a bulk scene while the normal book waited."""
+    lane(rt, lane_limit=1, book_quota=10, window=10)
+    for book in ("runner", "waiter"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "runner", ["audio"], [["ch1", "s1"]], priority="interactive")
+    regenerate_flow.regenerate(rt.ports, "runner", ["audio"], [["ch1", "s2"], ["ch1", "s3"]], priority="bulk")
+    regenerate_flow.regenerate(rt.ports, "waiter", ["audio"])  # normal
+    finish_one(rt, "runner")
+    assert running(rt, "runner", "waiter") == {"waiter": 1}

@@ -72,8 +72,9 @@ class DeferralStore:
 
         `requeue_from`: the dispatch id of the job whose end freed the slot; when a book is taken,
         `exclude` (that job's book) queues behind the waiters at the priority its dispatch was made
-        with (keeping its place if it waits already), so books take turns. When that priority is more
-        urgent than the head's, `exclude` keeps the slot: the answer is `[exclude]`, the list unchanged.
+        with (keeping its place if it waits already), so books take turns. When its priority (the one it
+        waits at already, else its job's) is more urgent than the head's, `exclude` keeps the slot: the
+        answer is `[exclude]`, taken off the list.
         When nobody waits, the pairs of `exclude` deferred for capacity may try again on the slot its job
         freed: with `requeue_from`, that bucket is emptied in the same step. While the lane's breaker is open
         nobody is taken: each would find the lane refused and pass the slot on, emptying the list.

@@ -1,8 +1,9 @@
 -- Take the books at the head of a lane's waiting list, in one step, so two concurrent
 -- hand-overs never take the same book; optionally queue the book whose job freed the slot
--- behind them, at its own priority (read from the finished dispatch's metadata).
--- That book keeps the slot instead when its priority is more urgent than the head's: the
--- answer is then that book alone, and the list is left as it is.
+-- behind them, at its own priority: the one it waits at already when it is on the list (its
+-- pairs the lane refused), else its finished job's (read from the dispatch's metadata).
+-- That book keeps the slot instead when that priority is more urgent than the head's: the
+-- answer is then that book alone, taken off the list as any book served is.
 -- KEYS[1] the lane's waiting list (zset: book -> wait score, lower first)
 -- KEYS[2] the finished dispatch's metadata hash (field `rank`), or '' for no re-queue
 -- KEYS[3] a key to delete when no book is taken, or '' for none: the deferrals of the book that freed
@@ -26,8 +27,13 @@ local requeue = KEYS[2] ~= '' and ARGV[2] ~= ''
 local scale = tonumber(ARGV[4])
 local own = nil
 if requeue then
-    local rank = tonumber(redis.call('HGET', KEYS[2], 'rank') or ARGV[5]) or tonumber(ARGV[5])
-    own = rank * scale + tonumber(ARGV[3])
+    -- Waiting already, the book's place says what it waits for: a reader's interactive scene refused
+    -- behind its own bulk jobs, or bulk work left after an interactive job.
+    own = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]) or '')
+    if own == nil then
+        local rank = tonumber(redis.call('HGET', KEYS[2], 'rank') or ARGV[5]) or tonumber(ARGV[5])
+        own = rank * scale + tonumber(ARGV[3])
+    end
 end
 local taken = {}
 if count > 0 then
@@ -36,6 +42,7 @@ if count > 0 then
         local book, score = head[i], tonumber(head[i + 1])
         if book ~= ARGV[2] and #taken < count then
             if #taken == 0 and own ~= nil and math.floor(own / scale) < math.floor(score / scale) then
+                redis.call('ZREM', KEYS[1], ARGV[2])
                 return {ARGV[2]}
             end
             taken[#taken + 1] = book
