@@ -40,7 +40,7 @@ _BIDI_AND_BOM = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u206
 # Zl/Zp: U+2028/U+2029, which break lines in logs and JavaScript.
 _ID_FORBIDDEN_CATEGORIES = frozenset({"Cc", "Cs", "Zl", "Zp"})
 # Free text (up to 100,000 characters) is scanned with a regex, not a Python loop.
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def validate_id(field_path: str, value: object, *, error: type[InvalidInput] = I
 
 def check_storable(path: str, value: str, *, error: type[InvalidInput] = InvalidBook) -> None:
     """Free text may hold anything Postgres and UTF-8 can carry: no NUL, no lone surrogate."""
-    found = _UNSTORABLE.search(value)
+    found = UNSTORABLE.search(value)
     if found is not None:
         raise _refuse(path, f"must not contain {_describe(found.group())} at index {found.start()}", value, error)
 

@@ -257,6 +257,30 @@ def test_a_backend_that_hangs_until_the_jobs_time_runs_out_feeds_the_breaker(rt,
     assert rt.redis.client.hget(rt.redis.keys.breaker("gpu.audio"), "failures") == "1"
 
 
+@pytest.mark.parametrize("retryable", [False, True])
+def test_an_error_text_postgres_cannot_keep_is_still_the_verdict(rt, tmp_path, retryable: bool) -> None:
+    """A binary error page (a NUL) or a plugin's message with a lone surrogate: the verdict's own write raised
+    psycopg's DataError, the job ended with no verdict, and the pair ran again until it failed as a lost worker.
+    Retryable, with a breaker that opens at once, the pair is given back (its journal entry holds the text)."""
+    _one_scene(rt, tmp_path, generate_max_retries=0, breaker_threshold=1)
+
+    def garbled(request: GenerationRequest, progress: Any) -> None:
+        raise GeneratorError("proxy said \x00\x1f\x8b then \ud800", retryable=retryable)
+
+    _use_generator(rt, _Scripted(garbled))
+    [job] = dispatched_jobs(rt, "b")
+    result = run_job(rt.ports, job, worker="test")
+    assert result["outcome"] == ("given_back" if retryable else "failed"), result
+    assert states(rt, "b")[PAIR] == ("pending" if retryable else "failed")
+    kind, key = ("job.given_back", "reason") if retryable else ("job.failed", "error")
+    [(*_, detail)] = _events(rt, kind)
+    assert detail[key] == "proxy said \ufffd\x1f\x8b then \ufffd"
+    if not retryable:
+        with rt.db.read() as conn:
+            [(error,)] = conn.execute("SELECT error FROM asset_states WHERE book_id = 'b' AND stage = 'audio'")
+        assert error == detail["error"]
+
+
 def test_a_job_fenced_off_before_it_fails_closes_its_start(rt, tmp_path) -> None:
     """A job that failed after a forced regenerate had fenced it off left its start open: the fresh run counted a
     worker lost that never was (at the limit, it failed the pair without GPU work)."""

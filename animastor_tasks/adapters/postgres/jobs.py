@@ -17,6 +17,7 @@ import psycopg
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.adapters.postgres.settle import settle_commands
+from animastor_tasks.domain.book import UNSTORABLE
 from animastor_tasks.domain.keys import book_lock, lane_lock
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState, transition
@@ -125,10 +126,15 @@ class JobStore:
             _lock_capacity(conn, lane, book)
             done = conn.execute(
                 f"UPDATE asset_states a SET state = %(failed)s, error = %(error)s, updated_at = now() WHERE {_OWNED}",
-                {**_owned(book, pair, token, dispatch_id), "failed": AssetState.FAILED, "error": error[:4000]},
+                {
+                    **_owned(book, pair, token, dispatch_id),
+                    "failed": AssetState.FAILED,
+                    "error": _storable(error, 4000),
+                },
             ).rowcount
             if done:
-                journal.record(conn, "job.failed", book, {"error": error[:1000]}, pair=pair, dispatch_id=dispatch_id)
+                detail = {"error": _storable(error, 1000)}
+                journal.record(conn, "job.failed", book, detail, pair=pair, dispatch_id=dispatch_id)
                 _end_start(conn, book, pair, None)
                 settle_commands(conn, book, pair)
             else:  # fenced off: the job ended all the same, and its start with it (not a worker lost)
@@ -146,7 +152,7 @@ class JobStore:
                 {**_owned(book, pair, token, dispatch_id), "pending": AssetState.PENDING},
             ).rowcount
             if done:
-                detail = {"token": token, "reason": reason[:1000]}
+                detail = {"token": token, "reason": _storable(reason, 1000)}
                 journal.record(conn, "job.given_back", book, detail, pair=pair, dispatch_id=dispatch_id)
             _end_start(conn, book, pair, dispatch_id)
         return bool(done)
@@ -200,3 +206,9 @@ def _lock_capacity(conn: psycopg.Connection[Any], lane: str, book: str) -> None:
     """A completion frees capacity under the locks a claim counts it under (lane, then book)."""
     conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lane_lock(lane),))
     conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (book_lock(book),))
+
+
+def _storable(text: str, limit: int) -> str:
+    """An error's words as Postgres keeps them: a NUL or a lone surrogate (a binary error page, a plugin's message)
+    made the verdict's write itself fail, and the pair ran again until it failed as a lost worker."""
+    return UNSTORABLE.sub("\ufffd", text[:limit])
