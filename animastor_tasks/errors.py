@@ -99,12 +99,18 @@ class ArtifactStoreError(AnimastorError):
 
 class GeneratorError(AnimastorError):
     """A generator failed; `retryable` says whether another attempt may succeed, and `retry_after` (seconds)
-    when the backend said when to try again (HTTP `Retry-After`), for the worker's backoff."""
+    when the backend said when to try again (HTTP `Retry-After`), for the worker's backoff. `misconfigured`:
+    the stage's setup is wrong or its server refuses every request (a redirect, a rejected key, a wrong route,
+    a confused content type, a bad param): not worth a retry, and no verdict on the scene either, so it counts
+    against the queue's breaker rather than failing every pair of the lane."""
 
-    def __init__(self, message: str, *, retryable: bool = True, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, retryable: bool = True, retry_after: float | None = None, misconfigured: bool = False
+    ) -> None:
         super().__init__(message)
-        self.retryable = retryable
+        self.retryable = retryable and not misconfigured
         self.retry_after = retry_after
+        self.misconfigured = misconfigured
 
 
 class GenerationStopped(GeneratorError):

@@ -38,6 +38,7 @@ def worker_lost_reason(lost: int, limit: int) -> str | None:
 class ErrorKind(StrEnum):
     STOPPED = "stopped"  # cancel or a lost lease: nothing committed, the pair is someone else's now
     BACKEND = "backend"  # the generator's backend failed, worth retrying (5xx, refused, timeout)
+    MISCONFIGURED = "misconfigured"  # the stage's setup or its server refuses every request: no retry, the breaker
     SCENE = "scene"  # the generator refused this scene (not retryable): a verdict, the pair fails
     STORE = "store"  # Postgres, Redis or the broker was briefly unreachable: not the scene's fault
     ARTIFACT = "artifact"  # the artifact store refused the output or is unreachable: the pair fails with its message
@@ -53,6 +54,8 @@ def classify_error(err: BaseException) -> ErrorKind:
     if isinstance(err, ArtifactStoreError):
         return ErrorKind.ARTIFACT
     if isinstance(err, GeneratorError):
+        if err.misconfigured:
+            return ErrorKind.MISCONFIGURED
         return ErrorKind.BACKEND if err.retryable else ErrorKind.SCENE
     seen: set[int] = set()
     link: BaseException | None = err
@@ -76,6 +79,11 @@ def another_attempt_fits(elapsed: float, delay: float, last_attempt: float, soft
     return elapsed + delay + last_attempt < RUN_TIME_SHARE * soft_time_limit
 
 
+# Failures that say the stage's backend is wrong, not the scene: they count against the queue's breaker. *Why
+# the misconfigured too:* a rotated API key (401) or a route gone (404) failed every pair of the lane at full speed.
+_BLAMES_THE_BACKEND = frozenset({ErrorKind.BACKEND, ErrorKind.MISCONFIGURED})
+
+
 class Verdict(StrEnum):
     FAIL = "fail"  # generating -> failed with the error
     GIVE_BACK = "give_back"  # generating -> pending (compare-and-set on the token); the gate decides again
@@ -85,23 +93,24 @@ def verdict(kind: ErrorKind, breaker_state: str | None = None) -> Verdict:
     """What a job that gave up with `kind` does to its pair.
 
     `breaker_state` is what recording a backend failure on the queue's breaker answered ('open' or
-    'closed'; None when it could not be recorded). A store error never fails a pair. A backend failure
-    fails it while the breaker stays closed (a failure shorter than the threshold is taken as the scene's
-    own), and gives it back once the breaker is open: the backend is down, the scene is not to blame.
+    'closed'; None when it could not be recorded). A store error never fails a pair. A backend failure (or a
+    misconfigured one) fails it while the breaker stays closed (a failure shorter than the threshold is taken
+    as the scene's own), and gives it back once the breaker is open: the backend is down or set up wrong, the
+    scene is not to blame.
     """
     if kind is ErrorKind.STORE:
         return Verdict.GIVE_BACK
-    if kind is ErrorKind.BACKEND and breaker_state == "open":
+    if kind in _BLAMES_THE_BACKEND and breaker_state == "open":
         return Verdict.GIVE_BACK
     return Verdict.FAIL
 
 
 def breaker_feed(kind: ErrorKind | None) -> bool | None:
     """What a finished run records on its queue's breaker: True (success, closes it) for a run that
-    produced media (`kind` None), False (a failure) for a backend failure, nothing (None) otherwise: a
-    scene refused, a stop, a bug or a store error says nothing about the generator's backend."""
+    produced media (`kind` None), False (a failure) for a backend failure or a misconfigured one, nothing
+    (None) otherwise: a scene refused, a stop, a bug or a store error says nothing about the backend."""
     if kind is None:
         return True
-    if kind is ErrorKind.BACKEND:
+    if kind in _BLAMES_THE_BACKEND:
         return False
     return None

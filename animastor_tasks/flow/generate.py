@@ -182,15 +182,15 @@ def _run_owned(
         generator: Generator
         try:
             generator = ports.generators.load(spec)
-        except ConfigError as err:
-            generator = _Unavailable(str(err))
+        except ConfigError as err:  # the stage's setup: no verdict on the scene, it feeds the breaker
+            generator = _Unavailable(GeneratorError(str(err), misconfigured=True))
         except Exception as err:
-            # A plugin that cannot be imported fails the pair once; one whose factory failed (a GPU out of memory,
-            # its backend unreachable) is a backend failure: retried, it feeds the breaker, which gives the pairs
-            # back once open rather than failing a whole command in seconds.
+            # A plugin that cannot be imported is misconfigured (not retried); one whose factory failed (a GPU out of
+            # memory, its backend unreachable) is a backend failure (retried). Both feed the breaker, which gives
+            # the pairs back once open rather than failing a whole command in seconds.
             log.exception("[GENERATE] %s generator %r could not be loaded", job.describe(), spec.generator)
             why = f"generator {spec.generator!r} could not be loaded: {type(err).__name__}: {err}"
-            generator = _Unavailable(why, retryable=not isinstance(err, ImportError))
+            generator = _Unavailable(GeneratorError(why, misconfigured=isinstance(err, ImportError)))
         request = GenerationRequest(
             job.book_id,
             job.chapter_id,
@@ -328,7 +328,7 @@ def _unsuccessful(
     state = _record_breaker(ports, spec.queue, breaker_feed(kind))
     done = {**result, "error": error, "attempts": attempts}
     if verdict(kind, state) is Verdict.GIVE_BACK:
-        why = f"breaker {state}" if kind is ErrorKind.BACKEND else f"{kind} error"
+        why = f"{kind} error" if kind is ErrorKind.STORE else f"breaker {state}"
         try:
             back = when_reachable(job, spec, watcher, partial(ports.jobs.give_back, *job.owned, error, spec.queue))
         except StoreUnavailable as err:
@@ -392,9 +392,8 @@ class _Unavailable:
 
     name = "unavailable"
 
-    def __init__(self, reason: str, *, retryable: bool = False) -> None:
-        self.reason = reason
-        self.retryable = retryable
+    def __init__(self, error: GeneratorError) -> None:
+        self.error = error
 
     def generate(self, request: GenerationRequest, should_stop: Callable[[], bool], progress: Any) -> Media:
-        raise GeneratorError(self.reason, retryable=self.retryable)
+        raise GeneratorError(str(self.error), retryable=self.error.retryable, misconfigured=self.error.misconfigured)

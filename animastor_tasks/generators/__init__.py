@@ -81,7 +81,7 @@ def number_param(
     if not ok:
         bounds = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
         kind = "an integer" if integer else "a number"
-        raise GeneratorError(f"param {key!r} must be {kind} {bounds}, got {value!r}", retryable=False)
+        raise GeneratorError(f"param {key!r} must be {kind} {bounds}, got {value!r}", misconfigured=True)
     return int(value) if integer else float(value)
 
 

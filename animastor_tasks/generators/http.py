@@ -94,6 +94,6 @@ class HttpGenerator:
             raise GeneratorError(
                 f"stage {self.spec.name!r}: inference endpoint returned Content-Type {got or 'none'!r}, "
                 f"expected {want!r}",
-                retryable=False,
+                misconfigured=True,
             )
         return self.spec.media_type

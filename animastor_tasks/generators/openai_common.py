@@ -58,7 +58,7 @@ def string_param(
     """Read a string param; a missing or bad one is a non-retryable GeneratorError naming it."""
     value = params.get(key, default)
     if value is None:
-        raise GeneratorError(f"param {key!r} is required", retryable=False)
+        raise GeneratorError(f"param {key!r} is required", misconfigured=True)
     ok = isinstance(value, str) and bool(value.strip())
     if ok and choices is not None and value not in choices:
         ok = False
@@ -68,7 +68,7 @@ def string_param(
         expected = f"one of {sorted(choices)}" if choices is not None else "a non-empty string"
         if pattern is not None:
             expected = f"a string matching {pattern.pattern!r}"
-        raise GeneratorError(f"param {key!r} must be {expected}, got {value!r}", retryable=False)
+        raise GeneratorError(f"param {key!r} must be {expected}, got {value!r}", misconfigured=True)
     return str(value)
 
 
@@ -116,6 +116,9 @@ class OpenAIGenerator:
         progress(0.0)
         return self._transport.post(body, headers, limits, request, should_stop, check_type)
 
-    def _fail(self, message: str) -> GeneratorError:
-        """A response the server should not have sent: the same request would get it again."""
-        return GeneratorError(f"stage {self.spec.name!r}: inference endpoint {message}", retryable=False)
+    def _fail(self, message: str, *, misconfigured: bool = False) -> GeneratorError:
+        """A response the server should not have sent: the same request would get it again. `misconfigured`:
+        one that says the endpoint is not the server it should be (a confused content type), whatever the scene."""
+        return GeneratorError(
+            f"stage {self.spec.name!r}: inference endpoint {message}", retryable=False, misconfigured=misconfigured
+        )

@@ -63,7 +63,9 @@ class OpenAIImagesGenerator(OpenAIGenerator):
     def _check_type(self, response: requests.Response) -> str:
         got = media_type_of(response)
         if got != "application/json":
-            raise self._fail(f"returned Content-Type {got or 'none'!r}, expected 'application/json'")
+            raise self._fail(
+                f"returned Content-Type {got or 'none'!r}, expected 'application/json'", misconfigured=True
+            )
         return got
 
     def _decode(self, raw: bytes) -> Media:
@@ -71,7 +73,7 @@ class OpenAIImagesGenerator(OpenAIGenerator):
         try:
             payload = json.loads(raw)
         except ValueError:
-            raise self._fail("answered a body that is not JSON") from None
+            raise self._fail("answered a body that is not JSON", misconfigured=True) from None
         try:
             encoded = payload["data"][0]["b64_json"]
             if not isinstance(encoded, str):

@@ -86,7 +86,7 @@ class OpenAISpeechGenerator(OpenAIGenerator):
             raise GeneratorError(
                 f"param 'response_format' {fmt!r} gives {FORMATS[fmt]} but stage {self.spec.name!r} "
                 f"stores {self.spec.media_type}",
-                retryable=False,
+                misconfigured=True,
             )
         return fmt, self.spec.media_type if stage_type != OCTET_STREAM else FORMATS[fmt]
 
@@ -94,5 +94,5 @@ class OpenAISpeechGenerator(OpenAIGenerator):
         """Any audio type (servers name WAV four ways) or a bare byte stream; JSON or HTML is a confused server."""
         got = media_type_of(response)
         if got and not got.startswith("audio/") and got != OCTET_STREAM:
-            raise self._fail(f"returned Content-Type {got!r}, expected audio")
+            raise self._fail(f"returned Content-Type {got!r}, expected audio", misconfigured=True)
         return got

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 # 4xx answers that mean "not now" rather than "never": worth another attempt.
 RETRYABLE_4XX = frozenset({408, 429})
+# Refusals of the endpoint itself, whatever the scene (a key, a route, a method, a proxy's credentials).
+MISCONFIGURED_4XX = frozenset({401, 403, 404, 405, 407})
 # Params read by the transport itself (never sent to a server).
 LIMIT_PARAMS = frozenset({"connect_timeout", "read_timeout", "total_timeout", "max_bytes"})
 RETRY_PARAMS = frozenset({"retries", "max_retry_after"})
@@ -221,7 +223,7 @@ class Transport:
             raise GeneratorError(
                 f"stage {self.stage!r}: inference endpoint answered {status} redirecting to host "
                 f"{host or 'unknown'!r}; redirects are refused, configure the final URL as the endpoint",
-                retryable=False,
+                misconfigured=True,
             )
         message = self.server_message(response)
         retryable = status >= 500 or status in RETRYABLE_4XX
@@ -229,6 +231,7 @@ class Transport:
             f"stage {self.stage!r}: inference endpoint answered {status}: {message}",
             retryable=retryable,
             retry_after=retry_after_seconds(response.headers.get("Retry-After")) if retryable else None,
+            misconfigured=status in MISCONFIGURED_4XX,
         )
 
     def _read_body(

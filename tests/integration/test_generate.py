@@ -255,7 +255,10 @@ def test_a_generator_whose_plugin_cannot_be_imported_fails_the_pair_once(rt, tmp
 
     result, job = run_with_a_loader_that_raises(rt, tmp_path, ImportError("No module named 'torchaudio'"))
     assert result["outcome"] == "failed" and "torchaudio" in result["error"], result
+    assert result["attempts"] == 1  # not retried: it would not import the next time either
     assert states(rt, "b")[job.pair] == "failed"
+    # The worker is set up wrong, not the scene: it counts against the breaker (every pair failed, before).
+    assert rt.redis.client.hget(rt.redis.keys.breaker("gpu.audio"), "failures") == "1"
     with rt.db.read() as conn:
         [(open_dispatch,)] = conn.execute("SELECT open_dispatch FROM job_starts WHERE book_id = 'b'").fetchall()
     assert open_dispatch is None

@@ -277,3 +277,23 @@ def test_netrc_credentials_on_the_worker_host_are_never_sent(
     _generate(_spec(url, generator="openai-speech", model="tts"), key=SECRET)
     authorizations = [headers.get("Authorization") for headers in seen]
     assert authorizations == [None, f"Bearer {SECRET}"]
+
+
+@pytest.mark.parametrize(
+    ("status", "media_type", "misconfigured"),
+    [
+        (401, "application/json", True),  # a key rotated away
+        (404, "application/json", True),  # a route gone
+        (405, "text/html", True),
+        (200, "text/html", True),  # a web page where media was due: another server answers there
+        (400, "application/json", False),  # this scene's input refused: a verdict on the scene
+        (413, "application/json", False),
+    ],
+)
+def test_a_refusal_of_every_request_is_told_apart_from_a_refusal_of_the_scene(
+    serve: Callable[[Answer], str], status: int, media_type: str, misconfigured: bool
+) -> None:
+    url = serve(_media(status, media_type, b'{"error": "no"}'))
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(url))
+    assert (caught.value.misconfigured, caught.value.retryable) == (misconfigured, False)

@@ -364,3 +364,25 @@ def test_a_dead_inference_server_opens_the_breaker_and_the_pairs_wait_pending(rt
     [command] = rt.ports.commands.commands(book="b")
     assert command.status == "failed" and command.reason == "1 of 6 targets failed"
     print(f"breaker open after {opened_after:.2f}s (2 failing jobs x 2 attempts); 5 pairs waited pending")
+
+
+def test_a_rejected_api_key_opens_the_breaker_instead_of_failing_every_pair(rt, tmp_path, inference) -> None:
+    """A rotated key (401), like a wrong route or a redirect, is no verdict on the scene. Old code: not retryable,
+    it was taken as the scene's refusal and recorded nothing on the breaker, so every pair of the lane failed at
+    full speed; once the key is right again, nothing was left to run."""
+    inference.api_key = "the-key-the-server-wants"
+    spec = replace(
+        rt.settings.registry.get("audio"), generator="http", endpoint=f"{inference.url}/v1/generate/audio", book_cap=4
+    )
+    with_stage(rt, spec, tmp_path, breaker_threshold=2, breaker_cooldown_seconds=30, generate_max_retries=3,
+               inference_api_key="a-key-rotated-away")  # fmt: skip
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    results = [run_job(rt.ports, job, worker="test") for job in dispatched_jobs(rt, "b")]
+    assert [r["outcome"] for r in results] == ["failed", "given_back", "given_back", "given_back"], results
+    assert all(r["attempts"] == 1 for r in results)  # the same request would be refused again: no retry
+    assert "answered 401" in results[0]["error"]
+    assert rt.ports.breaker.breaker_state("gpu.audio") == "open"
+    audio = Counter(s for (_, _, stage), s in states(rt, "b").items() if stage == "audio")
+    assert audio == {"pending": 5, "failed": 1}  # at most threshold - 1 pairs failed; the rest wait

@@ -62,6 +62,7 @@ STORE = StoreUnavailable("redis", "redis://:pw@127.0.0.1:6379/0", "Error 111 con
         # Verdicts on the scene: the pair fails (a backend failure only while the breaker stays closed).
         (GeneratorError("inference endpoint answered 400: bad prompt", retryable=False), ErrorKind.SCENE, True),
         (GeneratorError("inference endpoint answered 503", retryable=True), ErrorKind.BACKEND, True),
+        (GeneratorError("inference endpoint answered 401", misconfigured=True), ErrorKind.MISCONFIGURED, True),
         (ValueError("a generator bug"), ErrorKind.BUG, True),
         (InvalidTransition("ready", "generating"), ErrorKind.BUG, True),
         # Not the scene's fault: a store briefly unreachable gives the pair back.
@@ -83,6 +84,7 @@ def test_a_backend_failure_gives_the_pair_back_once_the_breaker_is_open() -> Non
     assert verdict(ErrorKind.BACKEND, "closed") is Verdict.FAIL
     assert verdict(ErrorKind.BACKEND, "open") is Verdict.GIVE_BACK
     assert verdict(ErrorKind.BACKEND, None) is Verdict.FAIL  # breaker unreachable: today's rule, fail once
+    assert verdict(ErrorKind.MISCONFIGURED, "open") is Verdict.GIVE_BACK  # a key rotated away: not the scene
     # The breaker says nothing about the scene's own refusal, nor about a bug.
     assert verdict(ErrorKind.SCENE, "open") is Verdict.FAIL
     assert verdict(ErrorKind.BUG, "open") is Verdict.FAIL
@@ -92,6 +94,7 @@ def test_a_backend_failure_gives_the_pair_back_once_the_breaker_is_open() -> Non
 def test_what_a_run_feeds_the_breaker() -> None:
     assert breaker_feed(None) is True  # media produced: the backend works
     assert breaker_feed(ErrorKind.BACKEND) is False
+    assert breaker_feed(ErrorKind.MISCONFIGURED) is False
     for kind in (ErrorKind.SCENE, ErrorKind.BUG, ErrorKind.STORE, ErrorKind.STOPPED):
         assert breaker_feed(kind) is None
 
@@ -120,3 +123,7 @@ def test_a_retry_is_tried_only_when_it_ends_inside_the_jobs_time(
     """A retry the soft time limit would cut was tried, and the limit fired inside the generator as Celery's own
     exception, classed as a bug: a backend that hung until each read timeout never fed its breaker."""
     assert another_attempt_fits(elapsed, delay, last, soft_time_limit=1800) is fits
+
+
+def test_a_misconfigured_error_is_never_retried() -> None:
+    assert GeneratorError("redirected", retryable=True, misconfigured=True).retryable is False
