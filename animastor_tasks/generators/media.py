@@ -20,6 +20,7 @@ from array import array
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PNG_SIDE = 4096
+MAX_CHECKED_PIXELS = 64 * 2**20  # the largest image a stage stores (8192 x 8192); checked before it is inflated
 _AMPLITUDE = 0.35 * 32767
 _FADE_SECONDS = 0.005
 # Samples per pixel for each PNG colour type at bit depth 8 (grey, RGB, palette, grey+alpha, RGBA).
@@ -196,12 +197,21 @@ def png_size(data: bytes) -> tuple[int, int]:
     if kinds[-1] != b"IEND" or not idat:
         raise ValueError("PNG has no image data or no IEND chunk")
     width, height, depth, colour, _compression, _filter, interlace = struct.unpack(">IIBBBBB", header)
+    if width * height > MAX_CHECKED_PIXELS:
+        raise ValueError(f"PNG of {width}x{height} is larger than {MAX_CHECKED_PIXELS} pixels")
+    exact = depth == 8 and interlace == 0 and colour in _PNG_CHANNELS
+    # What any PNG of this size may inflate to (8 bytes a pixel: 16-bit RGBA; a filter byte a row, per pass).
+    expected = height * (1 + width * _PNG_CHANNELS[colour]) if exact else (height + 7) * (1 + width * 8)
+    inflater = zlib.decompressobj()
     try:
-        pixels = zlib.decompress(bytes(idat))
+        # Inflated no further than that: a small PNG whose data inflates to gigabytes (a bomb) took the worker down.
+        pixels = inflater.decompress(bytes(idat), expected + 1)
     except zlib.error as err:
         raise ValueError(f"PNG image data does not inflate: {err}") from err
-    if depth == 8 and interlace == 0 and colour in _PNG_CHANNELS:
-        expected = height * (1 + width * _PNG_CHANNELS[colour])
-        if len(pixels) != expected:
-            raise ValueError(f"PNG image data is {len(pixels)} bytes, IHDR promises {expected}")
+    if len(pixels) > expected:
+        raise ValueError(f"PNG image data inflates past the {expected} bytes IHDR promises")
+    if not inflater.eof:
+        raise ValueError("PNG image data does not inflate: incomplete or truncated stream")
+    if exact and len(pixels) != expected:
+        raise ValueError(f"PNG image data is {len(pixels)} bytes, IHDR promises {expected}")
     return width, height

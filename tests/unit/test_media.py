@@ -172,3 +172,41 @@ def test_a_wav_with_no_sample_rate_is_not_a_wav_file() -> None:
     """A frame rate of 0 was a ZeroDivisionError: a generator bug rather than a refused scene."""
     with pytest.raises(ValueError, match="not a WAV file"):
         wav_duration_seconds(_wav(1, 1, 0, 16, 1.0))
+
+
+def _png_with(width: int, height: int, idat: bytes) -> bytes:
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def test_a_png_whose_data_inflates_to_far_more_than_its_size_is_refused_without_inflating_it() -> None:
+    """A decompression bomb: a 64x64 PNG whose 64 KB of data inflate to 64 MB (to gigabytes, for real). Old code
+    inflated all of it before comparing, and a big enough one took the worker process down."""
+    import tracemalloc
+
+    packer = zlib.compressobj(9)
+    idat = b"".join(packer.compress(bytes(2**20)) for _ in range(64)) + packer.flush()
+    bomb = _png_with(64, 64, idat)
+    assert len(bomb) < 2**20
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="inflates past"):
+            png_size(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, f"{peak} bytes"
+
+
+def test_a_png_larger_than_any_stage_stores_is_refused_from_its_header() -> None:
+    with pytest.raises(ValueError, match="larger than"):
+        png_size(_png_with(100_000, 100_000, zlib.compress(b"")))
+
+
+def test_a_png_whose_data_stops_short_is_refused() -> None:
+    whole = zlib.compress(bytes(64 * (1 + 64 * 3)))
+    with pytest.raises(ValueError, match=r"incomplete or truncated|IHDR promises"):
+        png_size(_png_with(64, 64, whole[: len(whole) // 2]))
