@@ -7,6 +7,7 @@ Results are typed with `animastor_tasks.contract` (the schemas under docs/schema
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any, Literal, cast, overload
 
@@ -67,29 +68,43 @@ class Client:
         except (OperationalError, OSError) as err:
             raise StoreUnavailable("broker", self.settings.broker_url, str(err) or type(err).__name__) from err
         except (redis.RedisError, RuntimeError) as err:
-            # The Redis result store could not be reached (a RuntimeError raised from a connection error
-            # after Celery's reconnect attempts). With one Redis for both, that is the broker being down.
-            cause = err if isinstance(err, redis.RedisError) else err.__cause__
-            if not isinstance(cause, redis.RedisError | OSError):
-                raise
-            same = self.settings.redis_url == self.settings.broker_url
-            store, url = ("broker", self.settings.broker_url) if same else ("redis", self.settings.redis_url)
-            raise StoreUnavailable(store, url, f"result store unreachable: {cause}") from err
+            raise self._result_store_down(err) from err
         if not wait:
             return Enqueued(task_id=result.id)
         try:
             return result.get(timeout=self.timeout)
         except CeleryTimeout as err:
+            try:  # no answer may mean the result store went away meanwhile (Celery waits out its timeout then)
+                result.ready()
+            except (redis.RedisError, RuntimeError) as lost:
+                raise self._result_store_down(lost, sent=result.id) from err
             raise AnimastorError(
                 f"{name}: no answer within {self.timeout:.0f}s; is a control worker consuming {CONTROL_QUEUE}? "
-                f"(task id {result.id} stays queued and will run when one starts)"
+                f"(task id {result.id}: unless a worker took it, it stays queued and runs when one starts)"
             ) from err
+        except (redis.RedisError, RuntimeError) as err:
+            # The result store went down while the answer was awaited: the task was sent, and may have run.
+            raise self._result_store_down(err, sent=result.id) from err
         except Exception as err:
             if type(err).__name__ in _REMOTE_INVALID:
                 raise InvalidCommand(str(err)) from err
             raise
         finally:
-            result.forget() if result.ready() else None
+            # The store may be down: the answer, or the error above, is what counts.
+            with contextlib.suppress(redis.RedisError, RuntimeError):
+                result.forget() if result.ready() else None
+
+    def _result_store_down(self, err: redis.RedisError | RuntimeError, sent: str | None = None) -> Exception:
+        """The Redis result store could not be reached (a RuntimeError raised from a connection error after
+        Celery's reconnect attempts). With one Redis for both, that is the broker being down. Any other
+        RuntimeError is returned as it is."""
+        cause = err if isinstance(err, redis.RedisError) else err.__cause__
+        if not isinstance(cause, redis.RedisError | OSError):
+            return err
+        same = self.settings.redis_url == self.settings.broker_url
+        store, url = ("broker", self.settings.broker_url) if same else ("redis", self.settings.redis_url)
+        after = f" after task {sent} was sent (it may still run)" if sent else ""
+        return StoreUnavailable(store, url, f"result store unreachable{after}: {cause}")
 
     @overload
     def regenerate(

@@ -6,6 +6,7 @@ import base64
 import json
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -46,6 +47,27 @@ def test_no_control_worker_times_out_with_a_clear_message(rt, settings) -> None:
     with pytest.raises(AnimastorError, match=r"no answer within 1s; is a control worker consuming animastor\.control"):
         client.regenerate("b1", ["audio"])
     client.close()
+
+
+def test_a_result_store_lost_while_the_answer_is_awaited_is_a_store_error_not_a_traceback(rt, settings) -> None:
+    """Old code: the connection error escaped as a bare RuntimeError, and the cleanup's own `ready()` raised another
+    over it (the CLI printed a traceback and exited 1 rather than 3)."""
+    from urllib.parse import urlsplit
+
+    from tests.support.tcp_proxy import TcpProxy
+
+    where = urlsplit(settings.redis_url)
+    with TcpProxy((where.hostname or "127.0.0.1", where.port or 6379)) as proxy:
+        through = settings.redis_url.replace(f"{where.hostname}:{where.port}", f"127.0.0.1:{proxy.port}", 1)
+        client = Client(replace(settings, redis_url=through), timeout=3)
+        threading.Timer(0.8, proxy.cut).start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(StoreUnavailable, match=r"redis unavailable .* result store unreachable after task"):
+                client.regenerate("b1", ["audio"])
+        finally:
+            client.close()
+    assert time.monotonic() - started < 15
 
 
 def test_an_empty_command_id_is_sent_as_given_not_replaced(rt, settings) -> None:
