@@ -19,8 +19,8 @@ from typing import Any, cast
 from animastor_tasks.domain.book import show_value, validate_id
 from animastor_tasks.domain.gate import layer_enabled, parse_layers
 from animastor_tasks.domain.resend import resend_differs
-from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import Priority
+from animastor_tasks.domain.types import Pair, SceneKey
+from animastor_tasks.domain.vocabulary import CommandStatus, Priority
 from animastor_tasks.errors import DuplicateCommand, InvalidCommand
 from animastor_tasks.flow import gate, page, refill, validate
 from animastor_tasks.ports import CommandContext, CommandRow, Ports, Snapshot
@@ -60,7 +60,7 @@ def regenerate(
     if not context.exists:
         raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
     if context.replay_of:
-        return _replay(ports, context, request_id, book, wanted, force, rank, named is None)
+        return _replay(ports, context, request_id, book, wanted, force, rank, named)
     if named is not None:
         missing = [i for i, pair in enumerate(named) if pair not in context.scenes]
         if missing:
@@ -90,17 +90,8 @@ def regenerate(
             raise InvalidCommand(
                 f"command_id: {request_id} is already the id of a command of another request; send a new id"
             ) from None
-        return _replay(ports, again, request_id, book, wanted, force, rank, named is None)
-    pairs = [(c, s, stage) for stage in enabled for c, s in targets]
-    # The snapshot the gate pass below needs, read after these writes in the same round trip.
-    snap = ports.book_state.start_work(
-        book,
-        pairs,
-        targets,
-        force_ttl=ports.settings.force_ttl_seconds if force else None,
-        snapshot=(ports.clock(), ports.settings.registry.queues()),
-        most_scenes=BIG_BOOK_SCENES,
-    )
+        return _replay(ports, again, request_id, book, wanted, force, rank, named)
+    snap, pairs = _start_work(ports, book, enabled, targets, force)
     if created.superseded:
         _stop_superseded(ports, book, created.superseded)
     log.info(
@@ -119,6 +110,23 @@ def regenerate(
         for stage, (cid, scenes) in sorted(per_stage.items())
     ]
     return {"commands": described, "skipped": skipped}
+
+
+def _start_work(
+    ports: Ports, book: str, stages: list[str], targets: list[SceneKey], force: bool
+) -> tuple[Snapshot | None, list[Pair]]:
+    """The commands' Redis side (`BookState.start_work`); returns the snapshot the first gate pass needs, read
+    after those writes in the same round trip, and the pairs."""
+    pairs = [(c, s, stage) for stage in stages for c, s in targets]
+    snap = ports.book_state.start_work(
+        book,
+        pairs,
+        targets,
+        force_ttl=ports.settings.force_ttl_seconds if force else None,
+        snapshot=(ports.clock(), ports.settings.registry.queues()),
+        most_scenes=BIG_BOOK_SCENES,
+    )
+    return snap, pairs
 
 
 def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[Pair]) -> None:
@@ -165,11 +173,15 @@ def _replay(
     wanted: list[str],
     force: bool,
     rank: Priority,
-    whole_book: bool,
+    named: list[SceneKey] | None,
 ) -> dict[str, Any]:
-    """The commands a resend of `request_id` made, held to the request they were first made from (domain/resend.py)."""
+    """The commands a resend of `request_id` made, held to the request they were first made from (domain/resend.py).
+
+    Those still active have their Redis side written again and a gate pass: a first sending whose Redis writes
+    failed after its commands committed (the caller heard `StoreUnavailable` and resent, as it should) left
+    their pairs behind old deferrals, forced pairs settled as already completed, and nothing dispatched."""
     first = context.first_sending
-    changed = "book_id" if first is None else resend_differs(first, book, wanted, force, rank, whole_book)
+    changed = "book_id" if first is None else resend_differs(first, book, wanted, force, rank, named is None)
     if changed == "book_id":
         raise InvalidCommand(f"command_id: {request_id} was already used for another book")
     if changed is not None:
@@ -178,6 +190,10 @@ def _replay(
             " (send a new command_id for a new one)"
         )
     rows = ports.commands.commands(command_ids=context.replay_of)
+    active = sorted({r.stage for r in rows if r.status == CommandStatus.ACTIVE})
+    if active:
+        snap, pairs = _start_work(ports, book, active, named if named is not None else context.scenes, force)
+        _first_dispatch(ports, book, snap, pairs)
     # The stages it asked for that made no command had their layer off, as the first answer said (known only of
     # a command that keeps what its request asked: migration 0009).
     skipped = [] if first is None or first.asked_stages is None else [s for s in wanted if s not in first.stages]

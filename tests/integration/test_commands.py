@@ -66,6 +66,33 @@ def test_resending_a_command_id_is_a_no_op(rt, book) -> None:
     assert queued_messages(rt, "gpu.audio") == 1
 
 
+def test_a_resend_after_the_redis_writes_failed_finishes_what_the_first_sending_left(rt, book, monkeypatch) -> None:
+    """Old code: the commands committed, Redis failed (the caller heard StoreUnavailable), and the resend the caller
+    then made was answered from the commands alone: the pairs stayed behind their old deferrals (here a 15-minute
+    one) and nothing was dispatched until those ran out."""
+    from animastor_tasks.errors import StoreUnavailable
+
+    rt.redis.client.zadd(rt.redis.keys.deferrals(book, "idempotent"), {"ch1:s1:audio": rt.ports.clock() + 900})
+    real = rt.ports.book_state.start_work
+
+    def redis_fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise StoreUnavailable("redis", "redis://127.0.0.1:6379/0", "Connection reset by peer")
+
+    cid = str(uuid.uuid4())
+    monkeypatch.setattr(rt.ports.book_state, "start_work", redis_fails)
+    with pytest.raises(StoreUnavailable):
+        regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]], command_id=cid)
+    assert states(rt, book)[("ch1", "s1", "audio")] == "pending" and queued_messages(rt, "gpu.audio") == 0
+    monkeypatch.setattr(rt.ports.book_state, "start_work", real)
+    again = regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]], command_id=cid)
+    assert again["replayed"] is True and [c["command_id"] for c in again["commands"]] == [cid]
+    assert states(rt, book)[("ch1", "s1", "audio")] == "generating" and queued_messages(rt, "gpu.audio") == 1
+    assert rt.redis.client.smembers(rt.redis.keys.force_set(book)) == {"ch1:s1:audio"}
+    # Resent once more, nothing more is dispatched: the pair is generating under its command.
+    regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]], command_id=cid)
+    assert queued_messages(rt, "gpu.audio") == 1
+
+
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
