@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import Pair
+from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.flow import dispatch, page
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import Ports
@@ -91,9 +92,11 @@ def _rounds(
         report.claimed_lanes |= result.claimed_lanes
         if result.dispatched:
             ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
-        # A denied candidate asks for the book's full pass now (it releases the pair); a deferral written here
-        # brings the next pass forward. Never removed here: the pairs this read left out still wait.
-        due = ports.clock() if report.denied else min(result.deferred_until.values(), default=None)
+        # A denied candidate asks for the book's full pass now (it releases the pair), and so does a claim whose
+        # publish failed (pending again, its slot free: it waited for reconcile); a deferral written here brings
+        # the next pass forward. Never removed here: the pairs this read left out still wait.
+        again = report.denied or result.outcomes.get(Outcome.PUBLISH_FAILED)
+        due = ports.clock() if again else min(result.deferred_until.values(), default=None)
         if due is not None:
             page.write_due(ports, book, due, snap.due_at)
         if report.denied or fetched < limit:

@@ -15,7 +15,7 @@ from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import dispatch, gate
+from animastor_tasks.flow import dispatch, gate, refill
 from animastor_tasks.flow import layers as layers_flow
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -271,6 +271,28 @@ def test_a_pair_whose_publish_failed_waits_and_its_book_stays_due(rt, monkeypatc
     assert due is not None and due <= time.time()
     monkeypatch.undo()
     assert gate.tick(rt.ports) == ["b"]  # the next tick passes it again
+    gate.gate_batch(rt.ports, ["b"])
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+
+
+def test_a_refill_whose_publish_failed_leaves_its_book_due_for_the_next_tick(rt, monkeypatch) -> None:
+    """As above, through a refill (a freed slot): old code wrote no due time there, and the pair (and its slot)
+    waited for reconcile to find the book again."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+
+    def failing(task_name, queue, dispatch_id, kwargs):  # type: ignore[no-untyped-def]
+        raise ConnectionError("broker refused")
+
+    monkeypatch.setattr(rt.ports.publisher, "publish_job", failing)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s1"]])  # its full pass leaves the book due
+    rt.redis.client.zrem(rt.redis.keys.due(), "b")  # passed by the tick since, the publish failing again
+    refill.refill(rt.ports, "b", "gpu.audio")  # a slot of the lane freed meanwhile
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
+    due = rt.redis.client.zscore(rt.redis.keys.due(), "b")
+    assert due is not None and due <= time.time()
+    monkeypatch.undo()
+    assert gate.tick(rt.ports) == ["b"]
     gate.gate_batch(rt.ports, ["b"])
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
 
