@@ -90,12 +90,14 @@ def _rounds(
         report.outcomes.update(result.outcomes)
         report.dispatched.extend(result.dispatched)
         report.claimed_lanes |= result.claimed_lanes
+        report.held_lanes |= result.held_lanes
         if result.dispatched:
             ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
-        # A denied candidate asks for the book's full pass now (it releases the pair), and so does a claim whose
-        # publish failed (pending again, its slot free: it waited for reconcile); a deferral written here brings
-        # the next pass forward. Never removed here: the pairs this read left out still wait.
-        again = report.denied or result.outcomes.get(Outcome.PUBLISH_FAILED)
+        # A denied candidate asks for the book's full pass now (it releases the pair), and so do a claim whose
+        # publish failed (pending again, its slot free: it waited for reconcile) and a lane whose worker is
+        # awaited (the tick's passes dispatch once it is back); a deferral written here brings the next pass
+        # forward. Never removed here: the pairs this read left out still wait.
+        again = report.denied or result.outcomes.get(Outcome.PUBLISH_FAILED) or result.held_lanes
         due = ports.clock() if again else min(result.deferred_until.values(), default=None)
         if due is not None:
             page.write_due(ports, book, due, snap.due_at)

@@ -37,6 +37,7 @@ class DispatchResult:
     blocked: dict[str, list[str]] = field(default_factory=dict)
     claimed_lanes: set[str] = field(default_factory=set)  # queues whose capacity this pass counted
     claimed_stages: set[str] = field(default_factory=set)  # stages of which this pass claimed a pair
+    held_lanes: set[str] = field(default_factory=set)  # the handed lane, while its stage has no worker for now
     gone: set[Pair] = field(default_factory=set)  # pairs no longer pending: claimed, already completed, blocked
     deferred_until: dict[Pair, float] = field(default_factory=dict)  # deferrals this pass wrote, by expiry
 
@@ -110,6 +111,14 @@ def dispatch_pending(
             unsure.add(stage)
             why = "a Redis loss" if presence_unsure else "its last one stopped moments ago"
             log.warning("[DISPATCH] book=%r stage=%s has no worker for now (%s); waiting", book, stage, why)
+            if spec.queue == handed_lane:
+                # Handed a slot of it: the book keeps the slot rather than pass it down the list (each next book
+                # found the same and dropped off it, the list empty by the time the worker was back, the slots
+                # idle until the books' deferrals ran out). Its pairs wait for the tick's passes (the caller makes
+                # the book due now), their capacity deferrals cleared, and the book waits on at the head.
+                _wait_for_lane(ports, book, spec.queue, todo, stage, 0.0)
+                ports.deferrals.clear_deferrals(book, [i.pair for i in todo if i.stage == stage])
+                result.held_lanes.add(spec.queue)
             continue
         result.blocked[stage] = block_lane(ports, spec, [book], exclude=book)[book]
         result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)

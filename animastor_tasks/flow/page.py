@@ -35,6 +35,7 @@ class PassReport:
     outcomes: Counter[str] = field(default_factory=Counter)
     dispatched: list[str] = field(default_factory=list)
     claimed_lanes: set[str] = field(default_factory=set)
+    held_lanes: set[str] = field(default_factory=set)  # `DispatchResult.held_lanes`
     error: str | None = None
     authorized_count: int = 0
 

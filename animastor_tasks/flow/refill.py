@@ -36,7 +36,7 @@ def refill(ports: Ports, book: str, lane: str | None = None, *, one_slot_of: str
     except StoreUnavailable as err:
         report.error = str(err)
         log.warning("[COMMAND-GATE] book=%r refill failed, nothing authorized: %s", book, err)
-    if lane is not None and lane not in report.claimed_lanes:
+    if lane is not None and lane not in report.claimed_lanes | report.held_lanes:
         gate.pass_on_slot(ports, book, lane)
     return report
 

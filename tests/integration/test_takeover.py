@@ -412,3 +412,33 @@ def test_the_queues_view_shows_an_unreadable_broker_count_as_unknown(rt: Wiring)
     rows = {row["queue"]: row for row in queue_overview(rt, running={})}
     assert rows["gpu.audio"]["broker_consumers"] is None
     assert [c["hostname"] for c in rows["gpu.audio"]["consumers"]]  # the heartbeats are still shown
+
+
+def test_a_slot_handed_while_the_stage_awaits_its_restarted_worker_stays_with_the_waiting_books(
+    rt: Wiring, tmp_path: Path
+) -> None:
+    """Old code: the handed book found the stage's worker restarting, passed the slot on and was off the list; so
+    did the next, until the list was empty. Once the new worker consumed, the free slots had nobody to go to and
+    the books waited out their capacity deferrals (60 s)."""
+    with_stage(rt, replace(rt.settings.registry.get("audio"), lane_limit=1), tmp_path)
+    for book in ("w", "x"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "x", 2e10)
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])  # the only slot: its job is in flight
+    regenerate_flow.regenerate(rt.ports, "x", ["audio"])  # the lane full: x waits for it
+    rt.presence.heartbeat("test-worker@local", (), 0, gone=["gpu.audio"])  # a deploy stops the worker cleanly
+    lane = rt.redis.keys.lane_waiters("gpu.audio")
+    assert rt.redis.client.zscore(lane, "x") is not None
+    with rt.db.transaction() as conn:  # its job ended (its worker let it go) and the slot is x's
+        conn.execute("UPDATE asset_states SET state = 'pending', dispatch_id = NULL WHERE book_id = 'w'")
+    assert rt.ports.deferrals.next_waiters("gpu.audio", 1) == ["x"]
+    refill.refill(rt.ports, "x", "gpu.audio")
+    assert rt.redis.client.zscore(lane, "x") is not None  # it waits on, at the head
+    assert states(rt, "x")[("ch1", "s1", "audio")] == "pending"
+    due = rt.redis.client.zscore(rt.redis.keys.due(), "x")
+    assert due is not None and due <= rt.ports.clock()  # the tick passes it again while the worker is awaited
+    advertise(rt, "gpu.audio", host="successor@local")
+    assert "x" in tick(rt)
+    gate.gate_batch(rt.ports, ["x"])
+    assert states(rt, "x")[("ch1", "s1", "audio")] == "generating"
