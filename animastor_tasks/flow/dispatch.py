@@ -12,6 +12,7 @@ one deferral read the gate pass already made.
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
@@ -186,7 +187,7 @@ def _settle_idempotent(
             ports.leases.release_lease((book, *pair), holder)
         else:
             busy.append(pair)
-    _defer(ports, book, Outcome.ALREADY_GENERATING, busy, now, result)
+    _defer_while_leased(ports, book, busy, now, result)
     result.outcomes[Outcome.ALREADY_GENERATING] += len(busy)
     skip = set(busy)
     return [i for i in todo if i.pair not in skip]
@@ -305,6 +306,21 @@ def _defer(
         ports.deferrals.defer(book, bucket, pairs, seconds, now)
         if result is not None:
             result.deferred_until.update(dict.fromkeys(pairs, now + seconds))
+
+
+def _defer_while_leased(ports: Ports, book: str, pairs: list[Pair], now: float, result: DispatchResult) -> None:
+    """`already_generating` for as long as each pair's lease has left, at most the idempotent window. *Why:* the
+    lease of a job that ended but whose release was lost (a Redis blip) lives out its TTL, and the pair, edited and
+    regenerated meanwhile, waited the whole window (900 s) with nothing running; a live job renews its lease, and
+    the next pass finds it again."""
+    window = deferral_seconds(Outcome.ALREADY_GENERATING, ports.settings.deferral_windows) or 0
+    left = ports.leases.lease_seconds_left([(book, *pair) for pair in pairs])
+    by_seconds: dict[int, list[Pair]] = {}
+    for pair, seconds in zip(pairs, left, strict=True):
+        by_seconds.setdefault(min(window, max(1, math.ceil(seconds or 0))), []).append(pair)
+    for seconds, held in by_seconds.items():
+        ports.deferrals.defer(book, DeferralBucket.IDEMPOTENT, held, seconds, now)
+        result.deferred_until.update(dict.fromkeys(held, now + seconds))
 
 
 def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.flow import cancel as cancel_flow
+from animastor_tasks.flow import gate
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import Later, run_job
 from animastor_tasks.flow.job import Job
@@ -376,3 +377,29 @@ def test_a_job_refused_at_its_start_frees_its_slot_at_once(rt, tmp_path) -> None
     assert rt.ports.assets.lane_load(["audio"]).get("audio", 0) == 0
     # and the book's next pass, which releases the pair, is due now rather than at reconcile's turn
     assert rt.redis.client.zscore(rt.redis.keys.due(), "b") is not None
+
+
+def test_a_lease_its_ended_job_left_behind_holds_a_regenerated_pair_only_until_it_lapses(rt, tmp_path) -> None:
+    """A job ready, its lease's release lost to a Redis blip: the lease lives on for what was left of its TTL.
+    A regenerate of the edited scene in that time found the pair `already_generating` and deferred it for the
+    idempotent window (900 s), with nothing running and the slot free."""
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    assert run_job(rt.ports, job, worker="test")["outcome"] == "ready"
+    lease = rt.redis.keys.lease(*job.lease_pair)
+    rt.redis.client.set(lease, job.dispatch_id, px=1500)  # the release never reached Redis
+    with rt.db.transaction() as conn:  # the scene edited: a regenerate without force has work to do
+        conn.execute("UPDATE scenes SET text = 'new words', input_hashes = '{}'::jsonb WHERE book_id = 'b'")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
+    [(_, until)] = rt.redis.client.zrange(rt.redis.keys.deferrals("b", "idempotent"), 0, -1, withscores=True)
+    assert until <= rt.ports.clock() + 2  # as long as the lease, not the idempotent window
+    due = rt.redis.client.zscore(rt.redis.keys.due(), "b")
+    assert due is not None and due <= until
+    time.sleep(max(0.0, until - rt.ports.clock()) + 0.1)
+    assert rt.redis.client.exists(lease) == 0
+    gate.gate_pass(rt.ports, "b")
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"

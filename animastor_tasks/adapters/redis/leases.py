@@ -61,6 +61,16 @@ class LeaseStore:
     def lease_holders(self, pairs: Sequence[BookPair]) -> list[str | None]:
         return [None if h is None else str(h) for h in self._values([self.conn.keys.lease(*p) for p in pairs])]
 
+    def lease_seconds_left(self, pairs: Sequence[BookPair]) -> list[float | None]:
+        """Per pair, the seconds its lease has left, None where it has none; one round trip."""
+        if not pairs:
+            return []
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for pair in pairs:
+                pipe.pttl(self.conn.keys.lease(*pair))
+            return [None if ms < 0 else ms / 1000 for ms in pipe.execute()]
+
     def undelivered(self, dispatch_ids: Sequence[str]) -> list[float | None]:
         """Per dispatch id, when it was dispatched if no delivery has taken it yet, else None."""
         return [None if m is None else float(m) for m in self._values([self.conn.keys.queued(d) for d in dispatch_ids])]
