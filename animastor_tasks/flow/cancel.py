@@ -10,6 +10,8 @@ import logging
 from collections import Counter
 from typing import Any
 
+from animastor_tasks.domain.types import Pair
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import dispatch, validate
 from animastor_tasks.ports import Ports
 
@@ -23,15 +25,13 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
     # The flag goes first: from this moment running jobs see should_stop() and the gate denies.
     ports.book_state.stop_book(book)
     cancelled, released, dispatched = ports.commands.cancel_book(book, why)
-    ports.leases.drop_leases([(book, *pair) for pair, _ in dispatched])
     dispatch_ids = [d for _, d in dispatched]
-    if dispatch_ids:
-        ports.publisher.revoke(dispatch_ids)
-    # The book's slots are free for the books waiting for them (their jobs stop within a poll).
-    registry = ports.settings.registry
-    for stage, slots in Counter(stage for (_, _, stage), _ in dispatched).items():
-        if stage in registry:
-            dispatch.hand_over(ports, registry.get(stage).queue, slots, exclude=book)
+    try:
+        _let_go(ports, book, dispatched)
+    except StoreUnavailable as err:
+        # Committed, the Stop All holds: the flag stops the jobs (each drops its lease as it ends, a queued one is
+        # refused at its start), and the slots left unhanded go to the waiting books once their deferrals end.
+        log.warning("[COMMAND] book=%r cancelled; its leases or freed slots not handed on: %s", book, err)
     log.info(
         "[COMMAND] book=%r cancelled commands=%d released=%d revoked=%d reason=%r",
         book,
@@ -41,3 +41,14 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
         why,
     )
     return {"book_id": book, "cancelled_commands": cancelled, "released": released, "revoked": len(dispatch_ids)}
+
+
+def _let_go(ports: Ports, book: str, dispatched: list[tuple[Pair, str]]) -> None:
+    """The released jobs' leases dropped and revoked, their slots handed to the books waiting for them."""
+    ports.leases.drop_leases([(book, *pair) for pair, _ in dispatched])
+    if dispatched:
+        ports.publisher.revoke([d for _, d in dispatched])
+    registry = ports.settings.registry
+    for stage, slots in Counter(stage for (_, _, stage), _ in dispatched).items():
+        if stage in registry:
+            dispatch.hand_over(ports, registry.get(stage).queue, slots, exclude=book)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from animastor_tasks.errors import InvalidCommand
+from animastor_tasks.errors import InvalidCommand, StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import layers as layers_flow
@@ -253,6 +253,25 @@ def test_cancel_is_final_until_a_new_regenerate(rt, book) -> None:
     regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]])
     assert not rt.ports.commands.is_tombstoned(book) and not rt.ports.book_state.cancel_flag_set(book)
     assert states(rt, book)[("ch1", "s1", "audio")] == "generating"
+
+
+@pytest.mark.parametrize("step", ["drop_leases", "next_waiters"])
+def test_a_stop_all_whose_redis_cleanup_fails_after_its_commit_is_still_reported_done(rt, book, step, monkeypatch) -> None:
+    """The tombstone, the commands and the pairs committed, then a Redis blip failed the leases' drop or the hand-over
+    of the freed slots: Stop All was reported failed (exit 3 for the CLI, an error for the caller) although it had
+    taken effect, and its answer (what it cancelled and released) was lost. The flag, set first, stops the jobs."""
+    cap_books(rt, 1)
+    regenerate_flow.regenerate(rt.ports, book, ["audio"])
+
+    def blip(*args: object, **kwargs: object) -> None:
+        raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset")
+
+    store = rt.ports.leases if step == "drop_leases" else rt.ports.deferrals
+    monkeypatch.setattr(store, step, blip)
+    out = cancel_flow.cancel(rt.ports, book, "reader pressed stop")
+    assert out["released"] == 6 and len(out["cancelled_commands"]) == 1
+    assert rt.ports.commands.is_tombstoned(book) and rt.ports.book_state.cancel_flag_set(book)
+    assert set(states(rt, book).values()) == {"dirty"}
 
 
 @pytest.mark.parametrize("reason", ["stop\x00now", "stop \udc80", 42])
