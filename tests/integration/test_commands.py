@@ -256,10 +256,13 @@ def test_cancel_is_final_until_a_new_regenerate(rt, book) -> None:
 
 
 @pytest.mark.parametrize("step", ["drop_leases", "next_waiters"])
-def test_a_stop_all_whose_redis_cleanup_fails_after_its_commit_is_still_reported_done(rt, book, step, monkeypatch) -> None:
-    """The tombstone, the commands and the pairs committed, then a Redis blip failed the leases' drop or the hand-over
-    of the freed slots: Stop All was reported failed (exit 3 for the CLI, an error for the caller) although it had
-    taken effect, and its answer (what it cancelled and released) was lost. The flag, set first, stops the jobs."""
+def test_a_stop_all_whose_redis_cleanup_fails_after_its_commit_is_still_reported_done(
+    rt, book, step, monkeypatch
+) -> None:
+    """The tombstone, the commands and the pairs committed, then a Redis blip failed the leases' drop or the
+    hand-over of the freed slots: Stop All was reported failed (exit 3 for the CLI, an error for the caller)
+    although it had taken effect, and its answer (what it cancelled and released) was lost. The flag, set first,
+    stops the jobs."""
     cap_books(rt, 1)
     regenerate_flow.regenerate(rt.ports, book, ["audio"])
 
