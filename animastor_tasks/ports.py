@@ -230,6 +230,9 @@ class QueueProbe(Protocol):  # what the broker holds; None where it cannot tell
 
 
 class ArtifactStore(Protocol):
+    @property
+    def url(self) -> str: ...  # where the store is, for messages
+
     def put(self, data: bytes, media_type: str) -> dict[str, Any]:
         """Store content-addressed bytes once; the record (sha256, size, media_type, path, uri) a commit keeps."""
 

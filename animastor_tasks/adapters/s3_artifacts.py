@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from http.client import HTTPException
 from typing import TYPE_CHECKING, Any
 
 import boto3
+import urllib3
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 
 from animastor_tasks.adapters.artifacts import artifact_name
 from animastor_tasks.errors import ArtifactStoreError
@@ -44,9 +46,11 @@ class S3ArtifactStore:
         with self._lock:
             if self._client is None:
                 try:
-                    self._client = boto3.session.Session().client("s3", config=_CONFIG)
+                    client = boto3.session.Session().client("s3", config=_CONFIG)
                 except (BotoCoreError, ValueError) as err:
                     raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
+                client.meta.events.register_first("needs-retry.s3", _retry_only_network_failures)
+                self._client = client
             return self._client
 
     def key(self, digest: str, media_type: str) -> str:
@@ -78,3 +82,12 @@ class S3ArtifactStore:
         except ClientError:
             return False
         return int(head.get("ContentLength", -1)) == size
+
+
+def _retry_only_network_failures(caught_exception: Exception | None = None, **_: Any) -> None:
+    """botocore wraps whatever interrupts a request in a retried `HTTPClientError`: the job's soft time limit,
+    raised into a hung upload, was retried for minutes (a read timeout a try) until the hard limit killed the
+    worker process. An interruption that is no network failure ends the upload with it; the rest retry as set."""
+    inner = caught_exception.kwargs.get("error") if isinstance(caught_exception, HTTPClientError) else None
+    if inner is not None and not isinstance(inner, (OSError, HTTPException, urllib3.exceptions.HTTPError)):
+        raise inner

@@ -5,17 +5,21 @@ as Celery's own `SoftTimeLimitExceeded`. The flows import no Celery, so unnamed 
 bug: the pair failed and the queue's breaker heard nothing, however many pairs a hung backend timed out.
 Raised from a generator, it becomes a retryable `GeneratorError`: a backend failure, which feeds the breaker
 (no retry is tried, as none fits in the job's time any more: `domain.job_rules.another_attempt_fits`).
+Raised from the artifact store (an upload that hangs), it becomes the store's `ArtifactStoreError`: the pair fails
+saying which store did not answer. Unanswered, the task ended in Celery's exception with the pair `generating`, and
+each takeover's run counted as a start lost to a dead worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.errors import GeneratorError
-from animastor_tasks.ports import GenerationRequest, Generator, Generators, Media
+from animastor_tasks.errors import ArtifactStoreError, GeneratorError
+from animastor_tasks.ports import ArtifactStore, GenerationRequest, Generator, Generators, Media
 
 
 class TimeLimitedGenerators:
@@ -44,4 +48,24 @@ class _TimeLimited:
             raise GeneratorError(
                 f"{self.name}: no result within the job's soft time limit ({self.soft_time_limit:g} s)",
                 retryable=True,
+            ) from err
+
+
+class TimeLimitedArtifacts:
+    """The flows' `ArtifactStore`, answering the soft time limit as the store's failure."""
+
+    def __init__(self, inner: ArtifactStore, soft_time_limit: float) -> None:
+        self.inner = inner
+        self.soft_time_limit = soft_time_limit
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    def put(self, data: bytes, media_type: str) -> dict[str, Any]:
+        try:
+            return self.inner.put(data, media_type)
+        except SoftTimeLimitExceeded as err:
+            raise ArtifactStoreError(
+                self.inner.url, f"no answer within the job's soft time limit ({self.soft_time_limit:g} s)"
             ) from err

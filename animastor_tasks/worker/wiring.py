@@ -35,7 +35,7 @@ from animastor_tasks.domain.keys import Keyspace
 from animastor_tasks.generators import EntryPointGenerators
 from animastor_tasks.ports import Ports
 from animastor_tasks.worker.celery_config import build_config
-from animastor_tasks.worker.time_limit import TimeLimitedGenerators
+from animastor_tasks.worker.time_limit import TimeLimitedArtifacts, TimeLimitedGenerators
 
 
 @dataclass
@@ -92,7 +92,7 @@ def build(settings: Settings, app: Celery | None = None, *, db_wait: float = 5.0
         locks=LockStore(conn),
         publisher=CeleryPublisher(app, counters),
         queue_probe=BrokerProbe(settings.broker_url),
-        artifacts=artifact_store(settings),
+        artifacts=TimeLimitedArtifacts(artifact_store(settings), settings.job_soft_time_limit),
         generators=TimeLimitedGenerators(EntryPointGenerators(settings), settings.job_soft_time_limit),
         clock=conn.server_time,
     )

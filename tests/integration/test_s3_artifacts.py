@@ -22,6 +22,7 @@ from animastor_tasks.errors import ArtifactStoreError, ConfigError
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import status as status_flow
 from animastor_tasks.worker import wiring
+from animastor_tasks.worker.time_limit import TimeLimitedArtifacts
 from animastor_tasks.worker.wiring import Wiring
 from tests.support import missing, wait_for
 from tests.support.cluster import Cluster
@@ -199,7 +200,8 @@ def test_boto3_takes_the_endpoint_from_aws_endpoint_url_too(s3_env: S3Server, mo
 
 def test_jobs_commit_to_the_bucket_with_the_uri_in_status(rt: Wiring, s3_env: S3Server) -> None:
     rt = rewire()
-    store = rt.ports.artifacts
+    assert isinstance(rt.ports.artifacts, TimeLimitedArtifacts)  # the job's soft time limit fails an upload
+    store = rt.ports.artifacts.inner
     assert isinstance(store, S3ArtifactStore) and store.url == "s3://animastor/books"
     sent = uploads(store)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
