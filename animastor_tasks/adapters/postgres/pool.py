@@ -11,8 +11,10 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, Self
 
 import psycopg
+from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from animastor_tasks.errors import StoreUnavailable
@@ -20,6 +22,26 @@ from animastor_tasks.errors import StoreUnavailable
 
 def _is_store_error(err: BaseException) -> bool:
     return isinstance(err, psycopg.OperationalError | psycopg.InterfaceError | PoolTimeout)
+
+
+#: Why the last attempt to connect to each URL failed, until one succeeds.
+_refusals: dict[str, str] = {}
+
+
+class _Connection(psycopg.Connection[TupleRow]):
+    """A pool's connection that remembers why connecting failed. *Why:* a pool that cannot connect answers
+    only "couldn't get a connection after 5.00 sec": a misspelt database or role, or a wrong password, read as
+    Postgres being down, the reason left in the pool's log lines."""
+
+    @classmethod
+    def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
+        try:
+            conn = super().connect(conninfo, **kwargs)
+        except psycopg.OperationalError as err:
+            _refusals[conninfo] = " ".join(str(err).split())
+            raise
+        _refusals.pop(conninfo, None)
+        return conn
 
 
 class Database:
@@ -43,6 +65,7 @@ class Database:
                         max_size=self._max_size,
                         timeout=self._timeout,
                         open=True,
+                        connection_class=_Connection,
                         kwargs={
                             "connect_timeout": max(1, int(self._timeout)),
                             "autocommit": False,
@@ -79,7 +102,10 @@ class Database:
                 yield conn
         except psycopg.Error as err:
             if _is_store_error(err):
-                raise StoreUnavailable("postgres", self.url, str(err).strip() or type(err).__name__) from err
+                detail = str(err).strip() or type(err).__name__
+                if isinstance(err, PoolTimeout) and self.url in _refusals:
+                    detail = f"{detail}; the last attempt to connect: {_refusals[self.url]}"
+                raise StoreUnavailable("postgres", self.url, detail) from err
             raise
         except PoolTimeout as err:
             raise StoreUnavailable("postgres", self.url, f"no connection within {self._timeout}s") from err
