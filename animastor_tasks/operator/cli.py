@@ -157,13 +157,14 @@ def layers_show(book_id: str, as_json: bool) -> None:
 
 # -- commands ---------------------------------------------------------------------------------
 class Seconds(click.ParamType):
-    """A finite number of seconds, at least `least` (above it when `open_low`): `nan` and `inf` passed click's
-    FloatRange, and were a traceback in `sleep` or a wait that never ended."""
+    """A finite number of seconds, at least `least` (above it when `open_low`) and at most `most`: `nan` and `inf`
+    passed click's FloatRange, and were a traceback in `sleep` or a wait that never ended; `1e300` overflowed a
+    sleep, or waited for ever on a command already sent."""
 
     name = "seconds"
 
-    def __init__(self, least: float, *, open_low: bool = False) -> None:
-        self.least, self.open_low = least, open_low
+    def __init__(self, least: float, most: float, *, open_low: bool = False) -> None:
+        self.least, self.most, self.open_low = least, most, open_low
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         try:
@@ -174,11 +175,13 @@ class Seconds(click.ParamType):
         if not math.isfinite(seconds) or too_low:
             bound = f"above {self.least:g}" if self.open_low else f"at least {self.least:g}"
             self.fail(f"{value!r} must be a finite number {bound}", param, ctx)
+        if seconds > self.most:
+            self.fail(f"{value!r} must be at most {self.most:g}", param, ctx)
         return seconds
 
 
-WAIT = Seconds(0, open_low=True)  # how long a command waits for the control worker's answer
-INTERVAL = Seconds(0.1)  # a --watch view's refresh
+WAIT = Seconds(0, 86_400, open_low=True)  # how long a command waits for the control worker's answer: a day at most
+INTERVAL = Seconds(0.1, 3_600)  # a --watch view's refresh: an hour at most
 
 
 def _scene_arg(value: str) -> tuple[str, str]:
@@ -276,7 +279,7 @@ def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
 
 @main.command("commands")
 @click.argument("book_id", required=False)
-@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1, max=1_000_000))
 @click.option("--json", "as_json", is_flag=True)
 def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
     """Recent commands with status, reason, progress and age."""

@@ -71,6 +71,9 @@ def test_commands_of_an_argument_that_is_not_utf8_exit_2(rt) -> None:
         ("regenerate", "b", "--stage", "audio", "--timeout", "nan"),
         ("regenerate", "b", "--stage", "audio", "--timeout", "0"),
         ("cancel", "b", "--timeout", "-1"),
+        # Finite but past what a wait or a sleep takes: an OverflowError traceback, after the command was sent.
+        ("regenerate", "b", "--stage", "audio", "--timeout", "1e300"),
+        ("queues", "--watch", "--interval", "1e300"),
     ],
 )
 def test_seconds_that_are_not_a_positive_finite_number_are_usage_errors(rt, args: tuple[str, ...]) -> None:
@@ -100,3 +103,11 @@ def test_a_commands_age_is_never_negative_when_the_database_clock_runs_ahead(rt)
         conn.execute("UPDATE commands SET created_at = now() + interval '30 seconds' WHERE book_id = 'b'")
     [row] = json.loads(cli("commands", "b", "--json").stdout)
     assert row["age_seconds"] == 0
+
+
+def test_a_commands_limit_past_what_postgres_counts_is_a_usage_error(rt) -> None:
+    """`--limit 99999999999999999999` passed click's range and failed in Postgres: a NumericValueOutOfRange
+    traceback."""
+    done = cli("commands", "--limit", "99999999999999999999")
+    assert done.returncode == 2, done.stderr
+    assert "--limit" in done.stderr and "Traceback" not in done.stderr
