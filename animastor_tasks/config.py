@@ -25,9 +25,9 @@ DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/animastor"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_RETENTION_DAYS = 36_500
 
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3's bucket naming rules
-_KEY_PREFIX_RE = re.compile(r"^[A-Za-z0-9!_.*'()/-]{0,512}$")  # S3's safe key characters
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules
+_KEY_PREFIX_RE = re.compile(r"[A-Za-z0-9!_.*'()/-]{0,512}")  # S3's safe key characters
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ def _api_key(env: Mapping[str, str]) -> str:
 
 def _prefix(env: Mapping[str, str]) -> str:
     value = env.get("ANIMASTOR_KEY_PREFIX", "animastor")
-    if not _PREFIX_RE.match(value):
+    if not _PREFIX_RE.fullmatch(value):
         raise ConfigError(f"ANIMASTOR_KEY_PREFIX={value!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
     return value
 
@@ -255,10 +255,10 @@ def split_s3_url(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
     if parts.scheme != "s3" or parts.query or parts.fragment or "@" in parts.netloc or ":" in parts.netloc:
         raise ConfigError(f"{name}={redact_url(url)!r} must be s3://bucket/prefix (no credentials, port or query)")
-    if not _BUCKET_RE.match(parts.netloc) or ".." in parts.netloc:
+    if not _BUCKET_RE.fullmatch(parts.netloc) or ".." in parts.netloc:
         raise ConfigError(f"{name}={url!r}: {parts.netloc!r} is not a bucket name (3-63 of a-z, 0-9, '.', '-')")
     prefix = parts.path.strip("/")
-    if not _KEY_PREFIX_RE.match(prefix) or "//" in prefix:
+    if not _KEY_PREFIX_RE.fullmatch(prefix) or "//" in prefix:
         raise ConfigError(f"{name}={url!r}: the key prefix {prefix!r} must be S3-safe characters without '//'")
     return parts.netloc, prefix
 

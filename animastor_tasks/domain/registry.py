@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
-_QUEUE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_QUEUE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 INPUT_FIELDS = ("text", "prompt")
 STAGE_KEYS = frozenset(
     {"queue", "input", "media_type", "lease_ttl", "lane_limit", "book_quota", "window", "book_cap", "generator"}
@@ -100,12 +100,12 @@ def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
     stages: list[StageSpec] = []
     seen_queues: set[str] = set()
     for name, entry in table.items():
-        if not isinstance(name, str) or not _NAME_RE.match(name) or name == "all":
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name == "all":
             raise ValueError(f"stage name {name!r} must be lower-case letters, digits or '_' (and not 'all')")
         if not isinstance(entry, Mapping):
             raise ValueError(f"stage {name!r}: entry must be an object, got {entry!r}")
         queue = entry.get("queue", f"gpu.{name}")
-        if not isinstance(queue, str) or not _QUEUE_RE.match(queue) or queue == "animastor.control":
+        if not isinstance(queue, str) or not _QUEUE_RE.fullmatch(queue) or queue == "animastor.control":
             raise ValueError(f"stage {name!r}: queue {queue!r} is not a valid queue name")
         if queue in seen_queues:
             raise ValueError(f"stage {name!r}: queue {queue!r} is used by another stage")

@@ -53,6 +53,10 @@ def test_a_third_stage_is_configuration_only() -> None:
         ({"ANIMASTOR_STAGES": '{"audio": {"lease_ttl": 0}}'}, "lease_ttl"),
         ({"ANIMASTOR_STAGES": '{"a": {"queue": "q"}, "b": {"queue": "q"}}'}, "used by another stage"),
         ({"ANIMASTOR_KEY_PREFIX": "bad prefix*"}, "ANIMASTOR_KEY_PREFIX"),
+        # A trailing newline passed `$`: a stage named "audio\n", a queue "gpu.x\n" on the broker, keys under it.
+        ({"ANIMASTOR_KEY_PREFIX": "animastor\n"}, "ANIMASTOR_KEY_PREFIX"),
+        ({"ANIMASTOR_STAGES": '{"audio\\n": {}}'}, "stage name"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"queue": "gpu.audio\\n"}}'}, "not a valid queue name"),
         ({"ANIMASTOR_JOB_TIME_LIMIT": "10", "ANIMASTOR_JOB_SOFT_TIME_LIMIT": "20"}, "SOFT_TIME_LIMIT"),
         ({"ANIMASTOR_VISIBILITY_TIMEOUT": "100"}, "VISIBILITY_TIMEOUT"),
         ({"ANIMASTOR_SILENT_WORKER_SECONDS": "10"}, "twice ANIMASTOR_PRESENCE_TTL_SECONDS"),  # the TTL is 6
