@@ -112,6 +112,8 @@ def worker(
     settings = Settings.from_env()
     level = _log_level(loglevel)
     if stage is None:
+        if gpus:  # a GPU host's worker with its stage forgotten: never a control worker there
+            raise click.UsageError("--gpus is for a GPU worker: name its --stage")
         queue, concurrency, name = CONTROL_QUEUE, "2", hostname or "control@%h"
     else:
         if stage not in settings.registry:

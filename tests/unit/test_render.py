@@ -188,6 +188,20 @@ def test_gpu_ids_that_would_share_a_gpu_or_name_none_are_refused(monkeypatch) ->
     assert os.environ["ANIMASTOR_GPU_IDS"] == "3,GPU-8f2a,MIG-1c/0"
 
 
+def test_gpu_ids_without_a_stage_are_refused_rather_than_start_a_control_worker(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`worker --gpus 0,1` with `--stage` forgotten started the control worker on the GPU host, the ids ignored."""
+    from click.testing import CliRunner
+
+    from animastor_tasks.operator import process_commands
+    from animastor_tasks.operator.cli import main
+
+    started: list[tuple[str, ...]] = []
+    monkeypatch.setattr(process_commands, "_exec_celery", lambda *args: started.append(args))
+    result = CliRunner().invoke(main, ["worker", "--gpus", "0,1"])
+    assert result.exit_code == 2 and "--stage" in result.output, result.output
+    assert started == []
+
+
 def test_a_command_made_by_a_clock_ahead_of_this_host_is_zero_old_not_negative() -> None:
     """`created_at` is the database's clock: 5 s ahead of the CLI host, the age read `-1:59:55`."""
     data = book(chapters=1, scenes=1)
