@@ -89,6 +89,9 @@ def priority(value: object) -> Priority:
     return Priority(value)
 
 
+MAX_REASON_CHARS = 1_000
+
+
 def reason(value: object) -> str | None:
     """A cancel's free-text reason, checked before Stop All writes anything: one Postgres cannot store failed
     the cancel after the flag was set, with no tombstone and the commands left active."""
@@ -97,4 +100,6 @@ def reason(value: object) -> str | None:
     if not isinstance(value, str):
         raise InvalidCommand(f"reason: must be a string or null, got {show_value(value)}")
     check_storable("reason", value, error=InvalidCommand)
+    if len(value) > MAX_REASON_CHARS:  # copied onto each command it ends, and shown in every status
+        raise InvalidCommand(f"reason: must be at most {MAX_REASON_CHARS} characters (has {len(value)})")
     return value

@@ -277,10 +277,11 @@ def test_a_stop_all_whose_redis_cleanup_fails_after_its_commit_is_still_reported
     assert set(states(rt, book).values()) == {"dirty"}
 
 
-@pytest.mark.parametrize("reason", ["stop\x00now", "stop \udc80", 42])
+@pytest.mark.parametrize("reason", ["stop\x00now", "stop \udc80", 42, "x" * 1_001])
 def test_a_cancel_reason_postgres_cannot_store_is_refused_before_anything_is_written(rt, book, reason) -> None:
     """A NUL or a lone surrogate failed the cancel in Postgres after the Redis flag was set and the book's Redis
-    state wiped: no tombstone, the commands still active, a half-done Stop All the same reason could not finish."""
+    state wiped: no tombstone, the commands still active, a half-done Stop All the same reason could not finish.
+    A reason of any length was copied onto every command it ended (1,000 characters at most now)."""
     regenerate_flow.regenerate(rt.ports, book, ["audio"])
     before = states(rt, book)
     with pytest.raises(InvalidCommand, match="reason"):

@@ -150,6 +150,7 @@ def test_cancel_and_gate_of_the_real_tasks(rt) -> None:
     assert done["cancelled_commands"] and done["released"] >= 1
     check("cancel-result", cancel_flow.cancel(rt.ports, "b"))  # idempotent: nothing left to cancel
     assert refused("cancel-kwargs", {"book_id": "b", "reason": 3})
+    assert refused("cancel-kwargs", {"book_id": "b", "reason": "x" * 1_001})
     assert refused("gate-result", {"book_id": "b", "authorized": 0, "released": 0, "outcomes": {"x": 1}, "error": None})
 
 
