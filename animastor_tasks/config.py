@@ -169,7 +169,17 @@ def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ..
         raise ConfigError(f"{name}={redact_url(value)!r} must use one of the schemes {', '.join(schemes)}")
     if parts.scheme not in ("unix", "redis+socket") and not parts.hostname and "host=" not in parts.query:
         raise ConfigError(f"{name}={redact_url(value)!r} names no host")
+    if parts.scheme in ("redis", "rediss"):
+        _check_redis_url(name, value, parts.path)
     return value
+
+
+def _check_redis_url(name: str, value: str, path: str) -> None:
+    """A database that is a number. *Why:* redis-py takes a path that is no number (`/animastor`, as a
+    namespace) as database 0, another application's maybe. (Its options are read by the Redis adapter.)"""
+    database = path.lstrip("/")
+    if path.count("/") > 1 or (database and not database.isdigit()):
+        raise ConfigError(f"{name}={redact_url(value)!r}: the path must be a database number, as in /0")
 
 
 def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float, maximum: float = math.inf) -> float:

@@ -45,6 +45,10 @@ def test_a_third_stage_is_configuration_only() -> None:
     [
         ({"ANIMASTOR_DATABASE_URL": "mysql://x"}, "ANIMASTOR_DATABASE_URL"),
         ({"ANIMASTOR_REDIS_URL": "redis://host:notaport/0"}, "notaport"),
+        # redis-py took a database that is no number as database 0 (another application's, say).
+        ({"ANIMASTOR_REDIS_URL": "redis://127.0.0.1:6379/animastor"}, "database number"),
+        ({"ANIMASTOR_REDIS_URL": "redis://127.0.0.1:6379/0/extra"}, "database number"),
+        ({"ANIMASTOR_BROKER_URL": "redis://127.0.0.1:6379/-1"}, "ANIMASTOR_BROKER_URL"),
         ({"ANIMASTOR_TICK_SECONDS": "soon"}, "'soon'"),
         ({"ANIMASTOR_TICK_SECONDS": "-1"}, "ANIMASTOR_TICK_SECONDS"),
         ({"ANIMASTOR_RECONCILE_PAIRS": "many"}, "ANIMASTOR_RECONCILE_PAIRS"),
@@ -195,3 +199,13 @@ def test_silence_defaults_to_thirty_seconds_or_two_presence_ttls_if_longer() -> 
     assert Settings.from_env({}).silent_worker_seconds == 30.0
     assert Settings.from_env({"ANIMASTOR_PRESENCE_TTL_SECONDS": "60"}).silent_worker_seconds == 120.0
     assert Settings.from_env({"ANIMASTOR_SILENT_WORKER_SECONDS": "12.5"}).silent_worker_seconds == 12.5
+
+
+def test_a_redis_url_option_redis_cannot_read_stops_the_process_at_start() -> None:
+    """`?socket_timeout=abc` passed start-up as a ValueError deep in the wiring, a traceback."""
+    from animastor_tasks.adapters.redis.connection import RedisConnection
+    from animastor_tasks.domain.keys import Keyspace
+
+    with pytest.raises(ConfigError, match="ANIMASTOR_REDIS_URL.*socket_timeout") as info:
+        RedisConnection("redis://:hunter2@127.0.0.1:6379/0?socket_timeout=abc", Keyspace("t"))
+    assert "hunter2" not in str(info.value)

@@ -17,7 +17,7 @@ import redis
 from redis.client import Pipeline
 
 from animastor_tasks.domain.keys import Keyspace
-from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.errors import ConfigError, StoreUnavailable, redact_url
 
 T = TypeVar("T")
 CLOCK_CHECK_SECONDS = 60.0  # how often a process measures its clock's offset to the server's (`server_time`)
@@ -31,9 +31,12 @@ class RedisConnection:
     def __init__(self, url: str, keys: Keyspace, *, socket_timeout: float = 5.0) -> None:
         self.url = url
         self.keys = keys
-        self.client: redis.Redis = redis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
-        )
+        try:
+            self.client: redis.Redis = redis.Redis.from_url(
+                url, decode_responses=True, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
+            )
+        except ValueError as err:  # an option it cannot read (`?socket_timeout=abc`): at start, not at each call
+            raise ConfigError(f"ANIMASTOR_REDIS_URL={redact_url(url)!r}: {err}") from err
         self.renew_script = self.client.register_script(_script("renew_lease"))
         self.restore_script = self.client.register_script(_script("restore_lease"))
         self.supersede_script = self.client.register_script(_script("supersede"))
