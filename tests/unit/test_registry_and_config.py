@@ -206,6 +206,6 @@ def test_a_redis_url_option_redis_cannot_read_stops_the_process_at_start() -> No
     from animastor_tasks.adapters.redis.connection import RedisConnection
     from animastor_tasks.domain.keys import Keyspace
 
-    with pytest.raises(ConfigError, match="ANIMASTOR_REDIS_URL.*socket_timeout") as info:
+    with pytest.raises(ConfigError, match=r"ANIMASTOR_REDIS_URL.*socket_timeout") as info:
         RedisConnection("redis://:hunter2@127.0.0.1:6379/0?socket_timeout=abc", Keyspace("t"))
     assert "hunter2" not in str(info.value)
