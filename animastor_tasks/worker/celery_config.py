@@ -27,8 +27,19 @@ REDIS_SOCKET_TIMEOUT_SECONDS = 10
 def build_config(settings: Settings) -> dict[str, Any]:
     queues = [Queue(CONTROL_QUEUE, Exchange(CONTROL_QUEUE, type="direct"), routing_key=CONTROL_QUEUE)]
     routes: dict[str, dict[str, str]] = {f"animastor.{name}": {"queue": CONTROL_QUEUE} for name in CONTROL_TASKS}
+    # RabbitMQ closes the channel of a delivery not acked within its consumer timeout (30 min by default), and a
+    # job holds its delivery up to the hard time limit: each GPU consumer asks for the visibility timeout, which
+    # outlasts it (RabbitMQ 3.12 and later honour it; earlier ones need `consumer_timeout` in rabbitmq.conf).
+    ack_timeout = {"x-consumer-timeout": settings.visibility_timeout * 1000}
     for spec in settings.stages:
-        queues.append(Queue(spec.queue, Exchange(spec.queue, type="direct"), routing_key=spec.queue))
+        queues.append(
+            Queue(
+                spec.queue,
+                Exchange(spec.queue, type="direct"),
+                routing_key=spec.queue,
+                consumer_arguments=ack_timeout,
+            )
+        )
         routes[spec.task_name] = {"queue": spec.queue}
     return {
         "broker_url": settings.broker_url,

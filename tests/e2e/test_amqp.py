@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 
 import pytest
+
+from tests.support import missing
 
 from .harness import AmqpQueueTap, amqp_queue_depth
 from .test_blocked import run_blocked
@@ -43,3 +47,25 @@ def test_full_book_run_amqp(make_stack, figure, amqp_broker) -> None:
     # Every job was routed through RabbitMQ and consumed: nothing is left in the GPU queues.
     assert amqp_queue_depth(amqp_broker.url, "gpu.audio") == 0
     assert amqp_queue_depth(amqp_broker.url, "gpu.image") == 0
+
+
+def test_a_gpu_worker_asks_rabbitmq_for_an_ack_timeout_longer_than_its_jobs(make_stack, figure, amqp_broker) -> None:
+    """RabbitMQ closes the channel of a delivery not acked within its `consumer_timeout` (30 min by default), and
+    a job may hold its delivery up to the hard time limit (31 min 40 s by default): such a job's worker lost its
+    channel, every job it held went back to the queue, and Celery logged an unrecoverable error. Each GPU
+    consumer now asks for the visibility timeout (`x-consumer-timeout`, honoured from RabbitMQ 3.12)."""
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:
+        missing("rabbitmqctl is not installed")
+    stack = make_stack(broker_url=amqp_broker.url, visibility_timeout=5000)
+    stack.cluster.wait_ready(stack.cluster.gpu("audio", wait=False))
+    listed = subprocess.run(
+        [ctl, "list_consumers", "-p", amqp_broker.vhost, "queue_name", "arguments"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    [row] = [line for line in listed.splitlines() if line.startswith("gpu.audio\t")]
+    assert '{"x-consumer-timeout",5000000}' in row, listed
+    figure(f"gpu.audio consumer: {row}")
