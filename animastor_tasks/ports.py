@@ -178,6 +178,7 @@ class Leases(Protocol):
     def start_delivery(  # (lease held, delivery owned, book cancelled, when the dispatch was published or None)
         self, pair: BookPair, dispatch_id: str, worker: str, ttl: int
     ) -> tuple[bool, bool, bool, float | None]: ...
+    def retake_lease(self, pair: BookPair, dispatch_id: str, worker: str, ttl: int) -> bool: ...  # while none holds it
     def touch_delivery(self, dispatch_id: str, ttl: int) -> None: ...
     def delivery_holders(self, dispatch_ids: Sequence[str]) -> list[str | None]: ...  # `<node>#<pid>` running each
     def abandon_delivery(  # (its dispatch id, its stage, whether its lease went too), None when it held none

@@ -92,6 +92,7 @@ class GeneratingRow:
     stage: str
     token: int
     dispatch_id: str | None
+    started: bool = False  # its dispatch's start is open in Postgres: a job ran it, and has not ended
 
     @property
     def pair(self) -> Pair:

@@ -175,7 +175,7 @@ def _run_owned(
     if delivered.dispatched_at:  # its wait in its queue, both ends by the Redis server's clock (`Ports.clock`)
         ports.counters.observe(f"queue_wait_seconds:{job.stage}", max(0.0, ports.clock() - delivered.dispatched_at))
 
-    watcher = Watcher(ports, job, spec)
+    watcher = Watcher(ports, job, spec, worker)
     watcher.start()
     started = time.monotonic()
     try:

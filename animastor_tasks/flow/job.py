@@ -55,11 +55,16 @@ class Watcher(threading.Thread):
     A job a forced regenerate fenced off finds its lease swapped for its stop marker: it stops, and the
     watcher renews the marker until the job has returned (`done`), so the pair keeps its slot (and is not
     taken over and run a second time) while a generator deaf to `should_stop` (a long backend call) runs on.
+
+    A lease that is simply gone (Redis lost its data, or answered again after the lease lapsed) is taken back
+    when Postgres still says the pair is this job's, while nobody else holds it. *Why:* a Redis restart without
+    persistence stopped every running job at its next renewal, and their GPU work was done again from the start;
+    the takeover waits a lease TTL after such a loss for the jobs to take their leases back.
     """
 
-    def __init__(self, ports: Ports, job: Job, spec: StageSpec, poll: float = 0.25) -> None:
+    def __init__(self, ports: Ports, job: Job, spec: StageSpec, worker: str, poll: float = 0.25) -> None:
         super().__init__(name=f"lease-{job.dispatch_id[:8]}", daemon=True)
-        self.ports, self.job, self.spec, self.poll = ports, job, spec, poll
+        self.ports, self.job, self.spec, self.worker, self.poll = ports, job, spec, worker, poll
         self.stop = threading.Event()
         self.done = threading.Event()
         self.why = ""
@@ -83,11 +88,20 @@ class Watcher(threading.Thread):
                     ):
                         self.holding = stop_marker(self.holding)
                         self._halt("superseded by a forced regenerate")
+                    elif self.holding == self.job.dispatch_id and self._take_back():
+                        log.warning("[GENERATE] %s lease was gone (a Redis loss?): taken back", self.job.describe())
                     else:
                         self._halt("lease lost")
                         return
             except StoreUnavailable as err:
                 log.warning("[GENERATE] %s watcher cannot reach redis: %s", self.job.describe(), err)
+
+    def _take_back(self) -> bool:
+        """The vanished lease taken back if the pair is still this job's in Postgres and nobody holds the lease."""
+        job = self.job
+        if not self.ports.jobs.token_is_current(*job.owned):
+            return False
+        return self.ports.leases.retake_lease(job.lease_pair, job.dispatch_id, self.worker, self.spec.lease_ttl)
 
     def _halt(self, why: str) -> None:
         self.why = why

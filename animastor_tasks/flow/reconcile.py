@@ -126,10 +126,11 @@ def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:
                 g.stage,
                 g.dispatch_id,
             )
-    dead = [
-        g
-        for g, holder in zip(generating, holders, strict=True)
-        if g.dispatch_id in lost or (holder is None and g.dispatch_id not in queued)
+    lapsed = [
+        g for g, holder in zip(generating, holders, strict=True) if holder is None and g.dispatch_id not in queued
+    ]
+    dead = [g for g in generating if g.dispatch_id in lost] + [
+        g for g in takeover.without_retakes(ports, lapsed) if g.dispatch_id not in lost
     ]
     takeover.expire(ports, dead, report)
 

@@ -16,6 +16,10 @@ does, `worker/lost.py`), and its leases held their lane's slots for a whole leas
 the job could run elsewhere. Its last heartbeat says since when it is gone (`liveness.silent_nodes`). A node only
 cut off from Redis that long loses its jobs too: each stops at its next lease renewal once the link is back, and
 fencing refuses its commit, as after a lapsed lease (`ANIMASTOR_SILENT_WORKER_SECONDS` is the blip ridden out).
+
+Why a started job's missing lease waits a lease TTL after Redis lost its data (or this process could not reach
+it): the running jobs take their leases back at their next renewal (`flow/job.py`), and taking their pairs over
+at once stopped every running job of the farm after a Redis restart, their GPU work done again from the start.
 """
 
 from __future__ import annotations
@@ -91,11 +95,23 @@ def let_go_of_silent_nodes(ports: Ports, generating: Sequence[GeneratingRow], re
 def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
     """The pairs whose started job stopped renewing its lease go back at once."""
     holders = ports.leases.lease_holders([(g.book, *g.pair) for g in generating])
-    lapsed = [g for g, holder in zip(generating, holders, strict=True) if holder is None]
+    lapsed = without_retakes(ports, [g for g, holder in zip(generating, holders, strict=True) if holder is None])
     if not lapsed:
         return
     marks = ports.leases.undelivered([g.dispatch_id or "" for g in lapsed])
     expire(ports, [g for g, mark in zip(lapsed, marks, strict=True) if mark is None or not g.dispatch_id], report)
+
+
+def without_retakes(ports: Ports, lapsed: list[GeneratingRow]) -> list[GeneratingRow]:
+    """`lapsed` but the started jobs that may yet take their lease back: those of a stage whose lease TTL has not
+    passed since Redis lost its data or answered again (`presence_unsure_since`)."""
+    started = [g for g in lapsed if g.started]
+    if not started:
+        return lapsed
+    quiet_for = ports.clock() - ports.book_state.presence_unsure_since()
+    registry = ports.settings.registry
+    awaited = {id(g) for g in started if g.stage in registry and quiet_for < registry.get(g.stage).lease_ttl}
+    return [g for g in lapsed if id(g) not in awaited]
 
 
 def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) -> None:

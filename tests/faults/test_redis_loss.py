@@ -113,3 +113,26 @@ def test_redis_loss_with_jobs_queued_and_running(make_stack, redis_down_ok, figu
         f"finished max {max(float(s['done']) for s in seen):.2f}s after the fault; leases expired {expired}, "
         f"dispatches {dispatches} for {len(pairs) * trials} pair runs"
     )
+
+
+def test_a_job_running_through_a_redis_restart_keeps_its_gpu_work(make_stack, redis_down_ok, figure) -> None:
+    """Redis restarted without persistence while a long job ran: the tick took its lease-less pair over at once
+    and the job stopped at its next renewal, its GPU work done again from the start on the next dispatch. Now the
+    job takes its lease back (Postgres still says the pair is its own) and commits: one start, one run."""
+    long_job = {"steps": 40, "step_seconds": 0.15}  # 6 s, renewing its 3 s lease every second
+    stack = make_stack(stages=stage_table(audio=audio_stage(params=long_job, lease_ttl=3), image=image_stage()))
+    cluster = stack.cluster
+    cluster.wait_ready(cluster.control(wait=False), cluster.gpu("audio", wait=False), cluster.beat(wait=False))
+    book = make_book("long-job", chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+    stack.client.regenerate(book.book_id, ["audio"])
+    wait_for(lambda: stack.events("job.started", book.book_id), 20, interval=0.05, what="the job started")
+    time.sleep(1.0)
+    redis_down_ok.restart()
+    restarted = time.monotonic()
+    stack.wait_commands(book.book_id, ["audio"], "completed", timeout=60)
+    finished = time.monotonic() - restarted
+    starts = stack.events("job.started", book.book_id)
+    expired = stack.events("lease.expired", book.book_id)
+    assert len(starts) == 1 and expired == [], (starts, expired)
+    figure(f"job of 6 s, Redis restarted 1 s in: starts {len(starts)}, leases expired 0, done {finished:.1f}s after")

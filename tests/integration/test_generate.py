@@ -12,7 +12,7 @@ from typing import Any
 
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import gate
+from animastor_tasks.flow import gate, takeover
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import Later, run_job
 from animastor_tasks.flow.job import Job
@@ -403,3 +403,56 @@ def test_a_lease_its_ended_job_left_behind_holds_a_regenerated_pair_only_until_i
     assert rt.redis.client.exists(lease) == 0
     gate.gate_pass(rt.ports, "b")
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+
+
+def test_a_running_job_whose_lease_redis_lost_takes_it_back_and_finishes(rt, tmp_path) -> None:
+    """Redis restarted without persistence mid-job: the tick found the started pair without a lease and took it
+    over at once, and the job stopped at its next renewal (lease lost): every running job of the farm ran again
+    from the start. Now the tick waits a lease TTL and the job takes its lease back: one run, committed."""
+    slow = replace(rt.settings.registry.get("audio"), lease_ttl=3, params={"steps": 30, "step_seconds": 0.1})
+    with_stage(rt, slow, tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    outcome: dict = {}
+    worker = threading.Thread(target=lambda: outcome.update(run_job(rt.ports, job, worker="gpu@host#1")))
+    worker.start()
+    time.sleep(0.5)
+    rt.redis.client.flushdb()  # a restart without persistence: leases, markers, presence and all
+    advertise(rt, "gpu.audio")  # the worker's next heartbeat
+    lease = rt.redis.keys.lease(*job.lease_pair)
+    taken_back = None
+    while worker.is_alive():
+        assert takeover.on_tick(rt.ports)["expired"] == 0
+        if taken_back is None and rt.redis.client.get(lease) == job.dispatch_id:
+            taken_back = time.monotonic()
+        time.sleep(0.1)
+    assert outcome["outcome"] == "ready", outcome
+    assert taken_back is not None
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "ready"
+    with rt.db.transaction() as conn:
+        assert conn.execute("SELECT count(*) FROM events WHERE kind = 'job.started'").fetchone()[0] == 1
+
+
+def test_a_started_job_that_does_not_take_its_lease_back_is_taken_over_after_a_lease_ttl(rt, tmp_path) -> None:
+    """The wait after a Redis loss is for running jobs: a started pair whose job died meanwhile goes back once its
+    stage's lease TTL has passed."""
+    with_stage(rt, replace(rt.settings.registry.get("audio"), lease_ttl=2), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    with rt.db.transaction() as conn:  # its start recorded and never ended: its worker died with Redis
+        conn.execute(
+            "INSERT INTO job_starts (book_id, chapter_id, scene_id, stage, open_dispatch) VALUES (%s, %s, %s, %s, %s)",
+            (*job.lease_pair, job.dispatch_id),
+        )
+    rt.redis.client.flushdb()
+    advertise(rt, "gpu.audio")
+    lost = time.monotonic()
+    while takeover.on_tick(rt.ports)["expired"] == 0:
+        assert time.monotonic() - lost < 4, "never taken over"
+        time.sleep(0.1)
+    assert time.monotonic() - lost >= 1.8
+    assert states(rt, "b")[("ch1", "s1", "audio")] in ("pending", "generating")

@@ -193,8 +193,11 @@ class AssetStore(GateReads):
             return [
                 GeneratingRow(*r)
                 for r in conn.execute(
-                    "SELECT book_id, chapter_id, scene_id, stage, fencing_token, dispatch_id FROM asset_states"
-                    " WHERE state = %s",
+                    "SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.fencing_token, a.dispatch_id,"
+                    " j.open_dispatch IS NOT NULL AND j.open_dispatch = a.dispatch_id"
+                    " FROM asset_states a LEFT JOIN job_starts j ON j.book_id = a.book_id"
+                    "  AND j.chapter_id = a.chapter_id AND j.scene_id = a.scene_id AND j.stage = a.stage"
+                    " WHERE a.state = %s",
                     (AssetState.GENERATING,),
                 )
             ]

@@ -47,6 +47,7 @@ class RedisConnection:
         self.breaker_release_script = self.client.register_script(_script("breaker_release"))
         self.start_delivery_script = self.client.register_script(_script("start_delivery"))
         self.abandon_delivery_script = self.client.register_script(_script("abandon_delivery"))
+        self.retake_lease_script = self.client.register_script(_script("retake_lease"))
         self._batch = threading.local()  # this thread's open `batched` pipeline, if any
         # When Redis answered again after this process could not reach it: what lapses with time (the workers'
         # heartbeats) may have lapsed meanwhile only because they could not reach it either.

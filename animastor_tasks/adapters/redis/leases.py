@@ -136,6 +136,24 @@ class LeaseStore:
         )
         return bool(held), bool(owned), bool(cancelled), _seconds(published)
 
+    def retake_lease(self, pair: BookPair, dispatch_id: str, worker: str, ttl: int) -> bool:
+        """A running job's vanished lease taken back, with its delivery's markers, unless another dispatch holds it
+        (`lua/retake_lease.lua`); one round trip."""
+        keys = self.conn.keys
+        return bool(
+            self.conn.run(
+                lambda: self.conn.retake_lease_script(
+                    keys=[
+                        keys.lease(*pair),
+                        keys.running(dispatch_id),
+                        keys.holding(worker),
+                        keys.holders(holder_node(worker)),
+                    ],
+                    args=[dispatch_id, ttl * 1000, worker, ttl, HOLDING_ENTRY_SECONDS],
+                )
+            )
+        )
+
     def abandon_delivery(self, holder: str, redelivered: str | None) -> tuple[str, str, bool] | None:
         """Let go of the job a dead worker process held (`lua/abandon_delivery.lua`): (its dispatch id, its stage,
         whether its lease was dropped too), or None when it held none still running. `redelivered`: the dispatch whose

@@ -1,0 +1,15 @@
+-- A running job whose lease vanished (Redis lost its data, or answered again after the lease lapsed) takes it
+-- back with its delivery's markers, only while nobody holds the lease; the caller read in Postgres that the
+-- pair is still this job's (its state, token and dispatch id).
+-- KEYS[1] lease key, KEYS[2] running marker, KEYS[3] the holder's entry, KEYS[4] the holders of its worker node
+-- ARGV[1] dispatch id, ARGV[2] lease ttl in ms, ARGV[3] holder (worker and process), ARGV[4] running marker
+-- ttl in s, ARGV[5] the holder entry's ttl in s
+-- returns 1 when taken back, 0 when another dispatch holds the lease
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return 0
+end
+redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4])
+redis.call('SET', KEYS[3], ARGV[1] .. '\n' .. KEYS[1], 'EX', ARGV[5])
+redis.call('SADD', KEYS[4], ARGV[3])
+redis.call('EXPIRE', KEYS[4], ARGV[5])
+return 1
