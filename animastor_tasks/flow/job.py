@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from animastor_tasks.domain.deferral import compute_backoff
+from animastor_tasks.domain.job_rules import RUN_TIME_SHARE
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair, Pair
@@ -69,6 +70,7 @@ class Watcher(threading.Thread):
         self.done = threading.Event()
         self.why = ""
         self.holding = job.dispatch_id  # what the pair's lease holds for this job: its dispatch id, or its stop marker
+        self.started_at = time.monotonic()  # the job's run began: its share of the soft time limit counts from here
 
     def run(self) -> None:
         renew_every = self.spec.lease_ttl / 3
@@ -118,12 +120,14 @@ COMMIT_RETRY_FIRST, COMMIT_RETRY_MAX = 0.25, 2.0
 
 def when_reachable(job: Job, spec: StageSpec, watcher: Watcher, write: Callable[[], T]) -> T:
     """A job's write of its verdict (its commit, its failure, its give-back), tried again while Postgres cannot be
-    reached (a failover, a restart), for as long as a dead job's pair would wait for its lease (`lease_ttl`) and
-    until the job's watcher stops it (its lease lost, its book cancelled); a late write is harmless, as its token
-    is compared. *Why:* the verdict is the job's to write; lost on the first refused connection, the GPU work of a
+    reached (a failover, a restart) until the job's watcher stops it (its lease lost, its book cancelled): for the
+    job's share of its soft time limit, and at least a lease TTL; a late write is harmless, as its token is
+    compared. *Why:* the verdict is the job's to write; lost on the first refused connection, the GPU work of a
     finished job was thrown away, and the start, left open, counted as one lost to a dead worker (three such blips
-    failed a healthy scene as `worker_lost`)."""
-    deadline = time.monotonic() + spec.lease_ttl
+    failed a healthy scene as `worker_lost`). Given up after one lease TTL, an outage longer than that threw the
+    work away all the same, although the watcher kept the lease and nobody could take the pair over."""
+    share = RUN_TIME_SHARE * watcher.ports.settings.job_soft_time_limit
+    deadline = max(time.monotonic() + spec.lease_ttl, watcher.started_at + share)
     attempt = 0
     while True:
         try:
