@@ -103,16 +103,23 @@ def test_a_backend_that_names_when_to_come_back_is_retried_then(rt, tmp_path, st
     assert time.monotonic() - started >= 0.8
 
 
+def one_running_job(rt: Wiring, tmp_path: Path, spec: StageSpec) -> tuple[Job, threading.Thread, dict[str, Any]]:
+    """Book `b`'s one scene dispatched on `spec` and running in a thread: (its job, the thread, its result once
+    it has returned)."""
+    with_stage(rt, spec, tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, spec.queue)
+    regenerate_flow.regenerate(rt.ports, "b", [spec.name])
+    [job] = dispatched_jobs(rt, "b")
+    outcome: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: outcome.update(run_job(rt.ports, job, worker="gpu@host#1")))
+    worker.start()
+    return job, worker, outcome
+
+
 def test_cancel_stops_a_running_job_within_two_seconds(rt, tmp_path) -> None:
     slow = replace(rt.settings.registry.get("audio"), params={"steps": 40, "step_seconds": 0.25})
-    with_stage(rt, slow, tmp_path)
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    [job] = dispatched_jobs(rt, "b")
-    outcome: dict = {}
-    worker = threading.Thread(target=lambda: outcome.update(run_job(rt.ports, job, worker="test")))
-    worker.start()
+    _, worker, outcome = one_running_job(rt, tmp_path, slow)
     time.sleep(0.6)
     cancel_flow.cancel(rt.ports, "b")
     cancelled_at = time.monotonic()
@@ -410,14 +417,7 @@ def test_a_running_job_whose_lease_redis_lost_takes_it_back_and_finishes(rt, tmp
     over at once, and the job stopped at its next renewal (lease lost): every running job of the farm ran again
     from the start. Now the tick waits a lease TTL and the job takes its lease back: one run, committed."""
     slow = replace(rt.settings.registry.get("audio"), lease_ttl=3, params={"steps": 30, "step_seconds": 0.1})
-    with_stage(rt, slow, tmp_path)
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    [job] = dispatched_jobs(rt, "b")
-    outcome: dict = {}
-    worker = threading.Thread(target=lambda: outcome.update(run_job(rt.ports, job, worker="gpu@host#1")))
-    worker.start()
+    job, worker, outcome = one_running_job(rt, tmp_path, slow)
     time.sleep(0.5)
     rt.redis.client.flushdb()  # a restart without persistence: leases, markers, presence and all
     advertise(rt, "gpu.audio")  # the worker's next heartbeat
