@@ -94,6 +94,7 @@ def dispatch_pending(
         consumers = ports.presence.counts([spec.queue for spec in specs.values()], snap.consumers)
     except StoreUnavailable as err:  # the presence registry, or the AMQP broker refusing a passive declare
         log.warning("[DISPATCH] book=%r consumers unreadable, dispatching nothing: %s", book, err)
+        _keep_handed(ports, book, handed_lane, [i for i in todo if specs[i.stage].queue == handed_lane], result)
         return result
 
     presence_unsure = now - snap.presence_unsure_since < ports.settings.presence_ttl_seconds
@@ -102,6 +103,7 @@ def dispatch_pending(
         restarting = set() if presence_unsure else successor_awaited(ports, [s.queue for s in unconsumed.values()])
     except StoreUnavailable as err:
         log.warning("[DISPATCH] book=%r presence registry unreadable, dispatching nothing: %s", book, err)
+        _keep_handed(ports, book, handed_lane, [i for i in todo if specs[i.stage].queue == handed_lane], result)
         return result
     unsure: set[str] = set()
     for stage, spec in unconsumed.items():
@@ -113,13 +115,7 @@ def dispatch_pending(
             why = "a Redis loss" if presence_unsure else "its last one stopped moments ago"
             log.warning("[DISPATCH] book=%r stage=%s has no worker for now (%s); waiting", book, stage, why)
             if spec.queue == handed_lane:
-                # Handed a slot of it: the book keeps the slot rather than pass it down the list (each next book
-                # found the same and dropped off it, the list empty by the time the worker was back, the slots
-                # idle until the books' deferrals ran out). Its pairs wait for the tick's passes (the caller makes
-                # the book due now), their capacity deferrals cleared, and the book waits on at the head.
-                _wait_for_lane(ports, book, spec.queue, todo, stage, 0.0)
-                ports.deferrals.clear_deferrals(book, [i.pair for i in todo if i.stage == stage])
-                result.held_lanes.add(spec.queue)
+                _keep_handed(ports, book, handed_lane, [i for i in todo if i.stage == stage], result)
             continue
         result.blocked[stage] = block_lane(ports, spec, [book], exclude=book)[book]
         result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
@@ -289,6 +285,21 @@ def _wait_without_claim(
     result.outcomes[Outcome.LANE_FULL] += len(items)
     for stage in {i.stage for i in items}:
         _wait_for_lane(ports, book, specs[stage].queue, items, stage, now)
+
+
+def _keep_handed(
+    ports: Ports, book: str, handed_lane: str | None, items: list[InFlight], result: DispatchResult
+) -> None:
+    """Handed a slot it cannot use for now (its stage's worker awaited, presence unreadable): the book keeps the
+    slot rather than pass it down the list (each next book found the same and dropped off it, the list empty by
+    the time the worker or the store was back, the slots idle until the books' deferrals ran out). Its pairs wait
+    for the tick's passes (the caller makes the book due now), their capacity deferrals cleared, and the book
+    waits on at the head."""
+    if handed_lane is None or not items:
+        return
+    ports.deferrals.wait_for_lane(handed_lane, book, wait_score(min(i.rank for i in items), 0.0))
+    ports.deferrals.clear_deferrals(book, [i.pair for i in items])
+    result.held_lanes.add(handed_lane)
 
 
 def _wait_for_lane(ports: Ports, book: str, queue: str, items: list[InFlight], stage: str, since: float) -> None:

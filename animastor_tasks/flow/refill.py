@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import candidates, gate
 from animastor_tasks.flow.page import PassReport
@@ -36,9 +37,24 @@ def refill(ports: Ports, book: str, lane: str | None = None, *, one_slot_of: str
     except StoreUnavailable as err:
         report.error = str(err)
         log.warning("[COMMAND-GATE] book=%r refill failed, nothing authorized: %s", book, err)
+        if lane is not None:
+            _keep_place(ports, book, lane)
+            return report
     if lane is not None and lane not in report.claimed_lanes | report.held_lanes:
         gate.pass_on_slot(ports, book, lane)
     return report
+
+
+def _keep_place(ports: Ports, book: str, lane: str) -> None:
+    """A handed refill that could not read its book keeps its place at the head of the lane's waiting list, due
+    at once, rather than pass the slot on. *Why:* in a Postgres failover each next book's refill failed the same
+    way, until every waiting book was off the list and the slot idle; the books came back only as their capacity
+    deferrals ran out, in the order of their last refusal. The tick passes the book once the store answers."""
+    try:
+        ports.deferrals.wait_for_lane(lane, book, wait_score(0, 0.0))
+        ports.book_state.set_due(book, ports.clock())
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] book=%r place on %s not kept: %s", book, lane, err)
 
 
 def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str, *, here: bool = False) -> None:

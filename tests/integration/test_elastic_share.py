@@ -18,6 +18,8 @@ import pytest
 import redis
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import dispatch
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
 from animastor_tasks.flow.job import Job
@@ -228,3 +230,26 @@ def test_a_book_whose_interactive_job_ends_does_not_keep_the_slot_for_its_bulk_s
     regenerate_flow.regenerate(rt.ports, "waiter", ["audio"])  # normal
     finish_one(rt, "runner")
     assert running(rt, "runner", "waiter") == {"waiter": 1}
+
+
+def test_a_postgres_outage_during_handed_refills_keeps_the_waiting_list(rt, monkeypatch) -> None:
+    """A handed refill that could not read its book (Postgres failing over) passed the slot on: the next book's
+    refill failed the same way, and so on until every waiting book was off the list, the slot finally idle, the
+    books back only as their capacity deferrals ran out (a minute), in the order of their last refusal."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    for book in ("x", "a", "b", "c"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    assert running(rt, "x", "a", "b", "c") == {"x": 1}
+    assert [b for b in waiting(rt) if b != "x"] == ["a", "b", "c"]
+
+    def failing_over(*args: object, **kwargs: object) -> None:
+        raise StoreUnavailable("postgres", rt.settings.database_url, "the server is shutting down")
+
+    monkeypatch.setattr(rt.ports.assets, "gate_candidates", failing_over)
+    dispatch.hand_over(rt.ports, "gpu.audio", 1, exclude="x")
+    run_control(rt)
+    monkeypatch.undo()
+    assert [b for b in waiting(rt) if b != "x"] == ["a", "b", "c"]  # nobody dropped off, the order kept
+    due = rt.redis.client.zscore(rt.redis.keys.due(), "a")
+    assert due is not None and due <= rt.ports.clock()  # the tick passes it once Postgres answers
