@@ -215,11 +215,21 @@ def show_status(
         with Live(status_view(data, meter), console=console, refresh_per_second=4) as live:
             while any(c["status"] not in NO_LONGER_ACTIVE for c in data["commands"]):
                 time.sleep(interval)
-                data = fetch()
+                try:
+                    data = fetch()
+                except StoreUnavailable as err:
+                    live.update(Group(status_view(data, meter), _refresh_failed(err)))
+                    continue
                 meter.observe(data)
                 live.update(status_view(data, meter))
     except KeyboardInterrupt:
         pass
+
+
+def _refresh_failed(err: StoreUnavailable) -> Text:
+    """A --watch view whose refresh met a store blip keeps the last view, says so, and tries again. *Why:* the
+    first refresh after a Postgres restart meets a pooled connection it closed, and the watch ended (exit 3)."""
+    return Text(f"{time.strftime('%H:%M:%S')} {err}; retrying", style="bold red")
 
 
 def show_commands(rows: list[dict[str, Any]], console: Console | None = None) -> None:
@@ -334,9 +344,15 @@ def watch_queues(fetch: Callable[[], Sequence[QueueRow]], *, interval: float, co
     """Refresh the queue overview every `interval` seconds until Ctrl-C."""
     console = console or Console()
     try:
-        with Live(queues_table(fetch()), console=console, refresh_per_second=4) as live:
+        table = queues_table(fetch())
+        with Live(table, console=console, refresh_per_second=4) as live:
             while True:
                 time.sleep(interval)
-                live.update(Group(queues_table(fetch()), Text(time.strftime("updated %H:%M:%S"), style="grey50")))
+                try:
+                    table = queues_table(fetch())
+                except StoreUnavailable as err:
+                    live.update(Group(table, _refresh_failed(err)))
+                    continue
+                live.update(Group(table, Text(time.strftime("updated %H:%M:%S"), style="grey50")))
     except KeyboardInterrupt:
         pass

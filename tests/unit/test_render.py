@@ -208,3 +208,36 @@ def test_a_command_made_by_a_clock_ahead_of_this_host_is_zero_old_not_negative()
     data["commands"][0]["created_at"] = time.time() + 5
     out = text_of(render.commands_table(data))
     assert " 0:00" in out and "-1:" not in out
+
+
+def test_a_watch_rides_out_a_store_that_fails_a_refresh() -> None:
+    """A refresh that met a store blip (the first transaction on a pooled connection a Postgres restart had closed)
+    ended `status --watch` with exit 3; it now shows the error and refreshes again."""
+    from animastor_tasks.errors import StoreUnavailable
+
+    active, done = book(chapters=1, scenes=2), book(chapters=1, scenes=2)
+    done["commands"][0]["status"] = "completed"
+    blip = StoreUnavailable("postgres", "postgresql://db/x", "server closed the connection")
+    answers: list[Any] = [active, blip, done]
+
+    def fetch() -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    console = Console(record=True, width=120, force_terminal=False)
+    render.show_status(fetch, watch=True, interval=0.01, console=console)
+    assert answers == []  # refreshed past the failure, to the end
+    assert "postgres unavailable" in render._refresh_failed(blip).plain  # what the view shows meanwhile
+
+    rows: list[Any] = [[], StoreUnavailable("redis", "redis://r/0", "connection refused"), KeyboardInterrupt()]
+
+    def queues() -> Any:
+        answer = rows.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    render.watch_queues(queues, interval=0.01, console=console)
+    assert rows == []
