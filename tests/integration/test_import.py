@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -173,3 +175,28 @@ def test_a_reimport_that_drops_or_changes_a_commanded_scene_lets_its_command_end
     [command] = rt.ports.commands.commands(command_ids=[created["command_id"]])
     assert command.status == "failed"
     assert command.released == {"input_changed": 1, "scene_removed": 1}
+
+
+def test_an_import_into_a_read_only_postgres_is_a_store_error_not_a_traceback(rt, tmp_path) -> None:
+    """During a failover the URL may still reach the demoted primary or a standby: a write there raised psycopg's
+    ReadOnlySqlTransaction, not counted as a store error, and the CLI printed a traceback (exit 1)."""
+    path = tmp_path / "book.json"
+    path.write_text(json.dumps(book_to_dict(make_book("standby-book"))))
+    role = f"animastor_standby_{uuid.uuid4().hex[:8]}"  # every session of it read-only, as on a standby
+    with rt.db.transaction() as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+        conn.execute(f"ALTER ROLE {role} SET default_transaction_read_only = on")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "animastor_tasks.operator.cli", "book", "import", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "ANIMASTOR_DATABASE_URL": rt.settings.database_url.replace("postgres@", f"{role}@")},
+        )
+    finally:
+        with rt.db.transaction() as conn:
+            conn.execute(f"DROP ROLE {role}")
+    assert done.returncode == 3, done.stderr
+    assert "read-only" in done.stderr and "Traceback" not in done.stderr
+    assert not rt.catalog.book_exists("standby-book")

@@ -21,7 +21,11 @@ from animastor_tasks.errors import StoreUnavailable
 
 
 def _is_store_error(err: BaseException) -> bool:
-    return isinstance(err, psycopg.OperationalError | psycopg.InterfaceError | PoolTimeout)
+    """The store, not the statement: it cannot be reached, or it takes no writes (a standby, a primary being
+    demoted in a failover, which the URL may still reach: a write there was a traceback)."""
+    return isinstance(
+        err, psycopg.OperationalError | psycopg.InterfaceError | PoolTimeout | psycopg.errors.ReadOnlySqlTransaction
+    )
 
 
 #: Why the last attempt to connect to each URL failed, until one succeeds.
