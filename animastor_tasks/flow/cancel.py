@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from animastor_tasks.domain.types import Pair
@@ -27,7 +28,7 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
     cancelled, released, dispatched = ports.commands.cancel_book(book, why)
     dispatch_ids = [d for _, d in dispatched]
     try:
-        _let_go(ports, book, dispatched)
+        let_go(ports, book, dispatched)
     except StoreUnavailable as err:
         # Committed, the Stop All holds: the flag stops the jobs (each drops its lease as it ends, a queued one is
         # refused at its start), and the slots left unhanded go to the waiting books once their deferrals end.
@@ -43,8 +44,9 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
     return {"book_id": book, "cancelled_commands": cancelled, "released": released, "revoked": len(dispatch_ids)}
 
 
-def _let_go(ports: Ports, book: str, dispatched: list[tuple[Pair, str]]) -> None:
-    """The released jobs' leases dropped and revoked, their slots handed to the books waiting for them."""
+def let_go(ports: Ports, book: str, dispatched: Sequence[tuple[Pair, str]]) -> None:
+    """The released jobs' leases dropped and revoked (a running job stops at its next renewal, or at once on a
+    cancel flag; a queued one is refused at its start), their slots handed to the books waiting for them."""
     ports.leases.drop_leases([(book, *pair) for pair, _ in dispatched])
     if dispatched:
         ports.publisher.revoke([d for _, d in dispatched])

@@ -116,8 +116,16 @@ def book_import(path: Path, as_json: bool) -> None:
         raw = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
     except OSError as err:
         raise InvalidBook(f"cannot read {str(path)!r}: {err.strerror}") from err
-    summary = _wired().catalog.import_book(parse_book_json(raw))
-    data = summary.__dict__
+    rt = _wired()
+    summary = rt.catalog.import_book(parse_book_json(raw))
+    if summary.removed_jobs:  # their scenes are gone: their jobs stop rather than run on into a refused commit
+        from animastor_tasks.flow.cancel import let_go
+
+        try:
+            let_go(rt.ports, summary.book_id, summary.removed_jobs)
+        except StoreUnavailable as err:
+            click.echo(f"warning: the jobs of removed scenes run on until their commit is refused: {err}", err=True)
+    data = summary.public()
     _emit(
         data,
         as_json,

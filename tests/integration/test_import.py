@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -200,3 +201,57 @@ def test_an_import_into_a_read_only_postgres_is_a_store_error_not_a_traceback(rt
     assert done.returncode == 3, done.stderr
     assert "read-only" in done.stderr and "Traceback" not in done.stderr
     assert not rt.catalog.book_exists("standby-book")
+
+
+def test_a_reimport_that_removes_a_scene_stops_the_job_running_it(rt, tmp_path) -> None:
+    """The import deleted the scene's pairs and left their jobs alone: a running one renewed its lease and ran to
+    its end (up to the soft time limit), its output refused at commit, while its lane counted the slot free and
+    sent another job to the lane's GPUs meanwhile."""
+    from dataclasses import replace
+
+    from .test_generate import one_running_job
+
+    slow = replace(rt.settings.registry.get("audio"), lease_ttl=3, params={"steps": 100, "step_seconds": 0.1})
+    job, worker, outcome = one_running_job(rt, tmp_path, slow)
+    time.sleep(0.3)
+    edited = book_to_dict(make_book("b", chapters=1, scenes=1))
+    edited["chapters"][0]["scenes"][0]["scene_id"] = "s1-renamed"  # s1 is gone
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(edited))
+    imported = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.operator.cli", "book", "import", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["scenes_removed"] == 1
+    worker.join(timeout=15)
+    assert outcome.get("outcome") == "stopped", outcome
+    assert time.monotonic() - imported < 3  # at its next lease renewal, not after its 10 s run
+    assert rt.redis.client.exists(rt.redis.keys.lease(*job.lease_pair)) == 0
+
+
+def test_a_reimport_from_a_shell_without_a_stage_still_releases_that_stage_s_removed_targets(rt) -> None:
+    """A scene removed by an import from a shell whose stage table lacks `image` (the default one, say): only the
+    stages it knew had their targets released, and the image command waited on its removed target for ever."""
+    from dataclasses import replace
+
+    from animastor_tasks.adapters.postgres.catalog import Catalog
+    from animastor_tasks.domain.book import parse_book
+    from animastor_tasks.flow import regenerate as regenerate_flow
+
+    from .helpers import advertise
+
+    book = make_book("b", chapters=1, scenes=2)
+    rt.catalog.import_book(book)
+    advertise(rt, "gpu.image")
+    [created] = regenerate_flow.regenerate(rt.ports, "b", ["image"])["commands"]
+    registry = rt.settings.registry
+    audio_only = Catalog(rt.db, replace(registry, stages=(registry.get("audio"),)))
+    doc = book_to_dict(book)
+    del doc["chapters"][0]["scenes"][1]  # s2 is gone
+    audio_only.import_book(parse_book(doc))
+    [command] = rt.ports.commands.commands(command_ids=[created["command_id"]])
+    assert command.released == {"scene_removed": 1}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -29,6 +29,12 @@ class ImportSummary:
     scenes_changed: int
     scenes_removed: int
     assets_dirtied: int
+    # The removed scenes' pairs that were dispatched, with their dispatch ids: jobs to stop (not part of the output).
+    removed_jobs: tuple[tuple[Pair, str], ...] = field(default=(), repr=False)
+
+    def public(self) -> dict[str, object]:
+        """What `book import` answers."""
+        return {k: v for k, v in self.__dict__.items() if k != "removed_jobs"}
 
 
 _COMMAND_CONTEXT = (
@@ -88,6 +94,14 @@ class Catalog:
             }
             new_keys = {(s.chapter_id, s.scene_id) for s in book.scenes}
             removed = [key for key in old if key not in new_keys]
+            # Every stage's pair of a removed scene, this process's stage table or not: a target of a stage it does
+            # not know was left open, its command active for ever.
+            removed_pairs = conn.execute(
+                "SELECT a.chapter_id, a.scene_id, a.stage, a.state, a.dispatch_id FROM asset_states a"
+                " JOIN unnest(%s::text[], %s::text[]) AS r(c, s) ON a.chapter_id = r.c AND a.scene_id = r.s"
+                " WHERE a.book_id = %s",
+                ([c for c, _ in removed], [s for _, s in removed], book.book_id),
+            ).fetchall()
             with conn.cursor() as cur:
                 cur.executemany(
                     "DELETE FROM scenes WHERE book_id = %s AND chapter_id = %s AND scene_id = %s",
@@ -142,7 +156,7 @@ class Catalog:
             # it was made was found stale: counted open for ever, it kept its command active (the book's lock,
             # taken above, is the one every settle holds).
             if removed or dirtied:
-                gone = [(c, s, st) for c, s in removed for st in stages]
+                gone = [(c, s, st) for c, s, st, _, _ in removed_pairs]
                 mark_released(conn, book.book_id, {SCENE_REMOVED: gone, INPUT_CHANGED: dirtied})
             changed = sum(
                 1
@@ -153,7 +167,8 @@ class Catalog:
             journal.record(
                 conn, "book.imported", book.book_id, {"added": added, "changed": changed, "removed": len(removed)}
             )
-        return ImportSummary(book.book_id, bool(created), added, changed, len(removed), len(dirtied))
+        running = tuple(((c, s, st), d) for c, s, st, state, d in removed_pairs if state == AssetState.GENERATING and d)
+        return ImportSummary(book.book_id, bool(created), added, changed, len(removed), len(dirtied), running)
 
     @staticmethod
     def _ensure_asset_rows(conn: psycopg.Connection, book_id: str, stages: list[str]) -> None:
