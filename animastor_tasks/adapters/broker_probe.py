@@ -4,25 +4,34 @@ many messages wait per queue (both)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from animastor_tasks.config import redis_py_url
 from animastor_tasks.errors import StoreUnavailable
 
+if TYPE_CHECKING:
+    from kombu import Connection
+
 log = logging.getLogger("animastor.broker")
 
 
 def amqp_consumer_counts(url: str, queues: Sequence[str]) -> dict[str, int]:
-    """Passive queue declare: the broker's consumer count (0 for a queue that does not exist).
+    """Passive queue declare: the broker's consumer count (0 for a queue that does not exist)."""
+    return {queue: consumers for queue, (_, consumers) in amqp_queue_counts(url, queues).items()}
+
+
+def amqp_queue_counts(url: str, queues: Collection[str]) -> dict[str, tuple[int, int]]:
+    """Passive queue declare: (ready messages, consumers) per queue, (0, 0) for one that does not exist.
 
     A broker that cannot answer raises `StoreUnavailable`, as a store that is down does: a raw
     connection error aborted a whole reconcile pass, and `animastor-tasks queues` with a traceback."""
     try:
-        declared = _amqp_declare(url, queues)
+        return _amqp_declare(url, queues)
     except Exception as err:
         raise StoreUnavailable("broker", url, str(err).strip() or type(err).__name__) from err
-    return {queue: consumers for queue, (_, consumers) in declared.items()}
 
 
 def amqp_message_counts(url: str, queues: Collection[str]) -> dict[str, int]:
@@ -35,15 +44,35 @@ def queue_not_found(err: Exception) -> bool:
     return getattr(err, "code", None) == 404 or "NOT_FOUND" in str(err)
 
 
+#: How long a probe waits for the broker to connect or to answer one request.
+PROBE_TIMEOUT_SECONDS = 3
+
+
+@contextmanager
+def probe_connection(url: str) -> Iterator[Connection]:
+    """A kombu connection to the broker, connected once, that fails fast: no reconnect per channel (kombu's own
+    retried each one after 2 s) and a bound on every read (a broker that takes the connection and never answers
+    held an AMQP probe 4 s a queue and a Redis one for ever: a metrics scrape past Prometheus's timeout, every
+    series stale during the very outage `animastor_store_up` is for)."""
+    from kombu import Connection
+
+    timeouts: dict[str, float] = (
+        {"read_timeout": PROBE_TIMEOUT_SECONDS, "write_timeout": PROBE_TIMEOUT_SECONDS}
+        if urlsplit(url).scheme in ("amqp", "amqps", "pyamqp")
+        else {"socket_timeout": PROBE_TIMEOUT_SECONDS, "socket_connect_timeout": PROBE_TIMEOUT_SECONDS}
+    )
+    with Connection(url, connect_timeout=PROBE_TIMEOUT_SECONDS, transport_options=timeouts) as conn:
+        conn.ensure_connection(max_retries=0)
+        yield conn
+
+
 def _amqp_declare(url: str, queues: Collection[str]) -> dict[str, tuple[int, int]]:
     """(ready messages, consumers) per queue; (0, 0) for a queue that does not exist.
 
     Any other failure raises (the callers treat it as "the broker cannot tell").
     """
-    from kombu import Connection
-
     counts: dict[str, tuple[int, int]] = {}
-    with Connection(url, connect_timeout=3) as conn:
+    with probe_connection(url) as conn:
         for queue in queues:
             channel = conn.channel()
             try:
@@ -96,7 +125,9 @@ def queued_dispatch_ids(broker_url: str, queues: Collection[str], limit: int = 1
 
     if urlsplit(broker_url).scheme not in ("redis", "rediss", "redis+socket"):
         return None
-    client = redis.Redis.from_url(redis_py_url(broker_url), socket_timeout=5)  # a socket's database as kombu's
+    client = redis.Redis.from_url(  # a socket's database as kombu's
+        redis_py_url(broker_url), socket_timeout=5, socket_connect_timeout=PROBE_TIMEOUT_SECONDS
+    )
     ids: set[str] = set()
     try:
         pipe = client.pipeline(transaction=False)

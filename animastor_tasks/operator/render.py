@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from animastor_tasks.adapters.broker_probe import amqp_consumer_counts, queue_not_found
+from animastor_tasks.adapters.broker_probe import amqp_queue_counts, probe_connection, queue_not_found
 from animastor_tasks.contract import BookStatus, QueueRow
 from animastor_tasks.domain.vocabulary import NO_LONGER_ACTIVE, AssetState
 from animastor_tasks.errors import StoreUnavailable
@@ -254,9 +254,8 @@ def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list
     specs = rt.settings.stages
     now = rt.ports.clock()  # deferrals and heartbeats go by the Redis server's clock
     live = rt.presence.live_consumers([s.queue for s in specs], now)
-    amqp = _broker_consumers(rt.presence.amqp_url, [s.queue for s in specs])
+    amqp, depth = _broker_counts(rt.presence.amqp_url, rt.settings.broker_url, [s.queue for s in specs])
     running = rt.reads.lane_usage() if running is None else running
-    depth = _queue_depths(rt.settings.broker_url, [s.queue for s in specs])
     deferred = rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), now)
     return [
         {
@@ -281,25 +280,28 @@ def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list
     ]
 
 
-def _broker_consumers(amqp_url: str | None, queues: list[str]) -> dict[str, int]:
-    """The AMQP broker's own consumer count per queue (a connection it still holds counts, heartbeat or not);
-    none without AMQP or when it cannot say (shown as null, never as 0)."""
+def _broker_counts(
+    amqp_url: str | None, broker_url: str, queues: list[str]
+) -> tuple[dict[str, int], dict[str, int | None]]:
+    """(the AMQP broker's own consumer count per queue, messages waiting in each queue). The consumers: a
+    connection the broker still holds counts, heartbeat or not; none without AMQP. Either unknown where the broker
+    cannot say (null, `?`: never 0). On AMQP both come from one passive declare a queue: asked apart, a broker
+    that never answered was waited for twice."""
     if not amqp_url:
-        return {}
+        return {}, _queue_depths(broker_url, queues)
     try:
-        return amqp_consumer_counts(amqp_url, queues)
+        counts = amqp_queue_counts(amqp_url, queues)
     except StoreUnavailable:
-        return {}
+        return {}, dict.fromkeys(queues)
+    return {q: consumers for q, (_, consumers) in counts.items()}, {q: ready for q, (ready, _) in counts.items()}
 
 
 def _queue_depths(broker_url: str, queues: list[str]) -> dict[str, int | None]:
     """Messages waiting in each queue, asked of the broker; None where it cannot say (shown as `?`:
     an unreadable depth must not read as an empty queue)."""
-    from kombu import Connection
-
     depths: dict[str, int | None] = {}
     try:
-        with Connection(broker_url, connect_timeout=3) as conn:
+        with probe_connection(broker_url) as conn:
             for queue in queues:
                 try:
                     channel = conn.channel()

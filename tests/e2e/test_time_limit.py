@@ -3,14 +3,10 @@ generator, and the run ends as a backend failure that feeds the queue's breaker,
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
-from collections.abc import Iterator
-
 import pytest
 
 from tests.integration.helpers import make_book
+from tests.support.silent_server import silent_server
 
 from .harness import audio_stage, image_stage, stage_table
 
@@ -40,40 +36,16 @@ def test_an_attempt_past_the_soft_time_limit_fails_as_a_backend_failure_and_feed
     figure(f"command {rows['image'].status}; pair error {error!r}; gpu.image breaker failures {breaker}")
 
 
-@contextlib.contextmanager
-def unanswering_endpoint() -> Iterator[str]:
-    """An S3 endpoint that takes connections and never answers: a store hung behind a load balancer."""
-    server = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                held.append(server.accept()[0])
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join()
-        for sock in [*held, server]:
-            sock.close()
-
-
 def test_an_upload_past_the_soft_time_limit_fails_the_pair_with_the_artifact_stores_name(make_stack, figure) -> None:
     """The limit fired inside the upload, where no one answered it: the task failed with Celery's exception, the
     pair stayed `generating` without a lease, was taken over and run again, and each such start counted as one
     lost to a dead worker until the pair failed as `worker_lost`; the GPU work was redone each time."""
     stack = make_stack(stages=stage_table(audio=audio_stage(), image=image_stage()), **LIMITS)
     cluster = stack.cluster
-    with unanswering_endpoint() as endpoint:
+    with silent_server() as port:
         s3 = {
             "ANIMASTOR_ARTIFACT_URL": "s3://hung-bucket",
-            "AWS_ENDPOINT_URL_S3": endpoint,
+            "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}",
             "AWS_ACCESS_KEY_ID": "e2e",
             "AWS_SECRET_ACCESS_KEY": "e2e-secret",
             "AWS_DEFAULT_REGION": "us-east-1",

@@ -19,6 +19,7 @@ from animastor_tasks.flow import dispatch
 from animastor_tasks.operator import metrics
 from animastor_tasks.worker.wiring import Wiring
 from tests.support import wait_for
+from tests.support.silent_server import silent_server
 from tests.support.stack import Stack
 
 from . import http_get, make_book, operator_env
@@ -211,6 +212,12 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
 def scrape_with_a_store_down(env: dict[str, str], **down: str) -> Samples:
     """One scrape of `animastor-tasks metrics` (a subprocess) run with the `down` variables pointing at nothing;
     the exporter must then stop cleanly on SIGTERM."""
+    return timed_scrape_with_a_store_down(env, **down)[0]
+
+
+def timed_scrape_with_a_store_down(env: dict[str, str], **down: str) -> tuple[Samples, float]:
+    """`scrape_with_a_store_down`, and how long a scrape took once the exporter had answered one (each is given
+    Prometheus's default scrape timeout, 10 s)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "animastor_tasks.operator.cli", "metrics", "--port", str(port)],
@@ -221,8 +228,11 @@ def scrape_with_a_store_down(env: dict[str, str], **down: str) -> Samples:
     )
     try:
         url = f"http://127.0.0.1:{port}/metrics"
-        samples: Samples = wait_for(lambda: http_get(url)[0] == 200 and scrape(url), 30, "the exporter answers")
-        return samples
+        wait_for(lambda: http_get(url, timeout=10)[0] == 200, 30, "the exporter answers")
+        started = time.monotonic()
+        status, body = http_get(url, timeout=10)
+        assert status == 200, body
+        return parse(body), time.monotonic() - started
     finally:
         proc.terminate()
         assert proc.wait(timeout=15) == 0  # SIGTERM is a clean stop
@@ -254,6 +264,18 @@ def test_a_postgres_outage_is_blamed_on_postgres_and_keeps_the_queue_families(tm
     assert value(samples, "animastor_breaker_state", queue="gpu.audio", state="closed") == 1
     in_flight = ("animastor_queue_in_flight", (("queue", "gpu.audio"), ("stage", "audio")))
     assert in_flight not in samples  # unknown, not a made-up 0
+
+
+@pytest.mark.parametrize("scheme", ["amqp://guest:guest@", "redis://"])
+def test_a_broker_that_never_answers_is_reported_within_a_scrape_timeout(tmp_path: Path, scheme: str) -> None:
+    """A broker that takes connections and never answers (paused, or hung behind a load balancer) held each AMQP
+    probe 4 s a queue, and a Redis one for ever: the scrape outran Prometheus's 10 s timeout, and every series,
+    `animastor_store_up{store="broker"}` with them, went stale during the very outage it is there to show."""
+    with operator_env(tmp_path) as env, silent_server() as port:
+        samples, took = timed_scrape_with_a_store_down(env, ANIMASTOR_BROKER_URL=f"{scheme}127.0.0.1:{port}/0")
+    assert value(samples, "animastor_store_up", store="broker") == 0
+    assert value(samples, "animastor_store_up", store="postgres") == 1
+    assert took < 10, took
 
 
 @pytest.mark.parametrize("port", ["abc", "70000"])
