@@ -253,3 +253,19 @@ def test_a_postgres_outage_during_handed_refills_keeps_the_waiting_list(rt, monk
     assert [b for b in waiting(rt) if b != "x"] == ["a", "b", "c"]  # nobody dropped off, the order kept
     due = rt.redis.client.zscore(rt.redis.keys.due(), "a")
     assert due is not None and due <= rt.ports.clock()  # the tick passes it once Postgres answers
+
+
+def test_a_book_served_alone_does_not_keep_its_interactive_place_for_its_bulk_scenes(rt) -> None:
+    """With nobody else waiting, a book whose job ended kept its entry on the waiting list at the interactive rank
+    its reader's scene had given it; its next refusal (a bulk scene) could not move it back down (a place only
+    ever improves), so when its interactive job ended it outranked a normal waiter and ran its bulk scene first."""
+    lane(rt, lane_limit=1, book_quota=10, window=10)
+    for book in ("runner", "waiter"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "runner", ["audio"], [["ch1", "s1"], ["ch1", "s2"]], priority="bulk")
+    regenerate_flow.regenerate(rt.ports, "runner", ["audio"], [["ch1", "s3"]], priority="interactive")
+    finish_one(rt, "runner")  # s1 ends, nobody else waits: the reader's s3 runs
+    assert states(rt, "runner")[("ch1", "s3", "audio")] == "generating"
+    regenerate_flow.regenerate(rt.ports, "waiter", ["audio"], [["ch1", "s1"]])  # normal
+    finish_one(rt, "runner")  # s3 ends: a normal waiter goes before runner's bulk s2
+    assert running(rt, "runner", "waiter") == {"waiter": 1}

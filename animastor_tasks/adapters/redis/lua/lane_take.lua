@@ -54,7 +54,15 @@ if #taken > 0 then
     if requeue then
         redis.call('ZADD', KEYS[1], 'NX', own, ARGV[2])
     end
-elseif KEYS[3] ~= '' then
-    redis.call('DEL', KEYS[3])
+else
+    if KEYS[3] ~= '' then
+        redis.call('DEL', KEYS[3])
+    end
+    if requeue then
+        -- Nobody else waits: the book is served, and off the list as any book served is; its next refusal puts
+        -- it back at what it then waits for. Kept, its place stayed what an interactive scene once made it (a
+        -- place only ever moves up), and its bulk scenes later went before a normal waiter.
+        redis.call('ZREM', KEYS[1], ARGV[2])
+    end
 end
 return taken
