@@ -33,16 +33,11 @@ def test_a_worker_with_a_misspelt_setting_stops_naming_it(variable: str, value: 
     assert variable in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize(
-    ("database", "cause"),
-    [("animastor_no_such_db", 'database "animastor_no_such_db" does not exist'), ("", 'role "nobody" does not exist')],
-)
-def test_a_postgres_that_refuses_the_connection_is_reported_with_its_reason(database: str, cause: str) -> None:
+def test_a_postgres_that_refuses_the_connection_is_reported_with_its_reason() -> None:
     """A misspelt database, role or password read `couldn't get a connection after 5.00 sec`, as if Postgres
     were down: the reason was only in the pool's log lines."""
-    url = os.environ["ANIMASTOR_DATABASE_URL"].rsplit("/", 1)[0] + "/" + database
-    if not database:
-        url = url.replace("postgres@", "nobody@").rstrip("/") + "/postgres"
+    cause = 'database "animastor_no_such_db" does not exist'
+    url = os.environ["ANIMASTOR_DATABASE_URL"].rsplit("/", 1)[0] + "/animastor_no_such_db"
     env = {**os.environ, "ANIMASTOR_DATABASE_URL": url}
     program = [sys.executable, "-m", "animastor_tasks.operator.cli", "commands"]
     done = subprocess.run(program, capture_output=True, text=True, timeout=60, env=env)
