@@ -34,11 +34,6 @@ def amqp_queue_counts(url: str, queues: Collection[str]) -> dict[str, tuple[int,
         raise StoreUnavailable("broker", url, str(err).strip() or type(err).__name__) from err
 
 
-def amqp_message_counts(url: str, queues: Collection[str]) -> dict[str, int]:
-    """Passive queue declare: messages ready in each queue (not those a worker holds; 0 when missing)."""
-    return {queue: ready for queue, (ready, _) in _amqp_declare(url, queues).items()}
-
-
 def queue_not_found(err: Exception) -> bool:
     """A passive declare of a queue nobody declared yet (AMQP 404): nothing waits in it, nobody consumes it."""
     return getattr(err, "code", None) == 404 or "NOT_FOUND" in str(err)
@@ -106,10 +101,9 @@ class BrokerProbe:
         """Ready messages per queue on AMQP; None elsewhere (a Redis broker lists its jobs by id instead)."""
         if urlsplit(self.broker_url).scheme not in ("amqp", "amqps", "pyamqp"):
             return None
-        try:
-            return amqp_message_counts(self.broker_url, queues)
-        except Exception as err:  # unreachable broker: no evidence, reconcile falls back to leases alone
-            raise StoreUnavailable("broker", self.broker_url, str(err)) from err
+        # Messages ready (not those a worker holds). An unreachable broker is no evidence (StoreUnavailable):
+        # reconcile falls back to leases alone.
+        return {queue: ready for queue, (ready, _) in amqp_queue_counts(self.broker_url, queues).items()}
 
 
 def queued_dispatch_ids(broker_url: str, queues: Collection[str], limit: int = 10_000) -> set[str] | None:

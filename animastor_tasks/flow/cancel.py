@@ -26,7 +26,6 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
     # The flag goes first: from this moment running jobs see should_stop() and the gate denies.
     ports.book_state.stop_book(book)
     cancelled, released, dispatched = ports.commands.cancel_book(book, why)
-    dispatch_ids = [d for _, d in dispatched]
     try:
         let_go(ports, book, dispatched)
     except StoreUnavailable as err:
@@ -38,10 +37,10 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
         book,
         len(cancelled),
         released,
-        len(dispatch_ids),
+        len(dispatched),
         why,
     )
-    return {"book_id": book, "cancelled_commands": cancelled, "released": released, "revoked": len(dispatch_ids)}
+    return {"book_id": book, "cancelled_commands": cancelled, "released": released, "revoked": len(dispatched)}
 
 
 def let_go(ports: Ports, book: str, dispatched: Sequence[tuple[Pair, str]]) -> None:

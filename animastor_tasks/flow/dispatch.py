@@ -94,7 +94,7 @@ def dispatch_pending(
         consumers = ports.presence.counts([spec.queue for spec in specs.values()], snap.consumers)
     except StoreUnavailable as err:  # the presence registry, or the AMQP broker refusing a passive declare
         log.warning("[DISPATCH] book=%r consumers unreadable, dispatching nothing: %s", book, err)
-        _keep_handed(ports, book, handed_lane, [i for i in todo if specs[i.stage].queue == handed_lane], result)
+        _keep_handed(ports, book, handed_lane, todo, specs, result)
         return result
 
     presence_unsure = now - snap.presence_unsure_since < ports.settings.presence_ttl_seconds
@@ -103,7 +103,7 @@ def dispatch_pending(
         restarting = set() if presence_unsure else successor_awaited(ports, [s.queue for s in unconsumed.values()])
     except StoreUnavailable as err:
         log.warning("[DISPATCH] book=%r presence registry unreadable, dispatching nothing: %s", book, err)
-        _keep_handed(ports, book, handed_lane, [i for i in todo if specs[i.stage].queue == handed_lane], result)
+        _keep_handed(ports, book, handed_lane, todo, specs, result)
         return result
     unsure: set[str] = set()
     for stage, spec in unconsumed.items():
@@ -115,7 +115,7 @@ def dispatch_pending(
             why = "a Redis loss" if presence_unsure else "its last one stopped moments ago"
             log.warning("[DISPATCH] book=%r stage=%s has no worker for now (%s); waiting", book, stage, why)
             if spec.queue == handed_lane:
-                _keep_handed(ports, book, handed_lane, [i for i in todo if i.stage == stage], result)
+                _keep_handed(ports, book, handed_lane, todo, specs, result)
             continue
         result.blocked[stage] = block_lane(ports, spec, [book], exclude=book)[book]
         result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
@@ -288,14 +288,22 @@ def _wait_without_claim(
 
 
 def _keep_handed(
-    ports: Ports, book: str, handed_lane: str | None, items: list[InFlight], result: DispatchResult
+    ports: Ports,
+    book: str,
+    handed_lane: str | None,
+    todo: list[InFlight],
+    specs: Mapping[str, StageSpec],
+    result: DispatchResult,
 ) -> None:
     """Handed a slot it cannot use for now (its stage's worker awaited, presence unreadable): the book keeps the
     slot rather than pass it down the list (each next book found the same and dropped off it, the list empty by
     the time the worker or the store was back, the slots idle until the books' deferrals ran out). Its pairs wait
     for the tick's passes (the caller makes the book due now), their capacity deferrals cleared, and the book
     waits on at the head."""
-    if handed_lane is None or not items:
+    if handed_lane is None:
+        return
+    items = [i for i in todo if i.stage in specs and specs[i.stage].queue == handed_lane]
+    if not items:
         return
     ports.deferrals.wait_for_lane(handed_lane, book, wait_score(min(i.rank for i in items), 0.0))
     ports.deferrals.clear_deferrals(book, [i.pair for i in items])
@@ -309,9 +317,16 @@ def _wait_for_lane(ports: Ports, book: str, queue: str, items: list[InFlight], s
 
 
 def _defer(
-    ports: Ports, book: str, outcome: Outcome, pairs: Sequence[Pair], now: float, result: DispatchResult | None = None
+    ports: Ports,
+    book: str,
+    outcome: Outcome,
+    pairs: Sequence[Pair],
+    now: float,
+    result: DispatchResult | None = None,
+    seconds: float | None = None,
 ) -> None:
-    seconds = deferral_seconds(outcome, ports.settings.deferral_windows)
+    """`pairs` deferred for `outcome`'s window, or for `seconds` when given."""
+    seconds = deferral_seconds(outcome, ports.settings.deferral_windows) if seconds is None else seconds
     bucket = deferral_bucket(outcome)
     if pairs and seconds is not None and bucket is not None:
         ports.deferrals.defer(book, bucket, pairs, seconds, now)
@@ -330,8 +345,7 @@ def _defer_while_leased(ports: Ports, book: str, pairs: list[Pair], now: float, 
     for pair, seconds in zip(pairs, left, strict=True):
         by_seconds.setdefault(min(window, max(1, math.ceil(seconds or 0))), []).append(pair)
     for seconds, held in by_seconds.items():
-        ports.deferrals.defer(book, DeferralBucket.IDEMPOTENT, held, seconds, now)
-        result.deferred_until.update(dict.fromkeys(held, now + seconds))
+        _defer(ports, book, Outcome.ALREADY_GENERATING, held, now, result, seconds)
 
 
 def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
