@@ -288,26 +288,19 @@ def _wait_without_claim(
 
 
 def _keep_handed(
-    ports: Ports,
-    book: str,
-    handed_lane: str | None,
-    todo: list[InFlight],
-    specs: Mapping[str, StageSpec],
-    result: DispatchResult,
+    ports: Ports, book: str, lane: str | None, todo: list[InFlight], specs: dict[str, StageSpec], result: DispatchResult
 ) -> None:
     """Handed a slot it cannot use for now (its stage's worker awaited, presence unreadable): the book keeps the
     slot rather than pass it down the list (each next book found the same and dropped off it, the list empty by
     the time the worker or the store was back, the slots idle until the books' deferrals ran out). Its pairs wait
     for the tick's passes (the caller makes the book due now), their capacity deferrals cleared, and the book
     waits on at the head."""
-    if handed_lane is None:
+    items = [i for i in todo if i.stage in specs and specs[i.stage].queue == lane]
+    if lane is None or not items:
         return
-    items = [i for i in todo if i.stage in specs and specs[i.stage].queue == handed_lane]
-    if not items:
-        return
-    ports.deferrals.wait_for_lane(handed_lane, book, wait_score(min(i.rank for i in items), 0.0))
+    ports.deferrals.wait_for_lane(lane, book, wait_score(min(i.rank for i in items), 0.0))
     ports.deferrals.clear_deferrals(book, [i.pair for i in items])
-    result.held_lanes.add(handed_lane)
+    result.held_lanes.add(lane)
 
 
 def _wait_for_lane(ports: Ports, book: str, queue: str, items: list[InFlight], stage: str, since: float) -> None:
@@ -317,16 +310,9 @@ def _wait_for_lane(ports: Ports, book: str, queue: str, items: list[InFlight], s
 
 
 def _defer(
-    ports: Ports,
-    book: str,
-    outcome: Outcome,
-    pairs: Sequence[Pair],
-    now: float,
-    result: DispatchResult | None = None,
-    seconds: float | None = None,
+    ports: Ports, book: str, outcome: Outcome, pairs: Sequence[Pair], now: float, result: DispatchResult | None = None
 ) -> None:
-    """`pairs` deferred for `outcome`'s window, or for `seconds` when given."""
-    seconds = deferral_seconds(outcome, ports.settings.deferral_windows) if seconds is None else seconds
+    seconds = deferral_seconds(outcome, ports.settings.deferral_windows)
     bucket = deferral_bucket(outcome)
     if pairs and seconds is not None and bucket is not None:
         ports.deferrals.defer(book, bucket, pairs, seconds, now)
@@ -345,7 +331,8 @@ def _defer_while_leased(ports: Ports, book: str, pairs: list[Pair], now: float, 
     for pair, seconds in zip(pairs, left, strict=True):
         by_seconds.setdefault(min(window, max(1, math.ceil(seconds or 0))), []).append(pair)
     for seconds, held in by_seconds.items():
-        _defer(ports, book, Outcome.ALREADY_GENERATING, held, now, result, seconds)
+        ports.deferrals.defer(book, DeferralBucket.IDEMPOTENT, held, seconds, now)
+        result.deferred_until.update(dict.fromkeys(held, now + seconds))
 
 
 def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
