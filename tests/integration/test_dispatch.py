@@ -340,6 +340,19 @@ def test_a_claim_that_did_not_commit_leaves_no_lease_to_hold_its_pair(rt) -> Non
     assert states(rt, "b")[pair] == "generating"
 
 
+def test_a_claim_commits_without_waiting_for_its_flush_and_the_start_it_leads_to_waits_for_both(rt) -> None:
+    """A claim's commit skips the WAL flush (a millisecond on every dispatch); what makes it safe is that a job
+    runs only past its start check, whose commit is synchronous and so flushes the claim written before it."""
+    _one_audio_job(rt)
+    with rt.ports.assets.claiming("b", {"audio": "gpu.audio"}) as session:
+        claim_setting = session._conn.execute("SELECT current_setting('synchronous_commit')").fetchone()[0]
+    with rt.ports.jobs.starting("b", ("ch1", "s1", "audio")) as start:
+        start_setting = start._conn.execute("SELECT current_setting('synchronous_commit')").fetchone()[0]
+    with rt.db.read() as conn:  # the pool's connections keep the server's default after the claim
+        later = {conn.execute("SELECT current_setting('synchronous_commit')").fetchone()[0] for _ in range(3)}
+    assert (claim_setting, start_setting, later) == ("off", "on", {"on"})
+
+
 def test_a_lane_whose_breaker_is_open_keeps_its_waiting_list(rt) -> None:
     """A pass that claimed for another stage counted the open lane too and handed its spare slots to the books
     waiting for it: each found the breaker open, and the lane's waiting list emptied, its order lost."""

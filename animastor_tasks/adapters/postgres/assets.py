@@ -116,6 +116,10 @@ class AssetStore(GateReads):
         others = sorted({b for books in (waiters or {}).values() for b in books} - {book})
         with self.db.transaction() as conn, conn.pipeline():
             # Pipeline mode: BEGIN, the locks and the counts reach the server in one round trip.
+            # The claim's commit does not wait for its WAL flush (about 1 ms here, on every dispatch's path): a job
+            # runs only past its start check, whose synchronous commit flushes the WAL written before it, the
+            # claim's included; a claim a crash loses is refused at that check, its pair still pending.
+            conn.execute("SET LOCAL synchronous_commit = off")
             conn.execute(
                 "SELECT pg_advisory_xact_lock(hashtext(k)) FROM unnest(%s::text[]) WITH ORDINALITY AS l(k, n)"
                 " ORDER BY n",
