@@ -36,6 +36,8 @@ widens to another book).
 | ``P:bookmark:NAME``                           | string | where a task's round goes on (reconcile:  |
 |                                               |        | the last book it passed); no expiry       |
 | ``P:metrics``                                 | hash   | counters for the exporter; no expiry      |
+| ``P:metrics-batch:ID``                        | string | marks a flushed counter batch applied, so |
+|                                               |        | a resend adds nothing; a few minutes      |
 | ``P:epoch``                                   | string | a random token set once per Redis dataset |
 |                                               |        | (a process that sees it change knows      |
 |                                               |        | Redis lost its data); no expiry           |
@@ -151,6 +153,10 @@ class Keyspace:
 
     def metrics(self) -> str:
         return self._key("metrics")
+
+    def counter_batch(self, batch_id: str) -> str:
+        """Set when a flushed batch of counter updates is applied: the same batch sent again adds nothing."""
+        return self._key("metrics-batch", batch_id)
 
     def departures(self) -> str:
         """When a consumer last stopped consuming each queue cleanly (queue -> when, by the Redis server's clock)."""

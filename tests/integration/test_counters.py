@@ -75,6 +75,35 @@ def test_counts_made_while_redis_is_down_are_written_once_it_answers(store) -> N
     counters.close()
 
 
+def test_a_flush_applied_whose_reply_was_lost_is_not_added_again(store, monkeypatch) -> None:
+    """Redis applied a flush but its reply never came back (a timeout): sent again, it must change nothing."""
+    counters = store(60)
+    counters.add({"job:ready:audio": 1})
+    counters.flush()  # goes through (and leaves on the server whatever a flush needs loaded there)
+    read_response = redis.connection.Connection.read_response
+    lost: list[bool] = []
+
+    def lose_one_reply(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        reply = read_response(self, *args, **kwargs)  # Redis has answered: what was sent is applied
+        if not lost:
+            lost.append(True)
+            raise redis.TimeoutError("Timeout reading from socket")
+        return reply
+
+    counters.add({"job:ready:audio": 2})
+    counters.observe("gate_pass_seconds", 0.004)
+    with monkeypatch.context() as patch:
+        patch.setattr(redis.connection.Connection, "read_response", lose_one_reply)
+        counters.flush()  # applied, but the process cannot know it
+    assert lost
+    counters.add({"job:ready:audio": 4})
+    counters.flush()
+    assert field(counters, "job:ready:audio") == 7
+    assert field(counters, histogram_field("gate_pass_seconds", "count")) == 1
+    assert field(counters, histogram_field("gate_pass_seconds", "le=0.005")) == 1
+    counters.close()
+
+
 def test_a_forked_child_writes_only_its_own_counts(store) -> None:
     counters = store(60)
     counters.add({"job:ready:image": 5})  # held by the parent when it forks

@@ -5,9 +5,16 @@ exporter (`animastor-tasks metrics`) reads them with one HGETALL. Losing them in
 restart only resets counters, which Prometheus handles as a counter reset. Updates are
 best effort: a lost one never fails the work that made it.
 
-A process holds its updates in memory and a writer thread adds them to the hash in one pipeline every
+A process holds its updates in memory and a writer thread adds them to the hash in one round trip every
 `FLUSH_SECONDS` (and when the process closes its stores or its worker shuts down): a job made seven
 counter round trips of its own and a regenerate two. What a killed process still held is lost.
+
+Each flush is applied at most once: its updates go as one batch under an id, which `lua/add_counters.lua`
+applies only if it has not already done so. Redis failing, the batch's outcome is unknown (a timeout may
+come after Redis applied it), so it is kept as it is and sent again under the same id at the next flush,
+where a batch already applied adds nothing; updates made meanwhile go in a batch of their own. The mark of
+an applied batch lasts `BATCH_MARKER_SECONDS`: only a batch whose reply was lost and that could not be sent
+again for that long (Redis out of reach all the while) may be added twice.
 
 Names carry their labels after a colon: `job:<event>:<stage>`, `dispatch:<outcome>`, and histograms
 `<name>:<stage>` (`job_seconds:audio`), which the exporter turns into a `stage` label.
@@ -19,14 +26,17 @@ import atexit
 import logging
 import os
 import threading
+import uuid
 import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import chain
 
 import redis
 
-from animastor_tasks.adapters.redis.connection import RedisConnection
+from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 
 log = logging.getLogger("animastor.telemetry")
 
@@ -38,6 +48,8 @@ JOB_BUCKETS: tuple[float, ...] = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 #: Histograms (name before any `:<stage>`) that use `JOB_BUCKETS`.
 LONG_HISTOGRAMS = frozenset({"job_seconds", "queue_wait_seconds"})
 FLUSH_SECONDS = 0.5  # a scrape sees an update at most this much later
+#: How long Redis remembers that a batch was applied: how late a batch whose reply was lost may be sent again.
+BATCH_MARKER_SECONDS = 300
 _stores: weakref.WeakSet[CounterStore] = weakref.WeakSet()  # this process's stores, for `flush_all`
 
 
@@ -51,10 +63,21 @@ def histogram_field(name: str, part: str) -> str:
     return f"hist:{name}:{part}"
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """Updates flushed together under one id: sent again as they are, never merged with newer ones, so a
+    batch Redis applied already is recognised by its id."""
+
+    id: str
+    increments: Counter[str]
+    latest: dict[str, str]
+
+
 class CounterStore:
     def __init__(self, conn: RedisConnection, flush_seconds: float = FLUSH_SECONDS) -> None:
         self.conn = conn
         self.flush_seconds = flush_seconds
+        self._add_batch = conn.client.register_script(_script("add_counters"))
         self._closed = threading.Event()
         self._start_empty()
         _stores.add(self)
@@ -66,6 +89,8 @@ class CounterStore:
         self._increments: Counter[str] = Counter()
         self._latest: dict[str, str] = {}
         self._writing = False
+        self._flushing = threading.Lock()  # one flush at a time: the unsent batch is sent by one only
+        self._unsent: _Batch | None = None  # a batch whose flush failed, maybe after Redis applied it
 
     def add(self, counts: Mapping[str, int]) -> None:
         with self._holding() as (increments, _):
@@ -99,25 +124,41 @@ class CounterStore:
             self.flush()
 
     def flush(self) -> None:
-        """Add what this process holds to the hash, in one pipeline; kept for the next flush if Redis fails."""
-        with self._lock:
-            increments, latest = self._increments, self._latest
-            self._increments, self._latest = Counter(), {}
-        if not increments and not latest:
-            return
-        key = self.conn.keys.metrics()
+        """Add what this process holds to the hash: first the batch an earlier flush failed to send, as it was,
+        then what was held since, as a batch of its own. A batch that fails is kept for the next flush."""
+        with self._flushing:
+            retrying = self._unsent is not None
+            if self._send() and retrying:
+                self._send()
+
+    def _send(self) -> bool:
+        """Send the unsent batch, else one made of what is held, in one round trip; False when Redis failed.
+
+        The failed batch is kept whole under its id: Redis may have applied it before the error, and the
+        script applies a batch id at most once."""
+        batch = self._unsent or self._take_held()
+        if batch is None:
+            return True
+        keys = [self.conn.keys.metrics(), self.conn.keys.counter_batch(batch.id)]
+        args: list[str | int] = [BATCH_MARKER_SECONDS, len(batch.increments)]
+        args += chain.from_iterable(batch.increments.items())
+        args += chain.from_iterable(batch.latest.items())
         try:
-            pipe = self.conn.client.pipeline(transaction=False)
-            for name, n in increments.items():
-                pipe.hincrby(key, name, n)
-            for name, value in latest.items():
-                pipe.hset(key, name, value)
-            pipe.execute()
+            self._add_batch(keys=keys, args=args, client=self.conn.client)  # the connection's client of the moment
         except redis.RedisError as err:
-            log.debug("[METRICS] %d counter update(s) kept for the next flush: %s", len(increments), err)
-            with self._lock:
-                self._increments.update(increments)
-                self._latest = {**latest, **self._latest}
+            log.debug("[METRICS] %d counter update(s) kept for the next flush: %s", len(batch.increments), err)
+            self._unsent = batch
+            return False
+        self._unsent = None
+        return True
+
+    def _take_held(self) -> _Batch | None:
+        with self._lock:
+            if not self._increments and not self._latest:
+                return None
+            batch = _Batch(uuid.uuid4().hex, self._increments, self._latest)
+            self._increments, self._latest = Counter(), {}
+        return batch
 
     def close(self) -> None:
         self._closed.set()
