@@ -26,6 +26,9 @@ widens to another book).
 | ``P:running:ID``                              | string | lease TTL while a delivery of ID runs     |
 | ``P:queued:ID`` (value: dispatch time)        | string | from dispatch to its first delivery       |
 |                                               |        | (at most 24 h; see domain/liveness.py)    |
+| ``P:superseded:ID``                           | string | a forced regenerate fenced dispatch ID    |
+|                                               |        | off: its pair's re-run keeps the slot;    |
+|                                               |        | the visibility timeout                    |
 | ``P:consumers:QUEUE`` (members hostname,      | zset   | heartbeat TTL per member (a few seconds)  |
 |   score = heartbeat expiry)                   |        |                                           |
 | ``P:lane-waiters:QUEUE`` (members ``B``,      | zset   | until the book is handed a free slot of   |
@@ -130,6 +133,10 @@ class Keyspace:
     def holders(self, node: str) -> str:
         """The holders a worker's processes have been (one per pool process): what its next start lets go of."""
         return self._key("holders", node)
+
+    def superseded(self, dispatch_id: str) -> str:
+        """Set when a forced regenerate fences the dispatch off: the takeover gives its pair's slot to the re-run."""
+        return self._key("superseded", dispatch_id)
 
     def queued(self, dispatch_id: str) -> str:
         """The undelivered marker of a dispatch: set with its lease, removed by its first delivery."""

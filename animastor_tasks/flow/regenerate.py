@@ -157,7 +157,8 @@ def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str |
     off, and its pair comes back when its lease ends."""
     registry = ports.settings.registry
     held = [((book, *pair), d, registry.get(pair[2]).lease_ttl) for pair, d in superseded if d and pair[2] in registry]
-    running = ports.leases.supersede(held)
+    # Remembered as long as a job may run (below the visibility timeout), for the takeover of its pair (§7.1).
+    running = ports.leases.supersede(held, ports.settings.visibility_timeout)
     dispatch_ids = [d for _, d in superseded if d]
     if dispatch_ids:
         ports.publisher.revoke(dispatch_ids)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from animastor_tasks.domain import liveness
+from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.domain.gate import BookFacts, decide
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState
@@ -118,17 +119,21 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
     """`generating -> pending` where the gate still authorizes the pair, else `-> dirty` (compare-and-set on
     the token, so a pair that moved on meanwhile is left alone). Each slot so freed goes to the book that has
     waited longest for its lane, as a finished job's does: the books waiting for a full lane waited for
-    their capacity deferral instead (a minute) while a dead worker's slot stood free."""
+    their capacity deferral instead (a minute) while a dead worker's slot stood free. A forced re-run's slot
+    stays with its book (`_rerun_first`)."""
     pairs_by_book: dict[str, list[Pair]] = defaultdict(list)
     for g in dead:
         pairs_by_book[g.book].append(g.pair)
     facts_by_book: dict[str, BookFacts | None] = {}
+    ranks: dict[tuple[str, Pair], int] = {}
     for book, pairs in pairs_by_book.items():
         try:
             read = page.pair_facts(ports, book, pairs)
             facts_by_book[book] = None if read is None else read[0]
+            ranks.update(((book, i.pair), i.rank) for i in (read[1].in_flight if read else ()))
         except StoreUnavailable as err:  # fail-closed: not "unauthorized" (that would release the pairs to dirty)
             log.warning("[TAKEOVER] book=%r facts unreadable, its pairs wait for the next tick: %s", book, err)
+    reruns = _forced_reruns(ports, dead)
     registry = ports.settings.registry
     freed: Counter[str] = Counter()
     for g in dead:
@@ -143,6 +148,8 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
                 freed[registry.get(g.stage).queue] += 1
             if target == AssetState.PENDING:
                 _due_now(ports, g.book)
+                if g.dispatch_id in reruns and (g.book, g.pair) in ranks and g.stage in registry:
+                    _rerun_first(ports, g.book, registry.get(g.stage).queue, ranks[(g.book, g.pair)])
             log.warning(
                 "[RECONCILE] book=%r chapter=%r scene=%r stage=%s token=%d lease gone: generating -> %s",
                 g.book,
@@ -157,6 +164,27 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
             dispatch.hand_over(ports, queue, slots)
         except StoreUnavailable as err:  # the waiting books' deferrals still bring them back
             log.warning("[TAKEOVER] %d freed slot(s) of %s not handed on: %s", slots, queue, err)
+
+
+def _forced_reruns(ports: Ports, dead: Sequence[GeneratingRow]) -> set[str]:
+    """The dispatch ids of `dead` that a forced regenerate fenced off (`Leases.superseded`); none if unreadable."""
+    ids = [g.dispatch_id for g in dead if g.dispatch_id]
+    try:
+        return {d for d, hit in zip(ids, ports.leases.superseded(ids), strict=True) if hit}
+    except StoreUnavailable as err:
+        log.warning("[TAKEOVER] forced re-runs not told from other takeovers: %s", err)
+        return set()
+
+
+def _rerun_first(ports: Ports, book: str, queue: str, rank: int) -> None:
+    """A forced re-run keeps the slot its fenced-off job held (design §7.1): its book goes to the head of its priority
+    on the lane's waiting list, so the slot handed on goes to it unless a more urgent book waits. *Why:* handed to
+    the head of the list, the slot went to another book, and the reader who asked to redo a scene waited behind
+    every book waiting for the lane. Lost with Redis, the re-run waits its turn."""
+    try:
+        ports.deferrals.wait_for_lane(queue, book, wait_score(rank, 0.0))
+    except StoreUnavailable as err:
+        log.warning("[TAKEOVER] book=%r forced re-run not put first on %s: %s", book, queue, err)
 
 
 def _due_now(ports: Ports, book: str) -> None:

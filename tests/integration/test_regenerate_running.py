@@ -14,7 +14,7 @@ from typing import Any
 
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import gate, takeover
+from animastor_tasks.flow import gate, refill, takeover
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
@@ -372,3 +372,29 @@ def test_a_job_fenced_off_inside_a_long_backend_call_keeps_its_slot_until_it_ret
     gate.gate_pass(rt.ports, "b")
     [fresh] = dispatched_jobs(rt, "b")
     assert fresh.dispatch_id != job.dispatch_id
+
+
+def test_a_forced_rerun_keeps_its_slot_when_another_book_waits_for_the_lane(rt, tmp_path) -> None:
+    """Once its fenced-off job has stopped, a forced re-run is dispatched on the slot that job held (design: it keeps
+    its slot until it has stopped, and the fresh run starts within a tick). The tick handed that slot to the head of
+    the lane's waiting list instead: a reader who asked to redo a scene waited behind every book on the list."""
+    audio(rt, tmp_path, params={"steps": 8, "step_seconds": 0.1}, lane_limit=1, lease_ttl=60)
+    for book in ("b", "w"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])  # lane full: w waits for it
+    waiters = rt.redis.keys.lane_waiters("gpu.audio")
+    assert rt.redis.client.zrange(waiters, 0, -1) == ["w"]
+    [job] = dispatched_jobs(rt, "b")
+    taken_by_worker(rt)
+    thread, outcome = in_thread(rt, job)
+    time.sleep(0.3)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
+    thread.join(timeout=5)
+    assert outcome["outcome"] in ("fence_rejected", "stopped"), outcome
+    assert takeover.on_tick(rt.ports)["expired"] == 1
+    assert rt.redis.client.zrange(waiters, 0, -1) == ["w"]  # w still waits: the slot was not handed to it
+    refill.refill(rt.ports, "b", "gpu.audio")  # the refill the tick handed the slot to, as the control worker runs it
+    assert states(rt, "b")[PAIR] == "generating" and states(rt, "w")[PAIR] == "pending"
+    assert dispatched_jobs(rt, "b")[0].dispatch_id != job.dispatch_id

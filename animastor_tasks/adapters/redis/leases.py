@@ -88,11 +88,11 @@ class LeaseStore:
         with self.conn.writes() as pipe:
             pipe.eval(self.conn.release_lua, 1, self.conn.keys.lease(*pair), dispatch_id)
 
-    def supersede(self, jobs: Sequence[tuple[BookPair, str, int]]) -> int:
+    def supersede(self, jobs: Sequence[tuple[BookPair, str, int]], remembered: int) -> int:
         """Dispatches a forced regenerate fenced off, each (pair, dispatch id, its stage's lease TTL): a running one
         told to stop through its lease, a queued one withdrawn (`lua/supersede.lua`), each only while it holds its
-        pair's lease. A queued delivery that comes all the same finds no lease of its own and does not start. How
-        many were running; one round trip."""
+        pair's lease, and remembered as superseded for `remembered` seconds (`superseded`). A queued delivery that
+        comes all the same finds no lease of its own and does not start. How many were running; one round trip."""
         if not jobs:
             return 0
         keys = self.conn.keys
@@ -100,11 +100,20 @@ class LeaseStore:
             pipe = self.conn.client.pipeline(transaction=False)
             for pair, dispatch_id, ttl in jobs:
                 self.conn.supersede_script(
-                    keys=[keys.lease(*pair), keys.running(dispatch_id), keys.queued(dispatch_id)],
-                    args=[dispatch_id, stop_marker(dispatch_id), ttl * 1000],
+                    keys=[
+                        keys.lease(*pair),
+                        keys.running(dispatch_id),
+                        keys.queued(dispatch_id),
+                        keys.superseded(dispatch_id),
+                    ],
+                    args=[dispatch_id, stop_marker(dispatch_id), ttl * 1000, remembered * 1000],
                     client=pipe,
                 )
             return sum(1 for answer in pipe.execute() if answer == 1)
+
+    def superseded(self, dispatch_ids: Sequence[str]) -> list[bool]:
+        """Per dispatch id, whether a forced regenerate fenced it off (`supersede`); one round trip."""
+        return [v is not None for v in self._values([self.conn.keys.superseded(d) for d in dispatch_ids])]
 
     def start_delivery(
         self, pair: BookPair, dispatch_id: str, worker: str, ttl: int
