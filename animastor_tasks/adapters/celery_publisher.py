@@ -76,9 +76,12 @@ class CeleryPublisher:
             self.counters.add({"revoke:failed": 1})
             log.warning("[DISPATCH] revoke broadcast failed: %s", err)
 
-    def enqueue_refill(self, book_id: str, lane: str | None = None, freed: str | None = None) -> None:
-        # `freed` only when set: a message without it is one every version of the task takes.
-        kwargs = {"book_id": book_id, "lane": lane} | ({"freed": freed} if freed is not None else {})
+    def enqueue_refill(
+        self, book_id: str, lane: str | None = None, freed: str | None = None, slots: int | None = None
+    ) -> None:
+        # `freed` and `slots` only when set: a message without them is one every version of the task takes.
+        optional = {"freed": freed, "slots": slots}
+        kwargs = {"book_id": book_id, "lane": lane} | {k: v for k, v in optional.items() if v is not None}
         self.app.send_task("animastor.refill", kwargs=kwargs, queue=CONTROL_QUEUE)
 
     def enqueue_gates(self, book_ids: Sequence[str]) -> None:

@@ -106,3 +106,12 @@ def choose(
         if stage in slots:
             slots[stage] -= 1
     return choice
+
+
+def share_slots(slots: int, books: int) -> list[int]:
+    """`slots` free slots of a lane split among the `books` handed them, head first: one each in turn
+    (round robin), the first ones one more when they do not divide evenly."""
+    if books <= 0:
+        return []
+    each, extra = divmod(slots, books)
+    return [each + (i < extra) for i in range(books)]

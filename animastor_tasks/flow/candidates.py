@@ -28,25 +28,25 @@ def candidate_limit(lane_limits: list[int]) -> int:
 
 
 def dispatch_candidates(
-    ports: Ports, report: PassReport, book: str, lane: str | None, one_slot_of: str | None = None
+    ports: Ports, report: PassReport, book: str, lane: str | None, slots_of: str | None = None, slots: int = 1
 ) -> int | None:
     """Dispatch the book's next pairs for `lane` (None: any of its lanes) into `report`; how many
-    candidates were read (0: nothing pending), None for an unknown book. `one_slot_of`: see
+    candidates were read (0: nothing pending), None for an unknown book. `slots_of`: see
     `dispatch.dispatch_pending`."""
     specs = [s for s in ports.settings.registry.stages if lane is None or s.queue == lane]
     # The slot a finished job freed in this process is this book's: its pairs that a concurrent claim
     # deferred for that lane (`lane_full`, past the claim's one slot) may take it.
-    handed = lane if lane is not None else one_slot_of
+    handed = lane if lane is not None else slots_of
     judged: set[Pair] = set()  # by a shorter read before a wider one, which starts from the first candidate again
-    read, complete = _rounds(ports, report, book, specs, handed, one_slot_of, judged)
+    read, complete = _rounds(ports, report, book, specs, handed, (slots_of, slots), judged)
     if read is None:
         return None
-    unserved = lane is None and one_slot_of is not None and one_slot_of not in report.claimed_lanes
+    unserved = lane is None and slots_of is not None and slots_of not in report.claimed_lanes
     if unserved and not complete and not report.denied:
         # The freed lane's pairs were behind the book's others (an older command of another stage, its lane
         # full) and none came to a claim: the slot would idle while they wait. Its own pairs are read next.
-        freed = [s for s in specs if s.queue == one_slot_of]
-        more, _ = _rounds(ports, report, book, freed, handed, one_slot_of, judged)
+        freed = [s for s in specs if s.queue == slots_of]
+        more, _ = _rounds(ports, report, book, freed, handed, (slots_of, slots), judged)
         read += more or 0
     return read
 
@@ -57,15 +57,16 @@ def _rounds(
     book: str,
     specs: list[StageSpec],
     handed: str | None,
-    one_slot_of: str | None,
+    budget: tuple[str | None, int],
     judged: set[Pair],
 ) -> tuple[int | None, bool]:
     """Reads of the book's next pending pairs of `specs`, each dispatched, while the lanes take them all;
     (candidates read, whether the last read held every pending pair left), or (None, False) for an unknown book."""
     widest = candidate_limit([s.lane_limit for s in specs])
-    # A refill of the one slot a job freed claims one pair of its lane: reading for every slot of a lane of
-    # 64 read 128 pairs (and wrote why 127 of them wait) to claim one, after every job.
-    limit = candidate_limit([1 if s.queue == one_slot_of else s.lane_limit for s in specs])
+    # A refill of the slots a job freed or was handed claims that many pairs of its lane: reading for every slot of
+    # a lane of 64 read 128 pairs (and wrote why 127 of them wait) to claim one, after every job.
+    slots_of, slots = budget
+    limit = candidate_limit([slots if s.queue == slots_of else s.lane_limit for s in specs])
     queues = ports.settings.registry.queues()
     read = 0
     for _ in range(MAX_ROUNDS):
@@ -85,7 +86,7 @@ def _rounds(
         snap = ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
         authorized, _ = page.judge(snap, rows, report)
         result = dispatch.dispatch_pending(
-            ports, book, authorized, snap, now=now, handed_lane=handed, one_slot_of=one_slot_of
+            ports, book, authorized, snap, now=now, handed_lane=handed, slots_of=slots_of, slots=slots
         )
         report.outcomes.update(result.outcomes)
         report.dispatched.extend(result.dispatched)

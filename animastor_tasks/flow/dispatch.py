@@ -52,11 +52,12 @@ def dispatch_pending(
     now: float,
     handed_lane: str | None = None,
     full_lanes: Collection[str] = (),
-    one_slot_of: str | None = None,
+    slots_of: str | None = None,
+    slots: int = 1,
 ) -> DispatchResult:
     """`full_lanes`: queues seen without room (lock-free) by the caller; their pairs wait for a
-    slot without a claim transaction (see `_wait_without_claim`). `one_slot_of`: the lane of the slot
-    a finished job freed in this process, which claims one pair of it at most (see `refill.free_slot`)."""
+    slot without a claim transaction (see `_wait_without_claim`). `slots_of`: the lane of the `slots` free
+    slots this pass fills, which claims that many pairs of it at most (see `refill.free_slot`, `hand_over`)."""
     result = DispatchResult()
     deferred_pairs = set().union(*snap.deferred.values())
     if handed_lane is not None:
@@ -141,7 +142,7 @@ def dispatch_pending(
         _wait_without_claim(ports, book, [i for i in todo if i.stage in crowded], specs, result, now)
         todo = [i for i in todo if i.stage not in crowded]
     if todo:
-        _claim_and_publish(ports, book, todo, specs, permits, snap, result, now, handed_lane, one_slot_of)
+        _claim_and_publish(ports, book, todo, specs, permits, snap, result, now, handed_lane, (slots_of, slots))
     for stage in permits.keys() - result.claimed_stages:
         # The test permit found nothing to test (done already, or no room): give it back for the next pass.
         ports.breaker.breaker_release(specs[stage].queue)
@@ -199,10 +200,11 @@ def _claim_and_publish(
     result: DispatchResult,
     now: float,
     handed_lane: str | None,
-    one_slot_of: str | None,
+    budget: tuple[str | None, int],
 ) -> None:
     todo = sorted(todo, key=slot_order)
-    room = {s: 1 for s, spec in specs.items() if spec.queue == one_slot_of}
+    slots_of, slots = budget
+    room = {s: slots for s, spec in specs.items() if spec.queue == slots_of}
     wanted = [(i.pair, uuid.uuid4().hex) for i in todo]  # 128 random bits: never guessable nor reused
     lanes = {stage: spec.queue for stage, spec in specs.items()}
     # The fair share binds only while another book waits for the lane (the head of its waiting list).
@@ -254,17 +256,16 @@ def _claim_and_publish(
         if failed:  # pending again: they wait, and the book stays due for them
             result.gone.difference_update(c.pair for c in failed)
             result.outcomes[Outcome.PUBLISH_FAILED] += len(failed)
-    for queue, slots in spare.items():
+    for queue, free in spare.items():
         # Slots this book cannot use (its cap, nothing more pending) go to the books waiting for the
         # lane at once: a free slot never waits for a deferral to expire. The snapshot read the head
-        # of each waiting list already: an empty one costs no second read. Of a lane whose one freed slot
-        # this process refills, only that slot is handed on (when unused): the others are those of jobs
-        # ending elsewhere, theirs to refill.
-        if queue == one_slot_of:
-            slots = min(slots, 1 - sum(taken[s] for s, spec in specs.items() if spec.queue == queue))
+        # of each waiting list already: an empty one costs no second read. Of a lane whose freed slots this
+        # pass fills, only those are handed on (when unused): the others are other refills' to fill.
+        if queue == slots_of:
+            free = min(free, slots - sum(taken[s] for s, spec in specs.items() if spec.queue == queue))
         known = snap.waiters.get(queue)
         if known is None or any(b != book for b in known):
-            hand_over(ports, queue, slots, exclude=book)
+            hand_over(ports, queue, free, exclude=book)
 
 
 def slot_order(item: InFlight) -> tuple[int, float, int]:
@@ -371,14 +372,8 @@ def block_stage(ports: Ports, book: str, spec: StageSpec) -> list[str]:
     log.warning(
         "[DISPATCH] BLOCKED book=%r stage=%s queue=%s reason=%s commands=%s released=%d: no live consumer;"
         " start a worker (animastor-tasks worker --stage %s) and send a new regenerate",
-        book,
-        spec.name,
-        spec.queue,
-        reason,
-        ",".join(blocked) or "none",
-        len(released),
-        spec.name,
-    )
+        book, spec.name, spec.queue, reason, ",".join(blocked) or "none", len(released), spec.name,
+    )  # fmt: skip
     return blocked
 
 
@@ -389,12 +384,14 @@ def count_outcomes(ports: Ports, outcomes: Mapping[str, int]) -> None:
 
 def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = None) -> list[str]:
     """Free slots of a lane go to the books that have waited longest for it, each with a refill
-    told which lane it is handed (it looks past its capacity deferrals on the lane); a book
-    served this way waits at the back again when the lane is full (round robin). Returns the books
-    served. Nothing of the served books is written here."""
+    told which lane it is handed (it looks past its capacity deferrals on the lane) and how many of its
+    slots (`capacity.share_slots`); a book served this way waits at the back again when the lane is
+    full (round robin). Returns the books served. Nothing of the served books is written here.
+    *Why the count:* each handed refill took every free slot it could (the others handed a slot were off
+    the list, so its fair share did not bind), and the books after the first waited a job for theirs."""
     if slots <= 0:
         return []
     books = ports.deferrals.next_waiters(queue, slots, exclude=exclude)
-    for waiter in books:
-        ports.publisher.enqueue_refill(waiter, lane=queue)
+    for waiter, share in zip(books, capacity.share_slots(slots, len(books)), strict=True):
+        ports.publisher.enqueue_refill(waiter, lane=queue, slots=share)
     return books

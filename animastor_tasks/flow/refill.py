@@ -19,14 +19,17 @@ from animastor_tasks.ports import Ports
 log = logging.getLogger("animastor.gate")
 
 
-def refill(ports: Ports, book: str, lane: str | None = None, *, one_slot_of: str | None = None) -> PassReport:
+def refill(
+    ports: Ports, book: str, lane: str | None = None, *, slots_of: str | None = None, slots: int = 1
+) -> PassReport:
     """Dispatch the book's next pairs for a freed slot of `lane` (None: of any lane, as when the book's
     own job ended and its scene window moved). A slot the book has no use for is handed on.
-    `one_slot_of`: the lane of the one slot a job freed (see `free_slot`): with `lane` None, that lane's pairs are
-    read even when the book's others come first in slot order."""
+    `slots_of`: the lane of the `slots` free slots this refill fills, at most (a job's own, see `free_slot`, or
+    those `dispatch.hand_over` handed it): with `lane` None, that lane's pairs are read even when the book's
+    others come first in slot order."""
     report = PassReport(book)
     try:
-        read = candidates.dispatch_candidates(ports, report, book, lane, one_slot_of)
+        read = candidates.dispatch_candidates(ports, report, book, lane, slots_of, slots)
         if read is None or (lane is None and read == 0):
             # The book is gone, or its own job ended with nothing of it pending: the full pass is cheap
             # then, and it is the one that deactivates finished scenes and takes the book off the indexes.
@@ -83,8 +86,8 @@ def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str, *, here: bo
 def _refill_for(ports: Ports, book: str, lane: str | None, freed: str, here: bool) -> None:
     if here:
         try:
-            if refill(ports, book, lane, one_slot_of=freed).error is None:
+            if refill(ports, book, lane, slots_of=freed).error is None:
                 return
         except Exception as err:  # the control worker tries again; the job itself is done
             log.warning("[COMMAND-GATE] book=%r refill after a job failed here, sent on: %s", book, err)
-    ports.publisher.enqueue_refill(book, lane, freed=freed if lane is None else None)
+    ports.publisher.enqueue_refill(book, lane, freed=freed if lane is None else None, slots=None if lane is None else 1)

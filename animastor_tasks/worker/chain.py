@@ -108,8 +108,10 @@ class KeepingPublisher:
     def revoke(self, dispatch_ids: Sequence[str]) -> None:
         self.inner.revoke(dispatch_ids)
 
-    def enqueue_refill(self, book_id: str, lane: str | None = None, freed: str | None = None) -> None:
-        self.inner.enqueue_refill(book_id, lane, freed)
+    def enqueue_refill(
+        self, book_id: str, lane: str | None = None, freed: str | None = None, slots: int | None = None
+    ) -> None:
+        self.inner.enqueue_refill(book_id, lane, freed, slots)
 
     def enqueue_gates(self, book_ids: Sequence[str]) -> None:
         self.inner.enqueue_gates(book_ids)

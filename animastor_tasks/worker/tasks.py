@@ -8,7 +8,8 @@
 | animastor.gate              | animastor.control   | book_id, lane=None (set: a refill of that lane, as below)   |
 | animastor.refill            | animastor.control   | book_id, lane=None (the queue whose free slot it is handed; |
 |                             |                     | None: any; sent when a slot frees), freed=None (the lane of |
-|                             |                     | the one slot freed, when no book was waiting for it)        |
+|                             |                     | the one slot freed, when no book was waiting for it),       |
+|                             |                     | slots=None (how many free slots of `lane` it is handed)     |
 | animastor.gate_batch        | animastor.control   | book_ids (the due books; sent by the tick)                  |
 | animastor.tick              | animastor.control   | (none; beat)                                                |
 | animastor.reconcile         | animastor.control   | (none; beat)                                                |
@@ -81,9 +82,13 @@ def gate_task(book_id: str, lane: str | None = None, **newer: Any) -> dict[str, 
 
 
 @app.task(name="animastor.refill", ignore_result=True)
-def refill_task(book_id: str, lane: str | None = None, freed: str | None = None, **newer: Any) -> dict[str, Any]:
+def refill_task(
+    book_id: str, lane: str | None = None, freed: str | None = None, slots: int | None = None, **newer: Any
+) -> dict[str, Any]:
     _newer("animastor.refill", newer)
-    return _pass_result(book_id, refill.refill(ports(), book_id, lane, one_slot_of=freed))
+    if slots is not None and lane is not None:  # handed that many free slots of `lane`
+        return _pass_result(book_id, refill.refill(ports(), book_id, lane, slots_of=lane, slots=max(1, int(slots))))
+    return _pass_result(book_id, refill.refill(ports(), book_id, lane, slots_of=freed))
 
 
 def _pass_result(book_id: str, report: gate.PassReport) -> dict[str, Any]:

@@ -269,3 +269,21 @@ def test_a_book_served_alone_does_not_keep_its_interactive_place_for_its_bulk_sc
     regenerate_flow.regenerate(rt.ports, "waiter", ["audio"], [["ch1", "s1"]])  # normal
     finish_one(rt, "runner")  # s3 ends: a normal waiter goes before runner's bulk s2
     assert running(rt, "runner", "waiter") == {"waiter": 1}
+
+
+def test_slots_freed_together_go_one_to_each_book_waiting(rt) -> None:
+    """A Stop All (or a takeover) frees several slots at once and hands one to each waiting book. Each book's refill
+    took every free slot it could, since the others, handed a slot too, were off the waiting list and its fair share
+    no longer bound: the first refill took them all, and the other books waited a whole job for theirs."""
+    from animastor_tasks.flow import cancel as cancel_flow
+
+    lane(rt, lane_limit=2, book_quota=4, window=4)
+    for book, scenes in (("stopped", 2), ("a", 3), ("b", 3)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate_flow.regenerate(rt.ports, "stopped", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert running(rt, "stopped", "a", "b") == {"stopped": 2} and set(waiting(rt)) == {"a", "b"}
+    cancel_flow.cancel(rt.ports, "stopped")
+    run_control(rt)
+    assert running(rt, "stopped", "a", "b") == {"a": 1, "b": 1}

@@ -70,7 +70,7 @@ def test_a_refill_whose_book_a_concurrent_claim_deferred_for_the_lane_still_fill
     first, _ = commit_ready(rt, "late", "s1"), commit_ready(rt, "late", "s2")
     refill.free_slot(rt.ports, "late", AUDIO, first, here=True)  # claims s5, defers s6... for the lane
     assert rt.redis.client.zscore(rt.redis.keys.deferrals("late", "capacity"), "ch1:s6:audio") is not None
-    refill.refill(rt.ports, "late", None, one_slot_of=AUDIO)  # the second refill, past its bucket clear
+    refill.refill(rt.ports, "late", None, slots_of=AUDIO)  # the second refill, past its bucket clear
     assert generating(rt, "late") == ["s3", "s4", "s5", "s6"]
 
 

@@ -145,7 +145,7 @@ def test_a_freed_slot_that_looks_further_judges_each_pair_once(rt) -> None:
         conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'wide' AND scene_id = 's1'")
     rt.redis.client.delete(rt.redis.keys.deferrals("wide", "capacity"))  # as `free_slot` does with nobody waiting
     report = PassReport("wide")
-    read = candidates.dispatch_candidates(rt.ports, report, "wide", None, one_slot_of="gpu.audio")
+    read = candidates.dispatch_candidates(rt.ports, report, "wide", None, slots_of="gpu.audio")
     assert states(rt, "wide")[("ch1", "s91", "audio")] == "generating"
     assert read == 16 + 36  # the short read, then every pending pair
     assert report.outcomes[Outcome.DEFERRED] == len(held)

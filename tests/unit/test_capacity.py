@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from animastor_tasks.domain.capacity import CapacityCounts, choose
+from animastor_tasks.domain.capacity import CapacityCounts, choose, share_slots
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import Outcome
 
@@ -62,3 +62,11 @@ def test_the_room_of_one_freed_slot_takes_one_pair_and_the_rest_wait_for_the_lan
     assert [pair for pair, _ in choice.chosen] == [("c", "s1", "audio")]
     assert choice.refused == {Outcome.LANE_FULL: [("c", "s2", "audio"), ("c", "s3", "audio")]}
     assert choice.waits_for == {"audio"}  # the book queues for the lane's next freed slot
+
+
+def test_slots_handed_together_are_shared_round_robin_head_first() -> None:
+    assert share_slots(2, 2) == [1, 1]
+    assert share_slots(5, 2) == [3, 2]  # fewer books than slots: the rest goes to them too, head first
+    assert share_slots(3, 3) == [1, 1, 1]
+    assert share_slots(4, 0) == []
+    assert sum(share_slots(7, 3)) == 7
