@@ -404,3 +404,22 @@ def test_a_scene_removed_by_an_import_between_the_checks_and_the_writes_is_a_cle
     finally:
         del rt.catalog.command_context
     assert rt.ports.commands.commands(book=book) == []
+
+
+def test_a_regenerate_answers_once_its_commands_are_on_disk(rt, book, monkeypatch) -> None:
+    """The commands commit without waiting for their WAL flush (the first job is published a flush sooner); the
+    regenerate's last read waits for it, so no answer says a command is there that a database crash could lose."""
+    unflushed: list[int] = []
+    create = rt.ports.commands.create_commands
+
+    def created_then_seen(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made = create(*args, **kwargs)
+        with rt.db.read() as conn:  # how far the WAL is written now, the commands' commit included
+            unflushed.append(int(conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'").fetchone()[0]))
+        return made
+
+    monkeypatch.setattr(rt.ports.commands, "create_commands", created_then_seen)
+    regenerate_flow.regenerate(rt.ports, "b1", ["audio"], [["ch1", "s1"]])
+    with rt.db.read() as conn:
+        flushed = int(conn.execute("SELECT pg_current_wal_flush_lsn() - '0/0'").fetchone()[0])
+    assert unflushed and flushed >= unflushed[0]
