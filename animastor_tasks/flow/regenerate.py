@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import replace
 from typing import Any, cast
 
 from animastor_tasks.domain.book import show_value, validate_id
@@ -198,8 +199,11 @@ def _replay(
     # The stages it asked for that made no command had their layer off, as the first answer said (known only of
     # a command that keeps what its request asked: migration 0009).
     skipped = [] if first is None or first.asked_stages is None else [s for s in wanted if s not in first.stages]
+    # Read after the pass, as a first answer's are, and once they are on disk: a resend that came before the first
+    # sending's commands were flushed (they commit without waiting) answered for commands a crash could lose.
+    statuses = ports.commands.command_statuses([r.command_id for r in rows])
     return {
-        "commands": _describe(rows),
+        "commands": _describe([replace(r, status=statuses.get(r.command_id, r.status)) for r in rows]),
         "skipped": [{"stage": s, "reason": "layer_disabled"} for s in skipped],
         "replayed": True,
     }

@@ -423,3 +423,19 @@ def test_a_regenerate_answers_once_its_commands_are_on_disk(rt, book, monkeypatc
     with rt.db.read() as conn:
         flushed = int(conn.execute("SELECT pg_current_wal_flush_lsn() - '0/0'").fetchone()[0])
     assert unflushed and flushed >= unflushed[0]
+
+
+def test_a_resend_answers_once_the_commands_it_replays_are_on_disk(rt, book) -> None:
+    """A resend that came while the first sending's commands were not yet flushed (they commit without waiting)
+    must not answer for them before they are on disk, as the first sending's own answer does not."""
+    first = regenerate_flow.regenerate(rt.ports, "b1", ["audio"], [["ch1", "s1"]])
+    command_id = first["commands"][0]["command_id"]
+    with rt.db.transaction() as conn:  # a write whose commit does not wait for its flush, as the commands' did
+        conn.execute("SET LOCAL synchronous_commit = off")
+        conn.execute("UPDATE books SET title = title WHERE book_id = 'b1'")
+    with rt.db.read() as conn:
+        written = int(conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'").fetchone()[0])
+    again = regenerate_flow.regenerate(rt.ports, "b1", ["audio"], [["ch1", "s1"]], command_id=command_id)
+    with rt.db.read() as conn:
+        flushed = int(conn.execute("SELECT pg_current_wal_flush_lsn() - '0/0'").fetchone()[0])
+    assert again["replayed"] and flushed >= written

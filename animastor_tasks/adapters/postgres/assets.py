@@ -15,8 +15,9 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
-from animastor_tasks.adapters.postgres.commands import lock_book, release_targets
+from animastor_tasks.adapters.postgres.commands import lock_book
 from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns
+from animastor_tasks.adapters.postgres.released import release_targets
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts
 from animastor_tasks.domain.keys import claim_locks
@@ -79,7 +80,7 @@ class AssetStore(GateReads):
 
         The edge is checked against the state machine first (`InvalidTransition`); a pair no
         longer in `source` is left alone and simply missing from the answer. A release to `dirty`
-        marks the targets it cuts off and settles their commands (`commands.release_targets`).
+        marks the targets it cuts off and settles their commands (`released.release_targets`).
         """
         transition(source, target)
         if not pairs:

@@ -9,8 +9,8 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from animastor_tasks.adapters.postgres import journal
-from animastor_tasks.adapters.postgres.commands import mark_released
 from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.adapters.postgres.released import mark_released
 from animastor_tasks.domain.book import Book
 from animastor_tasks.domain.inputs import scene_hashes
 from animastor_tasks.domain.registry import MediaRegistry
