@@ -58,10 +58,10 @@ def gate_pass(
     return report
 
 
-def pass_on_slot(ports: Ports, book: str, lane: str) -> None:
-    """A free slot of `lane` handed to `book`, which had no use for it: to the next waiting book rather than idle."""
+def pass_on_slot(ports: Ports, book: str, lane: str, slots: int = 1) -> None:
+    """Free slots of `lane` handed to `book`, which had no use for them: to the next waiting books rather than idle."""
     try:
-        dispatch.hand_over(ports, lane, 1, exclude=book)
+        dispatch.hand_over(ports, lane, slots, exclude=book)
     except StoreUnavailable as err:
         log.warning("[COMMAND-GATE] book=%r could not pass on a free slot of %s: %s", book, lane, err)
 

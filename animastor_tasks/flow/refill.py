@@ -44,7 +44,7 @@ def refill(
             _keep_place(ports, book, lane)
             return report
     if lane is not None and lane not in report.claimed_lanes | report.held_lanes:
-        gate.pass_on_slot(ports, book, lane)
+        gate.pass_on_slot(ports, book, lane, slots if slots_of == lane else 1)
     return report
 
 

@@ -287,3 +287,16 @@ def test_slots_freed_together_go_one_to_each_book_waiting(rt) -> None:
     cancel_flow.cancel(rt.ports, "stopped")
     run_control(rt)
     assert running(rt, "stopped", "a", "b") == {"a": 1, "b": 1}
+
+
+def test_a_book_handed_several_slots_it_has_no_use_for_passes_them_all_on(rt) -> None:
+    from animastor_tasks.domain.deferral import wait_score
+    from animastor_tasks.flow import refill
+
+    lane(rt, lane_limit=4)
+    rt.catalog.import_book(make_book("idle", chapters=1, scenes=1))  # nothing of it commanded
+    for i, book in enumerate(("x", "y")):
+        rt.ports.deferrals.wait_for_lane("gpu.audio", book, wait_score(1, 100.0 + i))
+    refill.refill(rt.ports, "idle", "gpu.audio", slots_of="gpu.audio", slots=2)
+    assert waiting(rt) == {}  # both slots went on, one to each waiting book (one did, and y waited a job)
+    assert sorted(kwargs["book_id"] for _, kwargs in run_control(rt)) == ["x", "y"]
