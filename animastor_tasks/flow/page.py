@@ -139,10 +139,12 @@ def next_due(snap: Snapshot, waiting: list[InFlight], written: dict[Pair, float]
 def write_due(ports: Ports, book: str, due: float | None, due_at: float | None) -> None:
     """Keep the book's place in the due index. Written only when the book must come sooner than the index
     says (or leave it): an earlier entry costs one cheap pass, and a pass over deferred pairs stays free
-    of writes. None: no pass until something happens (a job's end or a new command asks for one)."""
+    of writes. None: no pass until something happens (a job's end or a new command asks for one). Either write
+    leaves alone an entry made sooner since `due_at` was read (a job that ended made the book due now): a stale
+    pass put such a book back by up to a capacity deferral, or took it off the index."""
     try:
         if due is None and due_at is not None:
-            ports.book_state.set_due(book, None)
+            ports.book_state.clear_due(book, due_at)
         elif due is not None and (due_at is None or due < due_at):
             ports.book_state.set_due(book, due)
     except StoreUnavailable as err:  # reconcile's pass over every book with work puts it back

@@ -260,3 +260,20 @@ def test_a_book_whose_pairs_belong_to_a_stage_no_longer_registered_is_not_passed
     gate.gate_pass(rt.ports, "b")
     assert list(states(rt, "b").values()).count("pending") == 2  # they wait, their command still active
     assert rt.redis.client.zscore(rt.redis.keys.due(), "b") is None
+
+
+def test_a_pass_on_a_stale_snapshot_never_puts_a_book_due_now_further_back(rt: Wiring) -> None:
+    """A pass writes the book's next due time from the due entry its snapshot read. A job that ended meanwhile made
+    the book due now; the pass then wrote its later time over that (the book waited up to a capacity deferral,
+    a minute), or, finding nothing more to do, took the book off the index (it waited for reconcile)."""
+    from animastor_tasks.flow import page
+
+    now = rt.ports.clock()
+    key = rt.redis.keys.due()
+    rt.ports.book_state.set_due("b", now)  # a job ended: the book is due now
+    page.write_due(rt.ports, "b", now + 30, now + 60)  # a pass whose snapshot saw it due in a minute
+    assert rt.redis.client.zscore(key, "b") == now
+    page.write_due(rt.ports, "b", None, now + 60)  # a pass that found nothing more, on the same snapshot
+    assert rt.redis.client.zscore(key, "b") == now
+    page.write_due(rt.ports, "b", None, now)  # one that saw the entry as it is: the book leaves the index
+    assert rt.redis.client.zscore(key, "b") is None

@@ -86,7 +86,7 @@ def test_a_candidate_the_gate_denies_asks_for_the_full_pass_which_releases_it(rt
     lane(rt, lane_limit=1, book_quota=1, window=1)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    rt.ports.book_state.set_due("b", None)
+    rt.redis.client.zrem(rt.redis.keys.due(), "b")
     with rt.db.transaction() as conn:  # the layer turned off behind the gate's back
         conn.execute("UPDATE books SET layer_config = '{\"audio_enabled\": false}' WHERE book_id = 'b'")
     report = refill.refill(rt.ports, "b", "gpu.audio")

@@ -24,6 +24,7 @@ class BookStateStore:
         self._epoch: str | None = None  # the dataset token this process last saw (see `_seen_epoch`)
         self._data_lost_at = float("-inf")
         self._book_reads_if_small = conn.client.register_script(_script("book_reads_if_small"))
+        self._due_clear = conn.client.register_script(_script("due_clear"))
 
     # -- cancel flag, layers mirror --------------------------------------------
     def set_cancel_flag(self, book: str) -> None:
@@ -170,13 +171,17 @@ class BookStateStore:
         )
 
     # -- the due index: which books need a gate pass, and from when ------------------
-    def set_due(self, book: str, when: float | None) -> None:
-        """The book needs its next pass at `when` (unix seconds); None: no pass until something happens."""
-        key = self.conn.keys.due()
-        if when is None:
-            self.conn.run(lambda: self.conn.client.zrem(key, book))
-        else:
-            self.conn.run(lambda: self.conn.client.zadd(key, {book: when}))
+    def set_due(self, book: str, when: float) -> None:
+        """The book needs its next pass by `when` (unix seconds): an earlier entry stands (ZADD LT), so a pass on
+        a stale snapshot never puts back a book that something made due sooner meanwhile."""
+        self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.due(), {book: when}, lt=True))
+
+    def clear_due(self, book: str, seen: float) -> None:
+        """No pass until something happens: the book off the due index, if its entry is still `seen`
+        (`lua/due_clear.lua`)."""
+        self.conn.run(
+            lambda: self._due_clear(keys=[self.conn.keys.due()], args=[book, repr(seen)], client=self.conn.client)
+        )
 
     def take_due(self, now: float) -> list[str]:
         """The books due by `now`, taken off the index in one step (their passes put them back as needed),
