@@ -160,17 +160,22 @@ def dispatched_after_a_tick(rt: Wiring) -> Job:
     return job
 
 
-def test_the_slot_of_a_fenced_job_is_taken_over_on_the_first_tick_after_it_returned(rt, tmp_path) -> None:
-    """A job fenced off by a forced regenerate that returns before its watcher's next renewal (every job shorter than
-    a third of the lease TTL) left its stop marker in the pair's lease: nothing renewed it and nothing released it,
-    so the pair kept its GPU slot, idle, for a whole lease TTL (60 s here, 120 s by default) before the fresh run."""
-    job = one_queued_job(rt, tmp_path, steps=8, step_seconds=0.1)
+def forced_over_while_it_runs(rt: Wiring, job: Job) -> None:
+    """Book b's `job` runs in a thread; a forced regenerate of its scene stops it, and it returns."""
     taken_by_worker(rt)
     thread, outcome = in_thread(rt, job)
     time.sleep(0.3)
     regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
     thread.join(timeout=5)
     assert outcome["outcome"] in ("fence_rejected", "stopped"), outcome
+
+
+def test_the_slot_of_a_fenced_job_is_taken_over_on_the_first_tick_after_it_returned(rt, tmp_path) -> None:
+    """A job fenced off by a forced regenerate that returns before its watcher's next renewal (every job shorter than
+    a third of the lease TTL) left its stop marker in the pair's lease: nothing renewed it and nothing released it,
+    so the pair kept its GPU slot, idle, for a whole lease TTL (60 s here, 120 s by default) before the fresh run."""
+    job = one_queued_job(rt, tmp_path, steps=8, step_seconds=0.1)
+    forced_over_while_it_runs(rt, job)
     assert not rt.redis.client.exists(rt.redis.keys.lease("b", *PAIR))  # nothing of the old job holds the slot
     assert dispatched_after_a_tick(rt).dispatch_id != job.dispatch_id
 
@@ -387,12 +392,7 @@ def test_a_forced_rerun_keeps_its_slot_when_another_book_waits_for_the_lane(rt, 
     waiters = rt.redis.keys.lane_waiters("gpu.audio")
     assert rt.redis.client.zrange(waiters, 0, -1) == ["w"]
     [job] = dispatched_jobs(rt, "b")
-    taken_by_worker(rt)
-    thread, outcome = in_thread(rt, job)
-    time.sleep(0.3)
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
-    thread.join(timeout=5)
-    assert outcome["outcome"] in ("fence_rejected", "stopped"), outcome
+    forced_over_while_it_runs(rt, job)
     assert takeover.on_tick(rt.ports)["expired"] == 1
     assert rt.redis.client.zrange(waiters, 0, -1) == ["w"]  # w still waits: the slot was not handed to it
     refill.refill(rt.ports, "b", "gpu.audio")  # the refill the tick handed the slot to, as the control worker runs it
