@@ -113,12 +113,36 @@ WAV_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave
 
 def check_known_media(media_type: str, data: bytes) -> None:
     """ValueError when `data` is not a file of the format `media_type` names, for the formats read here (WAV,
-    PNG): a server's error text or a file still being written, sent under the right type, is not a result."""
+    PNG, JPEG, WebP): a server's error text or a file still being written, sent under the right type, is not a
+    result, and neither is a body cut short that HTTP cannot tell from a whole one (an answer without a length,
+    ended by closing the connection, whose connection dropped)."""
     kind = media_type.split(";")[0].strip().lower()
     if kind in WAV_TYPES:
         wav_duration_seconds(data)
     elif kind == "image/png":
         png_size(data)
+    elif kind in ("image/jpeg", "image/jpg"):
+        check_jpeg(data)
+    elif kind == "image/webp":
+        check_webp(data)
+
+
+def check_jpeg(data: bytes) -> None:
+    """ValueError unless `data` opens with a JPEG's start-of-image marker and closes with its end-of-image one
+    (padding aside): the entropy-coded data never holds that end marker, so a JPEG cut short has none there."""
+    if not data.startswith(b"\xff\xd8\xff"):
+        raise ValueError("not a JPEG file: no start-of-image marker")
+    if not data.rstrip(b"\x00").endswith(b"\xff\xd9"):
+        raise ValueError("JPEG cut short: it does not end with the end-of-image marker")
+
+
+def check_webp(data: bytes) -> None:
+    """ValueError unless `data` is a RIFF/WEBP file holding all the bytes its RIFF header declares."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+        raise ValueError("not a WebP file: no RIFF/WEBP header")
+    declared = struct.unpack_from("<I", data, 4)[0] + 8
+    if declared > len(data):
+        raise ValueError(f"WebP cut short: its RIFF header declares {declared} bytes, {len(data)} are there")
 
 
 def _chunk(kind: bytes, payload: bytes) -> bytes:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import requests
 
 from animastor_tasks.generators import GenerationRequest, Media
-from animastor_tasks.generators.media import PNG_SIGNATURE, png_size
+from animastor_tasks.generators.media import PNG_SIGNATURE, check_known_media
 from animastor_tasks.generators.openai_common import OCTET_STREAM, OpenAIGenerator, media_type_of, string_param
 
 SIZE_PATTERN = re.compile(r"[1-9][0-9]{0,4}x[1-9][0-9]{0,4}|auto")
@@ -87,9 +87,8 @@ class OpenAIImagesGenerator(OpenAIGenerator):
         want = self.spec.media_type.lower()
         if want != OCTET_STREAM and found != want:
             raise self._fail(f"returned an image of type {found!r}, stage {self.spec.name!r} stores {want!r}")
-        if found == "image/png":
-            try:
-                png_size(data)
-            except ValueError as err:
-                raise self._fail(f"returned a broken PNG ({err})") from None
+        try:
+            check_known_media(found, data)
+        except ValueError as err:
+            raise self._fail(f"returned a broken image ({err})") from None
         return Media(data, self.spec.media_type if want != OCTET_STREAM else found)

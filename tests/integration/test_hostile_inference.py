@@ -242,6 +242,42 @@ def test_broken_media_under_the_right_content_type_is_not_a_result(
     assert not isinstance(info.value, GenerationStopped), why
 
 
+def _close_delimited(media_type: str, body: bytes) -> Answer:
+    """A 200 with no Content-Length (HTTP/1.0: the body ends when the server closes the connection)."""
+
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        handler.protocol_version = "HTTP/1.0"
+        handler.send_response(200)
+        handler.send_header("Content-Type", media_type)
+        handler.end_headers()
+        handler.wfile.write(body)
+        handler.close_connection = True
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("media_type", "whole"),
+    [
+        ("image/jpeg", b"\xff\xd8\xff\xe0" + bytes(200) + b"\xff\xda" + bytes(300) + b"\xff\xd9"),
+        (
+            "image/webp",
+            b"RIFF" + (4 + 8 + 500).to_bytes(4, "little") + b"WEBPVP8L" + (500).to_bytes(4, "little") + bytes(500),
+        ),
+    ],
+)
+def test_a_close_delimited_image_whose_connection_dropped_is_not_a_result(
+    serve: Callable[[Answer], str], media_type: str, whole: bytes
+) -> None:
+    """Without a length, a body cut short by a dropped connection reads as a whole one: the stage stored half an
+    image and marked the pair ready. The whole one is taken; the cut one is a retryable failure."""
+    spec = replace(_spec(serve(_close_delimited(media_type, whole)), "image"), media_type=media_type)
+    assert _generate(spec).data == whole
+    spec = replace(spec, endpoint=serve(_close_delimited(media_type, whole[: len(whole) // 2])) + "/v1/generate/image")
+    with pytest.raises(GeneratorError, match="cut short"):
+        _generate(spec)
+
+
 def test_a_header_only_wav_from_an_openai_server_is_not_a_result(serve: Callable[[Answer], str]) -> None:
     url = serve(_media(200, "audio/wav", synthesize_wav("one")[:44]))
     with pytest.raises(GeneratorError, match="WAV"):

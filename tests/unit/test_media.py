@@ -13,7 +13,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from animastor_tasks.generators.media import png_size, render_png, synthesize_wav, wav_duration_seconds
+from animastor_tasks.generators.media import (
+    check_known_media,
+    png_size,
+    render_png,
+    synthesize_wav,
+    wav_duration_seconds,
+)
 
 
 def _pcm(data: bytes) -> tuple[Any, list[int]]:
@@ -210,3 +216,31 @@ def test_a_png_whose_data_stops_short_is_refused() -> None:
     whole = zlib.compress(bytes(64 * (1 + 64 * 3)))
     with pytest.raises(ValueError, match=r"incomplete or truncated|IHDR promises"):
         png_size(_png_with(64, 64, whole[: len(whole) // 2]))
+
+
+# The shapes the checks read: a JPEG's start- and end-of-image markers around its segments, a WebP's RIFF size.
+JPEG = (
+    b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00"
+    + b"\xff\xda\x00\x08"
+    + bytes(64)
+    + b"\xff\xd9"
+)
+WEBP = b"RIFF" + struct.pack("<I", 4 + 8 + 40) + b"WEBP" + b"VP8L" + struct.pack("<I", 40) + bytes(40)
+
+
+@pytest.mark.parametrize(
+    ("media_type", "whole"), [("image/jpeg", JPEG), ("image/webp", WEBP), ("image/png", render_png("x"))]
+)
+@pytest.mark.parametrize("cut", [1, 7, 30])
+def test_an_image_cut_short_is_refused_and_a_whole_one_passes(media_type: str, whole: bytes, cut: int) -> None:
+    check_known_media(media_type, whole)
+    check_known_media(media_type, whole + (b"\x00\x00" if media_type == "image/jpeg" else b""))  # padding
+    with pytest.raises(ValueError, match=r"cut short|truncated"):
+        check_known_media(media_type, whole[:-cut])
+
+
+def test_another_format_under_an_image_type_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a JPEG"):
+        check_known_media("image/jpeg", render_png("x"))
+    with pytest.raises(ValueError, match="not a WebP"):
+        check_known_media("image/webp", JPEG)
