@@ -270,7 +270,7 @@ def test_a_close_delimited_image_whose_connection_dropped_is_not_a_result(
     serve: Callable[[Answer], str], media_type: str, whole: bytes
 ) -> None:
     """Without a length, a body cut short by a dropped connection reads as a whole one: the stage stored half an
-    image and marked the pair ready. The whole one is taken; the cut one is a retryable failure."""
+    image and marked the pair ready. The whole one is taken; the cut one fails the attempt."""
     spec = replace(_spec(serve(_close_delimited(media_type, whole)), "image"), media_type=media_type)
     assert _generate(spec).data == whole
     spec = replace(spec, endpoint=serve(_close_delimited(media_type, whole[: len(whole) // 2])) + "/v1/generate/image")
