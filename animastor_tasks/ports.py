@@ -164,6 +164,8 @@ class Deferrals(Protocol):
     def next_waiters(
         self, queue: str, count: int, *, exclude: str | None = None, requeue_from: str | None = None
     ) -> list[str]: ...
+    def open_hand_over(self, books: int) -> str: ...  # an id for slots handed to several books at once
+    def close_hand_over(self, batch: str) -> bool: ...  # True: this was the last of the books
 
 
 class Leases(Protocol):
@@ -225,8 +227,13 @@ class Locks(Protocol):
 class Publisher(Protocol):
     def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None: ...
     def revoke(self, dispatch_ids: Sequence[str]) -> None: ...
-    def enqueue_refill(  # `slots`: how many free slots of `lane` it is handed (None: as many as it finds)
-        self, book_id: str, lane: str | None = None, freed: str | None = None, slots: int | None = None
+    def enqueue_refill(  # `slots`: how many free slots of `lane` it is handed (None: as many as it finds), `batch`:
+        self,  # the hand-over it is one of (`Deferrals.open_hand_over`)
+        book_id: str,
+        lane: str | None = None,
+        freed: str | None = None,
+        slots: int | None = None,
+        batch: str | None = None,
     ) -> None: ...
     def enqueue_gates(self, book_ids: Sequence[str]) -> None: ...  # one task passing several books in turn
 

@@ -77,10 +77,15 @@ class CeleryPublisher:
             log.warning("[DISPATCH] revoke broadcast failed: %s", err)
 
     def enqueue_refill(
-        self, book_id: str, lane: str | None = None, freed: str | None = None, slots: int | None = None
+        self,
+        book_id: str,
+        lane: str | None = None,
+        freed: str | None = None,
+        slots: int | None = None,
+        batch: str | None = None,
     ) -> None:
-        # `freed` and `slots` only when set: a message without them is one every version of the task takes.
-        optional = {"freed": freed, "slots": slots}
+        # The optional kwargs only when set: a message without them is one every version of the task takes.
+        optional = {"freed": freed, "slots": slots, "batch": batch}
         kwargs = {"book_id": book_id, "lane": lane} | {k: v for k, v in optional.items() if v is not None}
         self.app.send_task("animastor.refill", kwargs=kwargs, queue=CONTROL_QUEUE)
 

@@ -26,6 +26,9 @@ widens to another book).
 | ``P:running:ID``                              | string | lease TTL while a delivery of ID runs     |
 | ``P:queued:ID`` (value: dispatch time)        | string | from dispatch to its first delivery       |
 |                                               |        | (at most 24 h; see domain/liveness.py)    |
+| ``P:handing:ID`` (value: books to go)        | string | one hand-over of a lane's slots to several |
+|                                               |        | books, until the last one's refill is done |
+|                                               |        | (at most 10 minutes)                      |
 | ``P:superseded:ID``                           | string | a forced regenerate fenced dispatch ID    |
 |                                               |        | off: its pair's re-run keeps the slot;    |
 |                                               |        | the visibility timeout                    |
@@ -133,6 +136,10 @@ class Keyspace:
     def holders(self, node: str) -> str:
         """The holders a worker's processes have been (one per pool process): what its next start lets go of."""
         return self._key("holders", node)
+
+    def handing(self, batch: str) -> str:
+        """How many books handed slots together (`dispatch.hand_over`) have not yet had their refill."""
+        return self._key("handing", batch)
 
     def superseded(self, dispatch_id: str) -> str:
         """Set when a forced regenerate fences the dispatch off: the takeover gives its pair's slot to the re-run."""

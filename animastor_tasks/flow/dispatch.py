@@ -384,14 +384,16 @@ def count_outcomes(ports: Ports, outcomes: Mapping[str, int]) -> None:
 
 def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = None) -> list[str]:
     """Free slots of a lane go to the books that have waited longest for it, each with a refill
-    told which lane it is handed (it looks past its capacity deferrals on the lane) and how many of its
-    slots (`capacity.share_slots`); a book served this way waits at the back again when the lane is
-    full (round robin). Returns the books served. Nothing of the served books is written here.
-    *Why the count:* each handed refill took every free slot it could (the others handed a slot were off
-    the list, so its fair share did not bind), and the books after the first waited a job for theirs."""
+    told which lane it is handed (it looks past its capacity deferrals on the lane); a book served this
+    way waits at the back again when the lane is full (round robin). Returns the books served. Nothing of
+    the served books is written here. Several books share the slots (`capacity.share_slots`), each claiming
+    its share at most, and the last refill of them hands on what is still free (`refill.refill`). *Why:*
+    each took every free slot it could (the others were off the list, so its fair share did not bind), and
+    the books after the first waited a job for theirs."""
     if slots <= 0:
         return []
     books = ports.deferrals.next_waiters(queue, slots, exclude=exclude)
+    batch = ports.deferrals.open_hand_over(len(books)) if len(books) > 1 else None
     for waiter, share in zip(books, capacity.share_slots(slots, len(books)), strict=True):
-        ports.publisher.enqueue_refill(waiter, lane=queue, slots=share)
+        ports.publisher.enqueue_refill(waiter, lane=queue, slots=share if batch else None, batch=batch)
     return books

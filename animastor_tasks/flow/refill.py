@@ -20,13 +20,40 @@ log = logging.getLogger("animastor.gate")
 
 
 def refill(
-    ports: Ports, book: str, lane: str | None = None, *, slots_of: str | None = None, slots: int = 1
+    ports: Ports,
+    book: str,
+    lane: str | None = None,
+    *,
+    slots_of: str | None = None,
+    slots: int = 1,
+    batch: str | None = None,
 ) -> PassReport:
     """Dispatch the book's next pairs for a freed slot of `lane` (None: of any lane, as when the book's
     own job ended and its scene window moved). A slot the book has no use for is handed on.
     `slots_of`: the lane of the `slots` free slots this refill fills, at most (a job's own, see `free_slot`, or
     those `dispatch.hand_over` handed it): with `lane` None, that lane's pairs are read even when the book's
-    others come first in slot order."""
+    others come first in slot order. `batch`: the hand-over to several books this refill is one of."""
+    try:
+        return _refill(ports, book, lane, slots_of, slots)
+    finally:
+        if batch is not None and lane is not None:
+            _close_hand_over(ports, batch, lane)
+
+
+def _close_hand_over(ports: Ports, batch: str, lane: str) -> None:
+    """The last refill of a hand-over to several books hands on what is still free of the lane, now that every
+    one of them has claimed its share: a book that had no use for its share passed it to a waiting list its
+    fellows were not back on yet, while one with more pairs than its share waited, beside the free slots."""
+    try:
+        last = ports.deferrals.close_hand_over(batch)
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] hand-over %s of %s not counted down: %s", batch, lane, err)
+        return
+    if last:
+        gate.hand_on_freed(ports, {lane})
+
+
+def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slots: int) -> PassReport:
     report = PassReport(book)
     try:
         read = candidates.dispatch_candidates(ports, report, book, lane, slots_of, slots)

@@ -109,9 +109,14 @@ class KeepingPublisher:
         self.inner.revoke(dispatch_ids)
 
     def enqueue_refill(
-        self, book_id: str, lane: str | None = None, freed: str | None = None, slots: int | None = None
+        self,
+        book_id: str,
+        lane: str | None = None,
+        freed: str | None = None,
+        slots: int | None = None,
+        batch: str | None = None,
     ) -> None:
-        self.inner.enqueue_refill(book_id, lane, freed, slots)
+        self.inner.enqueue_refill(book_id, lane, freed, slots, batch)
 
     def enqueue_gates(self, book_ids: Sequence[str]) -> None:
         self.inner.enqueue_gates(book_ids)

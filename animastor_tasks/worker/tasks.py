@@ -9,7 +9,8 @@
 | animastor.refill            | animastor.control   | book_id, lane=None (the queue whose free slot it is handed; |
 |                             |                     | None: any; sent when a slot frees), freed=None (the lane of |
 |                             |                     | the one slot freed, when no book was waiting for it),       |
-|                             |                     | slots=None (how many free slots of `lane` it is handed)     |
+|                             |                     | slots=None (how many free slots of `lane` it is handed),    |
+|                             |                     | batch=None (the hand-over to several books it is one of)    |
 | animastor.gate_batch        | animastor.control   | book_ids (the due books; sent by the tick)                  |
 | animastor.tick              | animastor.control   | (none; beat)                                                |
 | animastor.reconcile         | animastor.control   | (none; beat)                                                |
@@ -83,12 +84,19 @@ def gate_task(book_id: str, lane: str | None = None, **newer: Any) -> dict[str, 
 
 @app.task(name="animastor.refill", ignore_result=True)
 def refill_task(
-    book_id: str, lane: str | None = None, freed: str | None = None, slots: int | None = None, **newer: Any
+    book_id: str,
+    lane: str | None = None,
+    freed: str | None = None,
+    slots: int | None = None,
+    batch: str | None = None,
+    **newer: Any,
 ) -> dict[str, Any]:
     _newer("animastor.refill", newer)
-    if slots is not None and lane is not None:  # handed that many free slots of `lane`
-        return _pass_result(book_id, refill.refill(ports(), book_id, lane, slots_of=lane, slots=max(1, int(slots))))
-    return _pass_result(book_id, refill.refill(ports(), book_id, lane, slots_of=freed))
+    if slots is not None and lane is not None:  # handed that many free slots of `lane`, with other books
+        report = refill.refill(ports(), book_id, lane, slots_of=lane, slots=max(1, int(slots)), batch=batch)
+    else:
+        report = refill.refill(ports(), book_id, lane, slots_of=freed)
+    return _pass_result(book_id, report)
 
 
 def _pass_result(book_id: str, report: gate.PassReport) -> dict[str, Any]:

@@ -300,3 +300,20 @@ def test_a_book_handed_several_slots_it_has_no_use_for_passes_them_all_on(rt) ->
     refill.refill(rt.ports, "idle", "gpu.audio", slots_of="gpu.audio", slots=2)
     assert waiting(rt) == {}  # both slots went on, one to each waiting book (one did, and y waited a job)
     assert sorted(kwargs["book_id"] for _, kwargs in run_control(rt)) == ["x", "y"]
+
+
+def test_a_share_one_book_had_no_use_for_goes_to_the_book_that_has_more_to_run(rt) -> None:
+    """Of slots freed together, the head book's share was more than it had pairs for: it passed the rest to a
+    waiting list the other book was not back on yet (off it since it was handed its share), and that book, with
+    more pairs than its share, waited beside the free slot. The last refill of the hand-over hands it on."""
+    from animastor_tasks.flow import cancel as cancel_flow
+
+    lane(rt, lane_limit=3, book_quota=4, window=4)
+    for book, scenes in (("stopped", 3), ("a", 1), ("b", 5)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    for book in ("stopped", "a", "b"):
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    assert running(rt, "stopped", "a", "b") == {"stopped": 3} and list(waiting(rt)) == ["a", "b"]
+    cancel_flow.cancel(rt.ports, "stopped")  # a is handed 2 slots, b 1; a's refill runs first
+    run_control(rt)
+    assert running(rt, "stopped", "a", "b") == {"a": 1, "b": 2}

@@ -6,6 +6,7 @@ A deferred pair costs a gate pass nothing but its share of the one snapshot read
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Sequence
 
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
@@ -13,6 +14,8 @@ from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import DeferralBucket, Priority, priority_rank
+
+HAND_OVER_SECONDS = 600  # a hand-over whose last refill never came (a control worker killed) is forgotten
 
 
 class DeferralStore:
@@ -63,6 +66,16 @@ class DeferralStore:
         """
         with self.conn.writes() as pipe:
             pipe.zadd(self.conn.keys.lane_waiters(queue), {book: score}, lt=move_up, nx=not move_up)
+
+    def open_hand_over(self, books: int) -> str:
+        """A hand-over of slots to `books` books at once: its id, whose count `close_hand_over` takes down."""
+        batch = uuid.uuid4().hex
+        self.conn.run(lambda: self.conn.client.set(self.conn.keys.handing(batch), books, ex=HAND_OVER_SECONDS))
+        return batch
+
+    def close_hand_over(self, batch: str) -> bool:
+        """One book of the hand-over has had its refill; True for the last one (or one whose count is gone)."""
+        return int(self.conn.run(lambda: self.conn.client.decr(self.conn.keys.handing(batch)))) <= 0
 
     def next_waiters(
         self, queue: str, count: int, *, exclude: str | None = None, requeue_from: str | None = None
