@@ -46,8 +46,11 @@ OTHER_KINDS = {
     "breaker",
     "lock",
     "metrics",
+    "metrics-batch",
     "epoch",
     "beats",
+    "handing",
+    "superseded",
 }
 EXAMPLES = current_scale().pick(60, 500)
 
