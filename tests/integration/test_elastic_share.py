@@ -317,3 +317,4 @@ def test_a_share_one_book_had_no_use_for_goes_to_the_book_that_has_more_to_run(r
     cancel_flow.cancel(rt.ports, "stopped")  # a is handed 2 slots, b 1; a's refill runs first
     run_control(rt)
     assert running(rt, "stopped", "a", "b") == {"a": 1, "b": 2}
+    assert not rt.redis.client.keys(rt.redis.keys.handing("*"))  # the hand-over's count went with its last refill

@@ -74,8 +74,13 @@ class DeferralStore:
         return batch
 
     def close_hand_over(self, batch: str) -> bool:
-        """One book of the hand-over has had its refill; True for the last one (or one whose count is gone)."""
-        return int(self.conn.run(lambda: self.conn.client.decr(self.conn.keys.handing(batch)))) <= 0
+        """One book of the hand-over has had its refill; True for the last one (or one whose count is gone), which
+        takes the count away."""
+        key = self.conn.keys.handing(batch)
+        if int(self.conn.run(lambda: self.conn.client.decr(key))) > 0:
+            return False
+        self.conn.run(lambda: self.conn.client.delete(key))
+        return True
 
     def next_waiters(
         self, queue: str, count: int, *, exclude: str | None = None, requeue_from: str | None = None
