@@ -7,6 +7,7 @@
 -- KEYS[1] lease key, KEYS[2] the dispatch's running marker, KEYS[3] its undelivered marker, KEYS[4] its superseded
 -- record
 -- ARGV[1] dispatch id, ARGV[2] its stop marker, ARGV[3] the marker's ttl in milliseconds, ARGV[4] the record's
+-- ttl in milliseconds
 -- returns 1 when told to stop, 2 when withdrawn, 0 when the lease is not its own
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
     return 0
