@@ -108,15 +108,8 @@ class KeepingPublisher:
     def revoke(self, dispatch_ids: Sequence[str]) -> None:
         self.inner.revoke(dispatch_ids)
 
-    def enqueue_refill(
-        self,
-        book_id: str,
-        lane: str | None = None,
-        freed: str | None = None,
-        slots: int | None = None,
-        batch: str | None = None,
-    ) -> None:
-        self.inner.enqueue_refill(book_id, lane, freed, slots, batch)
+    def enqueue_refill(self, book_id: str, *args: Any, **kwargs: Any) -> None:
+        self.inner.enqueue_refill(book_id, *args, **kwargs)  # as the publisher takes it
 
     def enqueue_gates(self, book_ids: Sequence[str]) -> None:
         self.inner.enqueue_gates(book_ids)
