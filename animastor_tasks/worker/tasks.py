@@ -92,7 +92,7 @@ def refill_task(
     **newer: Any,
 ) -> dict[str, Any]:
     _newer("animastor.refill", newer)
-    if slots is not None and lane is not None:  # handed that many free slots of `lane`, with other books
+    if slots is not None and lane is not None:  # handed that many free slots of `lane` (`batch`: with other books)
         report = refill.refill(ports(), book_id, lane, slots_of=lane, slots=max(1, int(slots)), batch=batch)
     else:
         report = refill.refill(ports(), book_id, lane, slots_of=freed)
