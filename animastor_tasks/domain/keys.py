@@ -138,7 +138,7 @@ class Keyspace:
         return self._key("holders", node)
 
     def handing(self, batch: str) -> str:
-        """How many books handed slots together (`dispatch.hand_over`) have not yet had their refill."""
+        """How many books handed slots together (`lanes.hand_over`) have not yet had their refill."""
         return self._key("handing", batch)
 
     def superseded(self, dispatch_id: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import dispatch, validate
+from animastor_tasks.flow import lanes, validate
 from animastor_tasks.ports import Ports
 
 log = logging.getLogger("animastor.commands")
@@ -52,4 +52,4 @@ def let_go(ports: Ports, book: str, dispatched: Sequence[tuple[Pair, str]]) -> N
     registry = ports.settings.registry
     for stage, slots in Counter(stage for (_, _, stage), _ in dispatched).items():
         if stage in registry:
-            dispatch.hand_over(ports, registry.get(stage).queue, slots, exclude=book)
+            lanes.hand_over(ports, registry.get(stage).queue, slots, exclude=book)

@@ -22,9 +22,9 @@ from animastor_tasks.domain import capacity
 from animastor_tasks.domain.deferral import deferral_bucket, deferral_seconds, wait_score
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import DeferralBucket, Outcome, no_worker_reason
+from animastor_tasks.domain.vocabulary import DeferralBucket, Outcome
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import publish
+from animastor_tasks.flow import lanes, publish
 from animastor_tasks.ports import Claim, Ports, Snapshot
 from animastor_tasks.records import InFlight
 
@@ -101,7 +101,9 @@ def dispatch_pending(
     presence_unsure = now - snap.presence_unsure_since < ports.settings.presence_ttl_seconds
     unconsumed = {stage: spec for stage, spec in specs.items() if consumers.get(spec.queue, 0) == 0}
     try:
-        restarting = set() if presence_unsure else successor_awaited(ports, [s.queue for s in unconsumed.values()])
+        restarting = (
+            set() if presence_unsure else lanes.successor_awaited(ports, [s.queue for s in unconsumed.values()])
+        )
     except StoreUnavailable as err:
         log.warning("[DISPATCH] book=%r presence registry unreadable, dispatching nothing: %s", book, err)
         _keep_handed(ports, book, handed_lane, todo, specs, result)
@@ -118,7 +120,7 @@ def dispatch_pending(
             if spec.queue == handed_lane:
                 _keep_handed(ports, book, handed_lane, todo, specs, result)
             continue
-        result.blocked[stage] = block_lane(ports, spec, [book], exclude=book)[book]
+        result.blocked[stage] = lanes.block_lane(ports, spec, [book], exclude=book)[book]
         result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)
         result.gone.update(i.pair for i in todo if i.stage == stage)
     todo = [i for i in todo if i.stage not in result.blocked and i.stage not in unsure]
@@ -206,12 +208,12 @@ def _claim_and_publish(
     slots_of, slots = budget
     room = {s: slots for s, spec in specs.items() if spec.queue == slots_of}
     wanted = [(i.pair, uuid.uuid4().hex) for i in todo]  # 128 random bits: never guessable nor reused
-    lanes = {stage: spec.queue for stage, spec in specs.items()}
+    queue_of = {stage: spec.queue for stage, spec in specs.items()}
     # The fair share binds only while another book waits for the lane (the head of its waiting list).
-    waiters = {stage: [b for b in snap.waiters.get(queue, []) if b != book] for stage, queue in lanes.items()}
+    waiters = {stage: [b for b in snap.waiters.get(queue, []) if b != book] for stage, queue in queue_of.items()}
     claims: list[Claim] = []
     try:
-        with ports.assets.claiming(book, lanes, waiters) as session:
+        with ports.assets.claiming(book, queue_of, waiters) as session:
             # A pair a concurrent pass of the book claimed since this one read it would take a slot of the choice
             # and then fail the claim's compare-and-set: under the book lock its own generating pairs say which.
             taken_meanwhile = set(session.counts.book_generating)
@@ -228,8 +230,8 @@ def _claim_and_publish(
                 refused = {pair for pairs in choice.refused.values() for pair in pairs}
                 for stage in choice.waits_for:
                     # Handed a slot that another pass took first: back to the head of its priority, not the end.
-                    since = 0.0 if lanes[stage] == handed_lane and not taken[stage] else now
-                    _wait_for_lane(ports, book, lanes[stage], [i for i in todo if i.pair in refused], stage, since)
+                    since = 0.0 if queue_of[stage] == handed_lane and not taken[stage] else now
+                    _wait_for_lane(ports, book, queue_of[stage], [i for i in todo if i.pair in refused], stage, since)
                 ranks = {i.pair: i.rank for i in todo}
                 ports.leases.take_leases(
                     [publish.claim_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims]
@@ -244,7 +246,7 @@ def _claim_and_publish(
         # as claimed by a concurrent pass.
         publish.drop_leases(ports, book, claims)
         raise
-    result.claimed_lanes.update(lanes.values())
+    result.claimed_lanes.update(queue_of.values())
     result.claimed_stages.update(c.stage for c in claims)
     result.gone.update(c.pair for c in claims)
     for outcome, pairs in choice.refused.items():
@@ -265,7 +267,7 @@ def _claim_and_publish(
             free = min(free, slots - sum(taken[s] for s, spec in specs.items() if spec.queue == queue))
         known = snap.waiters.get(queue)
         if known is None or any(b != book for b in known):
-            hand_over(ports, queue, free, exclude=book)
+            lanes.hand_over(ports, queue, free, exclude=book)
 
 
 def slot_order(item: InFlight) -> tuple[int, float, int]:
@@ -336,64 +338,6 @@ def _defer_while_leased(ports: Ports, book: str, pairs: list[Pair], now: float, 
         result.deferred_until.update(dict.fromkeys(held, now + seconds))
 
 
-def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
-    """Those of `queues` (none of them consumed) whose last worker stopped cleanly less than
-    `silent_worker_seconds` ago: a restart, whose successor is given that long to consume before the stage's
-    commands are BLOCKED. *Why:* a deployment that replaces a stage's only worker (`docker compose up`)
-    leaves its queue without a consumer for the seconds the new one takes to start, and the tick BLOCKED
-    every command with work in flight there, for good. A StoreUnavailable is the caller's."""
-    if not queues:
-        return set()
-    grace = ports.settings.silent_worker_seconds
-    return {queue for queue, ago in ports.presence.departed_ago(queues).items() if ago < grace}
-
-
-def block_lane(
-    ports: Ports, spec: StageSpec, books: Sequence[str], *, exclude: str | None = None
-) -> dict[str, list[str]]:
-    """No live consumer: the stage is BLOCKED for `books` (their blocked command ids), then the lane goes to
-    the books waiting for it (not `exclude`): their capacity deferrals would keep their own passes from the
-    consumer check for a whole window, and handed passes look past them and BLOCK them too, now."""
-    blocked = {book: block_stage(ports, book, spec) for book in books}
-    hand_over(ports, spec.queue, spec.lane_limit, exclude=exclude)
-    return blocked
-
-
-def block_stage(ports: Ports, book: str, spec: StageSpec) -> list[str]:
-    """No live consumer: the stage's commands are BLOCKED and their pairs released; no retry."""
-    reason = no_worker_reason(spec.name)
-    blocked, released = ports.commands.block_stage(book, spec.name, reason)
-    ports.leases.drop_leases([(book, *pair) for pair, _ in released])
-    ports.deferrals.clear_deferrals(book, [pair for pair, _ in released])
-    dispatch_ids = [d for _, d in released if d]
-    if dispatch_ids:
-        ports.publisher.revoke(dispatch_ids)
-    ports.counters.add({f"blocked:{spec.name}": len(blocked)})
-    log.warning(
-        "[DISPATCH] BLOCKED book=%r stage=%s queue=%s reason=%s commands=%s released=%d: no live consumer;"
-        " start a worker (animastor-tasks worker --stage %s) and send a new regenerate",
-        book, spec.name, spec.queue, reason, ",".join(blocked) or "none", len(released), spec.name,
-    )  # fmt: skip
-    return blocked
-
-
 def count_outcomes(ports: Ports, outcomes: Mapping[str, int]) -> None:
     """A deferred pair must cost no write: deferrals are not counted (the exporter reads the deferral sets)."""
     ports.counters.add({f"dispatch:{o}": n for o, n in outcomes.items() if o != Outcome.DEFERRED})
-
-
-def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = None) -> list[str]:
-    """Free slots of a lane go to the books that have waited longest for it, each with a refill
-    told which lane it is handed (it looks past its capacity deferrals on the lane); a book served this
-    way waits at the back again when the lane is full (round robin). Returns the books served. Nothing of
-    the served books is written here. Several books share the slots (`capacity.share_slots`), each claiming
-    its share at most, and the last refill of them hands on what is still free (`refill.refill`). *Why:*
-    each took every free slot it could (the others were off the list, so its fair share did not bind), and
-    the books after the first waited a job for theirs."""
-    if slots <= 0:
-        return []
-    books = ports.deferrals.next_waiters(queue, slots, exclude=exclude)
-    batch = ports.deferrals.open_hand_over(len(books)) if len(books) > 1 else None
-    for waiter, share in zip(books, capacity.share_slots(slots, len(books)), strict=True):
-        ports.publisher.enqueue_refill(waiter, lane=queue, slots=share if batch else None, batch=batch)
-    return books

@@ -20,7 +20,7 @@ from functools import partial
 from animastor_tasks.domain import liveness
 from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import candidates, collector, dispatch, page, paged_pass, read_ahead, takeover
+from animastor_tasks.flow import candidates, collector, lanes, page, paged_pass, read_ahead, takeover
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import GateRows, Ports, Snapshot
 
@@ -61,7 +61,7 @@ def gate_pass(
 def pass_on_slot(ports: Ports, book: str, lane: str, slots: int = 1) -> None:
     """Free slots of `lane` handed to `book`, which had no use for them: to the next waiting books rather than idle."""
     try:
-        dispatch.hand_over(ports, lane, slots, exclude=book)
+        lanes.hand_over(ports, lane, slots, exclude=book)
     except StoreUnavailable as err:
         log.warning("[COMMAND-GATE] book=%r could not pass on a free slot of %s: %s", book, lane, err)
 
@@ -229,4 +229,4 @@ def hand_on_freed(ports: Ports, full: set[str]) -> None:
         return
     for spec in stages:
         if load.get(spec.name, 0) < spec.lane_limit:
-            dispatch.hand_over(ports, spec.queue, spec.lane_limit - load.get(spec.name, 0))
+            lanes.hand_over(ports, spec.queue, spec.lane_limit - load.get(spec.name, 0))

@@ -31,7 +31,7 @@ def refill(
     """Dispatch the book's next pairs for a freed slot of `lane` (None: of any lane, as when the book's
     own job ended and its scene window moved). A slot the book has no use for is handed on.
     `slots_of`: the lane of the `slots` free slots this refill fills, at most (a job's own, see `free_slot`, or
-    those `dispatch.hand_over` handed it): with `lane` None, that lane's pairs are read even when the book's
+    those `lanes.hand_over` handed it): with `lane` None, that lane's pairs are read even when the book's
     others come first in slot order. `batch`: the hand-over to several books this refill is one of."""
     try:
         return _refill(ports, book, lane, slots_of, slots)

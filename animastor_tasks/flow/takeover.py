@@ -35,7 +35,7 @@ from animastor_tasks.domain.gate import BookFacts, decide
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import dispatch, page
+from animastor_tasks.flow import lanes, page
 from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.takeover")
@@ -161,7 +161,7 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
             )
     for queue, slots in freed.items():
         try:
-            dispatch.hand_over(ports, queue, slots)
+            lanes.hand_over(ports, queue, slots)
         except StoreUnavailable as err:  # the waiting books' deferrals still bring them back
             log.warning("[TAKEOVER] %d freed slot(s) of %s not handed on: %s", slots, queue, err)
 
@@ -210,10 +210,10 @@ def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report
     try:
         counts = ports.presence.counts([s.queue for s in specs])
         unconsumed = [s for s in specs if counts.get(s.queue, 0) == 0]
-        restarting = dispatch.successor_awaited(ports, [s.queue for s in unconsumed])
+        restarting = lanes.successor_awaited(ports, [s.queue for s in unconsumed])
     except StoreUnavailable as err:  # a broker that cannot count says nothing of the workers: the pass goes on
         log.warning("[TAKEOVER] consumers unreadable, blocking nothing this pass: %s", err)
         return
     for spec in unconsumed:
         if spec.queue not in restarting:
-            report["blocked"] += len(dispatch.block_lane(ports, spec, sorted(by_stage[spec.name])))
+            report["blocked"] += len(lanes.block_lane(ports, spec, sorted(by_stage[spec.name])))

@@ -15,7 +15,7 @@ from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import dispatch, gate, refill
+from animastor_tasks.flow import gate, lanes, refill
 from animastor_tasks.flow import layers as layers_flow
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -372,13 +372,13 @@ def test_a_lane_whose_breaker_is_open_keeps_its_waiting_list(rt) -> None:
     assert queued_messages(rt, "animastor.control") == 0  # no refill sent to a waiter
     # Nor does a slot of the lane handed on elsewhere (a job that gave its pair back as the breaker opened, a
     # recount) take a waiter while it is open; once its cooldown is over, one does (the half-open test).
-    assert dispatch.hand_over(rt.ports, "gpu.audio", 2) == []
+    assert lanes.hand_over(rt.ports, "gpu.audio", 2) == []
     assert rt.redis.client.zrange(rt.redis.keys.lane_waiters("gpu.audio"), 0, -1) == ["first", "second"]
     breaker = rt.redis.keys.breaker("gpu.audio")
     rt.redis.client.hset(breaker, mapping={"open_until": time.time() - 1, "permit_until": time.time() + 60})
-    assert dispatch.hand_over(rt.ports, "gpu.audio", 1) == []  # half-open, its one test permit out: still open
+    assert lanes.hand_over(rt.ports, "gpu.audio", 1) == []  # half-open, its one test permit out: still open
     rt.redis.client.hdel(breaker, "permit_until")
-    assert dispatch.hand_over(rt.ports, "gpu.audio", 1) == ["first"]
+    assert lanes.hand_over(rt.ports, "gpu.audio", 1) == ["first"]
 
 
 def test_two_books_share_a_lane_without_waiting_for_each_other(rt) -> None:

@@ -19,7 +19,7 @@ import redis
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import dispatch
+from animastor_tasks.flow import lanes
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
 from animastor_tasks.flow.job import Job
@@ -247,7 +247,7 @@ def test_a_postgres_outage_during_handed_refills_keeps_the_waiting_list(rt, monk
         raise StoreUnavailable("postgres", rt.settings.database_url, "the server is shutting down")
 
     monkeypatch.setattr(rt.ports.assets, "gate_candidates", failing_over)
-    dispatch.hand_over(rt.ports, "gpu.audio", 1, exclude="x")
+    lanes.hand_over(rt.ports, "gpu.audio", 1, exclude="x")
     run_control(rt)
     monkeypatch.undo()
     assert [b for b in waiting(rt) if b != "x"] == ["a", "b", "c"]  # nobody dropped off, the order kept

@@ -1,0 +1,75 @@
+"""Lanes: who gets a lane's free slots, and what becomes of a lane that lost every consumer.
+
+Apart from dispatch (flow/dispatch.py) because every flow that frees slots (a job's end, a
+cancel, the takeover of a dead worker's, the tick) hands them on through here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from animastor_tasks.domain import capacity
+from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.domain.vocabulary import no_worker_reason
+from animastor_tasks.ports import Ports
+
+log = logging.getLogger("animastor.dispatch")
+
+
+def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
+    """Those of `queues` (none of them consumed) whose last worker stopped cleanly less than
+    `silent_worker_seconds` ago: a restart, whose successor is given that long to consume before the stage's
+    commands are BLOCKED. *Why:* a deployment that replaces a stage's only worker (`docker compose up`)
+    leaves its queue without a consumer for the seconds the new one takes to start, and the tick BLOCKED
+    every command with work in flight there, for good. A StoreUnavailable is the caller's."""
+    if not queues:
+        return set()
+    grace = ports.settings.silent_worker_seconds
+    return {queue for queue, ago in ports.presence.departed_ago(queues).items() if ago < grace}
+
+
+def block_lane(
+    ports: Ports, spec: StageSpec, books: Sequence[str], *, exclude: str | None = None
+) -> dict[str, list[str]]:
+    """No live consumer: the stage is BLOCKED for `books` (their blocked command ids), then the lane goes to
+    the books waiting for it (not `exclude`): their capacity deferrals would keep their own passes from the
+    consumer check for a whole window, and handed passes look past them and BLOCK them too, now."""
+    blocked = {book: block_stage(ports, book, spec) for book in books}
+    hand_over(ports, spec.queue, spec.lane_limit, exclude=exclude)
+    return blocked
+
+
+def block_stage(ports: Ports, book: str, spec: StageSpec) -> list[str]:
+    """No live consumer: the stage's commands are BLOCKED and their pairs released; no retry."""
+    reason = no_worker_reason(spec.name)
+    blocked, released = ports.commands.block_stage(book, spec.name, reason)
+    ports.leases.drop_leases([(book, *pair) for pair, _ in released])
+    ports.deferrals.clear_deferrals(book, [pair for pair, _ in released])
+    dispatch_ids = [d for _, d in released if d]
+    if dispatch_ids:
+        ports.publisher.revoke(dispatch_ids)
+    ports.counters.add({f"blocked:{spec.name}": len(blocked)})
+    log.warning(
+        "[DISPATCH] BLOCKED book=%r stage=%s queue=%s reason=%s commands=%s released=%d: no live consumer;"
+        " start a worker (animastor-tasks worker --stage %s) and send a new regenerate",
+        book, spec.name, spec.queue, reason, ",".join(blocked) or "none", len(released), spec.name,
+    )  # fmt: skip
+    return blocked
+
+
+def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = None) -> list[str]:
+    """Free slots of a lane go to the books that have waited longest for it, each with a refill
+    told which lane it is handed (it looks past its capacity deferrals on the lane); a book served this
+    way waits at the back again when the lane is full (round robin). Returns the books served. Nothing of
+    the served books is written here. Several books share the slots (`capacity.share_slots`), each claiming
+    its share at most, and the last refill of them hands on what is still free (`refill.refill`). *Why:*
+    each took every free slot it could (the others were off the list, so its fair share did not bind), and
+    the books after the first waited a job for theirs."""
+    if slots <= 0:
+        return []
+    books = ports.deferrals.next_waiters(queue, slots, exclude=exclude)
+    batch = ports.deferrals.open_hand_over(len(books)) if len(books) > 1 else None
+    for waiter, share in zip(books, capacity.share_slots(slots, len(books)), strict=True):
+        ports.publisher.enqueue_refill(waiter, lane=queue, slots=share if batch else None, batch=batch)
+    return books
