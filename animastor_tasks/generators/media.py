@@ -18,6 +18,8 @@ import wave
 import zlib
 from array import array
 
+from animastor_tasks.generators.audio_frames import check_adts, check_mpeg_audio, check_ogg
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PNG_SIDE = 4096
 MAX_CHECKED_PIXELS = 64 * 2**20  # the largest image a stage stores (8192 x 8192); checked before it is inflated
@@ -109,13 +111,21 @@ def wav_duration_seconds(data: bytes) -> float:
 
 
 WAV_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"})
+MP3_TYPES = frozenset({"audio/mpeg", "audio/mp3", "audio/mpeg3", "audio/x-mpeg"})
+AAC_TYPES = frozenset({"audio/aac", "audio/aacp", "audio/x-aac"})
+OGG_TYPES = frozenset({"audio/ogg", "audio/opus", "application/ogg"})
 
 
 def check_known_media(media_type: str, data: bytes) -> None:
-    """ValueError when `data` is not a file of the format `media_type` names, for the formats read here (WAV,
-    PNG, JPEG, WebP): a server's error text or a file still being written, sent under the right type, is not a
-    result, and neither is a body cut short that HTTP cannot tell from a whole one (an answer without a length,
-    ended by closing the connection, whose connection dropped)."""
+    """ValueError when `data` is not a file of the format `media_type` names, for the formats read here: a
+    server's error text or a file still being written, sent under the right type, is not a result, and neither
+    is a body cut short that HTTP cannot tell from a whole one (an answer without a length, ended by closing the
+    connection, whose connection dropped).
+
+    Known: WAV, PNG, JPEG, WebP, and (in `audio_frames`) MP3, ADTS AAC and Ogg (Opus, Vorbis). An MP3 or AAC
+    cut exactly between two frames still reads as whole: neither has an end marker. FLAC and raw PCM (`audio/pcm`)
+    are not checked: FLAC frames carry no length and its header's total is optional, PCM has no structure at all.
+    Any other type is taken as it is."""
     kind = media_type.split(";")[0].strip().lower()
     if kind in WAV_TYPES:
         wav_duration_seconds(data)
@@ -125,6 +135,12 @@ def check_known_media(media_type: str, data: bytes) -> None:
         check_jpeg(data)
     elif kind == "image/webp":
         check_webp(data)
+    elif kind in MP3_TYPES:
+        check_mpeg_audio(data)
+    elif kind in AAC_TYPES:
+        check_adts(data)
+    elif kind in OGG_TYPES:
+        check_ogg(data)
 
 
 def check_jpeg(data: bytes) -> None:

@@ -14,7 +14,7 @@ import requests
 
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
-from animastor_tasks.generators.media import wav_duration_seconds
+from animastor_tasks.generators.media import check_known_media
 from animastor_tasks.generators.openai_common import OCTET_STREAM, OpenAIGenerator, media_type_of, string_param
 
 # response_format -> the media type stored for it.
@@ -26,6 +26,8 @@ FORMATS: dict[str, str] = {
     "aac": "audio/aac",
     "pcm": "audio/pcm",
 }
+# How an error names the format a body failed to be (FLAC and PCM are not checked: see `check_known_media`).
+_NAMES = {"wav": "a WAV file", "mp3": "an MP3 file", "opus": "an Ogg Opus file", "aac": "an ADTS AAC file"}
 # Other names servers give the same types.
 _ALIASES = {
     "audio/x-wav": "audio/wav",
@@ -69,11 +71,11 @@ class OpenAISpeechGenerator(OpenAIGenerator):
         _, data = self._post(
             body, f"{media_type}, application/json", params, request, should_stop, progress, self._check_type
         )
-        if response_format == "wav":
-            try:
-                wav_duration_seconds(data)
-            except ValueError as err:
-                raise self._fail(f"returned audio that is not a WAV file ({err})") from None
+        try:  # as the format asked for, the one stored: a WAV answered for mp3 is not an MP3 either
+            check_known_media(FORMATS[response_format], data)
+        except ValueError as err:
+            what = _NAMES.get(response_format, FORMATS[response_format])
+            raise self._fail(f"returned audio that is not {what} ({err})") from None
         progress(1.0)
         return Media(data, media_type)
 

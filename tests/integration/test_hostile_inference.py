@@ -30,6 +30,7 @@ from animastor_tasks.generators.http import HttpGenerator
 from animastor_tasks.generators.media import render_png, synthesize_wav
 from animastor_tasks.generators.openai_speech import OpenAISpeechGenerator
 from tests.support import missing
+from tests.unit.test_audio_frames import mp3_stream, ogg_stream
 
 Answer = Callable[[BaseHTTPRequestHandler], None]
 SECRET = "sk-hostile-test-key"
@@ -276,6 +277,28 @@ def test_a_close_delimited_image_whose_connection_dropped_is_not_a_result(
     spec = replace(spec, endpoint=serve(_close_delimited(media_type, whole[: len(whole) // 2])) + "/v1/generate/image")
     with pytest.raises(GeneratorError, match="cut short"):
         _generate(spec)
+
+
+@pytest.mark.parametrize("generator", ["openai-speech", "http"])
+@pytest.mark.parametrize(
+    ("media_type", "whole"), [("audio/mpeg", mp3_stream(12)), ("audio/ogg", ogg_stream())], ids=["mp3", "ogg"]
+)
+def test_close_delimited_audio_whose_connection_dropped_is_not_a_result(
+    serve: Callable[[Answer], str], generator: str, media_type: str, whole: bytes
+) -> None:
+    """MP3 (OpenAI's default response_format), AAC and Ogg answers were taken as they came: one whose connection
+    dropped halfway was stored as the scene's audio. The whole one is taken; the cut one fails the attempt."""
+    params = {"model": "tts"} if generator == "openai-speech" else {}
+
+    def spec_for(body: bytes) -> StageSpec:
+        return replace(
+            _spec(serve(_close_delimited(media_type, body)), generator=generator, **params), media_type=media_type
+        )
+
+    assert _generate(spec_for(whole), key=SECRET).data == whole
+    with pytest.raises(GeneratorError, match="cut short") as info:
+        _generate(spec_for(whole[: len(whole) // 2]), key=SECRET)
+    assert not info.value.retryable
 
 
 def test_a_header_only_wav_from_an_openai_server_is_not_a_result(serve: Callable[[Answer], str]) -> None:

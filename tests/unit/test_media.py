@@ -20,6 +20,7 @@ from animastor_tasks.generators.media import (
     synthesize_wav,
     wav_duration_seconds,
 )
+from tests.unit.test_audio_frames import adts_stream, mp3_stream, ogg_stream
 
 
 def _pcm(data: bytes) -> tuple[Any, list[int]]:
@@ -237,6 +238,31 @@ def test_an_image_cut_short_is_refused_and_a_whole_one_passes(media_type: str, w
     check_known_media(media_type, whole + (b"\x00\x00" if media_type == "image/jpeg" else b""))  # padding
     with pytest.raises(ValueError, match=r"cut short|truncated"):
         check_known_media(media_type, whole[:-cut])
+
+
+@pytest.mark.parametrize(
+    ("media_type", "whole"),
+    [
+        *((kind, mp3_stream()) for kind in ("audio/mpeg", "audio/mp3", "audio/mpeg3", "audio/x-mpeg")),
+        *((kind, adts_stream()) for kind in ("audio/aac", "audio/aacp", "audio/x-aac")),
+        *((kind, ogg_stream()) for kind in ("audio/ogg", "audio/opus", "application/ogg; codecs=opus")),
+        ("audio/x-wav", synthesize_wav("one two")),
+    ],
+)
+@pytest.mark.parametrize("cut", [1, 7, 30])
+def test_compressed_audio_cut_short_is_refused_and_a_whole_one_passes(media_type: str, whole: bytes, cut: int) -> None:
+    """MP3, AAC and Ogg answers were taken as they came: one cut short by a dropped connection was stored."""
+    check_known_media(media_type, whole)
+    with pytest.raises(ValueError, match="cut short"):
+        check_known_media(media_type, whole[:-cut])
+    with pytest.raises(ValueError, match="not a"):
+        check_known_media(media_type, b'{"error": "CUDA out of memory"}')
+
+
+def test_flac_and_pcm_are_not_checked() -> None:
+    """FLAC frames carry no length and PCM has no structure: there is nothing to tell a cut one by."""
+    check_known_media("audio/flac", b"fLaC" + bytes(10))
+    check_known_media("audio/pcm", bytes(3))
 
 
 def test_another_format_under_an_image_type_is_refused() -> None:
