@@ -25,7 +25,6 @@ from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import GateRows, Ports, Snapshot
 
 log = logging.getLogger("animastor.gate")
-BATCH_BOOKS = 50  # books per gate task sent by the tick
 READ_AHEAD_BOOKS = 10  # books of a batch whose facts are read together (kept small: facts age while passes run)
 OVERLAP_PAIRS = 1000  # from this many pairs (by the active index) a pass reads Redis and Postgres at once
 Facts = tuple[Snapshot, GateRows | None]
@@ -172,9 +171,7 @@ def tick(ports: Ports) -> list[str]:
         return []
     started = time.monotonic()
     takeover.on_tick(ports)
-    books = ports.book_state.take_due(ports.clock())
-    for first in range(0, len(books), BATCH_BOOKS):
-        ports.publisher.enqueue_gates(books[first : first + BATCH_BOOKS])
+    books = lanes.send_due_passes(ports)
     ports.counters.observe("tick_seconds", time.monotonic() - started)
     return books
 

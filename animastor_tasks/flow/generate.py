@@ -206,7 +206,7 @@ def _run_owned(
             return {**result, "outcome": JobOutcome.STOPPED, "reason": watcher.why}
         if media is None:
             return _unsuccessful(ports, job, spec, watcher, kind or ErrorKind.BUG, error, attempts, result)
-        _record_breaker(ports, spec.queue, breaker_feed(None))
+        recovered = _record_breaker(ports, spec.queue, breaker_feed(None)) == "recovered"
         try:
             artifact = ports.artifacts.put(media.data, media.media_type)
         except ArtifactStoreError as err:  # credentials, bucket, endpoint: fail with the store's words
@@ -217,7 +217,7 @@ def _run_owned(
         if not when_reachable(job, spec, watcher, commit):
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)
-        _quietly("free capacity", _free_capacity, ports, job, spec, True)  # first: a free slot waits for no bookkeeping
+        _quietly("free capacity", _free_capacity, ports, job, spec, True, recovered)  # a free slot waits for nothing
     finally:
         watcher.done.set()
         delivered.release = True
@@ -259,9 +259,9 @@ class _Delivered:
             leases.end_delivery(job.dispatch_id)
 
 
-def _free_capacity(ports: Ports, job: Job, spec: StageSpec, ready: bool = False) -> None:
+def _free_capacity(ports: Ports, job: Job, spec: StageSpec, ready: bool = False, recovered: bool = False) -> None:
     """The job's slot is free, now: the book that waited longest for the lane gets it (`refill.free_slot`)."""
-    refill.free_slot(ports, job.book_id, spec.queue, job.dispatch_id, here=ready)
+    refill.free_slot(ports, job.book_id, spec.queue, job.dispatch_id, here=ready, breaker_closed=recovered)
 
 
 def _generate_with_retries(

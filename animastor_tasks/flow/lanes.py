@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from animastor_tasks.domain import capacity
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import no_worker_reason
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.ports import Ports
 
 log = logging.getLogger("animastor.dispatch")
+BATCH_BOOKS = 50  # books per gate task sent for the due index
 
 
 def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
@@ -73,3 +75,24 @@ def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = Non
     for waiter, share in zip(books, capacity.share_slots(slots, len(books)), strict=True):
         ports.publisher.enqueue_refill(waiter, lane=queue, slots=share if batch else None, batch=batch)
     return books
+
+
+def send_due_passes(ports: Ports, *also: str) -> list[str]:
+    """The gate passes of the books due now (the due index), several per task, and of `also`."""
+    books = ports.book_state.take_due(ports.clock())
+    books += [b for b in also if b not in books]
+    for first in range(0, len(books), BATCH_BOOKS):
+        ports.publisher.enqueue_gates(books[first : first + BATCH_BOOKS])
+    return books
+
+
+def breaker_closed(ports: Ports, queue: str, *also: str) -> None:
+    """A success closed the lane's open breaker: the books due now (those whose pairs waited for the breaker among
+    them: each tick passed them while it was open) get their passes at once. *Why:* the job or test publish that
+    closed it used one slot, and the lane's other free slots stood idle until the next tick (up to 5 s)."""
+    try:
+        books = send_due_passes(ports, *also)
+    except StoreUnavailable as err:  # the next tick sends them
+        log.warning("[DISPATCH] breaker of %s closed; passes of the books due not sent: %s", queue, err)
+        return
+    log.info("[DISPATCH] breaker of %s closed: passes of %d due book(s) sent", queue, len(books))

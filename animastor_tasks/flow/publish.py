@@ -12,6 +12,7 @@ from typing import Any
 from animastor_tasks.domain import liveness
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import lanes
 from animastor_tasks.ports import Claim, Ports
 
 log = logging.getLogger("animastor.dispatch")
@@ -55,9 +56,13 @@ def publish_claims(
         )
     for stage in {c.stage for c in claims if c not in failed}:
         if not breaker_clean.get(specs[stage].queue, False):
-            ports.breaker.breaker_record(
-                specs[stage].queue, True, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds
-            )
+            queue = specs[stage].queue
+            settings = ports.settings
+            if (
+                ports.breaker.breaker_record(queue, True, settings.breaker_threshold, settings.breaker_cooldown_seconds)
+                == "recovered"
+            ):
+                lanes.breaker_closed(ports, queue, book)  # its pairs behind the test permit go now too
     if failed:
         ports.assets.unclaim(book, failed)
         drop_leases(ports, book, failed)

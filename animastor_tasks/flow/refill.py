@@ -12,7 +12,7 @@ import logging
 
 from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import candidates, gate
+from animastor_tasks.flow import candidates, gate, lanes
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import Ports
 
@@ -87,7 +87,9 @@ def _keep_place(ports: Ports, book: str, lane: str) -> None:
         log.warning("[COMMAND-GATE] book=%r place on %s not kept: %s", book, lane, err)
 
 
-def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str, *, here: bool = False) -> None:
+def free_slot(
+    ports: Ports, book: str, queue: str, dispatch_id: str, *, here: bool = False, breaker_closed: bool = False
+) -> None:
     """A job of `book` ended and its slot is free, now: the book that waited longest for the lane gets it
     and `book` queues behind the waiters at the priority its job was dispatched with (both in one atomic
     step); with nobody waiting, the book's own pairs waiting for capacity go. A book whose job was more
@@ -99,15 +101,18 @@ def free_slot(ports: Ports, book: str, queue: str, dispatch_id: str, *, here: bo
     (and may run the job of itself, `worker/chain.py`). Other free slots of the lane are those of jobs
     ending elsewhere, each refilled by its own process. A refill that fails here is sent to the control
     worker. Otherwise (a job that failed or gave its pair back) it is sent at once: a pair given back
-    is not re-run in a tight loop."""
+    is not re-run in a tight loop. `breaker_closed`: the job's success closed the lane's open breaker, and the
+    books that waited for it are passed at once (`lanes.breaker_closed`)."""
     # Nobody waiting: the book's pairs deferred for capacity may go (the same atomic step clears them), of every
     # stage: the scene window is shared by the book's stages, so a finished audio job can free the slot an image
     # pair was deferred for (window_full).
     waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
     if waiters:
         _refill_for(ports, waiters[0], queue, queue, here)  # `book` itself when it outranks the waiters
-        return
-    _refill_for(ports, book, None, queue, here)
+    else:
+        _refill_for(ports, book, None, queue, here)
+    if breaker_closed:
+        lanes.breaker_closed(ports, queue)
 
 
 def _refill_for(ports: Ports, book: str, lane: str | None, freed: str, here: bool) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import gate
+from animastor_tasks.flow import gate, lanes
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
@@ -79,7 +79,7 @@ def test_a_pass_lost_on_the_way_is_asked_for_again_by_reconcile(rt) -> None:
 def test_the_tick_sends_the_due_books_in_batches(rt) -> None:
     lane(rt, lane_limit=1)
     short_capacity_window(rt)
-    books = [f"b{i:03d}" for i in range(gate.BATCH_BOOKS + 5)]
+    books = [f"b{i:03d}" for i in range(lanes.BATCH_BOOKS + 5)]
     for book in books:
         rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
         regenerate_flow.regenerate(rt.ports, book, ["audio"])

@@ -2,7 +2,8 @@
 -- KEYS[1] breaker hash (fields: failures, open_until, permit_until, cause)
 -- ARGV[1] 'ok' or 'fail', ARGV[2] now, ARGV[3] failure threshold, ARGV[4] cool-down seconds,
 -- ARGV[5] what the result is of: 'publish' or 'run'
--- returns the state after recording: 'closed' or 'open'
+-- returns the state after recording: 'closed' or 'open', or 'recovered' when this success closed a breaker
+-- that was open (its lane's waiting work may go now)
 -- A successful publish does not clear failures that jobs' runs recorded: only a job that runs
 -- well proves the inference backend is back (else every replacement publish would hide them).
 local open_until = tonumber(redis.call('HGET', KEYS[1], 'open_until') or '0')
@@ -14,6 +15,9 @@ if ARGV[1] == 'ok' then
         return 'closed'
     end
     redis.call('DEL', KEYS[1])
+    if open_until > 0 then
+        return 'recovered'
+    end
     return 'closed'
 end
 local failures = redis.call('HINCRBY', KEYS[1], 'failures', 1)

@@ -1,0 +1,48 @@
+"""A lane whose breaker closes again is refilled at once, not on the next tick.
+
+Real Postgres, Redis and broker; jobs run in-process, control messages through the real tasks
+(`test_elastic_share`'s helpers).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from animastor_tasks.flow import regenerate as regenerate_flow
+
+from .helpers import make_book, states, use_settings
+from .test_elastic_share import finish_one, lane, run_control, running
+
+
+def test_a_breaker_closed_by_a_job_that_ran_well_sends_the_passes_that_waited_for_it_at_once(rt) -> None:
+    """While the breaker was open the book's pairs waited for it, passed by each tick; the job whose success closed
+    it freed its own slot only, and the lane's other free slots stood idle until the next tick (up to 5 s)."""
+    lane(rt, lane_limit=4, book_quota=4, window=4)
+    use_settings(rt, replace(rt.settings, breaker_threshold=1, breaker_cooldown_seconds=60))
+    rt.catalog.import_book(make_book("a", chapters=1, scenes=1))
+    rt.catalog.import_book(make_book("w", chapters=1, scenes=4))
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    assert rt.ports.breaker.breaker_record("gpu.audio", False, 1, 60, run=True) == "open"  # another job's failure
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])
+    assert set(states(rt, "w").values()) == {"pending"}
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "w") is not None  # passed again by each tick
+    run_control(rt)
+    finish_one(rt, "a")  # runs well: the breaker closes
+    assert rt.breaker.breaker_state("gpu.audio") == "closed"
+    assert running(rt, "w") == {"w": 4}
+
+
+def test_a_breaker_closed_by_a_test_publish_lets_its_books_other_pairs_go_at_once(rt, monkeypatch) -> None:
+    """A broker outage opened the breaker; the half-open pass's one test publish closed it, and the book's other
+    pairs, behind that permit, waited for the next tick."""
+    lane(rt, lane_limit=4, book_quota=4, window=4)
+    use_settings(rt, replace(rt.settings, breaker_threshold=1, breaker_cooldown_seconds=0.01))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=4))
+    rt.ports.breaker.breaker_record("gpu.audio", False, 1, 0.01)  # a publish failed: open for 10 ms
+    time.sleep(0.05)
+    report = regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # half-open by now: one test publish
+    assert report["commands"][0]["status"] == "active"
+    assert rt.breaker.breaker_state("gpu.audio") == "closed"
+    run_control(rt)
+    assert running(rt, "b") == {"b": 4}
