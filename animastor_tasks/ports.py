@@ -164,6 +164,7 @@ class Deferrals(Protocol):
     def next_waiters(
         self, queue: str, count: int, *, exclude: str | None = None, requeue_from: str | None = None
     ) -> list[str]: ...
+    def stranded_lanes(self, free: Sequence[str], min_age: float) -> list[str]: ...  # free with waiters, for a while
     def open_hand_over(self, books: int) -> str: ...  # an id for slots handed to several books at once
     def close_hand_over(self, batch: str) -> bool: ...  # True: this was the last of the books
 

@@ -37,6 +37,9 @@ widens to another book).
 | ``P:lane-waiters:QUEUE`` (members ``B``,      | zset   | until the book is handed a free slot of   |
 |   score = priority rank x 1e10 + when B first |        | the lane (most urgent, then oldest first: |
 |   waited for the lane)                        |        | round robin)                              |
+| ``P:lanes-seen-free`` (field QUEUE, value:     | hash   | while the lane has free slots and books   |
+|   when the tick first saw that lane with free |        | waiting (a tick hands them on when it     |
+|   slots and books waiting, Redis time)        |        | sees them again: lua/lanes_stranded.lua)  |
 | ``P:breaker:QUEUE``                           | hash   | until closed again                        |
 | ``P:lock:NAME``                               | string | short singleton locks (tick, reconcile)   |
 | ``P:bookmark:NAME``                           | string | where a task's round goes on (reconcile:  |
@@ -158,6 +161,10 @@ class Keyspace:
 
     def breaker(self, queue: str) -> str:
         return self._key("breaker", queue)
+
+    def lanes_seen_free(self) -> str:
+        """Per queue, when the tick first saw its lane with free slots and books waiting for it."""
+        return self._key("lanes-seen-free")
 
     def lock(self, name: str) -> str:
         return self._key("lock", name)

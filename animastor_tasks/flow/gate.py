@@ -164,13 +164,15 @@ def _paged(ports: Ports, report: PassReport, *, dispatch_work: bool, full_lanes:
 
 
 def tick(ports: Ports) -> list[str]:
-    """Take over lapsed leases and block worker-less stages (flow/takeover.py), then send the gate passes
-    of the books that are due (the due index), several per task; a second beat's tick is skipped.
+    """Take over lapsed leases and block worker-less stages (flow/takeover.py), hand on free slots whose refill
+    was lost (`lanes.hand_on_stranded`), then send the gate passes of the books that are due (the due index),
+    several per task; a second beat's tick is skipped.
     A book with nothing to do is not in the index, so it costs the tick nothing."""
     if not ports.locks.try_lock("tick", ports.settings.tick_seconds * liveness.PERIODIC_LOCK_SHARE):
         return []
     started = time.monotonic()
     takeover.on_tick(ports)
+    lanes.hand_on_stranded(ports)
     books = lanes.send_due_passes(ports)
     ports.counters.observe("tick_seconds", time.monotonic() - started)
     return books

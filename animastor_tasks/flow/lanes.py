@@ -96,3 +96,24 @@ def breaker_closed(ports: Ports, queue: str, *also: str) -> None:
         log.warning("[DISPATCH] breaker of %s closed; passes of the books due not sent: %s", queue, err)
         return
     log.info("[DISPATCH] breaker of %s closed: passes of %d due book(s) sent", queue, len(books))
+
+
+def hand_on_stranded(ports: Ports) -> list[str]:
+    """Free slots of the lanes whose books have waited for them since the previous tick go to those books; returns
+    those lanes. *Why:* a slot whose refill was lost (the process that freed it died after its commit, a control
+    worker was killed running the refill) stood free beside its waiting books until reconcile's count of the lanes
+    (30 s). Seen once, a free slot is left to the refill on its way; seen again a tick later, it has none."""
+    stages = ports.settings.registry.stages
+    try:
+        load = ports.assets.lane_load([s.name for s in stages])
+        free = {s.queue: s.lane_limit - load.get(s.name, 0) for s in stages if load.get(s.name, 0) < s.lane_limit}
+        stranded = ports.deferrals.stranded_lanes(sorted(free), ports.settings.tick_seconds / 2)
+    except StoreUnavailable as err:  # reconcile counts the lanes too
+        log.warning("[DISPATCH] lanes not counted for stranded slots this tick: %s", err)
+        return []
+    for queue in stranded:
+        log.warning(
+            "[DISPATCH] %d free slot(s) of %s stood beside waiting books since the last tick", free[queue], queue
+        )
+        hand_over(ports, queue, free[queue])
+    return stranded

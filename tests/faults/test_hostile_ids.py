@@ -51,6 +51,7 @@ OTHER_KINDS = {
     "beats",
     "handing",
     "superseded",
+    "lanes-seen-free",
 }
 EXAMPLES = current_scale().pick(60, 500)
 

@@ -22,6 +22,7 @@ class DeferralStore:
     def __init__(self, conn: RedisConnection) -> None:
         self.conn = conn
         self._take = conn.client.register_script(_script("lane_take"))
+        self._stranded = conn.client.register_script(_script("lanes_stranded"))
 
     def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:
         mapping = {pair_member(*p): now + seconds for p in pairs}
@@ -81,6 +82,13 @@ class DeferralStore:
             return False
         self.conn.run(lambda: self.conn.client.delete(key))
         return True
+
+    def stranded_lanes(self, free: Sequence[str], min_age: float) -> list[str]:
+        """Of the lanes with free slots now (`free`), those with books waiting for them that were seen so at least
+        `min_age` seconds ago too (`lua/lanes_stranded.lua`): their refills were lost, not on their way."""
+        keys = [self.conn.keys.lanes_seen_free(), *(self.conn.keys.lane_waiters(q) for q in free)]
+        found = self.conn.run(lambda: self._stranded(keys=keys, args=[min_age, *free], client=self.conn.client))
+        return [str(q) for q in found]
 
     def next_waiters(
         self, queue: str, count: int, *, exclude: str | None = None, requeue_from: str | None = None
