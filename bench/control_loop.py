@@ -103,8 +103,8 @@ class ControlLoop:
 
         inline = refill.free_slot
 
-        def sent_on(ports: Any, book: str, queue: str, dispatch_id: str, *, here: bool = False) -> None:
-            inline(ports, book, queue, dispatch_id, here=False)
+        def sent_on(ports: Any, book: str, queue: str, dispatch_id: str, *, here: bool = False, **rest: Any) -> None:
+            inline(ports, book, queue, dispatch_id, here=False, **rest)
 
         refill.free_slot = sent_on
         done = 0
