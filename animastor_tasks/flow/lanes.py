@@ -92,7 +92,7 @@ def breaker_closed(ports: Ports, queue: str, *also: str) -> None:
     closed it used one slot, and the lane's other free slots stood idle until the next tick (up to 5 s)."""
     try:
         books = send_due_passes(ports, *also)
-    except StoreUnavailable as err:  # the next tick sends them
+    except Exception as err:  # Redis or the broker: the next tick sends them; the caller's job or pass goes on
         log.warning("[DISPATCH] breaker of %s closed; passes of the books due not sent: %s", queue, err)
         return
     log.info("[DISPATCH] breaker of %s closed: passes of %d due book(s) sent", queue, len(books))
@@ -115,5 +115,8 @@ def hand_on_stranded(ports: Ports) -> list[str]:
         log.warning(
             "[DISPATCH] %d free slot(s) of %s stood beside waiting books since the last tick", free[queue], queue
         )
-        hand_over(ports, queue, free[queue])
+        try:
+            hand_over(ports, queue, free[queue])
+        except Exception as err:  # Redis or the broker: the tick's due passes still go; reconcile counts again
+            log.warning("[DISPATCH] free slots of %s not handed on: %s", queue, err)
     return stranded

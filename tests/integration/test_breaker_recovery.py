@@ -46,3 +46,23 @@ def test_a_breaker_closed_by_a_test_publish_lets_its_books_other_pairs_go_at_onc
     assert rt.breaker.breaker_state("gpu.audio") == "closed"
     run_control(rt)
     assert running(rt, "b") == {"b": 4}
+
+
+def test_passes_that_cannot_be_sent_when_a_breaker_closes_cost_the_pass_that_closed_it_nothing(rt, monkeypatch) -> None:
+    """Sending the due books' passes is an extra: a broker refusing it (it just took the test job) must not fail
+    the pass whose publish closed the breaker, nor leave its claims half done."""
+    lane(rt, lane_limit=4, book_quota=4, window=4)
+    use_settings(rt, replace(rt.settings, breaker_threshold=1, breaker_cooldown_seconds=0.01))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=4))
+    rt.ports.breaker.breaker_record("gpu.audio", False, 1, 0.01)
+    time.sleep(0.05)
+
+    def refused(book_ids):  # type: ignore[no-untyped-def]
+        raise ConnectionError("broker refused")
+
+    monkeypatch.setattr(rt.ports.publisher, "enqueue_gates", refused)
+    report = regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert report["commands"][0]["status"] == "active"
+    assert rt.breaker.breaker_state("gpu.audio") == "closed"
+    assert running(rt, "b") == {"b": 1}  # the test job; the book's other pairs go with its next pass
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "b") is not None

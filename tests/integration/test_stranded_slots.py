@@ -53,3 +53,25 @@ def test_a_tick_hands_nothing_on_for_a_lane_that_was_full_or_had_nobody_waiting_
     time.sleep(0.3)
     gate.tick(rt.ports)  # full: no sighting
     assert rt.redis.client.hgetall(rt.redis.keys.lanes_seen_free()) == {}
+
+
+def test_a_stranded_slot_that_cannot_be_handed_on_costs_the_tick_nothing_else(rt, monkeypatch) -> None:
+    """A broker refusing the hand-over's refill must not keep the tick from sending the due books' passes."""
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    use_settings(rt, replace(rt.settings, tick_seconds=0.2))
+    rt.catalog.import_book(make_book("a", chapters=1, scenes=2))
+    rt.catalog.import_book(make_book("w", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])
+    with monkeypatch.context() as lost:
+        lost.setattr(refill, "free_slot", lambda *_a, **_k: None)
+        finish_one(rt, "a")
+    gate.tick(rt.ports)
+    time.sleep(0.3)
+    rt.ports.book_state.set_due("due-book", 0.0)
+
+    def refused(*_a, **_k):  # type: ignore[no-untyped-def]
+        raise ConnectionError("broker refused")
+
+    monkeypatch.setattr(rt.ports.publisher, "enqueue_refill", refused)
+    assert gate.tick(rt.ports) == ["due-book"]
