@@ -16,9 +16,9 @@ from .helpers import make_book, use_settings
 from .test_elastic_share import finish_one, lane, run_control, running, waiting
 
 
-def test_a_slot_freed_without_its_refill_goes_to_the_waiting_book_on_the_next_tick(rt, monkeypatch) -> None:
-    """The process that freed it died after its commit: the slot stood free beside the waiting book until
-    reconcile counted the lanes (30 s). A tick leaves a free slot to the refill on its way; the next one hands it."""
+def a_slot_whose_refill_was_lost(rt, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`a` holds both slots of the lane and `w` waits for it; one job of `a` ends and its refill never runs (its
+    process died between its commit and its refill). Ticks may come every 0.2 s."""
     lane(rt, lane_limit=2, book_quota=2, window=2)
     use_settings(rt, replace(rt.settings, tick_seconds=0.2))
     rt.catalog.import_book(make_book("a", chapters=1, scenes=2))
@@ -27,9 +27,15 @@ def test_a_slot_freed_without_its_refill_goes_to_the_waiting_book_on_the_next_ti
     regenerate_flow.regenerate(rt.ports, "w", ["audio"])
     assert running(rt, "a", "w") == {"a": 2} and list(waiting(rt)) == ["w"]
     with monkeypatch.context() as lost:
-        lost.setattr(refill, "free_slot", lambda *_a, **_k: None)  # died between its commit and its refill
+        lost.setattr(refill, "free_slot", lambda *_a, **_k: None)
         finish_one(rt, "a")
     assert running(rt, "a", "w") == {"a": 1}
+
+
+def test_a_slot_freed_without_its_refill_goes_to_the_waiting_book_on_the_next_tick(rt, monkeypatch) -> None:
+    """The process that freed it died after its commit: the slot stood free beside the waiting book until
+    reconcile counted the lanes (30 s). A tick leaves a free slot to the refill on its way; the next one hands it."""
+    a_slot_whose_refill_was_lost(rt, monkeypatch)
     gate.tick(rt.ports)
     run_control(rt)
     assert running(rt, "a", "w") == {"a": 1}  # seen once: a refill may be on its way
@@ -57,15 +63,7 @@ def test_a_tick_hands_nothing_on_for_a_lane_that_was_full_or_had_nobody_waiting_
 
 def test_a_stranded_slot_that_cannot_be_handed_on_costs_the_tick_nothing_else(rt, monkeypatch) -> None:
     """A broker refusing the hand-over's refill must not keep the tick from sending the due books' passes."""
-    lane(rt, lane_limit=2, book_quota=2, window=2)
-    use_settings(rt, replace(rt.settings, tick_seconds=0.2))
-    rt.catalog.import_book(make_book("a", chapters=1, scenes=2))
-    rt.catalog.import_book(make_book("w", chapters=1, scenes=2))
-    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
-    regenerate_flow.regenerate(rt.ports, "w", ["audio"])
-    with monkeypatch.context() as lost:
-        lost.setattr(refill, "free_slot", lambda *_a, **_k: None)
-        finish_one(rt, "a")
+    a_slot_whose_refill_was_lost(rt, monkeypatch)
     gate.tick(rt.ports)
     time.sleep(0.3)
     rt.ports.book_state.set_due("due-book", 0.0)
