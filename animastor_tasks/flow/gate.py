@@ -160,7 +160,7 @@ def _paged(ports: Ports, report: PassReport, *, dispatch_work: bool, full_lanes:
     if seen_full - given:
         # Counted without a lock, these lanes' pairs waited without a claim: a job that ended before the book
         # joined their waiting lists found nobody to hand its slot to. Counted again now that it waits.
-        hand_on_freed(ports, seen_full - given)
+        lanes.hand_on_freed(ports, seen_full - given)
 
 
 def tick(ports: Ports) -> list[str]:
@@ -196,7 +196,7 @@ def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True
             except StoreUnavailable as err:  # one book's store error must not cost the others their pass
                 log.warning("[COMMAND-GATE] book=%r pass failed: %s", book, err)
     if full:
-        hand_on_freed(ports, full)
+        lanes.hand_on_freed(ports, full)
     return reports
 
 
@@ -214,18 +214,3 @@ def _read_facts(ports: Ports, books: Sequence[str]) -> dict[str, Facts]:
         log.warning("[COMMAND-GATE] facts of %d books unreadable; each pass reads its own: %s", len(books), err)
         return {}
     return {book: (snaps[book], rows[book]) for book in books}
-
-
-def hand_on_freed(ports: Ports, full: set[str]) -> None:
-    """Count these lanes (seen full, or every lane in reconcile) again, now that the books have joined their
-    waiting lists: a slot freed meanwhile (its job's end may have looked at a list before they joined) is handed
-    on now."""
-    stages = [s for s in ports.settings.registry.stages if s.queue in full]
-    try:
-        load = ports.assets.lane_load([s.name for s in stages])
-    except StoreUnavailable as err:  # the passes are done: a slot freed meanwhile waits for the next job's end
-        log.warning("[COMMAND-GATE] lanes %s not counted again: %s", sorted(full), err)
-        return
-    for spec in stages:
-        if load.get(spec.name, 0) < spec.lane_limit:
-            lanes.hand_over(ports, spec.queue, spec.lane_limit - load.get(spec.name, 0))

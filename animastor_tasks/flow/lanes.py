@@ -7,7 +7,7 @@ cancel, the takeover of a dead worker's, the tick) hands them on through here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from animastor_tasks.domain import capacity
 from animastor_tasks.domain.registry import StageSpec
@@ -103,10 +103,8 @@ def hand_on_stranded(ports: Ports) -> list[str]:
     those lanes. *Why:* a slot whose refill was lost (the process that freed it died after its commit, a control
     worker was killed running the refill) stood free beside its waiting books until reconcile's count of the lanes
     (30 s). Seen once, a free slot is left to the refill on its way; seen again a tick later, it has none."""
-    stages = ports.settings.registry.stages
     try:
-        load = ports.assets.lane_load([s.name for s in stages])
-        free = {s.queue: s.lane_limit - load.get(s.name, 0) for s in stages if load.get(s.name, 0) < s.lane_limit}
+        free = _free_slots(ports)
         stranded = ports.deferrals.stranded_lanes(sorted(free), ports.settings.tick_seconds / 2)
     except StoreUnavailable as err:  # reconcile counts the lanes too
         log.warning("[DISPATCH] lanes not counted for stranded slots this tick: %s", err)
@@ -120,3 +118,24 @@ def hand_on_stranded(ports: Ports) -> list[str]:
         except Exception as err:  # Redis or the broker: the tick's due passes still go; reconcile counts again
             log.warning("[DISPATCH] free slots of %s not handed on: %s", queue, err)
     return stranded
+
+
+def hand_on_freed(ports: Ports, full: set[str]) -> None:
+    """Count these lanes (seen full, or every lane in reconcile) again, now that the books have joined their
+    waiting lists: a slot freed meanwhile (its job's end may have looked at a list before they joined) is handed
+    on now."""
+    try:
+        free = _free_slots(ports, full)
+    except StoreUnavailable as err:  # the passes are done: a slot freed meanwhile waits for the next job's end
+        log.warning("[COMMAND-GATE] lanes %s not counted again: %s", sorted(full), err)
+        return
+    for queue, slots in free.items():
+        hand_over(ports, queue, slots)
+
+
+def _free_slots(ports: Ports, queues: Collection[str] | None = None) -> dict[str, int]:
+    """The free slots of each lane (of `queues`, or every one) that has any, counted without a lock
+    (`Assets.lane_load`): enough to hand slots on (a refill claims under the lane lock), never to claim."""
+    stages = [s for s in ports.settings.registry.stages if queues is None or s.queue in queues]
+    load = ports.assets.lane_load([s.name for s in stages])
+    return {s.queue: s.lane_limit - load.get(s.name, 0) for s in stages if load.get(s.name, 0) < s.lane_limit}

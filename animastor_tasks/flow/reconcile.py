@@ -19,7 +19,7 @@ from typing import Any
 
 from animastor_tasks.domain import liveness, rounds
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import gate, takeover
+from animastor_tasks.flow import gate, lanes, takeover
 from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.reconcile")
@@ -57,9 +57,9 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     report["released"] += sum(len(r.released) for r in gate.gate_batch(ports, books, dispatch_work=False))
     # A slot whose refill was lost (its process died after the commit, Redis failed under the refill and its
     # fallback) stood free while its books waited on capacity deferrals that each later refill of the lane wrote
-    # again: every lane's free slots go to the books waiting for it (one statement; a tick's count of them raced
-    # with the refills on their way and doubled a busy tick's cost).
-    gate.hand_on_freed(ports, set(ports.settings.registry.queues()))
+    # again: every lane's free slots go to the books waiting for it (one statement). The tick hands on only those it
+    # finds on two ticks running (`lanes.hand_on_stranded`): one sighting races with the refills on their way.
+    lanes.hand_on_freed(ports, set(ports.settings.registry.queues()))
     ports.deferrals.prune_deferrals(books, ports.clock())
     report["pruned_events"] = ports.journal.prune_journal(
         ports.settings.journal_retention_days, ports.settings.journal_max_rows

@@ -50,7 +50,7 @@ def _close_hand_over(ports: Ports, batch: str, lane: str) -> None:
         log.warning("[COMMAND-GATE] hand-over %s of %s not counted down: %s", batch, lane, err)
         return
     if last:
-        gate.hand_on_freed(ports, {lane})
+        lanes.hand_on_freed(ports, {lane})
 
 
 def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slots: int) -> PassReport:
