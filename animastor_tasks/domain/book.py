@@ -186,6 +186,12 @@ def validate_id(field_path: str, value: object, *, error: type[InvalidInput] = I
     return str(value)
 
 
+def storable(text: str) -> str:
+    """Text from outside (a generator's error message) as Postgres and a UTF-8 log file can keep it: a NUL or a
+    lone surrogate each becomes U+FFFD."""
+    return UNSTORABLE.sub("\ufffd", text)
+
+
 def check_storable(path: str, value: str, *, error: type[InvalidInput] = InvalidBook) -> None:
     """Free text may hold anything Postgres and UTF-8 can carry: no NUL, no lone surrogate."""
     found = UNSTORABLE.search(value)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from animastor_tasks.domain.book import storable
 from animastor_tasks.domain.deferral import retry_delay
 from animastor_tasks.domain.gate import BookFacts, Denial, JobStartFacts, decide_job_start
 from animastor_tasks.domain.job_rules import (
@@ -210,7 +211,7 @@ def _run_owned(
         try:
             artifact = ports.artifacts.put(media.data, media.media_type)
         except ArtifactStoreError as err:  # credentials, bucket, endpoint: fail with the store's words
-            return _unsuccessful(ports, job, spec, watcher, ErrorKind.ARTIFACT, str(err), attempts, result)
+            return _unsuccessful(ports, job, spec, watcher, ErrorKind.ARTIFACT, storable(str(err)), attempts, result)
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         artifact["input_hash"] = row.input_hash
         commit = partial(ports.jobs.commit_job, *job.owned, artifact, spec.queue)
@@ -286,7 +287,7 @@ def _generate_with_retries(
             if kind is ErrorKind.STOPPED:
                 watcher.stop.set()
                 return None, "stopped", attempt, kind
-            message = str(err) if isinstance(err, GeneratorError) else f"{type(err).__name__}: {err}"
+            message = storable(str(err) if isinstance(err, GeneratorError) else f"{type(err).__name__}: {err}")
             if kind is ErrorKind.BUG:
                 log.exception("[GENERATE] %s generator raised", job.describe())
             if kind is not ErrorKind.BACKEND or attempt > ports.settings.generate_max_retries:

@@ -258,11 +258,14 @@ def test_a_backend_that_hangs_until_the_jobs_time_runs_out_feeds_the_breaker(rt,
 
 
 @pytest.mark.parametrize("retryable", [False, True])
-def test_an_error_text_postgres_cannot_keep_is_still_the_verdict(rt, tmp_path, retryable: bool) -> None:
+def test_an_error_text_postgres_cannot_keep_is_still_the_verdict(rt, tmp_path, caplog, retryable: bool) -> None:
     """A binary error page (a NUL) or a plugin's message with a lone surrogate: the verdict's own write raised
     psycopg's DataError, the job ended with no verdict, and the pair ran again until it failed as a lost worker.
-    Retryable, with a breaker that opens at once, the pair is given back (its journal entry holds the text)."""
+    Retryable, with a breaker that opens at once, the pair is given back (its journal entry holds the text).
+    The verdict's log line carries the same text: with the raw one, a UTF-8 log file refused the line (a
+    logging error in its place) and pytest-xdist could not send the test's report."""
     _one_scene(rt, tmp_path, generate_max_retries=0, breaker_threshold=1)
+    caplog.set_level("INFO", logger="animastor.generate")
 
     def garbled(request: GenerationRequest, progress: Any) -> None:
         raise GeneratorError("proxy said \x00\x1f\x8b then \ud800", retryable=retryable)
@@ -275,6 +278,9 @@ def test_an_error_text_postgres_cannot_keep_is_still_the_verdict(rt, tmp_path, r
     kind, key = ("job.given_back", "reason") if retryable else ("job.failed", "error")
     [(*_, detail)] = _events(rt, kind)
     assert detail[key] == "proxy said \ufffd\x1f\x8b then \ufffd"
+    [verdict_line] = [r.getMessage() for r in caplog.records if "attempt(s): " in r.getMessage()]
+    assert verdict_line.endswith(f"attempt(s): {detail[key]}"), verdict_line
+    verdict_line.encode("utf-8")  # raises on a lone surrogate
     if not retryable:
         with rt.db.read() as conn:
             [(error,)] = conn.execute("SELECT error FROM asset_states WHERE book_id = 'b' AND stage = 'audio'")

@@ -17,7 +17,7 @@ import psycopg
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.adapters.postgres.settle import settle_commands
-from animastor_tasks.domain.book import UNSTORABLE
+from animastor_tasks.domain.book import storable
 from animastor_tasks.domain.keys import book_lock, lane_lock
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState, transition
@@ -211,4 +211,4 @@ def _lock_capacity(conn: psycopg.Connection[Any], lane: str, book: str) -> None:
 def _storable(text: str, limit: int) -> str:
     """An error's words as Postgres keeps them: a NUL or a lone surrogate (a binary error page, a plugin's message)
     made the verdict's write itself fail, and the pair ran again until it failed as a lost worker."""
-    return UNSTORABLE.sub("\ufffd", text[:limit])
+    return storable(text[:limit])
