@@ -25,12 +25,12 @@ down: install
 demo: install
 	$(BIN)/animastor-tasks demo
 
-## Everything CI runs.
+## Everything CI runs: two workers, the suites on servers of their own beside the rest (tests/conftest.py).
 test: install
-	$(BIN)/pytest -q --durations=20
+	$(BIN)/pytest -q -n 2 --durations=20
 
 test-fast: install
-	$(BIN)/pytest -q tests/unit tests/integration tests/dev
+	$(BIN)/pytest -q -n 2 tests/unit tests/integration tests/dev
 
 lint: install
 	$(BIN)/ruff check .
@@ -46,7 +46,7 @@ bench-quick: install
 
 ## The fault-injection suite with more trials than CI runs.
 faults: install
-	ANIMASTOR_FAULT_SCALE=long $(BIN)/pytest -q -m "faults or cluster" tests/faults tests/cluster
+	ANIMASTOR_FAULT_SCALE=long $(BIN)/pytest -q -n 2 -m "faults or cluster" tests/faults tests/cluster
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-output
