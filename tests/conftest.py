@@ -42,13 +42,13 @@ def redis_db_for_worker(url: str, index: int) -> str:
     if index == 0:
         return url
     parts = urlsplit(url)
-    query = dict(parse_qsl(parts.query))
     if parts.scheme in ("redis", "rediss"):
         db = (int(parts.path.strip("/") or 0) - index) % 16
         return urlunsplit(parts._replace(path=f"/{db}"))
     key = {"unix": "db", "redis+socket": "virtual_host"}.get(parts.scheme)
     if key is None:  # not a Redis URL (an AMQP broker): shared, as it was
         return url
+    query = dict(parse_qsl(parts.query))
     query[key] = str((int(query.get(key, 0)) - index) % 16)
     return f"{url.split('?', 1)[0]}?{urlencode(query)}"  # as written: urlunsplit drops the `//` of `unix:///`
 
