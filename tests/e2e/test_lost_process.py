@@ -161,7 +161,8 @@ def test_a_worker_that_never_comes_back_has_its_job_taken_over_by_another(make_s
 
     stack.client.regenerate(book.book_id, ["audio"], wait=False)
     [first] = wait_for(lambda: _started(stack, book.book_id, "s1") or None, 20, what="the job started")
-    [lost] = [w for w in workers if f"dispatch={first['dispatch_id']} token=1 started on" in w.log()]
+    line = f"dispatch={first['dispatch_id']} token=1 started on"  # logged just after the journal's start commits
+    [lost] = wait_for(lambda: [w for w in workers if line in w.log()] or None, 10, what="the start's log line")
     [other] = [w for w in workers if w is not lost]
     time.sleep(0.5)
     cluster.kill(lost)  # the whole process group, never started again
