@@ -26,6 +26,7 @@ from typing import Any
 from celery import signals
 from pythonjsonlogger.json import JsonFormatter
 
+from animastor_tasks.domain.book import storable
 from animastor_tasks.errors import ConfigError
 
 LEVEL_VAR = "ANIMASTOR_LOG_LEVEL"
@@ -219,16 +220,23 @@ class JsonLines(JsonFormatter):
         log_data["process"] = record.processName
         log_data["pid"] = record.process
 
+    def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
+        """Text from outside (an exception's message) cleaned as the text lines are: an escaped lone surrogate is
+        JSON that strict readers refuse."""
+        return {key: storable(value) if isinstance(value, str) else value for key, value in log_data.items()}
+
 
 class WithCommand(logging.Formatter):
-    """Celery's text line with ` command_id=<id>` after it when the line belongs to a command's work."""
+    """Celery's text line with ` command_id=<id>` after it when the line belongs to a command's work, and no NUL
+    or lone surrogate in it."""
 
     def __init__(self, inner: logging.Formatter | None) -> None:
         super().__init__()
         self.inner = inner or logging.Formatter()
 
     def format(self, record: logging.LogRecord) -> str:
-        text = self.inner.format(record)
+        # Cleaned: a lone surrogate in an exception's text made a UTF-8 log file refuse the whole line.
+        text = storable(self.inner.format(record))
         command = current_context().get("command_id")
         if not command:
             return text

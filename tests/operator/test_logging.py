@@ -172,6 +172,32 @@ def test_json_fields_of_a_line_inside_a_task() -> None:
     assert regenerate == {"book": "b1", "command_id": "c1"}
 
 
+@pytest.mark.parametrize("form", ["text", "json"])
+def test_a_traceback_with_a_lone_surrogate_is_written_cleaned(tmp_path: Path, form: str) -> None:
+    """A plugin's exception whose text holds a lone surrogate (bytes decoded with `surrogateescape`), logged with
+    its traceback: a UTF-8 log file refused the text line (a logging error in its place, the traceback lost), and
+    the JSON line carried an escaped lone surrogate that strict JSON readers refuse."""
+    path = tmp_path / "worker.log"
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logs.JsonLines() if form == "json" else logs.WithCommand(logging.Formatter("%(message)s")))
+    logger = logging.getLogger(f"animastor.test.surrogate.{form}")
+    logger.propagate, logger.handlers = False, [handler]
+    try:
+        raise ValueError("plugin said \udcff\x00 and gave up")
+    except ValueError:
+        logger.exception("[GENERATE] generator raised for %s", "s\ud800")
+    finally:
+        handler.close()
+    text = path.read_text(encoding="utf-8")
+    if form == "json":
+        [line] = json_lines(text, "worker.log")
+        assert line["message"] == "[GENERATE] generator raised for s\ufffd"
+        assert "ValueError: plugin said \ufffd\ufffd and gave up" in line["exc_info"], line
+    else:
+        assert text.startswith("[GENERATE] generator raised for s\ufffd\nTraceback"), text
+        assert "ValueError: plugin said \ufffd\ufffd and gave up" in text, text
+
+
 def test_packaged_flower_settings_as_flower_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tornado's own config-file reader on the installed settings file: the auth rules hold there too."""
     from tornado.options import OptionParser
