@@ -5,11 +5,13 @@ the connection dropped halfway; a WAV or a PNG tells that from its own lengths, 
 frames or pages that do too. Each check walks the file's frames and raises ValueError when the first is missing
 (an error text or another format under this type) or the last runs past the end of the data (a body cut short).
 
-What a walk cannot see: an MP3 or AAC body cut exactly at a frame boundary is a shorter whole stream (neither
-format has an end marker or a total length every encoder writes). Ogg has one, its end-of-stream page, so an
-Ogg body cut between pages is caught too. Bytes that are no frame where the next frame should start end the walk
-and are accepted: servers and taggers append padding and tags this does not know, and a body cut short never
-grows bytes of its own, so refusing them would fail good files without catching any cut one.
+A body cut exactly at a frame boundary is a shorter whole stream to a walk. An MP3 whose first frame is a
+Xing/Info or VBRI header (what LAME and FFmpeg write to a file) declares its frame count there, so one cut
+between frames is caught too; an MP3 without one (an encoder writing to a pipe cannot go back to fill it in)
+and ADTS AAC have no end marker or total. Ogg has one, its end-of-stream page, so an Ogg body cut between pages
+is caught too. Bytes that are no frame where the next frame should start end the walk and are accepted: servers
+and taggers append padding and tags this does not know, and a body cut short never grows bytes of its own, so
+refusing them would fail good files without catching any cut one.
 
 Pure functions: no I/O, no third-party code.
 """
@@ -103,11 +105,12 @@ def _mpeg_frame_length(header: bytes) -> int | None:
 
 
 def check_mpeg_audio(data: bytes) -> None:
-    """ValueError unless `data` is an MPEG audio file (MP3, or layer I/II) whose last frame is whole.
+    """ValueError unless `data` is an MPEG audio file (MP3, or layer I/II) whose last frame is whole, and which
+    has as many frames as its Xing/Info or VBRI header declares, where it has one.
 
     A leading ID3v2 tag is skipped; the walk stops, accepting, at an ID3v1/APEv2/Lyrics3 tag, at a free-format
-    frame (its length is not in its header) and at bytes that are no frame header. A Xing/Info/VBRI frame is a
-    frame like any other. A tail too short for a header that begins like one is a header cut short.
+    frame (its length is not in its header) and at bytes that are no frame header. A tail too short for a header
+    that begins like one is a header cut short.
     """
     at = _skip_id3v2(data, "MP3")
     first = data[at : at + 4]
@@ -118,24 +121,58 @@ def check_mpeg_audio(data: bytes) -> None:
         if len(first) < 4 and first[:1] == b"\xff":
             raise ValueError(f"MP3 cut short: {len(first)} bytes of its first frame header")
         raise ValueError("not an MP3 file: no MPEG audio frame header at its start")
+    declared = _declared_frames(data[at : at + length]) if length > 0 else None
+    walked = _walk_mpeg_frames(data, at)
+    # LAME and FFmpeg count the frames after the header frame; one frame of slack, so a writer that counts the
+    # header frame too is never refused whole.
+    if declared is not None and walked is not None and walked < declared[1]:
+        raise ValueError(
+            f"MP3 cut short: its {declared[0]} header declares {declared[1]} frames after it, {walked - 1} are there"
+        )
+
+
+def _walk_mpeg_frames(data: bytes, at: int) -> int | None:
+    """The number of whole frames from `at` on, None when a free-format frame ends the walk (its length, and so
+    the count, unknown); ValueError when the last runs past the end of the data."""
+    frames = 0
     while at < len(data):
         head = data[at : at + 4]
         if len(head) < 4:
             if head[0] == 0xFF and (len(head) == 1 or head[1] & 0xE0 == 0xE0):
                 raise ValueError(f"MP3 cut short: {len(head)} bytes of a frame header at byte {at}")
             _trailer(data, at, "MP3")
-            return  # a known tag, or a byte or two of padding
+            return frames  # a known tag, or a byte or two of padding
         length = _mpeg_frame_length(head)
         if length is None:
             _trailer(data, at, "MP3")
-            return  # a known tag, or bytes that are no frame: see the module's docstring
+            return frames  # a known tag, or bytes that are no frame: see the module's docstring
         if length == _FREE_FORMAT:
-            return
+            return None
         if at + length > len(data):
             raise ValueError(
                 f"MP3 cut short: the frame at byte {at} declares {length} bytes, {len(data) - at} are there"
             )
         at += length
+        frames += 1
+    return frames
+
+
+def _declared_frames(frame: bytes) -> tuple[str, int] | None:
+    """The frame count a layer III header frame declares (its tag, the count): a Xing/Info tag after the side
+    information (17 or 32 bytes in MPEG 1, 9 or 17 in MPEG 2 and 2.5, mono or not; 2 more after a CRC) with its
+    frames flag set, or a VBRI tag 32 bytes in. None without one, or with a count of 0 (a header never filled)."""
+    if (frame[1] >> 1) & 3 != 1:
+        return None
+    mpeg1, mono = (frame[1] >> 3) & 3 == 3, frame[3] >> 6 == 3
+    side = (17 if mono else 32) if mpeg1 else (9 if mono else 17)
+    for at in (4 + side, 6 + side):
+        if frame[at : at + 4] in (b"Xing", b"Info") and len(frame) >= at + 12:
+            flags, count = struct.unpack_from(">II", frame, at + 4)
+            return (frame[at : at + 4].decode(), count) if flags & 1 and count else None
+    if frame[36:40] == b"VBRI" and len(frame) >= 54:
+        (count,) = struct.unpack_from(">I", frame, 50)
+        return ("VBRI", count) if count else None
+    return None
 
 
 def check_adts(data: bytes) -> None:

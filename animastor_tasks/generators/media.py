@@ -122,10 +122,10 @@ def check_known_media(media_type: str, data: bytes) -> None:
     is a body cut short that HTTP cannot tell from a whole one (an answer without a length, ended by closing the
     connection, whose connection dropped).
 
-    Known: WAV, PNG, JPEG, WebP, and (in `audio_frames`) MP3, ADTS AAC and Ogg (Opus, Vorbis). An MP3 or AAC
-    cut exactly between two frames still reads as whole: neither has an end marker. FLAC and raw PCM (`audio/pcm`)
-    are not checked: FLAC frames carry no length and its header's total is optional, PCM has no structure at all.
-    Any other type is taken as it is."""
+    Known: WAV, PNG, JPEG, WebP, and (in `audio_frames`) MP3, ADTS AAC and Ogg (Opus, Vorbis). An AAC, or an
+    MP3 without a Xing/Info or VBRI frame count, cut exactly between two frames still reads as whole. FLAC and
+    raw PCM (`audio/pcm`) are not checked: FLAC frames carry no length and its header's total is optional, PCM
+    has no structure at all. Any other type is taken as it is."""
     kind = media_type.split(";")[0].strip().lower()
     if kind in WAV_TYPES:
         wav_duration_seconds(data)

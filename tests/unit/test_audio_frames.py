@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from animastor_tasks.generators.audio_frames import check_adts, check_mpeg_audio, check_ogg, ogg_crc
+from animastor_tasks.generators.audio_frames import _mpeg_frame_length, check_adts, check_mpeg_audio, check_ogg, ogg_crc
 from animastor_tasks.generators.media import check_known_media, synthesize_wav
 from tests.support import missing
 
@@ -87,6 +87,48 @@ def test_an_mp3_with_its_tags_passes_whole() -> None:
 def test_an_mp3_cut_short_is_refused(cut: int) -> None:
     with pytest.raises(ValueError, match="MP3 cut short"):
         check_mpeg_audio(mp3_stream()[:cut])
+
+
+MPEG2_L3_64K_22K_MONO = b"\xff\xf3\x80\xc4"  # 208 bytes a frame; mono MPEG 2: 9 bytes of side information
+
+
+def header_frame(tag: bytes, frames: int, header: bytes = MPEG1_L3_128K_44K, length: int = 417) -> bytes:
+    """A first frame holding a Xing/Info tag (after the side information: 32 bytes in MPEG 1 stereo, 9 in MPEG 2
+    mono) or a VBRI tag (32 bytes in), each declaring `frames` frames and their bytes, as LAME, FFmpeg and
+    Fraunhofer's encoder write them."""
+    size = (length * (frames + 1)).to_bytes(4, "big")
+    if tag == b"VBRI":  # version, delay, quality, bytes, frames
+        body = bytes(32) + b"VBRI" + b"\x00\x01" + bytes(2) + b"\x00\x50" + size + frames.to_bytes(4, "big")
+    else:  # flags (frames, bytes), frames, bytes
+        body = bytes(32 if header == MPEG1_L3_128K_44K else 9) + tag + b"\x00\x00\x00\x03"
+        body += frames.to_bytes(4, "big") + size
+    return (header + body).ljust(length, b"\x00")
+
+
+@pytest.mark.parametrize(
+    ("tag", "header", "length"),
+    [
+        pytest.param(b"Info", MPEG1_L3_128K_44K, 417, id="info"),
+        pytest.param(b"Xing", MPEG1_L3_128K_44K, 417, id="xing"),
+        pytest.param(b"Xing", MPEG2_L3_64K_22K_MONO, 208, id="xing-mpeg2-mono"),
+        pytest.param(b"VBRI", MPEG1_L3_128K_44K, 417, id="vbri"),
+    ],
+)
+def test_an_mp3_cut_between_frames_is_refused_where_its_header_frame_declares_their_count(
+    tag: bytes, header: bytes, length: int
+) -> None:
+    """A walk alone reads an MP3 cut between two frames as a shorter whole one; its header frame's count tells."""
+    frames = [mp3_frame(header, length)] * 5
+    whole = id3v2() + header_frame(tag, 5, header, length) + b"".join(frames) + ID3V1
+    check_mpeg_audio(whole)
+    for kept in range(4):  # the header frame and `kept` frames after it: the rest lost between two frames
+        cut = len(id3v2()) + length * (kept + 1)
+        with pytest.raises(ValueError, match=f"declares 5 frames after it, {kept} are there"):
+            check_mpeg_audio(whole[:cut])
+    # One frame short passes: the slack for a writer that counts its header frame too, which passes whole.
+    check_mpeg_audio(whole[: len(id3v2()) + length * 5])
+    check_mpeg_audio(header_frame(tag, 6, header, length) + b"".join(frames))
+    check_mpeg_audio(header_frame(tag, 0, header, length) + frames[0])  # a count never filled in: no count
 
 
 @pytest.mark.parametrize(
@@ -319,8 +361,48 @@ def test_a_real_encoders_output_passes_whole_and_is_refused_cut_short(
     if media_type == "audio/ogg":
         assert refused == len(cuts)  # the end-of-stream page: wherever it is cut
     else:
-        # MP3 and AAC have no end marker: a cut exactly between two frames is a shorter whole stream, the one
-        # place a cut passes. Frames are hundreds of bytes long, so those are few.
+        # A cut exactly between two frames passes where no header frame declares their count (see below).
+        # Frames are hundreds of bytes long, so those are few.
         assert refused >= 0.95 * len(cuts), f"{refused} of {len(cuts)} cuts refused"
         with pytest.raises(ValueError, match="cut short"):
             check_known_media(media_type, whole[:-1])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "declared"),
+    [
+        pytest.param(["--quiet"], True, id="cbr-info"),
+        pytest.param(["--quiet", "-V", "2", "--add-id3v2", "--tt", "A title"], True, id="vbr-xing-tags"),
+        pytest.param(["--quiet", "-t"], False, id="no-header-frame"),
+    ],
+)
+def test_lames_mp3_cut_between_two_frames(arguments: list[str], declared: bool, tmp_path: Path) -> None:
+    """With its Info/Xing frame (a file, LAME's default), every cut between two frames but after the last but
+    one is refused; without one (`-t`, or an encoder writing to a pipe) the walk cannot tell such a cut."""
+    if shutil.which("lame") is None:
+        missing("lame is not installed: nothing to encode audio/mpeg with")
+    wav, out = tmp_path / "in.wav", tmp_path / "out.mp3"
+    wav.write_bytes(synthesize_wav("one two three four five six seven eight", sample_rate=48000))
+    subprocess.run(["lame", *arguments, str(wav), str(out)], capture_output=True, timeout=60, check=True)
+    whole = out.read_bytes()
+    check_mpeg_audio(whole)
+    synchsafe = whole[6:10]
+    at = 10 + sum(b << (7 * (3 - i)) for i, b in enumerate(synchsafe)) if whole.startswith(b"ID3") else 0
+    boundaries = []  # the end of each frame, the header frame first
+    while len(whole) - at >= 4 and (length := _mpeg_frame_length(whole[at : at + 4])) and at + length <= len(whole):
+        at += length
+        boundaries.append(at)
+    assert len(boundaries) > 30, boundaries
+    passed = [i for i, cut in enumerate(boundaries[:-1]) if _passes(whole[:cut])]
+    if declared:
+        assert passed == [len(boundaries) - 2], passed  # the one frame of slack, and no other
+    else:
+        assert passed == list(range(len(boundaries) - 1))
+
+
+def _passes(body: bytes) -> bool:
+    try:
+        check_mpeg_audio(body)
+    except ValueError:
+        return False
+    return True
