@@ -40,7 +40,7 @@ _TRAILERS = (b"TAG", b"APETAGEX", b"LYRICSBEGIN", b"ID3")
 _FREE_FORMAT = -1
 
 
-def _skip_id3v2(data: bytes, what: str) -> int:
+def skip_id3v2(data: bytes, what: str) -> int:
     """Where the audio starts after any ID3v2 tags (several may follow one another); the tag's size is
     synchsafe (7 bits a byte) and a footer flag adds 10 bytes. A tag longer than the data is a body cut short."""
     at = 0
@@ -79,7 +79,7 @@ def _trailer(data: bytes, at: int, what: str) -> bool:
     if data.startswith(b"LYRICSBEGIN", at):  # Lyrics3 carries no length before its end: accepted from here
         return True
     if data.startswith(b"ID3", at):
-        _skip_id3v2(data[at:], what)
+        skip_id3v2(data[at:], what)
         return True
     return False
 
@@ -112,7 +112,7 @@ def check_mpeg_audio(data: bytes) -> None:
     frame (its length is not in its header) and at bytes that are no frame header. A tail too short for a header
     that begins like one is a header cut short.
     """
-    at = _skip_id3v2(data, "MP3")
+    at = skip_id3v2(data, "MP3")
     first = data[at : at + 4]
     length = _mpeg_frame_length(first) if len(first) == 4 else None
     if length is None:
@@ -181,7 +181,7 @@ def check_adts(data: bytes) -> None:
     Each ADTS frame header states the frame's whole length (13 bits), so the walk is as for MP3: a leading ID3v2
     tag skipped, a trailing tag or bytes that are no frame header accepted, a frame past the end refused.
     """
-    at = _skip_id3v2(data, "AAC")
+    at = skip_id3v2(data, "AAC")
     if at and at == len(data):
         raise ValueError("AAC cut short: no audio after its ID3v2 tag")
     if not data:

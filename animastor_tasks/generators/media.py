@@ -19,6 +19,7 @@ import zlib
 from array import array
 
 from animastor_tasks.generators.audio_frames import check_adts, check_mpeg_audio, check_ogg
+from animastor_tasks.generators.flac import check_flac
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PNG_SIDE = 4096
@@ -114,6 +115,7 @@ WAV_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave
 MP3_TYPES = frozenset({"audio/mpeg", "audio/mp3", "audio/mpeg3", "audio/x-mpeg"})
 AAC_TYPES = frozenset({"audio/aac", "audio/aacp", "audio/x-aac"})
 OGG_TYPES = frozenset({"audio/ogg", "audio/opus", "application/ogg"})
+FLAC_TYPES = frozenset({"audio/flac", "audio/x-flac"})
 
 
 def check_known_media(media_type: str, data: bytes) -> None:
@@ -122,10 +124,10 @@ def check_known_media(media_type: str, data: bytes) -> None:
     is a body cut short that HTTP cannot tell from a whole one (an answer without a length, ended by closing the
     connection, whose connection dropped).
 
-    Known: WAV, PNG, JPEG, WebP, and (in `audio_frames`) MP3, ADTS AAC and Ogg (Opus, Vorbis). An AAC, or an
-    MP3 without a Xing/Info or VBRI frame count, cut exactly between two frames still reads as whole. FLAC and
-    raw PCM (`audio/pcm`) are not checked: FLAC frames carry no length and its header's total is optional, PCM
-    has no structure at all. Any other type is taken as it is."""
+    Known: WAV, PNG, JPEG, WebP, FLAC (in `flac`) and (in `audio_frames`) MP3, ADTS AAC and Ogg (Opus, Vorbis).
+    An AAC, or an MP3 without a Xing/Info or VBRI frame count, cut exactly between two frames still reads as
+    whole, and so does a FLAC whose STREAMINFO gives no total. Raw PCM (`audio/pcm`) is not checked: it has no
+    structure at all. Any other type is taken as it is."""
     kind = media_type.split(";")[0].strip().lower()
     if kind in WAV_TYPES:
         wav_duration_seconds(data)
@@ -141,6 +143,8 @@ def check_known_media(media_type: str, data: bytes) -> None:
         check_adts(data)
     elif kind in OGG_TYPES:
         check_ogg(data)
+    elif kind in FLAC_TYPES:
+        check_flac(data)
 
 
 def check_jpeg(data: bytes) -> None:

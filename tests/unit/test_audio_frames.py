@@ -327,12 +327,15 @@ def test_another_format_under_an_ogg_type_is_refused(body: bytes) -> None:
 # --- real encoders -----------------------------------------------------------------------------------------
 
 # (tool, arguments after it with {wav} and {out} in them, the media type its output is checked as): Debian's lame,
-# opus-tools and vorbis-tools, which .ci/run installs (ffmpeg, the one that writes ADTS, brings a hundred packages).
+# opus-tools, vorbis-tools and flac, which .ci/run installs (ffmpeg, the one that writes ADTS, brings a hundred
+# packages).
 ENCODERS = [
     pytest.param("lame", ["--quiet", "{wav}", "{out}"], "audio/mpeg", id="lame"),
     pytest.param("lame", ["--quiet", "--add-id3v2", "--tt", "A title", "{wav}", "{out}"], "audio/mpeg", id="lame-tags"),
     pytest.param("opusenc", ["--quiet", "{wav}", "{out}"], "audio/ogg", id="opusenc"),
     pytest.param("oggenc", ["-Q", "-o", "{out}", "{wav}"], "audio/ogg", id="oggenc"),
+    pytest.param("flac", ["--silent", "-o", "{out}", "{wav}"], "audio/flac", id="flac"),
+    pytest.param("flac", ["--silent", "-8", "--blocksize=1152", "-o", "{out}", "{wav}"], "audio/flac", id="flac-8"),
 ]  # fmt: skip
 
 
@@ -358,8 +361,8 @@ def test_a_real_encoders_output_passes_whole_and_is_refused_cut_short(
             check_known_media(media_type, whole[:cut])
         except ValueError:
             refused += 1
-    if media_type == "audio/ogg":
-        assert refused == len(cuts)  # the end-of-stream page: wherever it is cut
+    if media_type in ("audio/ogg", "audio/flac"):
+        assert refused == len(cuts)  # Ogg's end-of-stream page, FLAC's CRCs and total: wherever it is cut
     else:
         # A cut exactly between two frames passes where no header frame declares their count (see below).
         # Frames are hundreds of bytes long, so those are few.
