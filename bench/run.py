@@ -37,6 +37,7 @@ BENCHES = (
     "refill_read",
     "busy_commands",
     "big_book_regenerate",
+    "unseen_book",
     "throughput",
     "job_steps",
 )

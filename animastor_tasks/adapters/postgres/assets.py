@@ -240,14 +240,17 @@ class AssetStore(GateReads):
         return {(chapter, scene, stage): uri for chapter, scene, stage, uri in rows}
 
     def scene_states(self, book: str) -> list[tuple[str, str, str, str, str | None]]:
-        """(chapter, scene, stage, state, artifact sha256) for every pair, in reading order."""
+        """(chapter, scene, stage, state, artifact sha256) for every pair, in reading order.
+
+        The pairs' own copy of their scene's position (kept by the database, 0006), no join to the scenes: planned
+        on statistics that had not seen the book (one row estimated), that join was a nested loop that read the
+        book's scenes once per pair: `status` of a book of 2,000 scenes took 0.7-1.3 s, of 50,000 eight minutes."""
         with self.db.read() as conn:
             return [
                 tuple(r)
                 for r in conn.execute(
-                    "SELECT a.chapter_id, a.scene_id, a.stage, a.state, a.artifact_sha256 FROM asset_states a"
-                    " JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-                    "  AND s.scene_id = a.scene_id WHERE a.book_id = %s ORDER BY s.position, a.stage",
+                    "SELECT chapter_id, scene_id, stage, state, artifact_sha256 FROM asset_states"
+                    " WHERE book_id = %s ORDER BY position, stage",
                     (book,),
                 )
             ]

@@ -9,7 +9,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from animastor_tasks.adapters.postgres import journal
-from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database
 from animastor_tasks.adapters.postgres.released import mark_released
 from animastor_tasks.domain.book import Book
 from animastor_tasks.domain.inputs import scene_hashes
@@ -167,6 +167,8 @@ class Catalog:
             journal.record(
                 conn, "book.imported", book.book_id, {"added": added, "changed": changed, "removed": len(removed)}
             )
+        if added >= ANALYZE_FROM_ROWS:
+            self.db.analyze("scenes", "asset_states")
         running = tuple(((c, s, st), d) for c, s, st, state, d in removed_pairs if state == AssetState.GENERATING and d)
         return ImportSummary(book.book_id, bool(created), added, changed, len(removed), len(dirtied), running)
 
