@@ -24,6 +24,7 @@ log = logging.getLogger("animastor.postgres")
 #: New rows of one book from which a write analyzes the tables it wrote (`Database.analyze`): below, a nested loop
 #: over the book's rows costs little (80 ms at 500 pairs, quadratic above).
 ANALYZE_FROM_ROWS = 500
+ANALYZE_LOCK_WAIT_MS = 500
 
 
 def _is_store_error(err: BaseException) -> bool:
@@ -132,9 +133,12 @@ class Database:
         pairs to their targets or scenes was a nested loop that read them once per pair: a gate pass of a new
         book of 2,000 scenes took 5.6 s, of 20,000 about a hundred times that, on every pass until autovacuum
         analyzed the table, which it never does while the new rows are under a tenth of it. Sampled, so about
-        0.15 s at a million rows. Best effort: the write is in, and a failure costs only the plans."""
+        0.15 s at a million rows. Best effort: the write is in, and a failure costs only the plans. It waits half
+        a second at most for a table another ANALYZE or a VACUUM holds (an open transaction that analyzed it
+        holds it to its end), then gives up rather than hold up the import or the regenerate."""
         try:
-            with self.read() as conn:
+            with self.transaction() as conn:
+                conn.execute(f"SET LOCAL lock_timeout = '{ANALYZE_LOCK_WAIT_MS}ms'")
                 conn.execute(f"ANALYZE {', '.join(tables)}")
         except (psycopg.Error, StoreUnavailable) as err:
             log.warning("[DB] ANALYZE %s failed, plans may be slow until it runs: %s", ", ".join(tables), err)
