@@ -131,7 +131,7 @@ class Database:
 
         Why: planned on statistics taken before a book's rows came (one row estimated for it), a join of its
         pairs to their targets or scenes was a nested loop that read them once per pair: a gate pass of a new
-        book of 2,000 scenes took 5.6 s, of 20,000 about a hundred times that, on every pass until autovacuum
+        book of 2,000 scenes took 5.6-9.4 s (quadratic in its pairs), on every pass until autovacuum
         analyzed the table, which it never does while the new rows are under a tenth of it. Sampled, so about
         0.15 s at a million rows. Best effort: the write is in, and a failure costs only the plans. It waits half
         a second at most for a table another ANALYZE or a VACUUM holds (an open transaction that analyzed it
