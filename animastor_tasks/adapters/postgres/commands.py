@@ -236,16 +236,7 @@ class CommandStore:
                     (CommandStatus.BLOCKED, reason, book, stage, ACTIVE),
                 )
             ]
-            # No join: the release leaves `dispatch_id` as it was (why not: `_release_in_flight`).
-            released = [
-                ((c, s, stage), d)
-                for c, s, d in conn.execute(
-                    "UPDATE asset_states SET state = %s, updated_at = now()"
-                    " WHERE book_id = %s AND stage = %s AND state = ANY(%s)"
-                    " RETURNING chapter_id, scene_id, dispatch_id",
-                    (AssetState.DIRTY, book, stage, values(IN_FLIGHT)),
-                )
-            ]
+            released = [((c, s, st), d) for c, s, st, d in _release_in_flight(conn, book, IN_FLIGHT, stage=stage)]
             release_targets(conn, book, [pair for pair, _ in released], reason, also=blocked)
             if blocked:
                 journal.record(conn, "command.blocked", book, {"reason": reason, "commands": blocked}, stage=stage)
@@ -272,9 +263,10 @@ class CommandStore:
                     (CommandStatus.CANCELLED, reason or "cancelled", book, values(CANCELLABLE)),
                 )
             ]
-            generating = _release_in_flight(conn, book, AssetState.GENERATING)
+            # One state at a time: what a released pair was is then known without a join (`_release_in_flight`).
+            generating = _release_in_flight(conn, book, frozenset({AssetState.GENERATING}))
             dispatched = [((c, s, st), d) for c, s, st, d in generating if d]
-            released = len(generating) + len(_release_in_flight(conn, book, AssetState.PENDING))
+            released = len(generating) + len(_release_in_flight(conn, book, frozenset({AssetState.PENDING})))
             detail = {"reason": reason, "commands": cancelled, "released": released}
             journal.record(conn, "book.cancelled", book, detail)
         return cancelled, released, dispatched
@@ -337,16 +329,21 @@ def lock_book(conn: psycopg.Connection[Any], book: str) -> None:
     conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (book_lock(book),))
 
 
-def _release_in_flight(conn: psycopg.Connection[Any], book: str, state: AssetState) -> list[tuple[str, str, str, Any]]:
-    """The book's pairs in `state` to dirty, as (chapter, scene, stage, dispatch id): one state at a time, so what
-    a pair was is known without joining the table to itself. Such a join, planned on statistics that had not
-    seen the book's pairs in flight (an estimate of one row), was a nested loop that read the book's in-flight
-    pairs once per pair: a Stop All of 4,000 pairs took 1 s, and ten times the pairs a hundred times that."""
+def _release_in_flight(
+    conn: psycopg.Connection[Any], book: str, states: frozenset[AssetState], *, stage: str | None = None
+) -> list[tuple[str, str, str, Any]]:
+    """The book's pairs in `states` (of `stage`, else of every stage) to dirty, as (chapter, scene, stage, dispatch
+    id); the release leaves `dispatch_id` as it was. One table, no join: the join of the table to itself these
+    releases made (to return what a pair was), planned on statistics that had not seen the book's pairs in
+    flight (an estimate of one row), was a nested loop that read the book's in-flight pairs once per pair: a Stop
+    All of 4,000 pairs took 1 s (quadratic in the pairs)."""
+    of_stage = "" if stage is None else " AND stage = %(stage)s"
     return [
         (c, s, st, d)
         for c, s, st, d in conn.execute(
-            "UPDATE asset_states SET state = %s, updated_at = now() WHERE book_id = %s AND state = %s"
+            "UPDATE asset_states SET state = %(dirty)s, updated_at = now()"
+            f" WHERE book_id = %(book)s AND state = ANY(%(states)s){of_stage}"
             " RETURNING chapter_id, scene_id, stage, dispatch_id",
-            (AssetState.DIRTY, book, state),
+            {"dirty": AssetState.DIRTY, "book": book, "states": values(states), "stage": stage},
         )
     ]
