@@ -23,33 +23,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
-
-from animastor_tasks.domain.book import Book, parse_book
+from animastor_tasks.domain.book import Book, parse_book_json
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import status as status_flow
 from bench.common import BenchResult, Context, analyze, make_runtime
+from bench.farm import book_json
+from bench.seed import advertise_consumers
 
 SMALL_BOOKS = 5
-SCENES_PER_CHAPTER = 500
 TARGET_RATIO = 2.0
 STEPS = ("status", "regenerate", "gate_pass", "cancel")
 
 
 def book(book_id: str, scenes: int) -> Book:
-    chapters = [
-        {
-            "chapter_id": f"ch{c}",
-            "scenes": [
-                {"scene_id": f"s{s}", "text": f"Scene {c}.{s}", "prompt": f"a lighthouse {c}.{s}"}
-                for s in range(min(SCENES_PER_CHAPTER, scenes - c * SCENES_PER_CHAPTER))
-            ],
-        }
-        for c in range((scenes + SCENES_PER_CHAPTER - 1) // SCENES_PER_CHAPTER)
-    ]
-    return parse_book({"book_id": book_id, "title": book_id, "chapters": chapters})
+    return parse_book_json(book_json(book_id, scenes))
 
 
 def _steps(rt: Any, book_id: str, before: Callable[[], None]) -> dict[str, float]:
@@ -74,7 +63,7 @@ def run(ctx: Context) -> BenchResult:
     scenes = 1_000 if ctx.quick else 2_000
     rt = make_runtime()
     try:
-        rt.presence.heartbeat("bench-unseen@local", ["gpu.audio"], 600)  # none for images: that stage is BLOCKED
+        advertise_consumers(rt, ["gpu.audio"])  # none for images: that stage is BLOCKED
         for i in range(SMALL_BOOKS):
             rt.catalog.import_book(book(f"small-{i}", 3))
             regenerate_flow.regenerate(rt.ports, f"small-{i}", ["audio"])
@@ -83,7 +72,6 @@ def run(ctx: Context) -> BenchResult:
         unseen = _steps(rt, "unseen", lambda: None)
         rt.catalog.import_book(book("known", scenes))
         known = _steps(rt, "known", analyze)
-        redis.Redis.from_url(rt.settings.broker_url).delete("gpu.audio", "gpu.image")
     finally:
         rt.close()
     for step in STEPS:
