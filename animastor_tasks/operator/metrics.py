@@ -45,7 +45,7 @@ JOB_EVENTS = (
 #: Histograms the flows record with `Counters.observe`: name -> help text.
 HISTOGRAMS = {
     "gate_pass_seconds": "Duration of gate passes that released or dispatched work (animastor.gate).",
-    "tick_seconds": "Duration of the beat tick (enqueueing one gate task per active book).",
+    "tick_seconds": "Duration of the beat tick (sending gate_batch tasks for the books that are due).",
     "reconcile_seconds": "Duration of the beat's reconcile passes (each repairs the next books with work).",
 }
 #: Histograms recorded per stage as `<name>:<stage>`, exported with a `stage` label: name -> help text.
