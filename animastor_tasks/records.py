@@ -128,7 +128,8 @@ class Snapshot:
     breaker_clean: dict[str, bool]  # no failure recorded: publishing needs no breaker call
     data_lost_at: float = float("-inf")  # when Redis lost its data (-inf: never): the force set with it
     presence_unsure_since: float = float("-inf")  # data lost or back from an outage: no consumer proves nothing yet
-    waiters: dict[str, list[str]] = field(default_factory=dict)  # per queue asked for: the head of its waiting list
+    # Per queue asked for: the head of its waiting list, book -> the priority rank it waits at, first first.
+    waiters: dict[str, dict[str, int]] = field(default_factory=dict)
     first_deferral_end: float | None = None  # when the book's earliest live deferral ends (None: none live)
     due_at: float | None = None  # when the due index asks for the book's next pass (None: it does not)
 

@@ -8,6 +8,12 @@ lane. A refused pair is named with the limit it hit, so it can be deferred for i
 *Why elastic:* a hard quota left GPUs idle while one book alone had work for them. A book
 alone on a lane uses every free slot; once other books wait it gets no slot beyond its share
 and gives the extra back as its jobs end (nothing is preempted). `book_cap` stays a hard cap.
+
+Priority comes before the share: only a waiter at least as urgent as a pair binds the share for
+it, and a pair takes no slot that a more urgent book below its share waits for. *Why:* a bulk
+book waiting held a reader's interactive scene to its book's share, the slot going to bulk work;
+and a book whose interactive scene its window refused ran its bulk scenes while another reader
+waited.
 """
 
 from __future__ import annotations
@@ -18,16 +24,26 @@ from dataclasses import dataclass, field
 
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import Outcome
+from animastor_tasks.domain.vocabulary import Outcome, Priority, priority_rank
+
+NORMAL_RANK = priority_rank(Priority.NORMAL)
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """Another book waiting for a slot of a lane: the priority rank it waits at, and its generating pairs."""
+
+    rank: int
+    generating: Sequence[Pair]
 
 
 @dataclass(frozen=True)
 class CapacityCounts:
     lane: Mapping[str, int]  # generating pairs per stage, across every book
     book_generating: Sequence[Pair]  # the book's own generating pairs
-    # Per stage, the generating pairs of each other book waiting for a slot of its lane (the head of
-    # the lane's waiting list). None: not known, so the fair share binds as if someone waited.
-    waiting: Mapping[str, Sequence[Sequence[Pair]]] | None = None
+    # Per stage, the other books waiting for a slot of its lane (the head of the lane's waiting list).
+    # None: not known, so the fair share binds as if someone as urgent waited.
+    waiting: Mapping[str, Sequence[Waiter]] | None = None
 
 
 @dataclass
@@ -47,14 +63,21 @@ def below_share(generating: Sequence[Pair], stage: str, spec: StageSpec) -> bool
     return used < spec.book_quota and not capped and len(scenes) < spec.window
 
 
-def contested(stage: str, counts: CapacityCounts, spec: StageSpec) -> bool:
-    """The fair share binds: another book waits for the lane and is still below its own share.
+def contested(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) -> bool:
+    """The fair share binds for a pair of `rank`: another book at least as urgent waits for the lane and is
+    still below its own share.
 
     A waiting book already at its share cannot use the slot under the same rule, so holding the
     slot back for it would only leave a GPU idle."""
     if counts.waiting is None:
         return True
-    return any(below_share(other, stage, spec) for other in counts.waiting.get(stage, ()))
+    return any(w.rank <= rank and below_share(w.generating, stage, spec) for w in counts.waiting.get(stage, ()))
+
+
+def outranked(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) -> bool:
+    """A more urgent book below its share waits for the lane: a free slot is its, not this pair's."""
+    waiting = counts.waiting or {}
+    return any(w.rank < rank and below_share(w.generating, stage, spec) for w in waiting.get(stage, ()))
 
 
 def choose(
@@ -63,6 +86,7 @@ def choose(
     specs: Mapping[str, StageSpec],
     permits: Mapping[str, int],
     room: Mapping[str, int] | None = None,
+    ranks: Mapping[Pair, int] | None = None,
 ) -> CapacityChoice:
     """Take `wanted` in order (reading order within priority: the window's order) while the limits allow.
 
@@ -70,11 +94,16 @@ def choose(
     permit is neither chosen nor refused: it waits for the breaker, not for capacity.
     `room` caps the slots of a stage's lane this claim may take (a finished job's own slot): past
     it the lane is full for this claim, and the pair waits for the lane like any refused by it.
+    `ranks`: each pair's priority rank (0 most urgent; a pair not in it is `normal`).
     """
     lane = Counter({stage: int(n) for stage, n in counts.lane.items()})
     quota: Counter[str] = Counter(stage for _, _, stage in counts.book_generating)
     window = {(chapter, scene) for chapter, scene, _ in counts.book_generating}
-    shared = {stage: contested(stage, counts, spec) for stage, spec in specs.items()}
+    waits = {
+        (stage, rank): (contested(stage, rank, counts, spec), outranked(stage, rank, counts, spec))
+        for stage, spec in specs.items()
+        for rank in range(len(Priority))
+    }
     left = dict(permits)
     slots = dict(room or {})
     choice = CapacityChoice()
@@ -83,15 +112,17 @@ def choose(
         spec = specs[stage]
         if left.get(stage, 1) <= 0:
             continue
+        rank = NORMAL_RANK if ranks is None else ranks.get(pair, NORMAL_RANK)
+        shared, behind = waits[stage, rank]
         refusal: Outcome | None = None
-        if lane[stage] >= spec.lane_limit or slots.get(stage, 1) <= 0:
+        if lane[stage] >= spec.lane_limit or slots.get(stage, 1) <= 0 or behind:
             refusal = Outcome.LANE_FULL
         elif spec.book_cap is not None and quota[stage] >= spec.book_cap:
             choice.refused.setdefault(Outcome.QUOTA_EXHAUSTED, []).append(pair)
             continue  # the hard cap: more slots would not help, so the book does not wait for the lane
-        elif shared[stage] and quota[stage] >= spec.book_quota:
+        elif shared and quota[stage] >= spec.book_quota:
             refusal = Outcome.QUOTA_EXHAUSTED
-        elif shared[stage] and (chapter, scene) not in window and len(window) >= spec.window:
+        elif shared and (chapter, scene) not in window and len(window) >= spec.window:
             refusal = Outcome.WINDOW_FULL
         if refusal is not None:
             choice.refused.setdefault(refusal, []).append(pair)

@@ -210,7 +210,10 @@ def _claim_and_publish(
     wanted = [(i.pair, uuid.uuid4().hex) for i in todo]  # 128 random bits: never guessable nor reused
     queue_of = {stage: spec.queue for stage, spec in specs.items()}
     # The fair share binds only while another book waits for the lane (the head of its waiting list).
-    waiters = {stage: [b for b in snap.waiters.get(queue, []) if b != book] for stage, queue in queue_of.items()}
+    waiters = {
+        stage: {b: rank for b, rank in snap.waiters.get(queue, {}).items() if b != book}
+        for stage, queue in queue_of.items()
+    }
     claims: list[Claim] = []
     try:
         with ports.assets.claiming(book, queue_of, waiters) as session:
@@ -218,7 +221,8 @@ def _claim_and_publish(
             # and then fail the claim's compare-and-set: under the book lock its own generating pairs say which.
             taken_meanwhile = set(session.counts.book_generating)
             unclaimed = [w for w in wanted if w[0] not in taken_meanwhile] if taken_meanwhile else wanted
-            choice = capacity.choose(unclaimed, session.counts, specs, permits, room)
+            ranks = {i.pair: i.rank for i in todo}
+            choice = capacity.choose(unclaimed, session.counts, specs, permits, room, ranks)
             claims = session.claim(choice.chosen)
             taken = Counter(c.stage for c in claims)
             # Still under the lane and book locks: a completion takes them before it frees capacity,
@@ -228,11 +232,13 @@ def _claim_and_publish(
                 for outcome, pairs in choice.refused.items():
                     _defer(ports, book, outcome, pairs, now, result)
                 refused = {pair for pairs in choice.refused.values() for pair in pairs}
+                lane_full = {stage for _, _, stage in choice.refused.get(Outcome.LANE_FULL, ())}
                 for stage in choice.waits_for:
                     # Handed a slot that another pass took first: back to the head of its priority, not the end.
-                    since = 0.0 if queue_of[stage] == handed_lane and not taken[stage] else now
+                    # Refused by its own share, it waits behind the books that waited longer.
+                    first = queue_of[stage] == handed_lane and not taken[stage] and stage in lane_full
+                    since = 0.0 if first else now
                     _wait_for_lane(ports, book, queue_of[stage], [i for i in todo if i.pair in refused], stage, since)
-                ranks = {i.pair: i.rank for i in todo}
                 ports.leases.take_leases(
                     [publish.claim_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims]
                 )

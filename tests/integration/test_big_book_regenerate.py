@@ -39,7 +39,7 @@ def test_start_work_reads_the_snapshot_of_a_book_up_to_its_most_scenes_and_nothi
     read = state.start_work("two", pairs, [p[:2] for p in pairs], force_ttl=60, snapshot=(now, queues), most_scenes=4)
     assert read is not None and read == state.book_snapshots(["two"], now, queues)["two"]
     assert read.force == set(pairs) and read.active == {p[:2] for p in pairs}
-    assert read.waiters == {"gpu.audio": ["one"]} and read.consumers == {"gpu.audio": 1}
+    assert read.waiters == {"gpu.audio": {"one": 1}} and read.consumers == {"gpu.audio": 1}
     one = state.start_work("one", pairs[:1], [pairs[0][:2]], force_ttl=60, snapshot=(now, queues), most_scenes=4)
     full = state.book_snapshots(["one"], now, queues)["one"]
     assert one == full and one.deferred == full.deferred and one.first_deferral_end == full.first_deferral_end

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.domain.vocabulary import Outcome
+from animastor_tasks.domain.vocabulary import Outcome, Priority, priority_rank
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, lanes, refill
@@ -387,7 +388,7 @@ def test_two_books_share_a_lane_without_waiting_for_each_other(rt) -> None:
     advertise(rt, "gpu.audio")
     # Both ask before either pass runs: `second` already waits for the lane when `first` is passed, so
     # the fair share (quota 4) binds `first` and leaves the other half of the lane to `second`.
-    rt.ports.deferrals.wait_for_lane("gpu.audio", "second", 0)
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "second", wait_score(priority_rank(Priority.NORMAL), 0.0))
     regenerate_flow.regenerate(rt.ports, "first", ["audio"])
     regenerate_flow.regenerate(rt.ports, "second", ["audio"])
     running = Counter(b for b in ("first", "second") for v in states(rt, b).values() if v == "generating")

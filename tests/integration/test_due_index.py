@@ -179,9 +179,8 @@ def test_a_batch_reads_the_facts_of_its_books_together_as_each_pass_would_alone(
     queues = rt.settings.registry.queues()
     snaps = rt.ports.book_state.book_snapshots(["one", "two"], now, queues)
     assert snaps == {b: rt.ports.book_state.book_snapshots([b], now, queues)[b] for b in ("one", "two")}
-    assert snaps["two"].first_deferral_end and snaps["two"].waiters == {
-        "gpu.audio": ["one", "two"]
-    }  # normal, then bulk
+    assert snaps["two"].first_deferral_end
+    assert list(snaps["two"].waiters["gpu.audio"].items()) == [("one", 1), ("two", 2)]  # normal, then bulk
 
 
 def test_a_regenerate_reads_its_passs_snapshot_with_its_own_writes_as_the_pass_would_after_them(rt) -> None:
@@ -194,7 +193,7 @@ def test_a_regenerate_reads_its_passs_snapshot_with_its_own_writes_as_the_pass_w
     read = rt.ports.book_state.start_work("two", pairs, [p[:2] for p in pairs], force_ttl=60, snapshot=(now, queues))
     assert read == rt.ports.book_state.book_snapshots(["two"], now, queues)["two"]
     assert read.force == set(pairs) and read.active == {p[:2] for p in pairs}  # the writes, seen
-    assert read.waiters == {"gpu.audio": ["one"]} and read.consumers == {"gpu.audio": 1}
+    assert read.waiters == {"gpu.audio": {"one": 1}} and read.consumers == {"gpu.audio": 1}
     assert rt.ports.book_state.start_work("two", pairs, [p[:2] for p in pairs], force_ttl=None) is None
 
 

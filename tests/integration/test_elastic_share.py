@@ -318,3 +318,36 @@ def test_a_share_one_book_had_no_use_for_goes_to_the_book_that_has_more_to_run(r
     run_control(rt)
     assert running(rt, "stopped", "a", "b") == {"a": 1, "b": 2}
     assert not rt.redis.client.keys(rt.redis.keys.handing("*"))  # the hand-over's count went with its last refill
+
+
+def test_a_reader_s_interactive_scene_is_not_held_to_its_book_s_share_by_a_bulk_book_waiting(rt) -> None:
+    """Old code: any book below its share waiting made the share bind whatever its priority: the reader's scene
+    was refused (`quota_exhausted`) and the slot the reader's own job freed went to the bulk book."""
+    lane(rt, lane_limit=2, book_quota=1, window=10)
+    for book in ("reader", "library"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=4))
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], priority="bulk")  # alone: both slots
+    regenerate_flow.regenerate(rt.ports, "library", ["audio"], priority="bulk")  # waits for the lane
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], [["ch1", "s4"]], priority="interactive")
+    assert running(rt, "reader", "library") == {"reader": 2}
+    finish_one(rt, "reader")
+    assert states(rt, "reader")[("ch1", "s4", "audio")] == "generating"
+    assert running(rt, "reader", "library") == {"reader": 2}
+
+
+def test_a_book_handed_a_slot_its_own_share_refuses_waits_behind_the_books_that_waited_longer(rt) -> None:
+    """Old code: a handed book that claimed nothing went back to the head of its priority whatever had refused it,
+    as if another pass had taken the slot first: refused by its own share, it went ahead of `d`, which had waited
+    longer with nothing running, and took the next free slot from it."""
+    lane(rt, lane_limit=2, book_quota=1, window=10)
+    for book in ("a", "w", "d"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])  # alone: both slots, s3 waits for the lane
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])  # waits
+    regenerate_flow.regenerate(rt.ports, "d", ["audio"])  # waits
+    with rt.db.transaction() as conn:  # one of a's jobs ends: a slot is free, `a` is at its share
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'a' AND scene_id = 's1'")
+    assert lanes.hand_over(rt.ports, "gpu.audio", 1) == ["a"]  # the head of the list
+    run_control(rt)
+    assert running(rt, "a", "w", "d") == {"a": 1, "w": 1}  # `a` had no use for it within its share: w's
+    assert list(waiting(rt)) == ["d", "a", "w"]  # w waits on for its own next scene

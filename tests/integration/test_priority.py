@@ -60,3 +60,21 @@ def test_an_interactive_book_is_handed_the_next_free_slot_before_books_that_wait
     regenerate_flow.regenerate(rt.ports, "bulk2", ["audio"], priority="bulk")
     regenerate_flow.regenerate(rt.ports, "reader", ["audio"], [["ch1", "s2"]], priority="interactive")
     assert rt.deferrals.next_waiters("gpu.audio", 3) == ["reader", "bulk1", "bulk2"]
+
+
+def test_a_full_pass_orders_a_pair_by_its_most_urgent_command_s_age_as_a_refill_does(one_slot) -> None:
+    """Old code: a full pass gave a pair the age of its oldest command of any priority: both scenes took the bulk
+    command's and went in reading order, s1 first, although s3's interactive command was the older."""
+    rt = one_slot
+    rt.catalog.import_book(make_book("x", chapters=1, scenes=1))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "x", ["audio"])  # takes the only slot
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], priority="bulk")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s3"]], priority="interactive")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s1"]], priority="interactive")
+    with rt.db.transaction() as conn:  # x's job ends
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'x'")
+    rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))  # as the end of its job clears them
+    gate.gate_pass(rt.ports, "b")
+    assert states(rt, "b")[("ch1", "s3", "audio")] == "generating"
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"

@@ -169,7 +169,7 @@ def test_the_refill_read_the_claim_counts_and_the_job_start_read_run_on_generic_
     assets, jobs = AssetStore(one_connection), JobStore(one_connection)
 
     def claim_counts() -> None:
-        with assets.claiming("b1", {"audio": "gpu.audio"}, {"audio": ["b2"]}):
+        with assets.claiming("b1", {"audio": "gpu.audio"}, {"audio": {"b2": 1}}):
             pass
 
     def start_read() -> None:

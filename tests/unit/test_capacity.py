@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from animastor_tasks.domain.capacity import CapacityCounts, choose, share_slots
+from dataclasses import replace
+
+from animastor_tasks.domain.capacity import CapacityCounts, Waiter, choose, share_slots
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import Outcome
 
@@ -70,3 +72,44 @@ def test_slots_handed_together_are_shared_round_robin_head_first() -> None:
     assert share_slots(3, 3) == [1, 1, 1]
     assert share_slots(4, 0) == []
     assert sum(share_slots(7, 3)) == 7
+
+
+INTERACTIVE, NORMAL, BULK = 0, 1, 2
+
+
+def test_the_fair_share_binds_only_for_waiters_at_least_as_urgent_as_the_pair() -> None:
+    """Old code: any waiter below its share bound the share, so a reader's interactive scene of a book at its share
+    was refused while a bulk book waited, and the slot went to the bulk book."""
+    running = [("c", f"s{i}", "audio") for i in range(4)]
+    pairs = wanted(("c", "s50", "audio"))
+    limits = spec(AUDIO, lane_limit=8, book_quota=4, window=10)
+    bulk_waits = CapacityCounts(lane={"audio": 7}, book_generating=running, waiting={"audio": [Waiter(BULK, [])]})
+    choice = choose(pairs, bulk_waits, limits, {}, ranks={("c", "s50", "audio"): INTERACTIVE})
+    assert [pair for pair, _ in choice.chosen] == [("c", "s50", "audio")]
+    reader_waits = replace(bulk_waits, waiting={"audio": [Waiter(INTERACTIVE, [])]})
+    choice = choose(pairs, reader_waits, limits, {}, ranks={("c", "s50", "audio"): INTERACTIVE})
+    assert choice.refused == {Outcome.QUOTA_EXHAUSTED: [("c", "s50", "audio")]}
+
+
+def test_a_pair_does_not_take_a_slot_a_more_urgent_book_below_its_share_waits_for() -> None:
+    """Old code: the book's interactive scene was refused by its window and its bulk scene already in flight took
+    the slot, while another reader's interactive scene waited for the lane."""
+    specs = {**spec(AUDIO, window=4), **spec(IMAGE, window=4)}
+    running = [("c", f"s{i}", "audio") for i in range(1, 5)]
+    pairs = wanted(("c", "s50", "image"), ("c", "s2", "image"))
+    ranks = {("c", "s50", "image"): INTERACTIVE, ("c", "s2", "image"): BULK}
+    other_reader = CapacityCounts(lane={}, book_generating=running, waiting={"image": [Waiter(INTERACTIVE, [])]})
+    choice = choose(pairs, other_reader, specs, {}, ranks=ranks)
+    assert choice.chosen == []
+    assert choice.refused == {Outcome.WINDOW_FULL: [("c", "s50", "image")], Outcome.LANE_FULL: [("c", "s2", "image")]}
+    assert choice.waits_for == {"image"}
+    # A reader already at its share could not use the slot, and a bulk book is less urgent: no share binds.
+    at_its_share = Waiter(INTERACTIVE, [("o", f"s{i}", "image") for i in range(4)])
+    for waiter in (at_its_share, Waiter(BULK, [])):
+        chosen = [
+            pair
+            for pair, _ in choose(
+                pairs, replace(other_reader, waiting={"image": [waiter]}), specs, {}, ranks=ranks
+            ).chosen
+        ]
+        assert chosen == [("c", "s50", "image"), ("c", "s2", "image")]

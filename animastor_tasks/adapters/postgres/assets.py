@@ -19,7 +19,7 @@ from animastor_tasks.adapters.postgres.commands import lock_book
 from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns
 from animastor_tasks.adapters.postgres.released import release_targets
 from animastor_tasks.adapters.postgres.settle import settle_commands
-from animastor_tasks.domain.capacity import CapacityCounts
+from animastor_tasks.domain.capacity import CapacityCounts, Waiter
 from animastor_tasks.domain.keys import claim_locks
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import (
@@ -103,12 +103,13 @@ class AssetStore(GateReads):
 
     @contextmanager
     def claiming(
-        self, book: str, lanes: Mapping[str, str], waiters: Mapping[str, Sequence[str]] | None = None
+        self, book: str, lanes: Mapping[str, str], waiters: Mapping[str, Mapping[str, int]] | None = None
     ) -> Iterator[ClaimTransaction]:
         """Open a claim: the lanes of `lanes` (stage -> queue) and the book locked, capacity counted.
 
-        `waiters` (stage -> other books waiting for its lane): their generating pairs are read in the
-        same statement, so the fair share knows whether they are still below theirs; None: unknown.
+        `waiters` (stage -> other books waiting for its lane -> the priority rank each waits at): their
+        generating pairs are read in the same statement, so the fair share knows whether they are still
+        below theirs; None: unknown.
         The caller chooses from the counts (`domain.capacity`), claims, and writes its leases
         and deferrals before the block ends: a completion takes the same locks before it frees
         capacity, so a deferral can never land after the completion that should clear it.
@@ -142,7 +143,10 @@ class AssetStore(GateReads):
                 book_generating=running.get(book, []),
                 waiting=None
                 if waiters is None
-                else {stage: [running.get(b, []) for b in books if b != book] for stage, books in waiters.items()},
+                else {
+                    stage: [Waiter(rank, running.get(b, [])) for b, rank in books.items() if b != book]
+                    for stage, books in waiters.items()
+                },
             )
             yield ClaimTransaction(conn, book, counts)
 

@@ -37,13 +37,18 @@ _ONE_BOOK_ROW = _BOOK_COLUMNS + " = %(book)s"
 # `of_books` (which books) restricts the joined scenes and targets too: the server does not carry a list of
 # books across a join, and a hash join of one small book's pairs hashed every scene and target of the farm
 # (33 ms per book of 1,000 pairs beside 99 others, 8 ms with the restriction).
+# A pair's place: its most urgent command's priority, and the oldest command of that priority (a refill's order).
+_URGENT = (
+    "min(ARRAY[array_position(%(priorities)s::text[], c.priority)::float8, extract(epoch FROM c.created_at)::float8])"
+)
+
+
 def _gate_rows_sql(of_books: str, pairs: str, book_row: str) -> str:
     return (
         "WITH flight AS (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token,"
         "  s.position, a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
         "  a.artifact_sha256 IS NOT NULL AS has_artifact, count(c.command_id) > 0 AS commanded,"
-        "  coalesce(min(array_position(%(priorities)s::text[], c.priority)) - 1, %(normal)s) AS rank,"
-        "  extract(epoch FROM min(c.created_at))::float8 AS since"
+        f"  coalesce(({_URGENT})[1]::int - 1, %(normal)s) AS rank, ({_URGENT})[2] AS since"
         "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
         f"   AND s.scene_id = a.scene_id AND s.book_id {of_books}"
         "  LEFT JOIN (command_targets t JOIN commands c ON c.command_id = t.command_id"

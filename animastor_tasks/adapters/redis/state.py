@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
+from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member, parse_pair_member, parse_scene_member, scene_member
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.ports import Snapshot
@@ -137,7 +138,7 @@ class BookStateStore:
         for queue in queues:  # `now` by the server's clock (`Ports.clock`), as heartbeats are scored
             pipe.zcount(keys.consumers(queue), f"({now}", "+inf")
             pipe.exists(keys.breaker(queue))
-            pipe.zrange(keys.lane_waiters(queue), 0, max(waiters, 1) - 1)
+            pipe.zrange(keys.lane_waiters(queue), 0, max(waiters, 1) - 1, withscores=True)
 
     def _split_replies(self, replies: list[Any], queues: Sequence[str], now: float) -> tuple[list[Any], list[Any]]:
         """Notes the dataset token; the queues' replies, then the books'."""
@@ -165,7 +166,9 @@ class BookStateStore:
             breaker_clean={q: not per_queue[3 * i + 1] for i, q in enumerate(queues)},
             data_lost_at=self._data_lost_at,
             presence_unsure_since=self._lost_or_recovered_at(),
-            waiters={q: [str(b) for b in per_queue[3 * i + 2]] for i, q in enumerate(queues)},
+            waiters={
+                q: {str(b): int(score // RANK_SCALE) for b, score in per_queue[3 * i + 2]} for i, q in enumerate(queues)
+            },
             first_deferral_end=min(deferral_ends, default=None),
             due_at=None if due_at is None else float(due_at),
         )
