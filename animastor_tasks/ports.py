@@ -165,6 +165,11 @@ class Deferrals(Protocol):
         self, queue: str, count: int, *, exclude: str | None = None, requeue_from: str | None = None
     ) -> list[str]: ...
     def stranded_lanes(self, free: Sequence[str], min_age: float) -> list[str]: ...  # free with waiters, for a while
+    def hand_over_done(self, queue: str, book: str) -> None: ...  # the handed book's refill did its work
+    def keep_handed_place(self, queue: str, book: str) -> int: ...  # at the head of the priority it was handed with
+    def restore_lost_hand_overs(  # (queue, book) handed at least min_age ago, refill lost: back on the list
+        self, queues: Sequence[str], min_age: float
+    ) -> list[tuple[str, str]]: ...
     def open_hand_over(self, books: int) -> str: ...  # an id for slots handed to several books at once
     def close_hand_over(self, batch: str) -> bool: ...  # True: this was the last of the books
 

@@ -37,6 +37,9 @@ widens to another book).
 | ``P:lane-waiters:QUEUE`` (members ``B``,      | zset   | until the book is handed a free slot of   |
 |   score = priority rank x 1e10 + when B first |        | the lane (most urgent, then oldest first: |
 |   waited for the lane)                        |        | round robin)                              |
+| ``P:lane-handed:QUEUE`` (field ``B``, value: | hash   | from a hand-over of a slot of the lane to |
+|   when B was handed it, Redis time, and B's   |        | B until B's refill is done; put back on   |
+|   wait score then)                            |        | the waiting list by a tick if it is lost  |
 | ``P:lanes-seen-free`` (field QUEUE, value:     | hash   | while the lane has free slots and books   |
 |   when the tick first saw that lane with free |        | waiting (a tick hands them on when it     |
 |   slots and books waiting, Redis time)        |        | sees them again: lua/lanes_stranded.lua)  |
@@ -158,6 +161,10 @@ class Keyspace:
 
     def lane_waiters(self, queue: str) -> str:
         return self._key("lane-waiters", queue)
+
+    def lane_handed(self, queue: str) -> str:
+        """The books handed a slot of the lane whose refills have not reported back: when, and their places."""
+        return self._key("lane-handed", queue)
 
     def breaker(self, queue: str) -> str:
         return self._key("breaker", queue)

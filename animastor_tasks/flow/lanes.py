@@ -17,6 +17,7 @@ from animastor_tasks.ports import Ports
 
 log = logging.getLogger("animastor.dispatch")
 BATCH_BOOKS = 50  # books per gate task sent for the due index
+LOST_HAND_OVER_TICKS = 2  # a handed book's refill not back within this many ticks was lost (lua/handed_restore.lua)
 
 
 def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
@@ -104,6 +105,7 @@ def hand_on_stranded(ports: Ports) -> list[str]:
     worker was killed running the refill) stood free beside its waiting books until reconcile's count of the lanes
     (30 s). Seen once, a free slot is left to the refill on its way; seen again a tick later, it has none."""
     try:
+        _restore_lost_hand_overs(ports)
         free = _free_slots(ports)
         stranded = ports.deferrals.stranded_lanes(sorted(free), ports.settings.tick_seconds / 2)
     except StoreUnavailable as err:  # reconcile counts the lanes too
@@ -118,6 +120,20 @@ def hand_on_stranded(ports: Ports) -> list[str]:
         except Exception as err:  # Redis or the broker: the tick's due passes still go; reconcile counts again
             log.warning("[DISPATCH] free slots of %s not handed on: %s", queue, err)
     return stranded
+
+
+def _restore_lost_hand_overs(ports: Ports) -> None:
+    """Books handed a slot whose refills never reported back within two ticks go back on the waiting lists at
+    their places (their slots are then stranded ones, handed on the tick after). *Why:* a hand-over takes its books
+    off the list; its refill lost (a control worker killed running it), nothing was left on the list to see the
+    slot stranded, and the book's pairs waited out their capacity deferral (a minute) beside the free slot."""
+    queues = ports.settings.registry.queues()
+    for queue, book in ports.deferrals.restore_lost_hand_overs(
+        queues, LOST_HAND_OVER_TICKS * ports.settings.tick_seconds
+    ):
+        log.warning(
+            "[DISPATCH] book=%r was handed a slot of %s and its refill never reported back: waits again", book, queue
+        )
 
 
 def hand_on_freed(ports: Ports, full: set[str]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 
-from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import candidates, gate, lanes
 from animastor_tasks.flow.page import PassReport
@@ -55,6 +54,7 @@ def _close_hand_over(ports: Ports, batch: str, lane: str) -> None:
 
 def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slots: int) -> PassReport:
     report = PassReport(book)
+    handed = lane or slots_of  # the lane whose slot the book was handed (lua/lane_take.lua noted it)
     try:
         read = candidates.dispatch_candidates(ports, report, book, lane, slots_of, slots)
         if read is None or (lane is None and read == 0):
@@ -67,21 +67,25 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
     except StoreUnavailable as err:
         report.error = str(err)
         log.warning("[COMMAND-GATE] book=%r refill failed, nothing authorized: %s", book, err)
-        if lane is not None:
-            _keep_place(ports, book, lane)
+        if handed is not None:
+            _keep_place(ports, book, handed)
             return report
     if lane is not None and lane not in report.claimed_lanes | report.held_lanes:
         gate.pass_on_slot(ports, book, lane, slots if slots_of == lane else 1)
+    if handed is not None:
+        ports.deferrals.hand_over_done(handed, book)
     return report
 
 
 def _keep_place(ports: Ports, book: str, lane: str) -> None:
-    """A handed refill that could not read its book keeps its place at the head of the lane's waiting list, due
-    at once, rather than pass the slot on. *Why:* in a Postgres failover each next book's refill failed the same
-    way, until every waiting book was off the list and the slot idle; the books came back only as their capacity
-    deferrals ran out, in the order of their last refusal. The tick passes the book once the store answers."""
+    """A handed refill that could not read its book keeps its place at the head of the lane's waiting list, at the
+    priority it was handed the slot with, due at once, rather than pass the slot on. *Why:* in a Postgres failover
+    each next book's refill failed the same way, until every waiting book was off the list and the slot idle; the
+    books came back only as their capacity deferrals ran out, in the order of their last refusal. The tick passes
+    the book once the store answers. (At the head of the interactive priority, whatever it waited with, a bulk
+    book went ahead of a reader's scene.)"""
     try:
-        ports.deferrals.wait_for_lane(lane, book, wait_score(0, 0.0))
+        ports.deferrals.keep_handed_place(lane, book)
         ports.book_state.set_due(book, ports.clock())
     except StoreUnavailable as err:
         log.warning("[COMMAND-GATE] book=%r place on %s not kept: %s", book, lane, err)

@@ -9,7 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from animastor_tasks.flow import gate, refill
+import redis
+
+from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import cancel as cancel_flow
+from animastor_tasks.flow import gate, lanes, refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 
 from .helpers import make_book, use_settings
@@ -73,3 +78,58 @@ def test_a_stranded_slot_that_cannot_be_handed_on_costs_the_tick_nothing_else(rt
 
     monkeypatch.setattr(rt.ports.publisher, "enqueue_refill", refused)
     assert gate.tick(rt.ports) == ["due-book"]
+
+
+def lost_control_messages(rt) -> int:  # type: ignore[no-untyped-def]
+    """The control worker died running what waited in its queue (its tasks are acked early): all of it gone."""
+    client = redis.Redis.from_url(rt.settings.broker_url)
+    try:
+        return int(client.delete(CONTROL_QUEUE))
+    finally:
+        client.close()
+
+
+def test_a_book_handed_a_slot_whose_refill_was_lost_gets_the_slot_within_a_few_ticks(rt) -> None:
+    """Old code: the hand-over took `w` off the waiting list and its refill was lost (a control worker killed
+    running it); with nobody left on the list the tick saw no stranded slot, and `w`'s pairs waited out their
+    capacity deferral (60 s) beside the free slot. Now a hand-over whose refill never reported back puts its book
+    back at its place after two ticks, and the tick after hands the slot on."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    use_settings(rt, replace(rt.settings, tick_seconds=0.2))
+    for book in ("a", "w"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"], priority="bulk")  # refused lane_full: waits
+    place = waiting(rt)["w"]
+    cancel_flow.cancel(rt.ports, "a")  # a's slot frees and is handed to w
+    assert waiting(rt) == {} and lost_control_messages(rt) == 1
+    deadline = time.monotonic() + 5.0
+    while running(rt, "w") != {"w": 1} and time.monotonic() < deadline:
+        time.sleep(0.1)
+        gate.tick(rt.ports)
+        before = dict(waiting(rt))
+        run_control(rt)
+        if "w" in before:
+            assert before["w"] == place  # back at its own place (bulk, since it first waited)
+    assert running(rt, "w") == {"w": 1}
+
+
+def test_a_handed_refill_that_cannot_read_its_book_keeps_the_book_s_own_priority(rt, monkeypatch) -> None:
+    """Old code: the book kept its place at the head of the *interactive* priority (score 0), whatever it waited
+    with, and went ahead of a reader's interactive scene on the next free slot."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    for book in ("x", "b"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "x", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], priority="bulk")
+    assert int(waiting(rt)["b"] // 1e10) == 2
+
+    def failing_over(*args: object, **kwargs: object) -> None:
+        raise StoreUnavailable("postgres", rt.settings.database_url, "the server is shutting down")
+
+    monkeypatch.setattr(rt.ports.assets, "gate_candidates", failing_over)
+    lanes.hand_over(rt.ports, "gpu.audio", 1, exclude="x")
+    run_control(rt)
+    monkeypatch.undo()
+    assert waiting(rt)["b"] == 2e10  # at the head of its own priority, not of the interactive one
+    assert rt.redis.client.hgetall(rt.redis.keys.lane_handed("gpu.audio")) == {}

@@ -23,6 +23,8 @@ class DeferralStore:
         self.conn = conn
         self._take = conn.client.register_script(_script("lane_take"))
         self._stranded = conn.client.register_script(_script("lanes_stranded"))
+        self._restore = conn.client.register_script(_script("handed_restore"))
+        self._keep = conn.client.register_script(_script("handed_keep"))
 
     def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:
         mapping = {pair_member(*p): now + seconds for p in pairs}
@@ -83,6 +85,26 @@ class DeferralStore:
         self.conn.run(lambda: self.conn.client.delete(key))
         return True
 
+    def hand_over_done(self, queue: str, book: str) -> None:
+        """The refill of `book` handed a slot of `queue` has done its work: its hand-over record goes."""
+        self.conn.run(lambda: self.conn.client.hdel(self.conn.keys.lane_handed(queue), book))
+
+    def keep_handed_place(self, queue: str, book: str) -> int:
+        """A handed book whose refill could not read it waits again at the head of the priority it was handed the
+        slot with (`lua/handed_keep.lua`; `normal` when no hand-over record says); returns that rank."""
+        keys = [self.conn.keys.lane_handed(queue), self.conn.keys.lane_waiters(queue)]
+        args: list[str | float] = [book, priority_rank(Priority.NORMAL), RANK_SCALE]
+        return int(self.conn.run(lambda: self._keep(keys=keys, args=args)))
+
+    def restore_lost_hand_overs(self, queues: Sequence[str], min_age: float) -> list[tuple[str, str]]:
+        """(queue, book) of the books handed a slot at least `min_age` seconds ago whose refills never reported
+        back, each put back on the waiting list at the place it had (`lua/handed_restore.lua`)."""
+        if not queues:
+            return []
+        keys = [k for q in queues for k in (self.conn.keys.lane_handed(q), self.conn.keys.lane_waiters(q))]
+        found = self.conn.run(lambda: self._restore(keys=keys, args=[min_age]))
+        return [(queues[int(found[i]) - 1], str(found[i + 1])) for i in range(0, len(found), 2)]
+
     def stranded_lanes(self, free: Sequence[str], min_age: float) -> list[str]:
         """Of the lanes with free slots now (`free`), those with books waiting for them that were seen so at least
         `min_age` seconds ago too (`lua/lanes_stranded.lua`): their refills were lost, not on their way."""
@@ -110,6 +132,7 @@ class DeferralStore:
             self.conn.keys.dispatch(requeue_from) if requeue_from else "",
             self.conn.keys.deferrals(exclude, DeferralBucket.CAPACITY) if requeue_from and exclude else "",
             self.conn.keys.breaker(queue),
+            self.conn.keys.lane_handed(queue),
         ]
         now = self.conn.server_time()  # the breaker's `open_until` is by the server's clock
         args: list[str | float] = [count, exclude or "", now, RANK_SCALE, priority_rank(Priority.NORMAL)]

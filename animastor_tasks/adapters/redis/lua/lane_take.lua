@@ -11,6 +11,8 @@
 -- KEYS[4] the lane's breaker hash, or '' for none: while it is open (as breaker_acquire.lua says: before
 --         `open_until`, or its half-open permit out) nobody is taken: each would find the lane refused and pass
 --         the slot on, emptying the list and losing its order
+-- KEYS[5] the lane's hand-over record (hash: book -> '<now> <wait score>'): every book served is noted there
+--         until its refill reports back, so that a refill lost puts its book back on the list (handed_restore.lua)
 -- ARGV[1] how many books to take
 -- ARGV[2] a book never to take ('' for none): the one that freed the slot
 -- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank, ARGV[5] the default rank
@@ -43,9 +45,11 @@ if count > 0 then
         if book ~= ARGV[2] and #taken < count then
             if #taken == 0 and own ~= nil and math.floor(own / scale) < math.floor(score / scale) then
                 redis.call('ZREM', KEYS[1], ARGV[2])
+                redis.call('HSET', KEYS[5], ARGV[2], ARGV[3] .. ' ' .. own)
                 return {ARGV[2]}
             end
             taken[#taken + 1] = book
+            redis.call('HSET', KEYS[5], book, ARGV[3] .. ' ' .. head[i + 1])
         end
     end
 end
@@ -63,6 +67,7 @@ else
         -- it back at what it then waits for. Kept, its place stayed what an interactive scene once made it (a
         -- place only ever moves up), and its bulk scenes later went before a normal waiter.
         redis.call('ZREM', KEYS[1], ARGV[2])
+        redis.call('HSET', KEYS[5], ARGV[2], ARGV[3] .. ' ' .. own)
     end
 end
 return taken
