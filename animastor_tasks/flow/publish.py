@@ -39,9 +39,7 @@ def publish_claims(
                 claim.dispatch_id,
                 err,
             )
-            ports.breaker.breaker_record(
-                spec.queue, False, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds
-            )
+            _record(ports, spec.queue, False)
             continue
         published.append(claim.dispatch_id)
         log.info(
@@ -54,19 +52,26 @@ def publish_claims(
             claim.token,
             spec.queue,
         )
-    for stage in {c.stage for c in claims if c not in failed}:
-        if not breaker_clean.get(specs[stage].queue, False):
-            queue = specs[stage].queue
-            settings = ports.settings
-            if (
-                ports.breaker.breaker_record(queue, True, settings.breaker_threshold, settings.breaker_cooldown_seconds)
-                == "recovered"
-            ):
-                lanes.breaker_closed(ports, queue, book)  # its pairs behind the test permit go now too
     if failed:
         ports.assets.unclaim(book, failed)
         drop_leases(ports, book, failed)
+    for stage in {c.stage for c in claims if c not in failed}:
+        queue = specs[stage].queue
+        if not breaker_clean.get(queue, False) and _record(ports, queue, True) == "recovered":
+            lanes.breaker_closed(ports, queue, book)  # its pairs behind the test permit go now too
     return published, failed
+
+
+def _record(ports: Ports, queue: str, ok: bool) -> str | None:
+    """A publish's verdict on the lane's breaker, best effort. *Why:* a Redis blip (the broker's own Redis, say)
+    failed the record of a refused publish too, and the pass stopped there: the refused pair kept its claim under a
+    day-long queued lease with no message, and the claims after it went unpublished, until reconcile."""
+    settings = ports.settings
+    try:
+        return ports.breaker.breaker_record(queue, ok, settings.breaker_threshold, settings.breaker_cooldown_seconds)
+    except StoreUnavailable as err:
+        log.warning("[DISPATCH] breaker of %s not told of a publish (%s): %s", queue, "ok" if ok else "failed", err)
+        return None
 
 
 def drop_leases(ports: Ports, book: str, claims: list[Claim]) -> None:

@@ -276,6 +276,35 @@ def test_a_pair_whose_publish_failed_waits_and_its_book_stays_due(rt, monkeypatc
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
 
 
+def test_a_failed_publish_whose_breaker_record_fails_too_still_undoes_its_claim_and_publishes_the_rest(
+    rt, monkeypatch
+) -> None:
+    """Old code: the broker (the same Redis, blipping) refused the first job, recording the failure against the
+    breaker raised too, and the pass stopped there: the refused pair stayed `generating` under a day-long queued
+    lease with no message, and the next pair was never published, both until reconcile asked the broker."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    publish = rt.ports.publisher.publish_job
+    refused: list[str] = []
+
+    def first_refused(task_name, queue, dispatch_id, kwargs):  # type: ignore[no-untyped-def]
+        if not refused:
+            refused.append(kwargs["scene_id"])
+            raise ConnectionError("broker refused")
+        return publish(task_name, queue, dispatch_id, kwargs)
+
+    def breaker_down(*args: object, **kwargs: object) -> str:
+        raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset")
+
+    monkeypatch.setattr(rt.ports.publisher, "publish_job", first_refused)
+    monkeypatch.setattr(rt.ports.breaker, "breaker_record", breaker_down)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    other = "s2" if refused == ["s1"] else "s1"
+    assert states(rt, "b")[("ch1", refused[0], "audio")] == "pending"
+    assert states(rt, "b")[("ch1", other, "audio")] == "generating"
+    assert rt.redis.client.get(rt.redis.keys.lease("b", "ch1", refused[0], "audio")) is None
+
+
 def test_a_refill_whose_publish_failed_leaves_its_book_due_for_the_next_tick(rt, monkeypatch) -> None:
     """As above, through a refill (a freed slot): old code wrote no due time there, and the pair (and its slot)
     waited for reconcile to find the book again."""
