@@ -10,7 +10,8 @@ alone on a lane uses every free slot; once other books wait it gets no slot beyo
 and gives the extra back as its jobs end (nothing is preempted). `book_cap` stays a hard cap.
 
 Priority comes before the share: only a waiter at least as urgent as a pair binds the share for
-it, and a pair takes no slot that a more urgent book below its share waits for. *Why:* a bulk
+it, and a pair takes none of the free slots that more urgent books below their shares wait for (one
+each). *Why:* a bulk
 book waiting held a reader's interactive scene to its book's share, the slot going to bulk work;
 and a book whose interactive scene its window refused ran its bulk scenes while another reader
 waited.
@@ -74,10 +75,11 @@ def contested(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) ->
     return any(w.rank <= rank and below_share(w.generating, stage, spec) for w in counts.waiting.get(stage, ()))
 
 
-def outranked(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) -> bool:
-    """A more urgent book below its share waits for the lane: a free slot is its, not this pair's."""
+def outranking(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) -> int:
+    """How many more urgent books below their shares wait for the lane: as many free slots are theirs, not a pair
+    of `rank`'s (one each: a book that can use more is handed more as the slots go round)."""
     waiting = counts.waiting or {}
-    return any(w.rank < rank and below_share(w.generating, stage, spec) for w in waiting.get(stage, ()))
+    return sum(1 for w in waiting.get(stage, ()) if w.rank < rank and below_share(w.generating, stage, spec))
 
 
 def choose(
@@ -100,7 +102,7 @@ def choose(
     quota: Counter[str] = Counter(stage for _, _, stage in counts.book_generating)
     window = {(chapter, scene) for chapter, scene, _ in counts.book_generating}
     waits = {
-        (stage, rank): (contested(stage, rank, counts, spec), outranked(stage, rank, counts, spec))
+        (stage, rank): (contested(stage, rank, counts, spec), outranking(stage, rank, counts, spec))
         for stage, spec in specs.items()
         for rank in range(len(Priority))
     }
@@ -113,9 +115,12 @@ def choose(
         if left.get(stage, 1) <= 0:
             continue
         rank = NORMAL_RANK if ranks is None else ranks.get(pair, NORMAL_RANK)
-        shared, behind = waits[stage, rank]
+        shared, reserved = waits[stage, rank]
+        free = spec.lane_limit - lane[stage]
+        if stage in slots:  # the lane's other free slots are other refills' to fill
+            free = min(free, slots[stage])
         refusal: Outcome | None = None
-        if lane[stage] >= spec.lane_limit or slots.get(stage, 1) <= 0 or behind:
+        if free <= reserved or free <= 0:
             refusal = Outcome.LANE_FULL
         elif spec.book_cap is not None and quota[stage] >= spec.book_cap:
             choice.refused.setdefault(Outcome.QUOTA_EXHAUSTED, []).append(pair)

@@ -52,13 +52,15 @@ def publish_claims(
             claim.token,
             spec.queue,
         )
-    if failed:
-        ports.assets.unclaim(book, failed)
-        drop_leases(ports, book, failed)
-    for stage in {c.stage for c in claims if c not in failed}:
-        queue = specs[stage].queue
-        if not breaker_clean.get(queue, False) and _record(ports, queue, True) == "recovered":
-            lanes.breaker_closed(ports, queue, book)  # its pairs behind the test permit go now too
+    try:
+        if failed:
+            ports.assets.unclaim(book, failed)
+            drop_leases(ports, book, failed)
+    finally:  # a published test job closes its lane's breaker whatever became of the refused claims
+        for stage in {c.stage for c in claims if c not in failed}:
+            queue = specs[stage].queue
+            if not breaker_clean.get(queue, False) and _record(ports, queue, True) == "recovered":
+                lanes.breaker_closed(ports, queue, book)  # its pairs behind the test permit go now too
     return published, failed
 
 

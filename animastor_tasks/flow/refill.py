@@ -16,6 +16,10 @@ from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import Ports
 
 log = logging.getLogger("animastor.gate")
+# A hand-over record written up to this long after a refill began is the refill's own: the hand-over and the
+# refill read the Redis clock in two processes, each carried by its own monotonic clock (they agree to within
+# milliseconds). A record written later is a second hand-over, whose refill has yet to report back.
+HANDED_CLOCK_SLACK = 1.0
 
 
 def refill(
@@ -55,6 +59,7 @@ def _close_hand_over(ports: Ports, batch: str, lane: str) -> None:
 def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slots: int) -> PassReport:
     report = PassReport(book)
     handed = lane or slots_of  # the lane whose slot the book was handed (lua/lane_take.lua noted it)
+    began = ports.clock() + HANDED_CLOCK_SLACK
     try:
         read = candidates.dispatch_candidates(ports, report, book, lane, slots_of, slots)
         if read is None or (lane is None and read == 0):
@@ -73,8 +78,17 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
     if lane is not None and lane not in report.claimed_lanes | report.held_lanes:
         gate.pass_on_slot(ports, book, lane, slots if slots_of == lane else 1)
     if handed is not None:
-        ports.deferrals.hand_over_done(handed, book)
+        _hand_over_done(ports, book, handed, began)
     return report
+
+
+def _hand_over_done(ports: Ports, book: str, lane: str, began: float) -> None:
+    """Best effort: a record left behind only puts the book back on the waiting list two ticks later, which costs
+    a refill; raised, it failed a refill whose claims were made, and its caller sent the refill again."""
+    try:
+        ports.deferrals.hand_over_done(lane, book, began)
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] book=%r hand-over record of %s not taken away: %s", book, lane, err)
 
 
 def _keep_place(ports: Ports, book: str, lane: str) -> None:

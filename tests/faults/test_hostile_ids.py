@@ -43,6 +43,7 @@ OTHER_KINDS = {
     "queued",
     "consumers",
     "lane-waiters",
+    "lane-handed",
     "breaker",
     "lock",
     "metrics",

@@ -133,3 +133,17 @@ def test_a_handed_refill_that_cannot_read_its_book_keeps_the_book_s_own_priority
     monkeypatch.undo()
     assert waiting(rt)["b"] == 2e10  # at the head of its own priority, not of the interactive one
     assert rt.redis.client.hgetall(rt.redis.keys.lane_handed("gpu.audio")) == {}
+
+
+def test_a_refill_takes_away_its_own_hand_over_record_but_not_one_of_a_later_hand_over(rt) -> None:
+    """Keyed by book alone, the first refill to end took away the record of a second hand-over of the same book,
+    and that one's refill, lost, was never put right."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    record, now = rt.redis.keys.lane_handed("gpu.audio"), rt.ports.clock()
+    rt.redis.client.hset(record, "b", f"{now} 1e10")
+    refill.refill(rt.ports, "b", "gpu.audio")
+    assert rt.redis.client.hget(record, "b") is None
+    rt.redis.client.hset(record, "b", f"{now + 5} 1e10")  # handed again after this refill began
+    refill.refill(rt.ports, "b", "gpu.audio")
+    assert rt.redis.client.hget(record, "b") == f"{now + 5} 1e10"

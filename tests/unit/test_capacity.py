@@ -99,10 +99,15 @@ def test_a_pair_does_not_take_a_slot_a_more_urgent_book_below_its_share_waits_fo
     pairs = wanted(("c", "s50", "image"), ("c", "s2", "image"))
     ranks = {("c", "s50", "image"): INTERACTIVE, ("c", "s2", "image"): BULK}
     other_reader = CapacityCounts(lane={}, book_generating=running, waiting={"image": [Waiter(INTERACTIVE, [])]})
-    choice = choose(pairs, other_reader, specs, {}, ranks=ranks)
+    handed_one = {"image": 1}  # one free slot for this claim (the lane's others are other refills')
+    choice = choose(pairs, other_reader, specs, {}, handed_one, ranks)
     assert choice.chosen == []
     assert choice.refused == {Outcome.WINDOW_FULL: [("c", "s50", "image")], Outcome.LANE_FULL: [("c", "s2", "image")]}
     assert choice.waits_for == {"image"}
+    one_free = replace(other_reader, lane={"image": 7})
+    assert choose(pairs, one_free, specs, {}, ranks=ranks).refused[Outcome.LANE_FULL] == [("c", "s2", "image")]
+    # With more slots free than readers waiting, the bulk scene takes one: one is kept for each reader.
+    assert [pair for pair, _ in choose(pairs, other_reader, specs, {}, ranks=ranks).chosen] == [("c", "s2", "image")]
     # A reader already at its share could not use the slot, and a bulk book is less urgent: no share binds.
     at_its_share = Waiter(INTERACTIVE, [("o", f"s{i}", "image") for i in range(4)])
     for waiter in (at_its_share, Waiter(BULK, [])):

@@ -25,6 +25,7 @@ class DeferralStore:
         self._stranded = conn.client.register_script(_script("lanes_stranded"))
         self._restore = conn.client.register_script(_script("handed_restore"))
         self._keep = conn.client.register_script(_script("handed_keep"))
+        self._done = conn.client.register_script(_script("handed_done"))
 
     def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:
         mapping = {pair_member(*p): now + seconds for p in pairs}
@@ -85,9 +86,11 @@ class DeferralStore:
         self.conn.run(lambda: self.conn.client.delete(key))
         return True
 
-    def hand_over_done(self, queue: str, book: str) -> None:
-        """The refill of `book` handed a slot of `queue` has done its work: its hand-over record goes."""
-        self.conn.run(lambda: self.conn.client.hdel(self.conn.keys.lane_handed(queue), book))
+    def hand_over_done(self, queue: str, book: str, began: float) -> None:
+        """The refill of `book` handed a slot of `queue`, begun at `began` (`Ports.clock`), has done its work: its
+        hand-over record goes, unless a later hand-over wrote it (`lua/handed_done.lua`)."""
+        keys, args = [self.conn.keys.lane_handed(queue)], [book, repr(began)]
+        self.conn.run(lambda: self._done(keys=keys, args=args))
 
     def keep_handed_place(self, queue: str, book: str) -> int:
         """A handed book whose refill could not read it waits again at the head of the priority it was handed the
