@@ -24,7 +24,7 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
     why = validate.reason(reason)
     book = validate.known_book(ports, book_id)
     # The flag goes first: from this moment running jobs see should_stop() and the gate denies.
-    ports.book_state.stop_book(book)
+    ports.book_state.stop_book(book, ports.settings.registry.queues())
     cancelled, released, dispatched = ports.commands.cancel_book(book, why)
     try:
         let_go(ports, book, dispatched)

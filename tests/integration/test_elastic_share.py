@@ -19,6 +19,7 @@ import redis
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import lanes
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
@@ -351,3 +352,17 @@ def test_a_book_handed_a_slot_its_own_share_refuses_waits_behind_the_books_that_
     run_control(rt)
     assert running(rt, "a", "w", "d") == {"a": 1, "w": 1}  # `a` had no use for it within its share: w's
     assert list(waiting(rt)) == ["d", "a", "w"]  # w waits on for its own next scene
+
+
+def test_stop_all_takes_the_book_off_the_lanes_waiting_lists(rt) -> None:
+    """Old code: the cancelled book kept its place (here a reader's, interactive) with nothing left to run, and the
+    books after it were held to their shares for it until a hand-over served it and it passed the slot on."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    for book in ("x", "reader", "w"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "x", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], [["ch1", "s1"]], priority="interactive")
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])
+    assert list(waiting(rt)) == ["reader", "x", "w"]
+    cancel_flow.cancel(rt.ports, "reader")
+    assert "reader" not in waiting(rt) and "w" in waiting(rt)

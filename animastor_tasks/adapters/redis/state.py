@@ -335,8 +335,10 @@ class BookStateStore:
         members: set[Any] = self.conn.run(lambda: self.conn.client.smembers(self.conn.keys.active_books()))
         return {str(m) for m in members}
 
-    def stop_book(self, book: str) -> None:
-        """Stop All, Redis side: flag set; force set, deferrals, active index and due entry gone."""
+    def stop_book(self, book: str, queues: Sequence[str] = ()) -> None:
+        """Stop All, Redis side: flag set; force set, deferrals, active index and due entry gone, and the book off the
+        waiting lists of `queues`. *Why:* left there, it kept its place (an interactive one, say) with nothing to
+        run, its fair share binding the books that waited after it until a hand-over served it and it passed on."""
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
             pipe.set(self.conn.keys.cancel_flag(book), "1")
@@ -344,6 +346,8 @@ class BookStateStore:
             pipe.delete(*(self.conn.keys.deferrals(book, b) for b in DEFER_BUCKETS))
             pipe.srem(self.conn.keys.active_books(), book)
             pipe.zrem(self.conn.keys.due(), book)
+            for queue in queues:
+                pipe.zrem(self.conn.keys.lane_waiters(queue), book)
             pipe.execute()
 
 
