@@ -74,6 +74,18 @@ def finish_one(rt: Wiring, book: str) -> dict[str, Any]:
     return result
 
 
+def hand_over_while_postgres_fails_over(rt: Wiring, monkeypatch: pytest.MonkeyPatch, *, exclude: str) -> None:
+    """A free audio slot handed on (not to `exclude`) while every refill's read of its book fails."""
+
+    def failing_over(*args: object, **kwargs: object) -> None:
+        raise StoreUnavailable("postgres", rt.settings.database_url, "the server is shutting down")
+
+    with monkeypatch.context() as failover:
+        failover.setattr(rt.ports.assets, "gate_candidates", failing_over)
+        lanes.hand_over(rt.ports, "gpu.audio", 1, exclude=exclude)
+        run_control(rt)
+
+
 def waiting(rt: Wiring, queue: str = "gpu.audio") -> dict[str, float]:
     return dict(rt.redis.client.zrange(rt.redis.keys.lane_waiters(queue), 0, -1, withscores=True))
 
@@ -243,14 +255,7 @@ def test_a_postgres_outage_during_handed_refills_keeps_the_waiting_list(rt, monk
         regenerate_flow.regenerate(rt.ports, book, ["audio"])
     assert running(rt, "x", "a", "b", "c") == {"x": 1}
     assert [b for b in waiting(rt) if b != "x"] == ["a", "b", "c"]
-
-    def failing_over(*args: object, **kwargs: object) -> None:
-        raise StoreUnavailable("postgres", rt.settings.database_url, "the server is shutting down")
-
-    monkeypatch.setattr(rt.ports.assets, "gate_candidates", failing_over)
-    lanes.hand_over(rt.ports, "gpu.audio", 1, exclude="x")
-    run_control(rt)
-    monkeypatch.undo()
+    hand_over_while_postgres_fails_over(rt, monkeypatch, exclude="x")
     assert [b for b in waiting(rt) if b != "x"] == ["a", "b", "c"]  # nobody dropped off, the order kept
     due = rt.redis.client.zscore(rt.redis.keys.due(), "a")
     assert due is not None and due <= rt.ports.clock()  # the tick passes it once Postgres answers

@@ -12,13 +12,12 @@ from dataclasses import replace
 import redis
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
-from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import gate, lanes, refill
+from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 
 from .helpers import make_book, use_settings
-from .test_elastic_share import finish_one, lane, run_control, running, waiting
+from .test_elastic_share import finish_one, hand_over_while_postgres_fails_over, lane, run_control, running, waiting
 
 
 def a_slot_whose_refill_was_lost(rt, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -123,14 +122,7 @@ def test_a_handed_refill_that_cannot_read_its_book_keeps_the_book_s_own_priority
     regenerate_flow.regenerate(rt.ports, "x", ["audio"])
     regenerate_flow.regenerate(rt.ports, "b", ["audio"], priority="bulk")
     assert int(waiting(rt)["b"] // 1e10) == 2
-
-    def failing_over(*args: object, **kwargs: object) -> None:
-        raise StoreUnavailable("postgres", rt.settings.database_url, "the server is shutting down")
-
-    monkeypatch.setattr(rt.ports.assets, "gate_candidates", failing_over)
-    lanes.hand_over(rt.ports, "gpu.audio", 1, exclude="x")
-    run_control(rt)
-    monkeypatch.undo()
+    hand_over_while_postgres_fails_over(rt, monkeypatch, exclude="x")
     assert waiting(rt)["b"] == 2e10  # at the head of its own priority, not of the interactive one
     assert rt.redis.client.hgetall(rt.redis.keys.lane_handed("gpu.audio")) == {}
 
