@@ -7,6 +7,7 @@ cancel, the takeover of a dead worker's, the tick) hands them on through here.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Collection, Sequence
 
 from animastor_tasks.domain import capacity
@@ -127,13 +128,15 @@ def _restore_lost_hand_overs(ports: Ports) -> None:
     their places (their slots are then stranded ones, handed on the tick after). *Why:* a hand-over takes its books
     off the list; its refill lost (a control worker killed running it), nothing was left on the list to see the
     slot stranded, and the book's pairs waited out their capacity deferral (a minute) beside the free slot."""
-    queues = ports.settings.registry.queues()
-    for queue, book in ports.deferrals.restore_lost_hand_overs(
-        queues, LOST_HAND_OVER_TICKS * ports.settings.tick_seconds
-    ):
+    stage_of = {s.queue: s.name for s in ports.settings.registry.stages}
+    min_age = LOST_HAND_OVER_TICKS * ports.settings.tick_seconds
+    restored = ports.deferrals.restore_lost_hand_overs(sorted(stage_of), min_age)
+    for queue, book in restored:
         log.warning(
             "[DISPATCH] book=%r was handed a slot of %s and its refill never reported back: waits again", book, queue
         )
+    if restored:  # animastor_lost_refills_total
+        ports.counters.add(Counter(f"lost_refill:{stage_of[queue]}" for queue, _ in restored))
 
 
 def hand_on_freed(ports: Ports, full: set[str]) -> None:

@@ -126,9 +126,15 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
     )
     jobs = CounterMetricFamily("animastor_jobs", "GPU job events by kind and stage.", labels=["event", "stage"])
     revoke = CounterMetricFamily("animastor_revoke_failures", "Revoke broadcasts that failed (cancel still holds).")
+    lost = CounterMetricFamily(
+        "animastor_lost_refills",
+        "Books handed a free slot whose refill never reported back (a control worker killed running it, a message"
+        " the broker refused), put back on the lane's waiting list by the tick.",
+        labels=["stage"],
+    )
     # Known label values start at 0 so that rate() and alerts work from the first scrape.
     seen: dict[str, float] = {f"dispatch:{o}": 0.0 for o in Outcome if o != Outcome.DEFERRED}
-    seen.update({f"blocked:{stage}": 0.0 for stage in stages})
+    seen.update({f"{kind}:{stage}": 0.0 for kind in ("blocked", "lost_refill") for stage in stages})
     seen.update({f"job:{e}:{stage}": 0.0 for e in JOB_EVENTS for stage in stages})
     seen.update({k: _number(v) for k, v in fields.items()})
     fence_total = 0.0
@@ -140,13 +146,15 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
                 fence_total += n
         elif kind == "blocked":
             blocked.add_metric([label], n)
+        elif kind == "lost_refill":
+            lost.add_metric([label], n)
         elif kind == "job":  # `job:<event>:<stage>`; a field without a stage predates the label: stage ""
             event, _, stage = label.partition(":")
             jobs.add_metric([event, stage], n)
         elif name == "revoke:failed":
             revoke.add_metric([], n)
     fence.add_metric([], fence_total)
-    yield from (dispatch, fence, blocked, jobs)
+    yield from (dispatch, fence, blocked, jobs, lost)
     if revoke.samples:
         yield revoke
 

@@ -111,6 +111,8 @@ def test_a_book_handed_a_slot_whose_refill_was_lost_gets_the_slot_within_a_few_t
         if "w" in before:
             assert before["w"] == place  # back at its own place (bulk, since it first waited)
     assert running(rt, "w") == {"w": 1}
+    rt.counters.flush()
+    assert rt.redis.client.hget(rt.redis.keys.metrics(), "lost_refill:audio") == "1"  # animastor_lost_refills_total
 
 
 def test_a_handed_refill_that_cannot_read_its_book_keeps_the_book_s_own_priority(rt, monkeypatch) -> None:
