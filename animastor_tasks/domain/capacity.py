@@ -11,10 +11,9 @@ and gives the extra back as its jobs end (nothing is preempted). `book_cap` stay
 
 Priority comes before the share: only a waiter at least as urgent as a pair binds the share for
 it, and a pair takes none of the free slots that more urgent books below their shares wait for (one
-each). *Why:* a bulk
-book waiting held a reader's interactive scene to its book's share, the slot going to bulk work;
-and a book whose interactive scene its window refused ran its bulk scenes while another reader
-waited.
+each). *Why:* a bulk book waiting held a reader's interactive scene to its book's share, the slot
+going to bulk work; and a book whose interactive scene its window refused ran its bulk scenes while
+another reader waited.
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ def choose(
         if stage in slots:  # the lane's other free slots are other refills' to fill
             free = min(free, slots[stage])
         refusal: Outcome | None = None
-        if free <= reserved or free <= 0:
+        if free <= reserved:  # reserved >= 0: a full lane too
             refusal = Outcome.LANE_FULL
         elif spec.book_cap is not None and quota[stage] >= spec.book_cap:
             choice.refused.setdefault(Outcome.QUOTA_EXHAUSTED, []).append(pair)
