@@ -92,12 +92,12 @@ class DeferralStore:
         keys, args = [self.conn.keys.lane_handed(queue)], [book, repr(began)]
         self.conn.run(lambda: self._done(keys=keys, args=args))
 
-    def keep_handed_place(self, queue: str, book: str) -> int:
+    def keep_handed_place(self, queue: str, book: str) -> None:
         """A handed book whose refill could not read it waits again at the head of the priority it was handed the
-        slot with (`lua/handed_keep.lua`; `normal` when no hand-over record says); returns that rank."""
+        slot with (`lua/handed_keep.lua`; `normal` when no hand-over record says)."""
         keys = [self.conn.keys.lane_handed(queue), self.conn.keys.lane_waiters(queue)]
         args: list[str | float] = [book, priority_rank(Priority.NORMAL), RANK_SCALE]
-        return int(self.conn.run(lambda: self._keep(keys=keys, args=args)))
+        self.conn.run(lambda: self._keep(keys=keys, args=args))
 
     def restore_lost_hand_overs(self, queues: Sequence[str], min_age: float) -> list[tuple[str, str]]:
         """(queue, book) of the books handed a slot at least `min_age` seconds ago whose refills never reported

@@ -8,4 +8,3 @@ local scale = tonumber(ARGV[3])
 local rank = score and math.floor(score / scale) or tonumber(ARGV[2])
 redis.call('ZADD', KEYS[2], 'LT', rank * scale, ARGV[1])
 redis.call('HDEL', KEYS[1], ARGV[1])
-return rank
