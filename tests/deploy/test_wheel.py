@@ -26,6 +26,7 @@ import pytest
 from animastor_tasks.dev.net import free_port
 from animastor_tasks.dev.processes import leftovers
 from tests.operator import operator_env
+from tests.support import missing
 
 pytestmark = pytest.mark.deploy
 
@@ -97,6 +98,53 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     shutil.rmtree(source)  # nothing of the sources left to fall back on
     print(f"\nwheel {wheels[0].name}: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
     return Installed(wheels[0], venv, outside, timings)
+
+
+def newer_python() -> Path | None:
+    """The newest Python newer than this one: `python3.N` on PATH, else among pyenv's versions (whose shims
+    answer only for the version pyenv has selected)."""
+    roots = [Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"]
+    for minor in range(20, sys.version_info.minor, -1):
+        found = [shutil.which(f"python3.{minor}")]
+        found += [str(p) for root in roots for p in sorted(root.glob(f"3.{minor}.*/bin/python3.{minor}"), reverse=True)]
+        for candidate in filter(None, found):
+            check = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[1])"], capture_output=True)
+            if check.returncode == 0 and check.stdout.strip() == str(minor).encode():
+                return Path(candidate)
+    return None
+
+
+@pytest.fixture(scope="session")
+def installed_newest(installed: Installed, tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """The same wheel installed into a venv of the newest Python found (3.11+ is what the package asks for)."""
+    python = newer_python()
+    if python is None:
+        missing(f"no Python newer than 3.{sys.version_info.minor} found (python3.N on PATH or pyenv's versions)")
+    base = tmp_path_factory.mktemp("wheel-newest")
+    venv, outside = base / "venv", base / "elsewhere"
+    outside.mkdir()
+    timings: dict[str, float] = {}
+    timed(timings, "venv", [str(python), "-m", "venv", str(venv)], base, 300)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(installed.wheel)]
+    timed(timings, "pip install", pip, base, 900)
+    print(f"\n{installed.wheel.name} on {python}: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
+    return Installed(installed.wheel, venv, outside, timings)
+
+
+def test_the_commands_exit_at_once_on_the_newest_python(installed_newest: Installed, tmp_path: Path) -> None:
+    """On Python 3.13 a command that left its Postgres pool open waited 5 s for each of the pool's threads on its
+    way out: every command that touched the database took 20 s more."""
+    book = ROOT / "animastor_tasks" / "dev" / "data" / "sample_book.json"
+    with operator_env(tmp_path) as env:
+        for argv in (["book", "import", str(book)], ["status", "lighthouse-keeper", "--json"], ["commands", "--json"]):
+            started = time.monotonic()
+            proc = installed_newest.run("animastor-tasks", *argv, env=installed_newest.env(env))
+            took = time.monotonic() - started
+            shown = " ".join(argv)
+            print(f"$ animastor-tasks {shown}  (on {installed_newest.venv}: exit {proc.returncode}, {took:.2f}s)")
+            assert proc.returncode == 0, proc.stderr
+            assert "couldn't stop thread" not in proc.stderr, proc.stderr
+            assert took < 5, f"{took:.1f}s to answer and exit"
 
 
 def test_the_installed_commands_answer_from_outside_the_tree(installed: Installed) -> None:

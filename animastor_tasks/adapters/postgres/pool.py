@@ -7,9 +7,11 @@ become `StoreUnavailable` here, at the edge.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Self
@@ -55,6 +57,19 @@ class _Connection(psycopg.Connection[TupleRow]):
         return conn
 
 
+#: The databases whose pool this process opened and has not closed yet (`close_open_pools`).
+_open: weakref.WeakSet[Database] = weakref.WeakSet()
+
+
+@atexit.register
+def close_open_pools() -> None:
+    """Every pool this process still holds, closed on its way out. *Why:* on Python 3.13 a pool left open until the
+    interpreter's last moments cannot stop its threads there and waits 5 s for each: every CLI command took 20 s
+    more to exit, and a solo-pool worker 21 s to stop."""
+    for db in list(_open):
+        db.close()
+
+
 class Database:
     def __init__(self, url: str, *, max_size: int = 8, timeout: float = 5.0) -> None:
         self.url = url
@@ -90,6 +105,7 @@ class Database:
                         reconnect_timeout=self._timeout,
                     )
                     self._pid = pid
+                    _open.add(self)
         return self._pool
 
     @contextmanager
@@ -125,6 +141,7 @@ class Database:
         if self._pool is not None and self._pid == os.getpid():
             self._pool.close()
         self._pool = None
+        _open.discard(self)
 
     def analyze(self, *tables: str) -> None:
         """Fresh planner statistics of `tables`, after a write that brought many rows of a book they had not seen.
