@@ -103,10 +103,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
 def newer_python() -> Path | None:
     """The newest Python newer than this one: `python3.N` on PATH, else among pyenv's versions (whose shims
     answer only for the version pyenv has selected)."""
-    roots = [Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"]
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     for minor in range(20, sys.version_info.minor, -1):
         found = [shutil.which(f"python3.{minor}")]
-        found += [str(p) for root in roots for p in sorted(root.glob(f"3.{minor}.*/bin/python3.{minor}"), reverse=True)]
+        found += [str(p) for p in sorted(pyenv.glob(f"3.{minor}.*/bin/python3.{minor}"), reverse=True)]
         for candidate in filter(None, found):
             check = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[1])"], capture_output=True)
             if check.returncode == 0 and check.stdout.strip() == str(minor).encode():

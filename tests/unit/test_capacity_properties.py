@@ -10,7 +10,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from animastor_tasks.domain.capacity import CapacityCounts, Waiter, below_share, choose
+from animastor_tasks.domain.capacity import NORMAL_RANK, CapacityCounts, Waiter, below_share, choose
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import Outcome, Priority
@@ -62,7 +62,7 @@ def situations(draw: st.DrawFn) -> tuple[dict[str, StageSpec], list[tuple[Pair, 
 
 
 def rank_of(pair: Pair, ranks: dict[Pair, int] | None) -> int:
-    return 1 if ranks is None else ranks.get(pair, 1)  # `normal`, as `choose` takes an unranked pair
+    return NORMAL_RANK if ranks is None else ranks.get(pair, NORMAL_RANK)  # as `choose` takes an unranked pair
 
 
 @settings(max_examples=500, deadline=None)
