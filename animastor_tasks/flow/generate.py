@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -42,15 +43,21 @@ log = logging.getLogger("animastor.generate")
 
 
 class Later:
-    """Where a job's bookkeeping after its verdict goes (its lease, counters, the end of its delivery): done
-    at once here. worker/chain.py holds it back while the next job this process runs starts, and runs it
-    once that job has passed its start check, so the free GPU waits for none of it."""
+    """What the worker does around a job's end. Where its bookkeeping after its verdict goes (its lease, counters,
+    the end of its delivery): done at once here. worker/chain.py holds it back while the next job this process
+    runs starts, and runs it once that job has passed its start check, so the free GPU waits for none of it."""
 
     def __call__(self, step: Callable[[], object]) -> None:
         step()
 
     def job_started(self) -> None:
         """The job's start check is over (passed or not): bookkeeping held back may run now."""
+
+    def writing_verdict(self, job: Job) -> AbstractContextManager[object]:
+        """Around the write of a job's verdict, which may wait out a Postgres outage (`when_reachable`): nothing
+        here. A GPU worker holds its soft time limit back meanwhile (worker/time_limit.py): the limit is for a
+        generator that runs too long, and fired in that wait it threw away the finished job's GPU work."""
+        return nullcontext()
 
 
 def run_job(
@@ -206,16 +213,22 @@ def _run_owned(
             ports.counters.add({f"job:stopped:{job.stage}": 1})
             return {**result, "outcome": JobOutcome.STOPPED, "reason": watcher.why}
         if media is None:
-            return _unsuccessful(ports, job, spec, watcher, kind or ErrorKind.BUG, error, attempts, result)
+            with later.writing_verdict(job):
+                return _unsuccessful(ports, job, spec, watcher, kind or ErrorKind.BUG, error, attempts, result)
         recovered = _record_breaker(ports, spec.queue, breaker_feed(None)) == "recovered"
         try:
             artifact = ports.artifacts.put(media.data, media.media_type)
         except ArtifactStoreError as err:  # credentials, bucket, endpoint: fail with the store's words
-            return _unsuccessful(ports, job, spec, watcher, ErrorKind.ARTIFACT, storable(str(err)), attempts, result)
+            with later.writing_verdict(job):
+                return _unsuccessful(
+                    ports, job, spec, watcher, ErrorKind.ARTIFACT, storable(str(err)), attempts, result
+                )
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         artifact["input_hash"] = row.input_hash
         commit = partial(ports.jobs.commit_job, *job.owned, artifact, spec.queue)
-        if not when_reachable(job, spec, watcher, commit):
+        with later.writing_verdict(job):
+            committed = when_reachable(job, spec, watcher, commit)
+        if not committed:
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)
         _quietly("free capacity", _free_capacity, ports, job, spec, True, recovered)  # a free slot waits for nothing

@@ -31,6 +31,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -39,7 +40,7 @@ from celery import Celery, Task
 from animastor_tasks.flow.generate import Later
 from animastor_tasks.flow.job import Job
 from animastor_tasks.ports import Counters, Ports, Publisher
-from animastor_tasks.worker import tracing
+from animastor_tasks.worker import time_limit, tracing
 
 log = logging.getLogger("animastor.generate")
 
@@ -177,7 +178,8 @@ class HeldCounters:
 
 class Aftermath(Later):
     """`generate.Later` for a chain: a step given while a job is kept to run next is held back until that
-    job has passed its start check, then run in a thread beside it; any other step runs at once."""
+    job has passed its start check, then run in a thread beside it; any other step runs at once. A job's
+    verdict is written with the task's soft time limit held back (`time_limit.soft_limit_held`)."""
 
     def __init__(self, keeper: KeepingPublisher) -> None:
         self.keeper = keeper
@@ -192,6 +194,9 @@ class Aftermath(Later):
             step()
         else:
             self.steps.append(step)
+
+    def writing_verdict(self, job: Job) -> AbstractContextManager[object]:
+        return time_limit.soft_limit_held(job.describe())
 
     def job_started(self) -> None:
         if not self.steps or self.thread is not None:

@@ -8,18 +8,27 @@ Raised from a generator, it becomes a retryable `GeneratorError`: a backend fail
 Raised from the artifact store (an upload that hangs), it becomes the store's `ArtifactStoreError`: the pair fails
 saying which store did not answer. Unanswered, the task ended in Celery's exception with the pair `generating`, and
 each takeover's run counted as a start lost to a dead worker.
+Once the generator has returned, the limit has done its work: while the job writes its verdict (which waits out a
+Postgres outage) it is held back (`soft_limit_held`), and the hard limit still ends a job that hangs there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from billiard.pool import SIG_SOFT_TIMEOUT, soft_timeout_sighandler
 from celery.exceptions import SoftTimeLimitExceeded
 
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.errors import ArtifactStoreError, GeneratorError
 from animastor_tasks.ports import ArtifactStore, GenerationRequest, Generator, Generators, Media
+
+log = logging.getLogger("animastor.generate")
 
 
 class TimeLimitedGenerators:
@@ -69,3 +78,25 @@ class TimeLimitedArtifacts:
             raise ArtifactStoreError(
                 self.inner.url, f"no answer within the job's soft time limit ({self.soft_time_limit:g} s)"
             ) from err
+
+
+@contextmanager
+def soft_limit_held(what: str) -> Iterator[None]:
+    """A soft time limit that fires inside is noted, not raised: a finished job's commit waiting for Postgres was
+    cut short, its GPU work thrown away and the scene run again from the start. Only where the limit is Celery's
+    signal to this process (a prefork pool child, on its main thread); elsewhere there is nothing to hold back."""
+    if threading.current_thread() is not threading.main_thread() or SIG_SOFT_TIMEOUT is None:
+        yield
+        return
+    previous = signal.getsignal(SIG_SOFT_TIMEOUT)
+    if previous is not soft_timeout_sighandler:
+        yield
+        return
+    fired: list[bool] = []
+    signal.signal(SIG_SOFT_TIMEOUT, lambda *_: fired.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(SIG_SOFT_TIMEOUT, previous)
+        if fired:
+            log.warning("[GENERATE] %s soft time limit passed while its verdict was written; not cut short", what)

@@ -197,3 +197,43 @@ def test_a_job_that_ends_while_postgres_is_down_commits_once_it_is_back(
     [(open_start,)] = stack.query("SELECT open_dispatch FROM job_starts WHERE book_id = %s", (book.book_id,))
     assert open_start is None
     figure(f"commit met a {up - down:.1f}s Postgres outage: committed {committed:.2f}s after it came back, ran once")
+
+
+def test_a_commit_waiting_out_an_outage_is_not_cut_by_the_soft_time_limit(private_postgres, make_stack, figure) -> None:
+    """On a real prefork GPU worker: the job's generation ends inside a Postgres outage and the soft time limit
+    fires while its commit waits for Postgres. The limit is for a generator that runs too long; this one has
+    finished. It fired inside the commit's wait: the task failed with Celery's exception, the GPU work was
+    thrown away, and the pair ran again from the start once Postgres was back (its first start counted lost)."""
+    postgres, url = private_postgres
+    slow = {"steps": 6, "step_seconds": 0.25}  # 1.5 s of generation: Postgres goes down meanwhile
+    stack = make_stack(
+        stages=stage_table(audio=audio_stage(params=slow, lease_ttl=30), image=image_stage()),
+        database_url=url,
+        job_soft_time_limit=3,
+        job_time_limit=30,
+    )
+    cluster = stack.cluster
+    cluster.wait_ready(cluster.control(wait=False), cluster.gpu("audio", wait=False), cluster.beat(wait=False))
+    book = make_book("soft-limit-commit", chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+    stack.client.regenerate(book.book_id, ["audio"], [["ch1", "s1"]])
+    wait_for(lambda: stack.events("job.started", book.book_id), 20, what="the job started")
+    started = time.monotonic()
+    postgres.stop_postgres()
+    time.sleep(max(0.0, 4.5 - (time.monotonic() - started)))  # past the soft limit (3 s) before Postgres is back
+    down = time.monotonic() - started
+    assert postgres.start(redis=False, database="animastor_faults")["ANIMASTOR_DATABASE_URL"] == url
+    wait_for(lambda: _usable(stack.rt.db), 10, what="the observer reconnected to Postgres")
+
+    stack.wait_commands(book.book_id, ["audio"], "completed", timeout=60)
+    starts = stack.events("job.started", book.book_id)
+    assert len(starts) == 1, f"the scene ran {len(starts)} times: its first run's GPU work was thrown away"
+    check_runs(stack, book.book_id, {("ch1", "s1", "audio")}, 1)
+    [(open_start,)] = stack.query("SELECT open_dispatch FROM job_starts WHERE book_id = %s", (book.book_id,))
+    assert open_start is None
+    assert cluster.logs_mentioning("SoftTimeLimitExceeded") == [], "the soft time limit ended the task"
+    [(_, said)] = cluster.logs_mentioning("soft time limit passed")  # the worker says it came and went
+    figure(
+        f"Postgres down {down:.1f}s from the job's start, the soft limit (3 s) inside it: ran once, committed once;"
+        f" the worker said {said.split('] ', 1)[-1]!r}"
+    )
