@@ -13,7 +13,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -36,28 +35,10 @@ from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import refill
-from animastor_tasks.flow.job import Job, Watcher, guarded_progress, when_reachable
+from animastor_tasks.flow.job import Job, Later, Watcher, guarded_progress, when_reachable
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
 
 log = logging.getLogger("animastor.generate")
-
-
-class Later:
-    """What the worker does around a job's end. Where its bookkeeping after its verdict goes (its lease, counters,
-    the end of its delivery): done at once here. worker/chain.py holds it back while the next job this process
-    runs starts, and runs it once that job has passed its start check, so the free GPU waits for none of it."""
-
-    def __call__(self, step: Callable[[], object]) -> None:
-        step()
-
-    def job_started(self) -> None:
-        """The job's start check is over (passed or not): bookkeeping held back may run now."""
-
-    def writing_verdict(self, job: Job) -> AbstractContextManager[object]:
-        """Around the write of a job's verdict, which may wait out a Postgres outage (`when_reachable`): nothing
-        here. A GPU worker holds its soft time limit back meanwhile (worker/time_limit.py): the limit is for a
-        generator that runs too long, and fired in that wait it threw away the finished job's GPU work."""
-        return nullcontext()
 
 
 def run_job(

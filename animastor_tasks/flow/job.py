@@ -1,4 +1,5 @@
-"""A GPU job as its worker knows it (`Job`: what its message carries), and the watcher of its lease while it runs."""
+"""A GPU job as its worker knows it (`Job`: what its message carries), what its worker does around its end (`Later`),
+and the watcher of its lease while it runs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -48,6 +50,24 @@ class Job:
             f"book={self.book_id!r} chapter={self.chapter_id!r} scene={self.scene_id!r} stage={self.stage}"
             f" dispatch={self.dispatch_id} token={self.fencing_token}"
         )
+
+
+class Later:
+    """What the worker does around a job's end. Where its bookkeeping after its verdict goes (its lease, counters,
+    the end of its delivery): done at once here. worker/chain.py holds it back while the next job this process
+    runs starts, and runs it once that job has passed its start check, so the free GPU waits for none of it."""
+
+    def __call__(self, step: Callable[[], object]) -> None:
+        step()
+
+    def job_started(self) -> None:
+        """The job's start check is over (passed or not): bookkeeping held back may run now."""
+
+    def writing_verdict(self, job: Job) -> AbstractContextManager[object]:
+        """Around the write of a job's verdict, which may wait out a Postgres outage (`when_reachable`): nothing
+        here. A GPU worker holds its soft time limit back meanwhile (worker/time_limit.py): the limit is for a
+        generator that runs too long, and fired in that wait it threw away the finished job's GPU work."""
+        return nullcontext()
 
 
 class Watcher(threading.Thread):

@@ -37,8 +37,7 @@ from typing import Any
 
 from celery import Celery, Task
 
-from animastor_tasks.flow.generate import Later
-from animastor_tasks.flow.job import Job
+from animastor_tasks.flow.job import Job, Later
 from animastor_tasks.ports import Counters, Ports, Publisher
 from animastor_tasks.worker import time_limit, tracing
 
@@ -177,7 +176,7 @@ class HeldCounters:
 
 
 class Aftermath(Later):
-    """`generate.Later` for a chain: a step given while a job is kept to run next is held back until that
+    """`job.Later` for a chain: a step given while a job is kept to run next is held back until that
     job has passed its start check, then run in a thread beside it; any other step runs at once. A job's
     verdict is written with the task's soft time limit held back (`time_limit.soft_limit_held`)."""
 

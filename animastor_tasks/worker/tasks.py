@@ -38,8 +38,8 @@ from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, refill, validate
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow.generate import Later, run_job
-from animastor_tasks.flow.job import Job
+from animastor_tasks.flow.generate import run_job
+from animastor_tasks.flow.job import Job, Later
 from animastor_tasks.ports import Ports
 from animastor_tasks.worker import chain, wiring
 from animastor_tasks.worker.app import app, settings
