@@ -231,14 +231,22 @@ def _claim_and_publish(
             with ports.leases.batched():
                 for outcome, pairs in choice.refused.items():
                     _defer(ports, book, outcome, pairs, now, result)
-                refused = {pair for pairs in choice.refused.values() for pair in pairs}
+                refused = [i for i in todo if i.pair in {pair for pairs in choice.refused.values() for pair in pairs}]
                 lane_full = {stage for _, _, stage in choice.refused.get(Outcome.LANE_FULL, ())}
+                served = {queue_of[stage] for stage in taken}
                 for stage in choice.waits_for:
+                    queue = queue_of[stage]
+                    if queue in served:
+                        # Given a slot of the lane by this pass: to the back of the most urgent priority it still has
+                        # waiting there (round robin), not the place an urgent pair it now runs had given it.
+                        waits = [i for i in refused if i.stage in choice.waits_for and queue_of[i.stage] == queue]
+                        _wait_for_lane(ports, book, queue, min(i.rank for i in waits), now, served=True)
+                        continue
                     # Handed a slot that another pass took first: back to the head of its priority, not the end.
                     # Refused by its own share, it waits behind the books that waited longer.
-                    first = queue_of[stage] == handed_lane and not taken[stage] and stage in lane_full
-                    since = 0.0 if first else now
-                    _wait_for_lane(ports, book, queue_of[stage], [i for i in todo if i.pair in refused], stage, since)
+                    first = queue == handed_lane and stage in lane_full
+                    rank = min(i.rank for i in refused if i.stage == stage)
+                    _wait_for_lane(ports, book, queue, rank, 0.0 if first else now)
                 ports.leases.take_leases(
                     [publish.claim_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims]
                 )
@@ -293,7 +301,7 @@ def _wait_without_claim(
     _defer(ports, book, Outcome.LANE_FULL, [i.pair for i in items], now, result)
     result.outcomes[Outcome.LANE_FULL] += len(items)
     for stage in {i.stage for i in items}:
-        _wait_for_lane(ports, book, specs[stage].queue, items, stage, now)
+        _wait_for_lane(ports, book, specs[stage].queue, min(i.rank for i in items if i.stage == stage), now)
 
 
 def _keep_handed(
@@ -312,10 +320,9 @@ def _keep_handed(
     result.held_lanes.add(lane)
 
 
-def _wait_for_lane(ports: Ports, book: str, queue: str, items: list[InFlight], stage: str, since: float) -> None:
-    """The book joins the lane's waiting list at the most urgent priority its refused pairs have."""
-    rank = min(i.rank for i in items if i.stage == stage)
-    ports.deferrals.wait_for_lane(queue, book, wait_score(rank, since))
+def _wait_for_lane(ports: Ports, book: str, queue: str, rank: int, since: float, *, served: bool = False) -> None:
+    """The book joins the lane's waiting list at `rank`, the most urgent priority its refused pairs have."""
+    ports.deferrals.wait_for_lane(queue, book, wait_score(rank, since), served=served)
 
 
 def _defer(

@@ -20,7 +20,7 @@ import redis
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import lanes
+from animastor_tasks.flow import gate, lanes
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
 from animastor_tasks.flow.job import Job
@@ -371,3 +371,27 @@ def test_stop_all_takes_the_book_off_the_lanes_waiting_lists(rt) -> None:
     assert list(waiting(rt)) == ["reader", "x", "w"]
     cancel_flow.cancel(rt.ports, "reader")
     assert "reader" not in waiting(rt) and "w" in waiting(rt)
+
+
+def test_a_book_whose_own_pass_ran_its_reader_s_scene_waits_on_at_its_bulk_scenes_rank(rt) -> None:
+    """Old code: a pass of the book itself (the tick's, not a hand-over) ran the reader's interactive scene in a
+    slot it found free, and the book kept the interactive place that scene had given it on the waiting list (a
+    place only ever improved), so the next free slot went to its bulk scene ahead of a normal waiter."""
+    lane(rt, lane_limit=2, book_quota=10, window=10)
+    for book, scenes in (("x", 1), ("y", 1), ("reader", 3), ("w", 1)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate_flow.regenerate(rt.ports, "x", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "y", ["audio"])  # the lane is full
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], [["ch1", "s2"], ["ch1", "s3"]], priority="bulk")
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], [["ch1", "s1"]], priority="interactive")
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])  # normal
+    assert list(waiting(rt)) == ["reader", "w"]
+    with rt.db.transaction() as conn:  # x's job ends with no refill (its process died after the commit)
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'x'")
+    reader_pairs = [("ch1", s, "audio") for s in ("s1", "s2", "s3")]
+    rt.ports.deferrals.clear_deferrals("reader", reader_pairs)  # as when their capacity deferrals run out
+    gate.gate_pass(rt.ports, "reader")  # the tick's pass of the book, due then, finds the slot free
+    assert states(rt, "reader")[("ch1", "s1", "audio")] == "generating"
+    assert list(waiting(rt)) == ["w", "reader"]  # served: behind the normal waiter, at its bulk scenes' rank
+    finish_one(rt, "y")  # a slot frees: the normal waiter's, not the reader's bulk scene
+    assert running(rt, "reader", "w") == {"reader": 1, "w": 1}

@@ -63,13 +63,14 @@ class DeferralStore:
                     pipe.zremrangebyscore(self.conn.keys.deferrals(book, bucket), "-inf", now)
             pipe.execute()
 
-    def wait_for_lane(self, queue: str, book: str, score: float, *, move_up: bool = True) -> None:
+    def wait_for_lane(self, queue: str, book: str, score: float, *, served: bool = False) -> None:
         """The book waits for a slot of `queue` (`domain.deferral.wait_score`: lower is served first).
 
-        A book already waiting keeps its place, or moves up to a better score when `move_up`.
+        A book already waiting keeps its place, or moves up to a better score; one just `served` a slot of the
+        lane takes `score` wherever it was.
         """
         with self.conn.writes() as pipe:
-            pipe.zadd(self.conn.keys.lane_waiters(queue), {book: score}, lt=move_up, nx=not move_up)
+            pipe.zadd(self.conn.keys.lane_waiters(queue), {book: score}, lt=not served)
 
     def open_hand_over(self, books: int) -> str:
         """A hand-over of slots to `books` books at once: its id, whose count `close_hand_over` takes down."""
