@@ -146,8 +146,8 @@ class Client:
         `priority` stays a plain string too: the control worker validates it (InvalidCommand)."""
         kwargs: RegenerateKwargs = {
             "book_id": book_id,
-            "stages": list(stages),
-            "scenes": None if scenes is None else [list(s) for s in scenes],
+            "stages": _as_list(stages),
+            "scenes": scenes if not isinstance(scenes, list | tuple) else [_as_list(s) for s in scenes],
             "command_id": str(uuid.uuid4()) if command_id is None else command_id,  # "" is the worker's to refuse
             "force": force,
         }
@@ -176,3 +176,10 @@ class Client:
 
     def close(self) -> None:
         self.app.close()
+
+
+def _as_list(value: Any) -> Any:
+    """A tuple sent as the list it stands for; anything else as given, for the control worker to refuse with its
+    field's name. *Why:* made a list, a string was split into its characters: `scenes=("ch", "s1")` (one pair
+    without its list) became the scenes [c, h] and [s, 1], a valid request for work nobody asked for."""
+    return list(value) if isinstance(value, list | tuple) else value

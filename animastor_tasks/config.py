@@ -24,6 +24,7 @@ from animastor_tasks.errors import ConfigError, redact_url
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/animastor"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_RETENTION_DAYS = 36_500
+DAY = 86_400.0  # seconds
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules
@@ -83,8 +84,9 @@ class Settings:
             ),
             key_prefix=_prefix(env),
             registry=_registry(env),
-            tick_seconds=_number(env, "ANIMASTOR_TICK_SECONDS", 5.0, minimum=0.1),
-            reconcile_seconds=_number(env, "ANIMASTOR_RECONCILE_SECONDS", 30.0, minimum=0.5),
+            # At most a day: beat's schedule is a timedelta, and a period past its range failed every process.
+            tick_seconds=_number(env, "ANIMASTOR_TICK_SECONDS", 5.0, minimum=0.1, maximum=DAY),
+            reconcile_seconds=_number(env, "ANIMASTOR_RECONCILE_SECONDS", 30.0, minimum=0.5, maximum=DAY),
             reconcile_pairs=_integer(env, "ANIMASTOR_RECONCILE_PAIRS", 100_000, minimum=1),
             presence_ttl_seconds=presence_ttl,
             # Unset, at least two presence TTLs: a longer TTL set before this setting existed stays valid.
@@ -287,13 +289,26 @@ def _registry(env: Mapping[str, str]) -> MediaRegistry:
     if not raw:
         return registry_from_table(None)
     try:
-        table = json.loads(raw)
+        table = json.loads(raw, object_pairs_hook=_once_each)
     except json.JSONDecodeError as err:
         raise ConfigError(f"ANIMASTOR_STAGES={raw!r} is not valid JSON: {err}") from err
+    except ValueError as err:
+        raise ConfigError(f"ANIMASTOR_STAGES={raw!r}: {err}") from err
     try:
         return registry_from_table(table)
     except ValueError as err:
         raise ConfigError(f"ANIMASTOR_STAGES={raw!r}: {err}") from err
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once. *Why:* JSON keeps the last copy of a repeated key silently: a
+    stage written twice lost the `input` of its first copy, and its images were made from the scene text."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"{key!r} twice in one object; give each key once")
+        seen.add(key)
+    return dict(pairs)
 
 
 def result_backend_url(redis_url: str) -> str:

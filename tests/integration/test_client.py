@@ -81,3 +81,21 @@ def test_an_empty_command_id_is_sent_as_given_not_replaced(rt, settings) -> None
     [raw] = rt.redis.client.lrange("animastor.control", 0, -1)
     _args, kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
     assert kwargs["command_id"] == ""
+
+
+@pytest.mark.parametrize(
+    ("stages", "scenes"),
+    [("all", None), (["audio"], ("ch", "s1")), (["audio"], "ch1"), (["audio"], [["ch1", "s1"], "s2"])],
+)
+def test_a_string_where_a_list_belongs_is_sent_as_given_for_the_worker_to_refuse(rt, settings, stages, scenes) -> None:
+    """The client split a string into its characters: `regenerate(book, "all")` was sent as stages ['a', 'l', 'l']
+    (refused as an unknown stage 'a'), and `scenes=("ch", "s1")` (one pair without its list) as the scenes
+    [c, h] and [s, 1], a valid request for other scenes than the caller named: GPU work nobody asked for."""
+    client = Client(settings)
+    try:
+        client.regenerate("b1", stages, scenes, wait=False)
+    finally:
+        client.close()
+    [raw] = rt.redis.client.lrange("animastor.control", 0, -1)
+    _args, kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
+    assert (kwargs["stages"], kwargs["scenes"]) == (stages, json.loads(json.dumps(scenes)))

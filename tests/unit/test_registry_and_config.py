@@ -68,6 +68,9 @@ def test_a_third_stage_is_configuration_only() -> None:
         # A whole number given as `inf` was an OverflowError traceback; `2.5` was silently truncated.
         ({"ANIMASTOR_FORCE_TTL_SECONDS": "inf"}, "ANIMASTOR_FORCE_TTL_SECONDS"),
         ({"ANIMASTOR_TICK_SECONDS": "inf"}, "ANIMASTOR_TICK_SECONDS"),
+        # Finite but past a timedelta's range: every process failed with an OverflowError traceback.
+        ({"ANIMASTOR_TICK_SECONDS": "1e14"}, "at most 86400"),
+        ({"ANIMASTOR_RECONCILE_SECONDS": "1e14"}, "at most 86400"),
         ({"ANIMASTOR_BREAKER_THRESHOLD": "2.5"}, "ANIMASTOR_BREAKER_THRESHOLD"),
         ({"ANIMASTOR_INFERENCE_API_KEY": "sk-a\x00b"}, "ANIMASTOR_INFERENCE_API_KEY"),
         # "Keep for ever" as a huge number passed start-up, then every reconcile failed on Postgres's interval range.
@@ -78,6 +81,9 @@ def test_a_third_stage_is_configuration_only() -> None:
         ({"ANIMASTOR_STAGES": '{"audio": {"media_type": null}}'}, "media_type"),
         ({"ANIMASTOR_STAGES": '{"audio": {"media_type": 3}}'}, "media_type"),
         ({"ANIMASTOR_STAGES": '{"audio": {"lane_limt": 2}}'}, "lane_limt"),
+        # A key given twice kept its last copy silently: the stage's `input` lost, its images made from the text.
+        ({"ANIMASTOR_STAGES": '{"image": {"input": "prompt"}, "image": {"queue": "gpu.img2"}}'}, "'image' twice"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"lane_limit": 2, "lane_limit": 20}}'}, "'lane_limit' twice"),
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], needle: str) -> None:
