@@ -172,6 +172,15 @@ class Transport:
                 except GeneratorError:
                     self._check_cut(watchdog, limits, request)
                     raise
+                except ValueError as err:
+                    # requests reads a redirect's Location even when it follows none, and refuses a malformed one
+                    # (`http://[gpu-box/v1`): counted as a generator bug, each pair failed with a traceback.
+                    raise GeneratorError(
+                        f"stage {self.stage!r}: inference endpoint answered a redirect to a Location that cannot be"
+                        f" read ({self.clean(str(err))}); redirects are refused, configure the final URL as the"
+                        " endpoint",
+                        misconfigured=True,
+                    ) from None
                 self._check_cut(watchdog, limits, request)  # a cut body without a length reads as one that ended
             if wait is None:
                 break
@@ -217,6 +226,14 @@ class Transport:
         status = response.status_code
         if status == 200:
             return
+        if 200 <= status < 300:
+            # An API that creates (201), queues (202) or answers nothing (204) is not the protocol's: it answers
+            # every scene so, and its body may be the media itself, no message to quote.
+            raise GeneratorError(
+                f"stage {self.stage!r}: inference endpoint answered {status}, not 200 with the media;"
+                " point the stage at an endpoint that answers with the media itself",
+                misconfigured=True,
+            )
         if 300 <= status < 400:
             location = response.headers.get("Location", "")
             host = urlsplit(urljoin(self.url, location)).hostname if location else None

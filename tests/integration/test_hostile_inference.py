@@ -347,6 +347,10 @@ def test_netrc_credentials_on_the_worker_host_are_never_sent(
         (200, "text/html", True),  # a web page where media was due: another server answers there
         (400, "application/json", False),  # this scene's input refused: a verdict on the scene
         (413, "application/json", False),
+        # Another success than the protocol's 200 (an API that creates, queues or answers nothing) was a verdict on
+        # each scene in turn: every pair of the lane failed at full speed, the breaker told nothing.
+        (201, "audio/wav", True),
+        (202, "application/json", True),
     ],
 )
 def test_a_refusal_of_every_request_is_told_apart_from_a_refusal_of_the_scene(
@@ -356,3 +360,27 @@ def test_a_refusal_of_every_request_is_told_apart_from_a_refusal_of_the_scene(
     with pytest.raises(GeneratorError) as caught:
         _generate(_spec(url))
     assert (caught.value.misconfigured, caught.value.retryable) == (misconfigured, False)
+
+
+def test_another_success_than_200_does_not_quote_its_media_as_the_error(serve: Callable[[Answer], str]) -> None:
+    url = serve(_media(201, "audio/wav", synthesize_wav("one two")))
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(url))
+    assert "answered 201" in str(caught.value) and "RIFF" not in str(caught.value), caught.value
+
+
+def test_a_redirect_to_a_malformed_location_is_a_misconfigured_endpoint_not_a_bug(
+    serve: Callable[[Answer], str],
+) -> None:
+    """`Location: http://[gpu-box/v1` raised urllib's ValueError from the check itself: counted as a generator bug,
+    the pair failed with a traceback, the breaker told nothing, the redirect never named."""
+
+    def moved(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(302)
+        handler.send_header("Location", "http://[gpu-box/v1")
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(serve(moved)))
+    assert caught.value.misconfigured and "a redirect to a Location that cannot be read" in str(caught.value)
