@@ -102,15 +102,23 @@ class GeneratorError(AnimastorError):
     when the backend said when to try again (HTTP `Retry-After`), for the worker's backoff. `misconfigured`:
     the stage's setup is wrong or its server refuses every request (a redirect, a rejected key, a wrong route,
     a confused content type, a bad param): not worth a retry, and no verdict on the scene either, so it counts
-    against the queue's breaker rather than failing every pair of the lane."""
+    against the queue's breaker rather than failing every pair of the lane. `rate_limited`: the backend refused
+    for now, whoever asked (HTTP 429): retried, and no verdict on the scene either once the retries are spent."""
 
     def __init__(
-        self, message: str, *, retryable: bool = True, retry_after: float | None = None, misconfigured: bool = False
+        self,
+        message: str,
+        *,
+        retryable: bool = True,
+        retry_after: float | None = None,
+        misconfigured: bool = False,
+        rate_limited: bool = False,
     ) -> None:
         super().__init__(message)
-        self.retryable = retryable and not misconfigured
+        self.retryable = (retryable or rate_limited) and not misconfigured
         self.retry_after = retry_after
         self.misconfigured = misconfigured
+        self.rate_limited = rate_limited and not misconfigured
 
 
 class GenerationStopped(GeneratorError):

@@ -10,7 +10,7 @@
   with the store's message: rerunning the GPU work would hit the same store.
 - **Run failures and the breaker.** A backend-side failure (retryable, retries spent) counts against
   the queue's circuit breaker and a success clears it; a backend failure recorded while the breaker is
-  (or just became) open gives the pair back to `pending` instead of failing it.
+  (or just became) open gives the pair back to `pending` instead of failing it, and so does a rate limit.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def worker_lost_reason(lost: int, limit: int) -> str | None:
 class ErrorKind(StrEnum):
     STOPPED = "stopped"  # cancel or a lost lease: nothing committed, the pair is someone else's now
     BACKEND = "backend"  # the generator's backend failed, worth retrying (5xx, refused, timeout)
+    RATE_LIMITED = "rate_limited"  # the backend refused for now, whoever asked (429): retried, then given back
     MISCONFIGURED = "misconfigured"  # the stage's setup or its server refuses every request: no retry, the breaker
     SCENE = "scene"  # the generator refused this scene (not retryable): a verdict, the pair fails
     STORE = "store"  # Postgres, Redis or the broker was briefly unreachable: not the scene's fault
@@ -56,6 +57,8 @@ def classify_error(err: BaseException) -> ErrorKind:
     if isinstance(err, GeneratorError):
         if err.misconfigured:
             return ErrorKind.MISCONFIGURED
+        if err.rate_limited:
+            return ErrorKind.RATE_LIMITED
         return ErrorKind.BACKEND if err.retryable else ErrorKind.SCENE
     seen: set[int] = set()
     link: BaseException | None = err
@@ -81,7 +84,8 @@ def another_attempt_fits(elapsed: float, delay: float, last_attempt: float, soft
 
 # Failures that say the stage's backend is wrong, not the scene: they count against the queue's breaker. *Why
 # the misconfigured too:* a rotated API key (401) or a route gone (404) failed every pair of the lane at full speed.
-_BLAMES_THE_BACKEND = frozenset({ErrorKind.BACKEND, ErrorKind.MISCONFIGURED})
+_BLAMES_THE_BACKEND = frozenset({ErrorKind.BACKEND, ErrorKind.MISCONFIGURED, ErrorKind.RATE_LIMITED})
+RETRIED = frozenset({ErrorKind.BACKEND, ErrorKind.RATE_LIMITED})  # the kinds another attempt of the job may cure
 
 
 class Verdict(StrEnum):
@@ -96,9 +100,11 @@ def verdict(kind: ErrorKind, breaker_state: str | None = None) -> Verdict:
     'closed'; None when it could not be recorded). A store error never fails a pair. A backend failure (or a
     misconfigured one) fails it while the breaker stays closed (a failure shorter than the threshold is taken
     as the scene's own), and gives it back once the breaker is open: the backend is down or set up wrong, the
-    scene is not to blame.
+    scene is not to blame. A rate limit (429) is the backend's word that it refuses whoever asks: the pair goes back
+    whatever the breaker says. *Why:* failed while the breaker stayed closed, a rate limit longer than a job's
+    retries failed that many healthy scenes for good (a lane of 8 jobs meeting it at once: 4 of them).
     """
-    if kind is ErrorKind.STORE:
+    if kind in (ErrorKind.STORE, ErrorKind.RATE_LIMITED):
         return Verdict.GIVE_BACK
     if kind in _BLAMES_THE_BACKEND and breaker_state == "open":
         return Verdict.GIVE_BACK

@@ -21,6 +21,7 @@ from animastor_tasks.domain.book import storable
 from animastor_tasks.domain.deferral import retry_delay
 from animastor_tasks.domain.gate import BookFacts, Denial, JobStartFacts, decide_job_start
 from animastor_tasks.domain.job_rules import (
+    RETRIED,
     ErrorKind,
     Verdict,
     another_attempt_fits,
@@ -284,7 +285,7 @@ def _generate_with_retries(
             message = storable(str(err) if isinstance(err, GeneratorError) else f"{type(err).__name__}: {err}")
             if kind is ErrorKind.BUG:
                 log.exception("[GENERATE] %s generator raised", job.describe())
-            if kind is not ErrorKind.BACKEND or attempt > ports.settings.generate_max_retries:
+            if kind not in RETRIED or attempt > ports.settings.generate_max_retries:
                 return None, message, attempt, kind
             asked = err.retry_after if isinstance(err, GeneratorError) else None
         delay = retry_delay(
@@ -323,7 +324,7 @@ def _unsuccessful(
     state = _record_breaker(ports, spec.queue, breaker_feed(kind))
     done = {**result, "error": error, "attempts": attempts}
     if verdict(kind, state) is Verdict.GIVE_BACK:
-        why = f"{kind} error" if kind is ErrorKind.STORE else f"breaker {state}"
+        why = {ErrorKind.STORE: "store error", ErrorKind.RATE_LIMITED: "rate limited"}.get(kind, f"breaker {state}")
         try:
             back = when_reachable(job, spec, watcher, partial(ports.jobs.give_back, *job.owned, error, spec.queue))
         except StoreUnavailable as err:

@@ -249,6 +249,7 @@ class Transport:
             retryable=retryable,
             retry_after=retry_after_seconds(response.headers.get("Retry-After")) if retryable else None,
             misconfigured=status in MISCONFIGURED_4XX,
+            rate_limited=status == 429,
         )
 
     def _read_body(

@@ -319,6 +319,7 @@ def test_retry_after_of_a_refusal_travels_with_the_error(serve: Callable[[Answer
     with pytest.raises(GeneratorError) as info:
         _generate(_spec(serve(busy)))
     assert info.value.retryable and info.value.retry_after == 7.0
+    assert info.value.rate_limited  # 429: whoever asks is refused, not this scene
 
 
 def test_netrc_credentials_on_the_worker_host_are_never_sent(

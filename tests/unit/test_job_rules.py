@@ -71,6 +71,8 @@ STORE = StoreUnavailable("redis", "redis://:pw@127.0.0.1:6379/0", "Error 111 con
         (_caused_by(RuntimeError("while reporting"), STORE), ErrorKind.STORE, False),
         # Stopped (cancel, lost lease): neither; the pair is someone else's now.
         (GenerationStopped(), ErrorKind.STOPPED, False),
+        # A rate limit (429) refuses whoever asks: it failed a healthy scene while the breaker stayed closed.
+        (GeneratorError("inference endpoint answered 429", rate_limited=True), ErrorKind.RATE_LIMITED, False),
     ],
 )
 def test_which_errors_fail_a_pair_and_which_give_it_back(err: Exception, kind: ErrorKind, fails: bool) -> None:
@@ -95,6 +97,7 @@ def test_what_a_run_feeds_the_breaker() -> None:
     assert breaker_feed(None) is True  # media produced: the backend works
     assert breaker_feed(ErrorKind.BACKEND) is False
     assert breaker_feed(ErrorKind.MISCONFIGURED) is False
+    assert breaker_feed(ErrorKind.RATE_LIMITED) is False  # the lane's rate: its breaker pauses the whole lane
     for kind in (ErrorKind.SCENE, ErrorKind.BUG, ErrorKind.STORE, ErrorKind.STOPPED):
         assert breaker_feed(kind) is None
 
@@ -127,3 +130,9 @@ def test_a_retry_is_tried_only_when_it_ends_inside_the_jobs_time(
 
 def test_a_misconfigured_error_is_never_retried() -> None:
     assert GeneratorError("redirected", retryable=True, misconfigured=True).retryable is False
+
+
+def test_a_rate_limit_is_retried_unless_misconfigured_too() -> None:
+    assert GeneratorError("429", retryable=False, rate_limited=True).retryable is True
+    limited_and_wrong = GeneratorError("429 from a wrong route", misconfigured=True, rate_limited=True)
+    assert classify_error(limited_and_wrong) is ErrorKind.MISCONFIGURED and not limited_and_wrong.retryable
