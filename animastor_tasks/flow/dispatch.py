@@ -101,8 +101,10 @@ def dispatch_pending(
     presence_unsure = now - snap.presence_unsure_since < ports.settings.presence_ttl_seconds
     unconsumed = {stage: spec for stage, spec in specs.items() if consumers.get(spec.queue, 0) == 0}
     try:
-        restarting = (
-            set() if presence_unsure else lanes.successor_awaited(ports, [s.queue for s in unconsumed.values()])
+        gone = (
+            set()
+            if presence_unsure or not unconsumed
+            else lanes.gone_for_good(ports, [s.queue for s in unconsumed.values()])
         )
     except StoreUnavailable as err:
         log.warning("[DISPATCH] book=%r presence registry unreadable, dispatching nothing: %s", book, err)
@@ -110,12 +112,12 @@ def dispatch_pending(
         return result
     unsure: set[str] = set()
     for stage, spec in unconsumed.items():
-        if presence_unsure or spec.queue in restarting:
-            # Redis lost its data moments ago (workers have not re-advertised yet), or the queue's last worker
-            # stopped cleanly moments ago (a restart): dispatch nothing for the stage and block nothing; the
-            # next pass decides (no side effect here).
+        if spec.queue not in gone:
+            # Redis lost its data moments ago (workers have not re-advertised yet), the queue's last worker
+            # stopped cleanly moments ago (a restart), or its heartbeat came back when counted again: dispatch
+            # nothing for the stage and block nothing; the next pass decides (no side effect here).
             unsure.add(stage)
-            why = "a Redis loss" if presence_unsure else "its last one stopped moments ago"
+            why = "a Redis loss" if presence_unsure else "its last one stopped moments ago, or it beat again"
             log.warning("[DISPATCH] book=%r stage=%s has no worker for now (%s); waiting", book, stage, why)
             if spec.queue == handed_lane:
                 _keep_handed(ports, book, handed_lane, todo, specs, result)

@@ -7,6 +7,7 @@ cancel, the takeover of a dead worker's, the tick) hands them on through here.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Collection, Sequence
 
@@ -18,6 +19,7 @@ from animastor_tasks.ports import Ports
 
 log = logging.getLogger("animastor.dispatch")
 BATCH_BOOKS = 50  # books per gate task sent for the due index
+HEARTBEAT_SLACK = 0.5  # seconds past a heartbeat period before a second count of a queue's consumers
 LOST_HAND_OVER_TICKS = 2  # a handed book's refill not back within this many ticks was lost (lua/handed_restore.lua)
 
 
@@ -31,6 +33,21 @@ def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
         return set()
     grace = ports.settings.silent_worker_seconds
     return {queue for queue, ago in ports.presence.departed_ago(queues).items() if ago < grace}
+
+
+def gone_for_good(ports: Ports, queues: Sequence[str]) -> set[str]:
+    """Those of `queues` (none consumed at the caller's count) whose stages are to be BLOCKED: not a restart awaiting
+    its successor (`successor_awaited`), and still without a consumer when counted again one heartbeat later.
+    *Why:* heartbeats lapse while Redis cannot be reached, and come back within a heartbeat of it; a control process
+    that had sent Redis nothing meanwhile (idle, or its broker down too) knew of no outage, read "no consumer" in
+    between and BLOCKED every stage with work in flight, for good. A StoreUnavailable is the caller's."""
+    restarting = successor_awaited(ports, queues)
+    silent = [queue for queue in queues if queue not in restarting]
+    if not silent:
+        return set()
+    time.sleep(ports.settings.presence_ttl_seconds / 3 + HEARTBEAT_SLACK)  # a live worker beats every TTL/3
+    again = ports.presence.counts(silent)
+    return {queue for queue in silent if again.get(queue, 0) == 0}
 
 
 def block_lane(

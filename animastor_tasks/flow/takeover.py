@@ -210,10 +210,10 @@ def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report
     try:
         counts = ports.presence.counts([s.queue for s in specs])
         unconsumed = [s for s in specs if counts.get(s.queue, 0) == 0]
-        restarting = lanes.successor_awaited(ports, [s.queue for s in unconsumed])
+        gone = lanes.gone_for_good(ports, [s.queue for s in unconsumed]) if unconsumed else set()
     except StoreUnavailable as err:  # a broker that cannot count says nothing of the workers: the pass goes on
         log.warning("[TAKEOVER] consumers unreadable, blocking nothing this pass: %s", err)
         return
     for spec in unconsumed:
-        if spec.queue not in restarting:
+        if spec.queue in gone:
             report["blocked"] += len(lanes.block_lane(ports, spec, sorted(by_stage[spec.name])))

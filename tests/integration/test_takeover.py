@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -232,6 +233,44 @@ def test_the_tick_blocks_no_stage_while_heartbeats_come_back_after_redis_did(
     tick(rt)
     (command,) = rt.ports.commands.commands(book="b")
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")
+
+
+def test_a_process_that_saw_nothing_of_an_outage_blocks_no_stage_whose_heartbeat_comes_back(
+    rt: Wiring, tmp_path: Path
+) -> None:
+    """The workers' heartbeats lapsed while Redis could not be reached, and come back within a heartbeat of it. A
+    control process that had sent Redis nothing meanwhile (idle, or its broker down too) knew of no outage: its
+    tick read "no consumer" and BLOCKED the stage with its job running, for good. It now looks again a heartbeat
+    later, and blocks only a stage still without one."""
+    one_job(rt, tmp_path, lease_ttl=60, heartbeat_ttl=0.5)
+    time.sleep(0.6)  # lapsed: nobody could beat while Redis was away
+    comes_back = threading.Timer(0.5, advertise, (rt, "gpu.audio"))  # the worker beats again, Redis answering
+    comes_back.start()
+    try:
+        tick(rt)
+    finally:
+        comes_back.join()
+    (command,) = rt.ports.commands.commands(book="b")
+    assert command.status == "active", command
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+
+
+def test_a_pass_of_pending_pairs_blocks_no_stage_whose_heartbeat_comes_back(rt: Wiring, tmp_path: Path) -> None:
+    """The same, in a gate pass with pairs still to dispatch: it BLOCKED the stage's commands and released them."""
+    with_stage(rt, replace(rt.settings.registry.get("audio"), book_cap=1), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio", ttl=0.5)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # s1 runs, s2 waits (the book's cap)
+    time.sleep(0.6)
+    rt.ports.deferrals.clear_deferrals("b", [("ch1", "s2", "audio")])
+    comes_back = threading.Timer(0.5, advertise, (rt, "gpu.audio"))
+    comes_back.start()
+    try:
+        gate.gate_pass(rt.ports, "b")
+    finally:
+        comes_back.join()
+    (command,) = rt.ports.commands.commands(book="b")
+    assert command.status == "active", command
 
 
 def test_an_outage_without_data_loss_reads_no_forced_pairs_back_from_postgres(
