@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import requests
 
+from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.media import PNG_SIGNATURE, check_known_media
 from animastor_tasks.generators.openai_common import OCTET_STREAM, OpenAIGenerator, media_type_of, string_param
@@ -74,19 +75,31 @@ class OpenAIImagesGenerator(OpenAIGenerator):
             payload = json.loads(raw)
         except ValueError:
             raise self._fail("answered a body that is not JSON", misconfigured=True) from None
+        error = payload.get("error") if isinstance(payload, dict) else None
+        if error:  # an error under 200 (a model still loading): the server's words, and worth another attempt
+            said = error.get("message") if isinstance(error, dict) else error
+            said = self._transport.clean(str(said))
+            raise GeneratorError(f"stage {self.spec.name!r}: inference endpoint answered 200 with an error: {said}")
         try:
             encoded = payload["data"][0]["b64_json"]
             if not isinstance(encoded, str):
                 raise TypeError("b64_json is not a string")
             data = base64.b64decode(encoded, validate=True)
         except (ValueError, LookupError, TypeError, binascii.Error) as err:
-            raise self._fail(f"answered JSON without an image in data[0].b64_json ({type(err).__name__})") from None
+            # Its answer to every scene (a URL where the base64 image was asked for): the server is not set up so.
+            raise self._fail(
+                f"answered JSON without an image in data[0].b64_json ({type(err).__name__}); it must honour"
+                " response_format b64_json",
+                misconfigured=True,
+            ) from None
         if not data:
             raise self._fail("answered an empty image")
         found = next((kind for kind, test in _MAGIC if test(data)), OCTET_STREAM)
         want = self.spec.media_type.lower()
-        if want != OCTET_STREAM and found != want:
-            raise self._fail(f"returned an image of type {found!r}, stage {self.spec.name!r} stores {want!r}")
+        if want != OCTET_STREAM and found != want:  # the model's output type, whatever the scene
+            raise self._fail(
+                f"returned an image of type {found!r}, stage {self.spec.name!r} stores {want!r}", misconfigured=True
+            )
         try:
             check_known_media(found, data)
         except ValueError as err:

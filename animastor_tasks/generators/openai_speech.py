@@ -75,6 +75,12 @@ class OpenAISpeechGenerator(OpenAIGenerator):
             check_known_media(FORMATS[response_format], data)
         except ValueError as err:
             what = _NAMES.get(response_format, FORMATS[response_format])
+            other = _other_format(data, FORMATS[response_format])
+            if other is not None:  # a server that ignores response_format answers every scene so
+                raise self._fail(
+                    f"returned {other} audio, not {what}: it must honour response_format {response_format!r}",
+                    misconfigured=True,
+                ) from None
             raise self._fail(f"returned audio that is not {what} ({err})") from None
         progress(1.0)
         return Media(data, media_type)
@@ -98,3 +104,14 @@ class OpenAISpeechGenerator(OpenAIGenerator):
         if got and not got.startswith("audio/") and got != OCTET_STREAM:
             raise self._fail(f"returned Content-Type {got!r}, expected audio", misconfigured=True)
         return got
+
+
+def _other_format(data: bytes, asked: str) -> str | None:
+    """The checked format other than `asked` that `data` is whole in, if any (FLAC and PCM are not checked)."""
+    for kind in (k for k in _NAMES if FORMATS[k] != asked):
+        try:
+            check_known_media(FORMATS[kind], data)
+        except ValueError:
+            continue
+        return FORMATS[kind]
+    return None

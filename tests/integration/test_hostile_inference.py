@@ -6,6 +6,7 @@ Each server is a real HTTP server on a loopback port, in a thread of this proces
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import select
 import shutil
@@ -28,6 +29,7 @@ from animastor_tasks.errors import GenerationStopped, GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.http import HttpGenerator
 from animastor_tasks.generators.media import render_png, synthesize_wav
+from animastor_tasks.generators.openai_images import OpenAIImagesGenerator
 from animastor_tasks.generators.openai_speech import OpenAISpeechGenerator
 from tests.support import missing
 from tests.unit.test_audio_frames import mp3_stream, ogg_stream
@@ -136,7 +138,8 @@ def _spec(url: str, stage: str = "audio", generator: str = "http", **params: Any
 
 def _generate(spec: StageSpec, *, key: str = "", stop: Callable[[], bool] = lambda: False) -> Media:
     settings = replace(Settings(), inference_api_key=key)
-    kind = OpenAISpeechGenerator if spec.generator == "openai-speech" else HttpGenerator
+    kinds = {"openai-speech": OpenAISpeechGenerator, "openai-images": OpenAIImagesGenerator}
+    kind = kinds.get(spec.generator, HttpGenerator)
     request = GenerationRequest("b", "ch1", "s1", spec.name, "Words of the scene.", {})
     return kind(spec, settings).generate(request, stop, lambda _: None)
 
@@ -385,3 +388,39 @@ def test_a_redirect_to_a_malformed_location_is_a_misconfigured_endpoint_not_a_bu
     with pytest.raises(GeneratorError) as caught:
         _generate(_spec(serve(moved)))
     assert caught.value.misconfigured and "a redirect to a Location that cannot be read" in str(caught.value)
+
+
+def _images(body: bytes, url_of: Callable[[Answer], str]) -> GeneratorError:
+    with pytest.raises(GeneratorError) as caught:
+        _generate(
+            _spec(url_of(_media(200, "application/json", body)), "image", "openai-images", model="img"), key=SECRET
+        )
+    return caught.value
+
+
+def test_an_images_server_that_answers_every_request_in_another_shape_is_misconfigured(
+    serve: Callable[[Answer], str],
+) -> None:
+    """A server that ignores `response_format` (a URL where the base64 image was asked for), or makes another image
+    type than the stage stores, answers every scene so: each was failed as the scene's own verdict, the whole lane
+    at full speed, and its breaker told nothing."""
+    as_url = _images(b'{"data": [{"url": "http://images.example/1.png"}]}', serve)
+    assert as_url.misconfigured and "data[0].b64_json" in str(as_url), as_url
+    jpeg = base64.b64encode(b"\xff\xd8\xff\xe0" + bytes(64)).decode()
+    other_type = _images(f'{{"data": [{{"b64_json": "{jpeg}"}}]}}'.encode(), serve)
+    assert other_type.misconfigured and "'image/jpeg'" in str(other_type), other_type
+
+
+def test_an_error_answered_under_200_is_retried_with_the_server_s_words(serve: Callable[[Answer], str]) -> None:
+    """`200 {"error": {"message": "model is loading"}}` failed the scene for good, the server's words lost."""
+    loading = _images(b'{"error": {"message": "model is loading, try again", "type": "server_error"}}', serve)
+    assert loading.retryable and not loading.misconfigured, loading
+    assert "model is loading, try again" in str(loading), loading
+
+
+def test_a_speech_server_that_ignores_the_format_asked_for_is_misconfigured(serve: Callable[[Answer], str]) -> None:
+    """An MP3 answered for a WAV stage (the server ignores `response_format`) is its answer to every scene."""
+    url = serve(_media(200, "audio/mpeg", mp3_stream()))
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(url, generator="openai-speech", model="tts"), key=SECRET)
+    assert caught.value.misconfigured and "audio/mpeg" in str(caught.value), caught.value
