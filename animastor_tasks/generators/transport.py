@@ -260,7 +260,10 @@ class Transport:
         request: GenerationRequest,
     ) -> bytes:
         """Read the body as it arrives (one socket read at a time: a read of a whole chunk waited for all of it),
-        so a stop is seen during a long or trickling download and a huge body is cut off."""
+        so a stop is seen during a long or trickling download and a huge body is cut off (at once when it says so)."""
+        declared = response.headers.get("Content-Length", "").strip()
+        if declared.isdigit() and int(declared) > limits.max_bytes:
+            raise self._too_big(limits)
         data = bytearray()
         while True:
             try:
@@ -274,10 +277,13 @@ class Transport:
                 return bytes(data)
             data += chunk
             if len(data) > limits.max_bytes:
-                raise GeneratorError(
-                    f"stage {self.stage!r}: inference response exceeds max_bytes={limits.max_bytes}", retryable=False
-                )
+                raise self._too_big(limits)
             self.check_stop(should_stop, request)
+
+    def _too_big(self, limits: Limits) -> GeneratorError:
+        return GeneratorError(
+            f"stage {self.stage!r}: inference response exceeds max_bytes={limits.max_bytes}", retryable=False
+        )
 
     def _check_cut(self, watchdog: Watchdog, limits: Limits, request: GenerationRequest) -> None:
         """What the watchdog's cut of the connection means, rather than the error the cut caused."""

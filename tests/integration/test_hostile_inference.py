@@ -424,3 +424,23 @@ def test_a_speech_server_that_ignores_the_format_asked_for_is_misconfigured(serv
     with pytest.raises(GeneratorError) as caught:
         _generate(_spec(url, generator="openai-speech", model="tts"), key=SECRET)
     assert caught.value.misconfigured and "audio/mpeg" in str(caught.value), caught.value
+
+
+def test_a_body_declared_larger_than_max_bytes_is_refused_before_it_is_read(serve: Callable[[Answer], str]) -> None:
+    """The declared length was not looked at: the body was read up to `max_bytes` (here it trickles, so the job sat
+    on its slot until a timeout, and the error was a retryable read failure), held twice in memory at the end."""
+
+    def huge(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "audio/wav")
+        handler.send_header("Content-Length", str(10_000_000))
+        handler.end_headers()
+        handler.wfile.write(synthesize_wav("one")[:64])
+        handler.wfile.flush()
+        time.sleep(3)
+
+    started = time.monotonic()
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(serve(huge), max_bytes=1_000_000, read_timeout=2))
+    assert time.monotonic() - started < 1.0
+    assert "exceeds max_bytes=1000000" in str(caught.value) and not caught.value.retryable, caught.value
