@@ -85,7 +85,8 @@ def wav_duration_seconds(data: bytes) -> float:
 
     Read from the RIFF chunks rather than with `wave`, which knows integer PCM alone: a server writing 32-bit
     float or extensible-format WAV (torchaudio, scipy) had every pair of its stage failed as not a WAV file.
-    A data chunk of unknown length (0 or 0xFFFFFFFF, written by a streaming server) runs to the end. No samples
+    A data chunk of unknown length (0 or 0xFFFFFFFF, written by a streaming server) runs to the end, which must end
+    a sample frame (one cut exactly between two frames still reads as whole). No samples
     at all (a TTS given only punctuation) or fewer bytes than the chunk declares (a body cut short) is no audio.
     """
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
@@ -103,6 +104,8 @@ def wav_duration_seconds(data: bytes) -> float:
             available = len(data) - body
             if size not in (0, 0xFFFFFFFF) and size > available:
                 raise ValueError(f"WAV cut short: its data chunk declares {size} bytes, {available} are there")
+            if size in (0, 0xFFFFFFFF) and available % block:
+                raise ValueError(f"WAV cut short: its data of unknown length ends inside a {block}-byte sample frame")
             frames = (available if size in (0, 0xFFFFFFFF) else size) // block
             if not frames:
                 raise ValueError("WAV holds no samples")
@@ -125,9 +128,9 @@ def check_known_media(media_type: str, data: bytes) -> None:
     connection, whose connection dropped).
 
     Known: WAV, PNG, JPEG, WebP, FLAC (in `flac`) and (in `audio_frames`) MP3, ADTS AAC and Ogg (Opus, Vorbis).
-    An AAC, or an MP3 without a Xing/Info or VBRI frame count, cut exactly between two frames still reads as
-    whole, and so does a FLAC whose STREAMINFO gives no total. Raw PCM (`audio/pcm`) is not checked: it has no
-    structure at all. Any other type is taken as it is."""
+    An AAC, an MP3 without a Xing/Info or VBRI frame count, or a WAV of unknown data length (streamed), cut
+    exactly between two frames still reads as whole, and so does a FLAC whose STREAMINFO gives no total. Raw PCM
+    (`audio/pcm`) is not checked: it has no structure at all. Any other type is taken as it is."""
     kind = media_type.split(";")[0].strip().lower()
     if kind in WAV_TYPES:
         wav_duration_seconds(data)

@@ -175,6 +175,17 @@ def test_a_wav_of_any_sample_format_has_its_duration(wav: bytes, seconds: float)
     assert wav_duration_seconds(wav) == pytest.approx(seconds)
 
 
+@pytest.mark.parametrize("unknown", [0, 0xFFFFFFFF])
+def test_a_streamed_wav_cut_inside_a_sample_frame_is_cut_short(unknown: int) -> None:
+    """A streaming server writes no data length; a body of such a WAV cut short (a connection closed cleanly halfway,
+    no Content-Length) read as whole. Cut inside a frame it is known now; cut between two frames it still is not."""
+    whole = _wav(1, 2, 16000, 16, 1.0, data_size=unknown)  # 4-byte frames after a 44-byte header
+    half = 44 + 8000 * 4
+    with pytest.raises(ValueError, match="cut short"):
+        wav_duration_seconds(whole[: half + 1])
+    assert wav_duration_seconds(whole[:half]) == pytest.approx(0.5)
+
+
 def test_a_wav_with_no_sample_rate_is_not_a_wav_file() -> None:
     """A frame rate of 0 was a ZeroDivisionError: a generator bug rather than a refused scene."""
     with pytest.raises(ValueError, match="not a WAV file"):
