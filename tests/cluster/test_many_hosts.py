@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from animastor_tasks.flow.lanes import HEARTBEAT_SLACK
 from tests.e2e.harness import audio_stage, image_stage, running_dispatch, stage_table
 from tests.faults.checks import duplicated_commits, unauthorized_dispatches
 from tests.integration.helpers import make_book
@@ -178,7 +179,7 @@ def test_every_host_of_a_stage_partitioned(make_cluster: Any, broker: str) -> No
         row = cl.stack.commands(book).get("image")
         return row if row is not None and row.status == "blocked" else None
 
-    limit = ttl + settings.tick_seconds + 0.5
+    limit = ttl + settings.tick_seconds + 0.5 + ttl / 3 + HEARTBEAT_SLACK  # and the second count of its consumers
     row = wait_for(lambda: blocked("cut-all-a"), limit + 10, what="the running command BLOCKED", interval=0.05)
     running_blocked_s = since(cut)
     assert row.reason == "no_worker:image"
