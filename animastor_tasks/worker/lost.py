@@ -34,7 +34,7 @@ from collections import Counter
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
-from billiard.exceptions import WorkerLostError
+from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
 from animastor_tasks.adapters.redis import counters
@@ -49,7 +49,10 @@ from animastor_tasks.errors import StoreUnavailable
 
 log = logging.getLogger("animastor.generate")
 
-_PROCESS_GONE = (WorkerLostError, SystemExit, KeyboardInterrupt)  # how Celery reports a pool process's death
+# How Celery reports a pool process's death; `Terminated`: killed by Celery itself (`revoke --terminate`, Flower's
+# Terminate, a cold shutdown). *Why that too:* after a SIGKILL there, the job's lease and running marker stood and its
+# pair and slot waited out the lease (120 s).
+_PROCESS_GONE = (WorkerLostError, SystemExit, KeyboardInterrupt, Terminated)
 
 
 class GenerateRequest(Request):
@@ -60,7 +63,9 @@ class GenerateRequest(Request):
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         if isinstance(exc, _PROCESS_GONE) and self._in_pool_process():
-            let_go(self.hostname, self.worker_pid, redelivered=self.kwargs.get("dispatch_id"))
+            # A job revoked as it was terminated has its message acknowledged: nothing redelivers it.
+            redelivered = None if self._already_revoked else self.kwargs.get("dispatch_id")
+            let_go(self.hostname, self.worker_pid, redelivered=redelivered)
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:

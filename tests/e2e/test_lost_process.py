@@ -177,3 +177,27 @@ def test_a_worker_that_never_comes_back_has_its_job_taken_over_by_another(make_s
     assert len(cluster.logs_mentioning(f"worker {lost.hostname} stopped beating")) == 1
     assert stack.rt.redis.client.hget(stack.rt.redis.keys.metrics(), "job:node_lost:audio") == "1"
     figure(f"GPU worker {lost.hostname} SIGKILLed mid-job, never back: ready on another worker {took:.1f}s later")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_job_an_operator_terminates_frees_its_slot_within_a_tick(make_stack, figure, sig: str) -> None:
+    """`revoke --terminate` (Flower's Terminate) signals the pool process running the job, and Celery reports it
+    as terminated, not as a lost process. A SIGTERM lets the job's own clean-up run; after a SIGKILL its lease and
+    running marker stood, and the pair and its slot waited out the lease (120 s) before the tick took the pair
+    over. Its command is still active: the pair runs again."""
+    stack, gpu = _stack(make_stack)
+    book = make_book("terminated", chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+
+    stack.client.regenerate(book.book_id, ["audio"], wait=False)
+    [first] = wait_for(lambda: _started(stack, book.book_id, "s1") or None, 20, what="the job started")
+    time.sleep(0.5)
+    stack.client.app.control.revoke(first["dispatch_id"], terminate=True, signal=sig)
+    at = time.monotonic()
+    wait_for(lambda: len(_started(stack, book.book_id, "s1")) == 2 or None, BOUND, what="the pair dispatched again")
+    wait_for(lambda: _state(stack, book.book_id, "s1") == "ready", BOUND, what="the pair ready again")
+    took = time.monotonic() - at
+    starts = _started(stack, book.book_id, "s1")
+    assert starts[1]["dispatch_id"] != first["dispatch_id"] and starts[1]["detail"]["lost_starts"] == 1, starts
+    assert gpu.alive()
+    figure(f"job terminated ({sig}) by an operator mid-run: pair ready again {took:.1f}s later (lease {LEASE_TTL} s)")
