@@ -22,7 +22,8 @@ def progress(row: CommandRow) -> dict[str, Any]:
 
 def status(ports: Ports, book_id: object) -> dict[str, Any]:
     book = validate.known_book(ports, book_id)
-    commands = ports.commands.commands(book=book)
+    # Every command still at work, however many newer ones ended since: 200 readers' scenes hid a bulk command.
+    commands = ports.commands.commands(book=book, every_active=True)
     scenes: dict[tuple[str, str], dict[str, Any]] = {}
     uris = ports.assets.artifact_uris(book)
     for chapter, scene, stage, state, artifact in ports.assets.scene_states(book):

@@ -136,6 +136,7 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
     seen: dict[str, float] = {f"dispatch:{o}": 0.0 for o in Outcome if o != Outcome.DEFERRED}
     seen.update({f"{kind}:{stage}": 0.0 for kind in ("blocked", "lost_refill") for stage in stages})
     seen.update({f"job:{e}:{stage}": 0.0 for e in JOB_EVENTS for stage in stages})
+    seen["revoke:failed"] = 0.0
     seen.update({k: _number(v) for k, v in fields.items()})
     fence_total = 0.0
     for name, n in sorted(seen.items()):
@@ -154,9 +155,7 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
         elif name == "revoke:failed":
             revoke.add_metric([], n)
     fence.add_metric([], fence_total)
-    yield from (dispatch, fence, blocked, jobs, lost)
-    if revoke.samples:
-        yield revoke
+    yield from (dispatch, fence, blocked, jobs, lost, revoke)
 
 
 def _histogram_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator[Metric]:
@@ -196,7 +195,8 @@ def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
 
     try:
         running: dict[str, int] | None = rt.reads.lane_usage()
-    except StoreUnavailable as err:  # Postgres's part of the queue view only: the rest is Redis's and the broker's
+    except Exception as err:  # Postgres's part of the queue view only: the rest is Redis's and the broker's
+        # Any failure (a schema not migrated, a privilege withheld) is Postgres's: raised on, it counted as Redis down.
         log.warning("[METRICS] lane usage unreadable: %s", err)
         running, up["postgres"] = None, 0.0
     rows = views.queue_overview(rt, running if running is not None else {})

@@ -111,3 +111,20 @@ def test_a_commands_limit_past_what_postgres_counts_is_a_usage_error(rt) -> None
     done = cli("commands", "--limit", "99999999999999999999")
     assert done.returncode == 2, done.stderr
     assert "--limit" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_status_shows_a_book_s_active_command_however_many_newer_ones_there_are(rt) -> None:
+    """`status` read the book's 200 newest commands: a whole-book bulk command still at work behind 200 readers'
+    single scenes vanished from it, and `status --watch` ended while its work went on."""
+    from animastor_tasks.flow.status import status
+
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
+    advertise(rt, "gpu.audio", "gpu.image")
+    bulk = regenerate_flow.regenerate(rt.ports, "b", ["audio"], priority="bulk")["commands"][0]["command_id"]
+    for _ in range(200):
+        regenerate_flow.regenerate(rt.ports, "b", ["image"], [["ch1", "s1"]], force=False, priority="interactive")
+    with rt.db.transaction() as conn:  # the readers' commands have ended: only the bulk one works on
+        conn.execute("UPDATE commands SET status = 'completed' WHERE stage = 'image'")
+    shown = {c["command_id"]: c["status"] for c in status(rt.ports, "b")["commands"]}
+    assert shown.get(bulk) == "active", f"the active bulk command is not shown among {len(shown)}"
+    assert len(shown) == 201

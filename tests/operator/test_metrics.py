@@ -90,6 +90,23 @@ def test_counters_of_the_hash_are_exported_by_kind(rt: Wiring) -> None:
     assert value(samples, "animastor_lost_refills_total", stage="audio") == 2
     assert value(samples, "animastor_lost_refills_total", stage="image") == 0
     assert value(samples, "animastor_commands", status="active") == 0
+    # Exported at 0 before the first failure, as the others: `increase()` missed the first failed revoke.
+    assert value(samples, "animastor_revoke_failures_total") == 0
+
+
+def test_a_postgres_error_that_is_no_outage_is_still_blamed_on_postgres(rt: Wiring, monkeypatch) -> None:
+    """A database without its schema (or a read it may not make) raised past the queue view's Postgres read:
+    counted as Redis down, with the consumer and depth families (the alerts' inputs) dropped."""
+    import psycopg
+
+    def no_table() -> dict[str, int]:
+        raise psycopg.errors.UndefinedTable('relation "asset_states" does not exist')
+
+    monkeypatch.setattr(rt.reads, "lane_usage", no_table)
+    samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
+    assert value(samples, "animastor_store_up", store="redis") == 1
+    assert value(samples, "animastor_store_up", store="postgres") == 0
+    assert value(samples, "animastor_queue_consumers", queue="gpu.audio", stage="audio") == 0
 
 
 def test_pending_backlog_is_exported_per_stage(rt: Wiring) -> None:

@@ -167,9 +167,15 @@ class CommandStore:
         return {str(cid): status for cid, status in rows}
 
     def commands(
-        self, *, book: str | None = None, command_ids: Sequence[str] | None = None, limit: int = 200
+        self,
+        *,
+        book: str | None = None,
+        command_ids: Sequence[str] | None = None,
+        limit: int = 200,
+        every_active: bool = False,
     ) -> list[CommandRow]:
-        """Commands with their per-state progress, newest first."""
+        """Commands with their per-state progress, newest first: the `limit` newest, and with `every_active` each
+        one still active however old."""
         params: list[Any] = [book] if book is not None else []
         where = "c.book_id = %s" if book is not None else "TRUE"
         if command_ids is not None:
@@ -182,10 +188,10 @@ class CommandStore:
                 " JOIN command_targets t ON t.command_id = c.command_id"
                 " LEFT JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
                 "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
-                f" WHERE {where} AND c.command_id IN (SELECT command_id FROM commands c WHERE {where}"
-                "  ORDER BY created_at DESC LIMIT %s)"
+                f" WHERE {where} AND (c.command_id IN (SELECT command_id FROM commands c WHERE {where}"
+                "  ORDER BY created_at DESC LIMIT %s) OR (%s AND c.status = %s))"
                 " GROUP BY 1, 2, 3, 4, 5, 6, 7, 8 ORDER BY 6 DESC, 3",
-                [*params, *params, limit],
+                [*params, *params, limit, every_active, CommandStatus.ACTIVE],
             ).fetchall()
         found: dict[str, dict[str, Any]] = {}
         for cid, book_id, stage, status, reason, created, state, released, count in rows:
