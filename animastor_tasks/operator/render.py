@@ -254,6 +254,8 @@ def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list
     specs = rt.settings.stages
     now = rt.ports.clock()  # deferrals and heartbeats go by the Redis server's clock
     live = rt.presence.live_consumers([s.queue for s in specs], now)
+    # Each host's last beat as it wrote it: its own TTL may differ from this process's setting.
+    beats = rt.presence.last_beats(sorted({host for hosts in live.values() for host in hosts}))
     amqp, depth = _broker_counts(rt.presence.amqp_url, rt.settings.broker_url, [s.queue for s in specs])
     running = rt.reads.lane_usage() if running is None else running
     deferred = rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), now)
@@ -264,7 +266,12 @@ def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list
             "consumers": [
                 {
                     "hostname": host,
-                    "heartbeat_age_seconds": round(rt.settings.presence_ttl_seconds - (exp - now), 1),
+                    "heartbeat_age_seconds": round(
+                        max(0.0, now - beats[host])
+                        if host in beats
+                        else rt.settings.presence_ttl_seconds - (exp - now),
+                        1,
+                    ),
                 }
                 for host, exp in sorted(live.get(spec.queue, {}).items())
             ],

@@ -128,3 +128,14 @@ def test_status_shows_a_book_s_active_command_however_many_newer_ones_there_are(
     shown = {c["command_id"]: c["status"] for c in status(rt.ports, "b")["commands"]}
     assert shown.get(bulk) == "active", f"the active bulk command is not shown among {len(shown)}"
     assert len(shown) == 201
+
+
+def test_a_heartbeat_s_age_is_read_from_the_beat_not_from_this_shell_s_ttl(rt) -> None:
+    """The age was the CLI's own presence TTL less the heartbeat's time left: a worker run with a TTL of 30 s that
+    beat a moment ago showed -24 s beside a shell with the default 6 s."""
+    from animastor_tasks.operator.render import queue_overview
+
+    advertise(rt, "gpu.audio", ttl=30.0)
+    [audio] = [row for row in queue_overview(rt) if row["queue"] == "gpu.audio"]
+    [consumer] = audio["consumers"]
+    assert 0 <= consumer["heartbeat_age_seconds"] < 2, consumer
