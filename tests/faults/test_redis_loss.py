@@ -116,18 +116,24 @@ def test_redis_loss_with_jobs_queued_and_running(make_stack, redis_down_ok, figu
     )
 
 
+def _one_long_job(make_stack: Any, name: str, params: dict[str, Any], *, lease_ttl: int) -> tuple[Any, Any]:
+    """A stack (control, audio worker, beat) running the one audio job of a new book: (stack, book) once it started."""
+    stack = make_stack(stages=stage_table(audio=audio_stage(params=params, lease_ttl=lease_ttl), image=image_stage()))
+    cluster = stack.cluster
+    cluster.wait_ready(cluster.control(wait=False), cluster.gpu("audio", wait=False), cluster.beat(wait=False))
+    book = make_book(name, chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+    stack.client.regenerate(book.book_id, ["audio"])
+    wait_for(lambda: stack.events("job.started", book.book_id), 20, interval=0.05, what="the job started")
+    return stack, book
+
+
 def test_a_job_running_through_a_redis_restart_keeps_its_gpu_work(make_stack, redis_down_ok, figure) -> None:
     """Redis restarted without persistence while a long job ran: the tick took its lease-less pair over at once
     and the job stopped at its next renewal, its GPU work done again from the start on the next dispatch. Now the
     job takes its lease back (Postgres still says the pair is its own) and commits: one start, one run."""
-    long_job = {"steps": 40, "step_seconds": 0.15}  # 6 s, renewing its 3 s lease every second
-    stack = make_stack(stages=stage_table(audio=audio_stage(params=long_job, lease_ttl=3), image=image_stage()))
-    cluster = stack.cluster
-    cluster.wait_ready(cluster.control(wait=False), cluster.gpu("audio", wait=False), cluster.beat(wait=False))
-    book = make_book("long-job", chapters=1, scenes=1)
-    stack.rt.catalog.import_book(book)
-    stack.client.regenerate(book.book_id, ["audio"])
-    wait_for(lambda: stack.events("job.started", book.book_id), 20, interval=0.05, what="the job started")
+    # 6 s, renewing its 3 s lease every second
+    stack, book = _one_long_job(make_stack, "long-job", {"steps": 40, "step_seconds": 0.15}, lease_ttl=3)
     time.sleep(1.0)
     redis_down_ok.restart()
     restarted = time.monotonic()
@@ -147,14 +153,8 @@ def test_a_redis_outage_that_loses_nothing_blocks_no_stage_whose_workers_live(
     heartbeat of Redis. No stage may be BLOCKED for it, and the running job commits once. (The race this guards,
     a tick between Redis's return and the first heartbeat in a control process that saw nothing of the outage, is
     shown in `tests/integration/test_takeover.py`; here the broker's own reconnection mostly hides it.)"""
-    long_job = {"steps": 40, "step_seconds": 0.25}  # 10 s: the outage falls inside it
-    stack = make_stack(stages=stage_table(audio=audio_stage(params=long_job, lease_ttl=30), image=image_stage()))
-    cluster = stack.cluster
-    cluster.wait_ready(cluster.control(wait=False), cluster.gpu("audio", wait=False), cluster.beat(wait=False))
-    book = make_book("outage-book", chapters=1, scenes=1)
-    stack.rt.catalog.import_book(book)
-    stack.client.regenerate(book.book_id, ["audio"])
-    wait_for(lambda: stack.events("job.started", book.book_id), 20, interval=0.05, what="the job started")
+    # 10 s: the outage falls inside it
+    stack, book = _one_long_job(make_stack, "outage-book", {"steps": 40, "step_seconds": 0.25}, lease_ttl=30)
     saved = redis.Redis.from_url(stack.env["ANIMASTOR_REDIS_URL"])
     try:
         saved.save()  # the dataset comes back with the server

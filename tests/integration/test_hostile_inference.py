@@ -102,11 +102,17 @@ def serve() -> Iterator[Callable[..., str]]:
         thread.join(timeout=5)
 
 
-def _media(status: int, media_type: str, body: bytes, *, length: int | None = None) -> Answer:
+def answering(
+    status: int, media_type: str, body: bytes, *, length: int | None = None, headers: dict[str, str] | None = None
+) -> Answer:
+    """An answer of `status` with `body` (and its length, or `length`), and `headers` besides."""
+
     def answer(handler: BaseHTTPRequestHandler) -> None:
         handler.send_response(status)
         handler.send_header("Content-Type", media_type)
         handler.send_header("Content-Length", str(len(body) if length is None else length))
+        for name, value in (headers or {}).items():
+            handler.send_header(name, value)
         handler.end_headers()
         handler.wfile.write(body)
 
@@ -180,7 +186,7 @@ def _computing(seconds: float, left: list[float]) -> Answer:
             if readable and socket.socket.recv(conn, 1, socket.MSG_PEEK) == b"":  # under TLS too
                 left.append(time.monotonic())
                 return
-        _media(200, "audio/wav", synthesize_wav("one two"))(handler)
+        answering(200, "audio/wav", synthesize_wav("one two"))(handler)
 
     return answer
 
@@ -240,7 +246,7 @@ def test_broken_media_under_the_right_content_type_is_not_a_result(
 ) -> None:
     """The http generator checked the Content-Type and that the body was not empty: each of these was stored and
     the pair marked ready, so nothing ever made it again."""
-    url = serve(_media(200, {"audio": "audio/wav", "image": "image/png"}[stage], body))
+    url = serve(answering(200, {"audio": "audio/wav", "image": "image/png"}[stage], body))
     with pytest.raises(GeneratorError) as info:
         _generate(_spec(url, stage))
     assert not isinstance(info.value, GenerationStopped), why
@@ -305,7 +311,7 @@ def test_close_delimited_audio_whose_connection_dropped_is_not_a_result(
 
 
 def test_a_header_only_wav_from_an_openai_server_is_not_a_result(serve: Callable[[Answer], str]) -> None:
-    url = serve(_media(200, "audio/wav", synthesize_wav("one")[:44]))
+    url = serve(answering(200, "audio/wav", synthesize_wav("one")[:44]))
     with pytest.raises(GeneratorError, match="WAV"):
         _generate(_spec(url, generator="openai-speech", model="tts"), key=SECRET)
 
@@ -313,14 +319,8 @@ def test_a_header_only_wav_from_an_openai_server_is_not_a_result(serve: Callable
 def test_retry_after_of_a_refusal_travels_with_the_error(serve: Callable[[Answer], str]) -> None:
     """The http generator never reads Retry-After itself: the worker's backoff now can, from the error."""
 
-    def busy(handler: BaseHTTPRequestHandler) -> None:
-        handler.send_response(429)
-        handler.send_header("Retry-After", "7")
-        handler.send_header("Content-Length", "0")
-        handler.end_headers()
-
     with pytest.raises(GeneratorError) as info:
-        _generate(_spec(serve(busy)))
+        _generate(_spec(serve(answering(429, "text/plain", b"", headers={"Retry-After": "7"}))))
     assert info.value.retryable and info.value.retry_after == 7.0
     assert info.value.rate_limited  # 429: whoever asks is refused, not this scene
 
@@ -334,7 +334,7 @@ def test_netrc_credentials_on_the_worker_host_are_never_sent(
     netrc.write_text("default login someone password elsewhere-secret\n")
     netrc.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc))
-    url = serve(_media(200, "audio/wav", synthesize_wav("one two")))
+    url = serve(answering(200, "audio/wav", synthesize_wav("one two")))
     seen: list[dict[str, str]] = serve.seen  # type: ignore[attr-defined]
     _generate(_spec(url))
     _generate(_spec(url, generator="openai-speech", model="tts"), key=SECRET)
@@ -360,14 +360,14 @@ def test_netrc_credentials_on_the_worker_host_are_never_sent(
 def test_a_refusal_of_every_request_is_told_apart_from_a_refusal_of_the_scene(
     serve: Callable[[Answer], str], status: int, media_type: str, misconfigured: bool
 ) -> None:
-    url = serve(_media(status, media_type, b'{"error": "no"}'))
+    url = serve(answering(status, media_type, b'{"error": "no"}'))
     with pytest.raises(GeneratorError) as caught:
         _generate(_spec(url))
     assert (caught.value.misconfigured, caught.value.retryable) == (misconfigured, False)
 
 
 def test_another_success_than_200_does_not_quote_its_media_as_the_error(serve: Callable[[Answer], str]) -> None:
-    url = serve(_media(201, "audio/wav", synthesize_wav("one two")))
+    url = serve(answering(201, "audio/wav", synthesize_wav("one two")))
     with pytest.raises(GeneratorError) as caught:
         _generate(_spec(url))
     assert "answered 201" in str(caught.value) and "RIFF" not in str(caught.value), caught.value
@@ -379,12 +379,7 @@ def test_a_redirect_to_a_malformed_location_is_a_misconfigured_endpoint_not_a_bu
     """`Location: http://[gpu-box/v1` raised urllib's ValueError from the check itself: counted as a generator bug,
     the pair failed with a traceback, the breaker told nothing, the redirect never named."""
 
-    def moved(handler: BaseHTTPRequestHandler) -> None:
-        handler.send_response(302)
-        handler.send_header("Location", "http://[gpu-box/v1")
-        handler.send_header("Content-Length", "0")
-        handler.end_headers()
-
+    moved = answering(302, "text/plain", b"", headers={"Location": "http://[gpu-box/v1"})
     with pytest.raises(GeneratorError) as caught:
         _generate(_spec(serve(moved)))
     assert caught.value.misconfigured and "a redirect to a Location that cannot be read" in str(caught.value)
@@ -393,7 +388,7 @@ def test_a_redirect_to_a_malformed_location_is_a_misconfigured_endpoint_not_a_bu
 def _images(body: bytes, url_of: Callable[[Answer], str]) -> GeneratorError:
     with pytest.raises(GeneratorError) as caught:
         _generate(
-            _spec(url_of(_media(200, "application/json", body)), "image", "openai-images", model="img"), key=SECRET
+            _spec(url_of(answering(200, "application/json", body)), "image", "openai-images", model="img"), key=SECRET
         )
     return caught.value
 
@@ -420,7 +415,7 @@ def test_an_error_answered_under_200_is_retried_with_the_server_s_words(serve: C
 
 def test_a_speech_server_that_ignores_the_format_asked_for_is_misconfigured(serve: Callable[[Answer], str]) -> None:
     """An MP3 answered for a WAV stage (the server ignores `response_format`) is its answer to every scene."""
-    url = serve(_media(200, "audio/mpeg", mp3_stream()))
+    url = serve(answering(200, "audio/mpeg", mp3_stream()))
     with pytest.raises(GeneratorError) as caught:
         _generate(_spec(url, generator="openai-speech", model="tts"), key=SECRET)
     assert caught.value.misconfigured and "audio/mpeg" in str(caught.value), caught.value

@@ -9,7 +9,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, make_book, states
 from .test_generate import dispatched_jobs, with_stage
+from .test_hostile_inference import answering, serve  # noqa: F401 (the fixture)
 
 PAIR = ("ch1", "s1", "audio")
 
@@ -395,44 +395,20 @@ def test_a_rejected_api_key_opens_the_breaker_instead_of_failing_every_pair(rt, 
     assert audio == {"pending": 5, "failed": 1}  # at most threshold - 1 pairs failed; the rest wait
 
 
-class _RateLimited(BaseHTTPRequestHandler):
-    """An inference server over its rate: 429 with a Retry-After to every request."""
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", "0")))
-        body = b'{"error": {"message": "Rate limit reached for requests", "type": "requests"}}'
-        self.send_response(429)
-        self.send_header("Retry-After", "20")
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def test_a_rate_limit_longer_than_the_jobs_retries_fails_no_scene(rt, tmp_path) -> None:
+def test_a_rate_limit_longer_than_the_jobs_retries_fails_no_scene(rt, tmp_path, serve) -> None:  # noqa: F811
     """A server over its rate refuses whoever asks, for longer than a job's retries wait (each capped at
     ANIMASTOR_RETRY_BACKOFF_MAX). Old code: the first jobs (up to the breaker's threshold - 1) failed their healthy
     scenes for good while the breaker stayed closed; now every pair goes back to `pending`, and the breaker pauses
     the lane."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _RateLimited)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1/generate/audio"
-        spec = replace(rt.settings.registry.get("audio"), generator="http", endpoint=url, book_cap=4)
-        with_stage(rt, spec, tmp_path, breaker_threshold=3, generate_max_retries=1, retry_backoff_base=0.01,
-                   retry_backoff_max=0.05)  # fmt: skip
-        rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
-        advertise(rt, "gpu.audio")
-        regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-        results = [run_job(rt.ports, job, worker="test") for job in dispatched_jobs(rt, "b")]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    over_its_rate = b'{"error": {"message": "Rate limit reached for requests", "type": "requests"}}'
+    url = serve(answering(429, "application/json", over_its_rate, headers={"Retry-After": "20"}))
+    spec = replace(rt.settings.registry.get("audio"), generator="http", endpoint=f"{url}/v1/generate/audio", book_cap=4)
+    with_stage(rt, spec, tmp_path, breaker_threshold=3, generate_max_retries=1, retry_backoff_base=0.01,
+               retry_backoff_max=0.05)  # fmt: skip
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    results = [run_job(rt.ports, job, worker="test") for job in dispatched_jobs(rt, "b")]
     assert [r["outcome"] for r in results] == ["given_back"] * 4, results
     assert all(r["attempts"] == 2 for r in results)  # retried as a backend failure is
     assert "answered 429: Rate limit reached" in results[0]["error"]
