@@ -122,6 +122,12 @@ def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
         params = entry.get("params", {})
         if not isinstance(params, Mapping):
             raise ValueError(f"stage {name!r}: params must be an object, got {params!r}")
+        generator = _text(name, "generator", entry.get("generator", "http" if endpoint else "builtin"))
+        if generator == "builtin" and endpoint is not None:  # its placeholders were stored as ready, the server unused
+            raise ValueError(
+                f"stage {name!r}: generator 'builtin' makes placeholder media and calls no endpoint; drop"
+                " 'generator' (an endpoint means 'http') or the endpoint"
+            )
         stages.append(
             StageSpec(
                 name=name,
@@ -133,7 +139,7 @@ def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
                 book_quota=_positive_int(name, "book_quota", entry.get("book_quota", 4)),
                 window=_positive_int(name, "window", entry.get("window", 4)),
                 book_cap=None if entry.get("book_cap") is None else _positive_int(name, "book_cap", entry["book_cap"]),
-                generator=_text(name, "generator", entry.get("generator", "http" if endpoint else "builtin")),
+                generator=generator,
                 endpoint=endpoint,
                 params=dict(params),
             )

@@ -84,6 +84,8 @@ def test_a_third_stage_is_configuration_only() -> None:
         # A key given twice kept its last copy silently: the stage's `input` lost, its images made from the text.
         ({"ANIMASTOR_STAGES": '{"image": {"input": "prompt"}, "image": {"queue": "gpu.img2"}}'}, "'image' twice"),
         ({"ANIMASTOR_STAGES": '{"audio": {"lane_limit": 2, "lane_limit": 20}}'}, "'lane_limit' twice"),
+        # The endpoint was ignored: placeholder images stored as ready, the inference server never called.
+        ({"ANIMASTOR_STAGES": '{"image": {"generator": "builtin", "endpoint": "http://gpu-box:8765/v1"}}'}, "builtin"),
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], needle: str) -> None:
