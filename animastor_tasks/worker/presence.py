@@ -54,7 +54,7 @@ class PresenceStep(bootsteps.StartStopStep):
         # the gate that nobody consumes the stage: it would BLOCK the command and release the pair, and the
         # job still running would be fenced out at commit. So a worker with jobs keeps advertising until
         # they are done (or the worker has shut down), then withdraws.
-        if worker_state.active_requests:
+        if _jobs_in_hand():
             if not self._draining.is_set():  # stop() and shutdown() both come here
                 self._draining.set()
                 signals.worker_shutdown.connect(lambda **_: self._finish(parent), weak=False)
@@ -74,7 +74,7 @@ class PresenceStep(bootsteps.StartStopStep):
 
         ttl = wiring.current().settings.presence_ttl_seconds
         while True:
-            if self._draining.is_set() and not worker_state.active_requests:
+            if self._draining.is_set() and not _jobs_in_hand():
                 self._withdraw(parent)
                 return
             try:
@@ -101,3 +101,10 @@ class PresenceStep(bootsteps.StartStopStep):
             self._advertised = set()
         except StoreUnavailable as err:
             log.warning("[PRESENCE] could not withdraw %s: %s", parent.hostname, err)
+
+
+def _jobs_in_hand() -> bool:
+    """Jobs running, or handed to the pool and not yet reported started (`reserved`). *Why the second:* a SIGTERM
+    handled in between withdrew the worker at once, and its job ran unadvertised: a stage whose only worker it was
+    could be BLOCKED under it, its GPU work thrown away."""
+    return bool(worker_state.active_requests or worker_state.reserved_requests)
