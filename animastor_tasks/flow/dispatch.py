@@ -233,7 +233,8 @@ def _claim_and_publish(
             with ports.leases.batched():
                 for outcome, pairs in choice.refused.items():
                     _defer(ports, book, outcome, pairs, now, result)
-                refused = [i for i in todo if i.pair in {pair for pairs in choice.refused.values() for pair in pairs}]
+                refused_pairs = {pair for pairs in choice.refused.values() for pair in pairs}
+                refused = [i for i in todo if i.pair in refused_pairs]
                 lane_full = {stage for _, _, stage in choice.refused.get(Outcome.LANE_FULL, ())}
                 served = {queue_of[stage] for stage in taken}
                 for stage in choice.waits_for:
