@@ -144,18 +144,7 @@ class Transport:
             wait: float | None = None
             with Watchdog(should_stop, time.monotonic() + limits.total_timeout) as watchdog:
                 try:
-                    with (
-                        watched_session() as session,
-                        session.post(
-                            self.url,
-                            json=body,
-                            headers=dict(headers),
-                            auth=_no_credentials,
-                            timeout=(limits.connect_timeout, limits.read_timeout),
-                            allow_redirects=False,
-                            stream=True,
-                        ) as response,
-                    ):
+                    with watched_session() as session, self._send(session, body, headers, limits) as response:
                         wait = self._retry_wait(response, attempt, limits)
                         if wait is None:
                             self._check_status(response)
@@ -172,15 +161,6 @@ class Transport:
                 except GeneratorError:
                     self._check_cut(watchdog, limits, request)
                     raise
-                except ValueError as err:
-                    # requests reads a redirect's Location even when it follows none, and refuses a malformed one
-                    # (`http://[gpu-box/v1`): counted as a generator bug, each pair failed with a traceback.
-                    raise GeneratorError(
-                        f"stage {self.stage!r}: inference endpoint answered a redirect to a Location that cannot be"
-                        f" read ({self.clean(str(err))}); redirects are refused, configure the final URL as the"
-                        " endpoint",
-                        misconfigured=True,
-                    ) from None
                 self._check_cut(watchdog, limits, request)  # a cut body without a length reads as one that ended
             if wait is None:
                 break
@@ -190,6 +170,31 @@ class Transport:
         if not data:
             raise GeneratorError(f"stage {self.stage!r}: inference endpoint returned an empty body", retryable=False)
         return media_type, data
+
+    def _send(
+        self, session: requests.Session, body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits
+    ) -> requests.Response:
+        """The POST, its redirects never followed. requests reads a redirect's Location even then, and refuses a
+        malformed one (`http://[gpu-box/v1`) with a bare ValueError: it was counted as a generator bug, and each
+        pair failed with a traceback."""
+        try:
+            return session.post(
+                self.url,
+                json=body,
+                headers=dict(headers),
+                auth=_no_credentials,
+                timeout=(limits.connect_timeout, limits.read_timeout),
+                allow_redirects=False,
+                stream=True,
+            )
+        except requests.exceptions.RequestException:
+            raise  # some are ValueErrors too (InvalidURL): the caller's to judge
+        except ValueError as err:
+            raise GeneratorError(
+                f"stage {self.stage!r}: inference endpoint answered a redirect to a Location that cannot be read"
+                f" ({self.clean(str(err))}); redirects are refused, configure the final URL as the endpoint",
+                misconfigured=True,
+            ) from None
 
     def _retry_wait(self, response: requests.Response, attempt: int, limits: Limits) -> float | None:
         """Seconds to wait before trying again, when the server asked for it and attempts remain."""
