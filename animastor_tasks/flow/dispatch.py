@@ -101,11 +101,7 @@ def dispatch_pending(
     presence_unsure = now - snap.presence_unsure_since < ports.settings.presence_ttl_seconds
     unconsumed = {stage: spec for stage, spec in specs.items() if consumers.get(spec.queue, 0) == 0}
     try:
-        gone = (
-            set()
-            if presence_unsure or not unconsumed
-            else lanes.gone_for_good(ports, [s.queue for s in unconsumed.values()])
-        )
+        gone = set() if presence_unsure else lanes.gone_for_good(ports, [s.queue for s in unconsumed.values()])
     except StoreUnavailable as err:
         log.warning("[DISPATCH] book=%r presence registry unreadable, dispatching nothing: %s", book, err)
         _keep_handed(ports, book, handed_lane, todo, specs, result)
@@ -233,23 +229,19 @@ def _claim_and_publish(
             with ports.leases.batched():
                 for outcome, pairs in choice.refused.items():
                     _defer(ports, book, outcome, pairs, now, result)
-                refused_pairs = {pair for pairs in choice.refused.values() for pair in pairs}
-                refused = [i for i in todo if i.pair in refused_pairs]
+                refused = {pair for pairs in choice.refused.values() for pair in pairs}
                 lane_full = {stage for _, _, stage in choice.refused.get(Outcome.LANE_FULL, ())}
-                served = {queue_of[stage] for stage in taken}
-                for stage in choice.waits_for:
-                    queue = queue_of[stage]
-                    if queue in served:
+                for stage in choice.waits_for:  # one stage per lane (the registry refuses a queue shared)
+                    rank = min(i.rank for i in todo if i.pair in refused and i.stage == stage)
+                    if taken[stage]:
                         # Given a slot of the lane by this pass: to the back of the most urgent priority it still has
                         # waiting there (round robin), not the place an urgent pair it now runs had given it.
-                        waits = [i for i in refused if i.stage in choice.waits_for and queue_of[i.stage] == queue]
-                        _wait_for_lane(ports, book, queue, min(i.rank for i in waits), now, served=True)
+                        _wait_for_lane(ports, book, queue_of[stage], rank, now, served=True)
                         continue
                     # Handed a slot that another pass took first: back to the head of its priority, not the end.
                     # Refused by its own share, it waits behind the books that waited longer.
-                    first = queue == handed_lane and stage in lane_full
-                    rank = min(i.rank for i in refused if i.stage == stage)
-                    _wait_for_lane(ports, book, queue, rank, 0.0 if first else now)
+                    first = queue_of[stage] == handed_lane and stage in lane_full
+                    _wait_for_lane(ports, book, queue_of[stage], rank, 0.0 if first else now)
                 ports.leases.take_leases(
                     [publish.claim_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims]
                 )

@@ -210,7 +210,7 @@ def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report
     try:
         counts = ports.presence.counts([s.queue for s in specs])
         unconsumed = [s for s in specs if counts.get(s.queue, 0) == 0]
-        gone = lanes.gone_for_good(ports, [s.queue for s in unconsumed]) if unconsumed else set()
+        gone = lanes.gone_for_good(ports, [s.queue for s in unconsumed])
     except StoreUnavailable as err:  # a broker that cannot count says nothing of the workers: the pass goes on
         log.warning("[TAKEOVER] consumers unreadable, blocking nothing this pass: %s", err)
         return

@@ -85,11 +85,12 @@ def soft_limit_held(what: str) -> Iterator[None]:
     """A soft time limit that fires inside is noted, not raised: a finished job's commit waiting for Postgres was
     cut short, its GPU work thrown away and the scene run again from the start. Only where the limit is Celery's
     signal to this process (a prefork pool child, on its main thread); elsewhere there is nothing to hold back."""
-    if threading.current_thread() is not threading.main_thread() or SIG_SOFT_TIMEOUT is None:
-        yield
-        return
-    previous = signal.getsignal(SIG_SOFT_TIMEOUT)
-    if previous is not soft_timeout_sighandler:
+    held = (
+        SIG_SOFT_TIMEOUT is not None
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(SIG_SOFT_TIMEOUT) is soft_timeout_sighandler
+    )
+    if not held:
         yield
         return
     fired: list[bool] = []
@@ -97,6 +98,6 @@ def soft_limit_held(what: str) -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(SIG_SOFT_TIMEOUT, previous)
+        signal.signal(SIG_SOFT_TIMEOUT, soft_timeout_sighandler)
         if fired:
             log.warning("[GENERATE] %s soft time limit passed while its verdict was written; not cut short", what)

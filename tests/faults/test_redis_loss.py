@@ -161,9 +161,11 @@ def test_a_redis_outage_that_loses_nothing_blocks_no_stage_whose_workers_live(
     finally:
         saved.close()
     redis_down_ok.stop()
-    time.sleep(2 * stack.settings.presence_ttl_seconds)  # every heartbeat lapses
-    redis_down_ok.start()
-    (redis_down_ok.folder / "dump.rdb").unlink()  # later restarts are without persistence again
+    try:
+        time.sleep(2 * stack.settings.presence_ttl_seconds)  # every heartbeat lapses
+        redis_down_ok.start()
+    finally:  # later restarts (the fixture's, when this one failed) are without persistence again
+        (redis_down_ok.folder / "dump.rdb").unlink(missing_ok=True)
     back = time.monotonic()
 
     def ended() -> Any:

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,16 @@ def test_the_tick_blocks_no_stage_while_heartbeats_come_back_after_redis_did(
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")
 
 
+def _while_the_worker_beats_again(rt: Wiring, run: Callable[[], object]) -> None:
+    """`run`, while the audio worker beats again half a second in (Redis answering again)."""
+    comes_back = threading.Timer(0.5, advertise, (rt, "gpu.audio"))
+    comes_back.start()
+    try:
+        run()
+    finally:
+        comes_back.join()
+
+
 def test_a_process_that_saw_nothing_of_an_outage_blocks_no_stage_whose_heartbeat_comes_back(
     rt: Wiring, tmp_path: Path
 ) -> None:
@@ -244,12 +255,7 @@ def test_a_process_that_saw_nothing_of_an_outage_blocks_no_stage_whose_heartbeat
     later, and blocks only a stage still without one."""
     one_job(rt, tmp_path, lease_ttl=60, heartbeat_ttl=0.5)
     time.sleep(0.6)  # lapsed: nobody could beat while Redis was away
-    comes_back = threading.Timer(0.5, advertise, (rt, "gpu.audio"))  # the worker beats again, Redis answering
-    comes_back.start()
-    try:
-        tick(rt)
-    finally:
-        comes_back.join()
+    _while_the_worker_beats_again(rt, lambda: tick(rt))
     (command,) = rt.ports.commands.commands(book="b")
     assert command.status == "active", command
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
@@ -263,12 +269,7 @@ def test_a_pass_of_pending_pairs_blocks_no_stage_whose_heartbeat_comes_back(rt: 
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # s1 runs, s2 waits (the book's cap)
     time.sleep(0.6)
     rt.ports.deferrals.clear_deferrals("b", [("ch1", "s2", "audio")])
-    comes_back = threading.Timer(0.5, advertise, (rt, "gpu.audio"))
-    comes_back.start()
-    try:
-        gate.gate_pass(rt.ports, "b")
-    finally:
-        comes_back.join()
+    _while_the_worker_beats_again(rt, lambda: gate.gate_pass(rt.ports, "b"))
     (command,) = rt.ports.commands.commands(book="b")
     assert command.status == "active", command
 
