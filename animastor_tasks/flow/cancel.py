@@ -44,9 +44,10 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
 
 
 def let_go(ports: Ports, book: str, dispatched: Sequence[tuple[Pair, str]]) -> None:
-    """The released jobs' leases dropped and revoked (a running job stops at its next renewal, or at once on a
-    cancel flag; a queued one is refused at its start), their slots handed to the books waiting for them."""
-    ports.leases.drop_leases([(book, *pair) for pair, _ in dispatched])
+    """The released jobs' leases dropped (each only while its dispatch holds it: a claim made since the commit
+    keeps its own) and revoked (a running job stops at its next renewal, or at once on a cancel flag; a queued
+    one is refused at its start), their slots handed to the books waiting for them."""
+    ports.leases.release_leases([((book, *pair), dispatch_id) for pair, dispatch_id in dispatched])
     if dispatched:
         ports.publisher.revoke([d for _, d in dispatched])
     registry = ports.settings.registry

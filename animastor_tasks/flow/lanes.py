@@ -65,7 +65,7 @@ def block_stage(ports: Ports, book: str, spec: StageSpec) -> list[str]:
     """No live consumer: the stage's commands are BLOCKED and their pairs released; no retry."""
     reason = no_worker_reason(spec.name)
     blocked, released = ports.commands.block_stage(book, spec.name, reason)
-    ports.leases.drop_leases([(book, *pair) for pair, _ in released])
+    ports.leases.release_leases([((book, *pair), d) for pair, d in released if d])
     ports.deferrals.clear_deferrals(book, [pair for pair, _ in released])
     dispatch_ids = [d for _, d in released if d]
     if dispatch_ids:

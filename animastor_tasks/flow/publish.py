@@ -79,12 +79,8 @@ def _record(ports: Ports, queue: str, ok: bool) -> str | None:
 def drop_leases(ports: Ports, book: str, claims: list[Claim]) -> None:
     """The leases of claims that did not commit or were not published (compare-and-delete on their dispatch
     ids), in one round trip; best-effort, the caller's trouble being the one to report."""
-    if not claims:
-        return
     try:
-        with ports.leases.batched():
-            for claim in claims:
-                ports.leases.release_lease((book, *claim.pair), claim.dispatch_id)
+        ports.leases.release_leases([((book, *claim.pair), claim.dispatch_id) for claim in claims])
     except StoreUnavailable as err:
         log.warning(
             "[DISPATCH] book=%r leases of %d claim(s) that did not commit not dropped: %s", book, len(claims), err

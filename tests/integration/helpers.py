@@ -43,6 +43,11 @@ def advertise(rt: Wiring, *queues: str, host: str = "test-worker@local", ttl: fl
     rt.presence.heartbeat(host, queues, ttl)
 
 
+def lose_leases(rt: Wiring, pairs: list[tuple[str, str, str, str]]) -> None:
+    """The pairs' leases gone, whoever held them (expired, or lost with Redis's data)."""
+    rt.redis.client.delete(*(rt.redis.keys.lease(*pair) for pair in pairs))
+
+
 def queued_messages(rt: Wiring, queue: str) -> int:
     """Messages waiting in a queue of the real Redis broker."""
     client = redis.Redis.from_url(rt.settings.broker_url)

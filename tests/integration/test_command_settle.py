@@ -19,7 +19,7 @@ from animastor_tasks.flow import status as status_flow
 from animastor_tasks.flow.generate import run_job
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, states
+from .helpers import advertise, lose_leases, make_book, states
 from .test_cli_reads import cli
 from .test_generate import dispatched_jobs, with_stage
 
@@ -73,7 +73,7 @@ def test_reconcile_of_an_unauthorized_dead_lease_settles_the_command(rt, book) -
     layers_flow.set_layers(rt.ports, book, [], ["audio"])  # a generating pair is left to its job...
     assert command(rt, book, cid)["status"] == "active"
     rt.redis.client.delete("gpu.audio")  # ...whose worker took it and died with it
-    rt.ports.leases.drop_leases([(book, "ch1", "s1", "audio")])
+    lose_leases(rt, [(book, "ch1", "s1", "audio")])
     assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 1
     found = command(rt, book, cid)
     assert states(rt, book)[("ch1", "s1", "audio")] == "dirty"

@@ -11,7 +11,7 @@ import pytest
 
 from animastor_tasks.errors import InvalidCommand, StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import gate
+from animastor_tasks.flow import gate, lanes
 from animastor_tasks.flow import layers as layers_flow
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -255,7 +255,7 @@ def test_cancel_is_final_until_a_new_regenerate(rt, book) -> None:
     assert states(rt, book)[("ch1", "s1", "audio")] == "generating"
 
 
-@pytest.mark.parametrize("step", ["drop_leases", "next_waiters"])
+@pytest.mark.parametrize("step", ["release_leases", "next_waiters"])
 def test_a_stop_all_whose_redis_cleanup_fails_after_its_commit_is_still_reported_done(
     rt, book, step, monkeypatch
 ) -> None:
@@ -269,7 +269,7 @@ def test_a_stop_all_whose_redis_cleanup_fails_after_its_commit_is_still_reported
     def blip(*args: object, **kwargs: object) -> None:
         raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset")
 
-    store = rt.ports.leases if step == "drop_leases" else rt.ports.deferrals
+    store = rt.ports.leases if step == "release_leases" else rt.ports.deferrals
     monkeypatch.setattr(store, step, blip)
     out = cancel_flow.cancel(rt.ports, book, "reader pressed stop")
     assert out["released"] == 6 and len(out["cancelled_commands"]) == 1
@@ -307,6 +307,44 @@ def test_a_stop_all_between_a_regenerates_lift_and_its_commands_leaves_the_new_c
     assert not rt.ports.book_state.cancel_flag_set(book) and not rt.ports.commands.is_tombstoned(book)
     assert states(rt, book)[("ch1", "s1", "audio")] == "generating"
     assert created["status"] == "active"
+
+
+def _regenerate_after(rt, book: str, step: str, monkeypatch) -> list[str | None]:  # type: ignore[no-untyped-def]
+    """`step` of the commands store wrapped: a regenerate of ch1/s1 comes in wholly after it commits, before its
+    caller's Redis clean-up. What held the pair's lease just before that regenerate (and then just after)."""
+    real = getattr(rt.ports.commands, step)
+    seen: list[str | None] = []
+
+    def then_regenerate(*args: object) -> object:
+        out = real(*args)
+        seen.extend(rt.ports.leases.lease_holders([(book, "ch1", "s1", "audio")]))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]])
+        seen.extend(rt.ports.leases.lease_holders([(book, "ch1", "s1", "audio")]))
+        return out
+
+    monkeypatch.setattr(rt.ports.commands, step, then_regenerate)
+    return seen
+
+
+def test_a_stop_all_leaves_the_lease_of_a_claim_made_after_its_commit(rt, book, monkeypatch) -> None:
+    """Stop All dropped the released jobs' leases by pair, whoever held them: a regenerate whose claim came
+    between its commit and that drop lost its lease: its slot counted as free, and its job was refused at its start."""
+    regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    seen = _regenerate_after(rt, book, "cancel_book", monkeypatch)
+    assert cancel_flow.cancel(rt.ports, book)["revoked"] >= 1
+    before, claimed = seen
+    assert claimed is not None and claimed != before
+    assert rt.ports.leases.lease_holders([(book, "ch1", "s1", "audio")]) == [claimed]
+
+
+def test_a_blocked_stage_leaves_the_lease_of_a_claim_made_after_its_commit(rt, book, monkeypatch) -> None:
+    """As Stop All: a stage BLOCKED (no live consumer) dropped its released pairs' leases by pair."""
+    regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    seen = _regenerate_after(rt, book, "block_stage", monkeypatch)
+    lanes.block_stage(rt.ports, book, rt.settings.registry.get("audio"))
+    before, claimed = seen
+    assert claimed is not None and claimed != before
+    assert rt.ports.leases.lease_holders([(book, "ch1", "s1", "audio")]) == [claimed]
 
 
 def test_cancel_of_one_book_never_touches_another(rt) -> None:

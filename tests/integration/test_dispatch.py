@@ -22,7 +22,7 @@ from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, fake_artifact, make_book, queued_messages, states, use_settings
+from .helpers import advertise, fake_artifact, lose_leases, make_book, queued_messages, states, use_settings
 
 WRITE_COMMANDS = {
     "SET",
@@ -459,7 +459,7 @@ def test_cancel_sweeps_only_its_own_book(rt) -> None:
 def test_reconcile_returns_a_dead_lease_to_pending_once_and_fences_the_stale_job(rt) -> None:
     token, dispatch_id = _one_audio_job(rt)
     rt.redis.client.delete("gpu.audio")  # a worker took the job and died with it
-    rt.ports.leases.drop_leases([("b", "ch1", "s1", "audio")])
+    lose_leases(rt, [("b", "ch1", "s1", "audio")])
     report = reconcile_flow.reconcile(rt.ports, force=True)
     assert report["expired"] == 1
     assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 0  # once
@@ -549,7 +549,7 @@ def test_a_pass_on_facts_read_before_a_concurrent_claim_does_not_claim_the_pair_
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     with rt.db.transaction() as conn:  # the pair pending again with its first dispatch on record, as after a re-make
         conn.execute("UPDATE asset_states SET state = 'pending' WHERE book_id = 'b' AND stage = 'audio'")
-    rt.ports.leases.drop_leases([("b", "ch1", "s1", "audio")])
+    lose_leases(rt, [("b", "ch1", "s1", "audio")])
     rt.redis.client.delete("gpu.audio")
     stale = (gate._snapshot(rt.ports, "b", rt.ports.clock()), rt.ports.assets.gate_rows_many(["b"], limit=100)["b"])
     first = gate.gate_pass(rt.ports, "b")
@@ -566,13 +566,13 @@ def test_a_job_still_queued_keeps_its_pair_past_the_lease(rt) -> None:
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     assert queued_messages(rt, "gpu.audio") == 1
-    rt.ports.leases.drop_leases([("b", "ch1", "s1", "audio")])
+    lose_leases(rt, [("b", "ch1", "s1", "audio")])
     assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 0
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
     assert rt.ports.leases.lease_holders([("b", "ch1", "s1", "audio")]) != [None]
     # Once the message is gone (lost with a broker flush), the pair goes back to pending.
     rt.redis.client.delete("gpu.audio")
-    rt.ports.leases.drop_leases([("b", "ch1", "s1", "audio")])
+    lose_leases(rt, [("b", "ch1", "s1", "audio")])
     assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 1
     assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
 

@@ -13,7 +13,7 @@ from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import CountingBroker, advertise, make_book, states
+from .helpers import CountingBroker, advertise, lose_leases, make_book, states
 
 
 def dispatch_scenes(rt: Wiring, book: str, scenes: int) -> dict[str, str]:
@@ -35,7 +35,7 @@ def dispatch_scenes(rt: Wiring, book: str, scenes: int) -> dict[str, str]:
 
 def lapse_leases(rt: Wiring, book: str, scenes: int) -> None:
     """The jobs waited in their queue longer than their lease TTL."""
-    rt.ports.leases.drop_leases([(book, "ch1", f"s{s}", "audio") for s in range(1, scenes + 1)])
+    lose_leases(rt, [(book, "ch1", f"s{s}", "audio") for s in range(1, scenes + 1)])
 
 
 def test_a_counted_backlog_is_alive_and_keeps_its_leases(rt: Wiring) -> None:
@@ -86,7 +86,7 @@ def test_restoring_a_lease_never_takes_it_from_another_dispatch(rt: Wiring) -> N
     assert rt.redis.client.pttl(rt.redis.keys.lease(*pair)) <= 30_000
     rt.ports.leases.restore_leases([(pair, "newer", 1, 90)])
     assert rt.redis.client.pttl(rt.redis.keys.lease(*pair)) > 30_000
-    rt.ports.leases.drop_leases([pair])
+    lose_leases(rt, [pair])
     rt.ports.leases.restore_leases([(pair, "older", 1, 90)])
     assert rt.ports.leases.lease_holders([pair]) == ["older"]
 

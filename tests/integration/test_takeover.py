@@ -26,7 +26,7 @@ from animastor_tasks.flow.generate import run_job
 from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import CountingBroker, advertise, make_book, states
+from .helpers import CountingBroker, advertise, lose_leases, make_book, states
 from .test_generate import dispatched_jobs, with_stage
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
@@ -83,7 +83,7 @@ def test_a_job_whose_queued_lease_is_gone_never_starts(rt: Wiring, tmp_path: Pat
     """Old code: the start looked only at the Postgres token, so the job started and ran until its first
     renewal (`stopping: lease lost`)."""
     job = one_job(rt, tmp_path)
-    rt.ports.leases.drop_leases([job.lease_pair])  # the pair was taken over while the job waited
+    lose_leases(rt, [job.lease_pair])  # the pair was taken over while the job waited
     result = run_job(rt.ports, job, worker="w")
     assert result["outcome"] == "fence_rejected" and result["reason"] == "lease lost before start"
     assert events(rt, "job.started") == []
@@ -132,7 +132,7 @@ def test_a_takeover_that_cannot_read_the_cancel_flag_leaves_the_pair_for_the_nex
 def test_the_tick_leaves_a_never_started_job_to_reconcile(rt: Wiring, tmp_path: Path) -> None:
     """A lease-less job that was never delivered may still wait in its queue: only the broker can tell."""
     job = one_job(rt, tmp_path)
-    rt.ports.leases.drop_leases([job.lease_pair])
+    lose_leases(rt, [job.lease_pair])
     tick(rt)
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
 

@@ -83,10 +83,15 @@ class LeaseStore:
         )
 
     def release_lease(self, pair: BookPair, dispatch_id: str) -> None:
-        """Compare-and-delete: only while this dispatch holds the lease. A write of the open batch, if any:
-        sent as the script's text (EVAL), since a pipeline asks first whether a script by hash is loaded."""
+        self.release_leases([(pair, dispatch_id)])
+
+    def release_leases(self, leases: Sequence[tuple[BookPair, str]]) -> None:
+        """Compare-and-delete of each (pair, dispatch id): only while that dispatch holds the lease, so a newer
+        claim of the pair keeps its own. In one round trip, or as writes of the open batch, if any: sent as the
+        script's text (EVAL), since a pipeline asks first whether a script by hash is loaded."""
         with self.conn.writes() as pipe:
-            pipe.eval(self.conn.release_lua, 1, self.conn.keys.lease(*pair), dispatch_id)
+            for pair, dispatch_id in leases:
+                pipe.eval(self.conn.release_lua, 1, self.conn.keys.lease(*pair), dispatch_id)
 
     def supersede(self, jobs: Sequence[tuple[BookPair, str, int]], remembered: int) -> int:
         """Dispatches a forced regenerate fenced off, each (pair, dispatch id, its stage's lease TTL): a running one
@@ -203,10 +208,6 @@ class LeaseStore:
     def batched(self) -> AbstractContextManager[None]:
         """The writes of the lease and deferral stores made in the block by this thread go in one round trip."""
         return self.conn.batched()
-
-    def drop_leases(self, pairs: Sequence[BookPair]) -> None:
-        if pairs:
-            self.conn.run(lambda: self.conn.client.delete(*(self.conn.keys.lease(*p) for p in pairs)))
 
 
 def _seconds(raw: object) -> float | None:
