@@ -119,11 +119,19 @@ class Watcher(threading.Thread):
                 log.warning("[GENERATE] %s watcher cannot reach redis: %s", self.job.describe(), err)
 
     def _take_back(self) -> bool:
-        """The vanished lease taken back if the pair is still this job's in Postgres and nobody holds the lease."""
-        job = self.job
-        if not self.ports.jobs.token_is_current(*job.owned):
+        """The vanished lease taken back while nobody holds it, kept if the pair is still this job's in Postgres.
+        The lease first, then Postgres under the row's lock: a takeover either saw the lease taken back before it
+        committed (and left the pair) or committed first, and then this read sees it (`flow/takeover.expire`)."""
+        job, leases = self.job, self.ports.leases
+        if not leases.retake_lease(job.lease_pair, job.dispatch_id, self.worker, self.spec.lease_ttl):
             return False
-        return self.ports.leases.retake_lease(job.lease_pair, job.dispatch_id, self.worker, self.spec.lease_ttl)
+        current = False
+        try:
+            current = self.ports.jobs.token_is_current(*job.owned, locking=True)
+        finally:
+            if not current:
+                leases.release_lease(job.lease_pair, job.dispatch_id)
+        return current
 
     def _halt(self, why: str) -> None:
         self.why = why

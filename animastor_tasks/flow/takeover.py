@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from animastor_tasks.domain import liveness
@@ -142,7 +142,7 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
         facts = facts_by_book[g.book]
         authorized = facts is not None and decide(facts, g.pair) is None
         target = AssetState.PENDING if authorized else AssetState.DIRTY
-        if ports.assets.expire_generating(g.book, g.pair, g.token, target):
+        if ports.assets.expire_generating(g.book, g.pair, g.token, target, _not_taken_back(ports, g)):
             report["expired"] += 1
             if g.stage in registry:
                 freed[registry.get(g.stage).queue] += 1
@@ -164,6 +164,13 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
             lanes.hand_over(ports, queue, slots)
         except StoreUnavailable as err:  # the waiting books' deferrals still bring them back
             log.warning("[TAKEOVER] %d freed slot(s) of %s not handed on: %s", slots, queue, err)
+
+
+def _not_taken_back(ports: Ports, g: GeneratingRow) -> Callable[[], bool]:
+    """Whether the pair's job has still not taken its lease back (`flow/job.Watcher`), asked by the expiry under the
+    pair's row lock. *Why:* read once before, a job that came back in between took its lease back and ran on, its
+    pair handed on under it (its lane over-full, its work thrown away at its commit)."""
+    return lambda: g.dispatch_id is None or ports.leases.lease_holders([(g.book, *g.pair)]) != [g.dispatch_id]
 
 
 def _forced_reruns(ports: Ports, dead: Sequence[GeneratingRow]) -> set[str]:

@@ -149,7 +149,7 @@ def test_persisted_transitions_are_compare_and_set(rt) -> None:
     # An edge the FSM does not have is refused before any SQL runs.
     with pytest.raises(InvalidTransition, match=r"'dirty'.*'ready'"):
         rt.ports.assets.move_pairs("b", pairs, AssetState.DIRTY, AssetState.READY, "test")
-    assert not rt.ports.assets.expire_generating("b", pairs[0], 0, AssetState.PENDING)
+    assert not rt.ports.assets.expire_generating("b", pairs[0], 0, AssetState.PENDING, lambda: True)
 
 
 def test_a_reimport_that_drops_or_changes_a_commanded_scene_lets_its_command_end(rt) -> None:

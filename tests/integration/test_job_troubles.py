@@ -209,7 +209,9 @@ def test_a_pair_whose_starts_keep_losing_their_worker_fails_after_the_limit(rt, 
             except _WorkerDied:
                 outcomes.append((job.scene_id, "worker died"))
                 # What reconcile does once the dead job's lease is gone: back to pending, dispatched again.
-                assert rt.ports.assets.expire_generating("b", job.pair, job.fencing_token, AssetState.PENDING)
+                assert rt.ports.assets.expire_generating(
+                    "b", job.pair, job.fencing_token, AssetState.PENDING, lambda: True
+                )
         gate.gate_pass(rt.ports, "b")
     assert outcomes == [
         ("s1", "worker died"),

@@ -19,11 +19,11 @@ import pytest
 from animastor_tasks.adapters.redis.presence import PresenceStore
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import gate, refill
+from animastor_tasks.flow import gate, refill, takeover
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
-from animastor_tasks.flow.job import Job
+from animastor_tasks.flow.job import Job, Watcher
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import CountingBroker, advertise, lose_leases, make_book, states
@@ -103,6 +103,65 @@ def test_the_tick_takes_over_a_started_job_whose_lease_lapsed(rt: Wiring, tmp_pa
     assert "b" in tick(rt)  # the same tick sends the book's gate pass: the pair is dispatched again at once
     assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
     assert len(events(rt, "lease.expired")) == 1
+
+
+def _lapsed_started_job(rt: Wiring, tmp_path: Path) -> tuple[Job, Watcher]:
+    """A started job whose lease vanished (cut off from Redis longer than its TTL), with its watcher."""
+    job = one_job(rt, tmp_path, lease_ttl=1)
+    held, owned, *_ = rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, "w", 1)
+    assert held and owned
+    lose_leases(rt, [job.lease_pair])
+    return job, Watcher(rt.ports, job, rt.settings.registry.get("audio"), "w")
+
+
+def _one_owner(rt: Wiring, job: Job) -> bool:
+    """The job holds the pair's lease exactly when Postgres says the pair is its own."""
+    held = rt.ports.leases.lease_holders([job.lease_pair]) == [job.dispatch_id]
+    return held == rt.ports.jobs.token_is_current(*job.owned)
+
+
+def take_over(rt: Wiring) -> None:
+    takeover.expire_lapsed(rt.ports, rt.ports.assets.generating_pairs(), {"expired": 0})
+
+
+def test_a_job_taking_its_lease_back_as_the_tick_takes_its_pair_over_is_one_or_the_other_the_check_first(
+    rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watcher read that the pair was still its job's, the tick took the pair over, then the watcher took
+    the lease back: a job ran on with a lease for a pair Postgres had handed on (its lane over-full, its work
+    thrown away at its commit)."""
+    job, watcher = _lapsed_started_job(rt, tmp_path)
+    check = rt.ports.jobs.token_is_current
+
+    def check_then_take_over(*owned: Any, **how: Any) -> bool:
+        current = check(*owned, **how)
+        take_over(rt)
+        return current
+
+    monkeypatch.setattr(rt.ports.jobs, "token_is_current", check_then_take_over)
+    taken_back = watcher._take_back()
+    monkeypatch.undo()
+    assert _one_owner(rt, job)
+    assert taken_back == (states(rt, "b")[job.pair] == "generating")
+
+
+def test_a_job_taking_its_lease_back_as_the_tick_takes_its_pair_over_is_one_or_the_other_the_tick_first(
+    rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tick read no lease, the watcher took it back, then the tick took the pair over: the same."""
+    job, watcher = _lapsed_started_job(rt, tmp_path)
+    undelivered = rt.ports.leases.undelivered
+    taken_back: list[bool] = []
+
+    def watcher_then_read(dispatch_ids: Any) -> Any:
+        taken_back.append(watcher._take_back())
+        return undelivered(dispatch_ids)
+
+    monkeypatch.setattr(rt.ports.leases, "undelivered", watcher_then_read)
+    take_over(rt)
+    monkeypatch.undo()
+    assert taken_back == [True] and _one_owner(rt, job)
+    assert states(rt, "b")[job.pair] == "generating"  # the job that came back keeps its pair and its work
 
 
 def test_a_takeover_that_cannot_read_the_cancel_flag_leaves_the_pair_for_the_next_tick(
@@ -368,7 +427,7 @@ def test_a_pass_that_blocks_a_worker_less_lane_hands_it_to_the_books_waiting_for
     waiters = _b_waits_behind_a(rt, tmp_path)
     (job,) = dispatched_jobs(rt, "a")
     time.sleep(0.9)  # every heartbeat of the lane lapsed
-    assert rt.ports.assets.expire_generating("a", job.pair, job.fencing_token, AssetState.PENDING)
+    assert rt.ports.assets.expire_generating("a", job.pair, job.fencing_token, AssetState.PENDING, lambda: True)
     gate.gate_pass(rt.ports, "a")
     (command,) = rt.ports.commands.commands(book="a")
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")

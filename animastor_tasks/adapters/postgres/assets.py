@@ -8,7 +8,7 @@ not changed.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -211,8 +211,12 @@ class AssetStore(GateReads):
                 )
             ]
 
-    def expire_generating(self, book: str, pair: Pair, token: int, target: AssetState) -> bool:
-        """A generating pair whose lease is gone goes back (`pending` or `dirty`) if its token is unchanged."""
+    def expire_generating(
+        self, book: str, pair: Pair, token: int, target: AssetState, still_lapsed: Callable[[], bool]
+    ) -> bool:
+        """A generating pair whose lease is gone goes back (`pending` or `dirty`) if its token is unchanged and
+        `still_lapsed()`, asked under the pair's row lock once it is updated (a job taking its lease back reads
+        the pair's row under that lock: `token_is_current(locking=True)`)."""
         transition(AssetState.GENERATING, target)
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
@@ -224,6 +228,9 @@ class AssetStore(GateReads):
                 " AND state = %s AND fencing_token = %s",
                 (str(target), book, chapter, scene, stage, AssetState.GENERATING, token),
             ).rowcount
+            if done and not still_lapsed():
+                conn.rollback()
+                return False
             if done:
                 journal.record(conn, "lease.expired", book, {"token": token, "to": str(target)}, pair=pair)
                 if target == AssetState.DIRTY:

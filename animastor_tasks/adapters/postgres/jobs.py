@@ -162,10 +162,12 @@ class JobStore:
         with self.db.transaction() as conn:
             _end_start(conn, book, pair, dispatch_id)
 
-    def token_is_current(self, book: str, pair: Pair, token: int, dispatch_id: str) -> bool:
+    def token_is_current(self, book: str, pair: Pair, token: int, dispatch_id: str, *, locking: bool = False) -> bool:
+        """`locking`: read under the row's lock (FOR SHARE), so a takeover that is changing the row is waited for."""
+        lock = " FOR SHARE" if locking else ""
         with self.db.read() as conn:
             row = conn.execute(
-                f"SELECT 1 FROM asset_states a WHERE {_OWNED}", _owned(book, pair, token, dispatch_id)
+                f"SELECT 1 FROM asset_states a WHERE {_OWNED}{lock}", _owned(book, pair, token, dispatch_id)
             ).fetchone()
         return row is not None
 
