@@ -86,11 +86,13 @@ class StoreUnavailable(AnimastorError):
 class ArtifactStoreError(AnimastorError):
     """The artifact store refused an upload or cannot be reached (wrong credentials, a missing bucket, the
     endpoint down). Unlike a `StoreUnavailable` blip it fails the job with the store's message: giving the
-    pair back would only rerun the GPU work into the same wall."""
+    pair back would only rerun the GPU work into the same wall. `unreachable`: the store did not answer, or
+    answered that it cannot serve now (a 5xx, SlowDown): the job, its output in hand, asks again for a while."""
 
-    def __init__(self, store: str, detail: str) -> None:
+    def __init__(self, store: str, detail: str, *, unreachable: bool = False) -> None:
         self.store = redact_url(store)
         self.detail = detail
+        self.unreachable = unreachable
         super().__init__(self.store, detail)
 
     def __str__(self) -> str:

@@ -17,6 +17,7 @@ import boto3
 import urllib3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as EndpointUnreachable
 
 from animastor_tasks.adapters.artifacts import artifact_name
 from animastor_tasks.errors import ArtifactStoreError
@@ -68,9 +69,10 @@ class S3ArtifactStore:
                     Bucket=self.bucket, Key=key, Body=data, ContentType=media_type, Metadata={"sha256": digest}
                 )
         except ClientError as err:
-            raise ArtifactStoreError(self.url, str(err)) from err
+            raise ArtifactStoreError(self.url, str(err), unreachable=_cannot_serve_now(err)) from err
         except BotoCoreError as err:
-            raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
+            unreachable = isinstance(err, (EndpointUnreachable, HTTPClientError))  # refused, cut off, timed out
+            raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}", unreachable=unreachable) from err
         uri = f"s3://{self.bucket}/{key}"
         return {"sha256": digest, "size": len(data), "media_type": media_type, "path": key, "uri": uri}
 
@@ -82,6 +84,15 @@ class S3ArtifactStore:
         except ClientError:
             return False
         return int(head.get("ContentLength", -1)) == size
+
+
+# What S3 answers when it cannot serve now rather than never (an overloaded or restarting store).
+_NOT_NOW = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"})
+
+
+def _cannot_serve_now(err: ClientError) -> bool:
+    status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return status >= 500 or err.response.get("Error", {}).get("Code") in _NOT_NOW
 
 
 def _retry_only_network_failures(caught_exception: Exception | None = None, **_: Any) -> None:

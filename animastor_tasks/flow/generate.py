@@ -36,7 +36,7 @@ from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import refill
-from animastor_tasks.flow.job import Job, Later, Watcher, guarded_progress, when_reachable
+from animastor_tasks.flow.job import Job, Later, UnavailableGenerator, Watcher, guarded_progress, when_reachable
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
 
 log = logging.getLogger("animastor.generate")
@@ -173,14 +173,14 @@ def _run_owned(
         try:
             generator = ports.generators.load(spec)
         except ConfigError as err:  # the stage's setup: no verdict on the scene, it feeds the breaker
-            generator = _Unavailable(GeneratorError(str(err), misconfigured=True))
+            generator = UnavailableGenerator(GeneratorError(str(err), misconfigured=True))
         except Exception as err:
             # A plugin that cannot be imported is misconfigured (not retried); one whose factory failed (a GPU out of
             # memory, its backend unreachable) is a backend failure (retried). Both feed the breaker, which gives
             # the pairs back once open rather than failing a whole command in seconds.
             log.exception("[GENERATE] %s generator %r could not be loaded", job.describe(), spec.generator)
             why = f"generator {spec.generator!r} could not be loaded: {type(err).__name__}: {err}"
-            generator = _Unavailable(GeneratorError(why, misconfigured=isinstance(err, ImportError)))
+            generator = UnavailableGenerator(GeneratorError(why, misconfigured=isinstance(err, ImportError)))
         request = GenerationRequest(
             job.book_id,
             job.chapter_id,
@@ -191,16 +191,16 @@ def _run_owned(
         )
         media, error, attempts, kind = _generate_with_retries(ports, job, generator, request, watcher, progress)
         if watcher.should_stop():
-            _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
-            ports.counters.add({f"job:stopped:{job.stage}": 1})
-            return {**result, "outcome": JobOutcome.STOPPED, "reason": watcher.why}
+            return _stopped(ports, job, watcher, result)
         if media is None:
             with later.writing_verdict(job):
                 return _unsuccessful(ports, job, spec, watcher, kind or ErrorKind.BUG, error, attempts, result)
         recovered = _record_breaker(ports, spec.queue, breaker_feed(None)) == "recovered"
-        try:
-            artifact = ports.artifacts.put(media.data, media.media_type)
+        try:  # a store that does not answer is asked again for a while, the output in hand (`when_reachable`)
+            artifact = when_reachable(job, spec, watcher, partial(ports.artifacts.put, media.data, media.media_type))
         except ArtifactStoreError as err:  # credentials, bucket, endpoint: fail with the store's words
+            if watcher.should_stop():
+                return _stopped(ports, job, watcher, result)
             with later.writing_verdict(job):
                 return _unsuccessful(
                     ports, job, spec, watcher, ErrorKind.ARTIFACT, storable(str(err)), attempts, result
@@ -222,6 +222,12 @@ def _run_owned(
     later(partial(ports.counters.add, {f"job:ready:{job.stage}": 1}))
     log.info("[GENERATE] %s ready sha256=%s attempts=%d", job.describe(), artifact["sha256"], attempts)
     return {**result, "outcome": JobOutcome.READY, "sha256": artifact["sha256"], "attempts": attempts}
+
+
+def _stopped(ports: Ports, job: Job, watcher: Watcher, result: dict[str, Any]) -> dict[str, Any]:
+    _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
+    ports.counters.add({f"job:stopped:{job.stage}": 1})
+    return {**result, "outcome": JobOutcome.STOPPED, "reason": watcher.why}
 
 
 def _wind_down(ports: Ports, job: Job, watcher: Watcher, seconds: float) -> None:
@@ -381,15 +387,3 @@ def _quietly(what: str, fn: Callable[..., object], *args: Any) -> None:
         fn(*args)
     except Exception as err:
         log.warning("[GENERATE] %s skipped: %s: %s", what, type(err).__name__, err)
-
-
-class _Unavailable:
-    """Stands in for a generator that cannot be loaded: the pair fails with the reason, once."""
-
-    name = "unavailable"
-
-    def __init__(self, error: GeneratorError) -> None:
-        self.error = error
-
-    def generate(self, request: GenerationRequest, should_stop: Callable[[], bool], progress: Any) -> Media:
-        raise GeneratorError(str(self.error), retryable=self.error.retryable, misconfigured=self.error.misconfigured)

@@ -1,5 +1,5 @@
 """A GPU job as its worker knows it (`Job`: what its message carries), what its worker does around its end (`Later`),
-and the watcher of its lease while it runs."""
+the watcher of its lease while it runs, and the stand-in for a generator that cannot be loaded."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from animastor_tasks.domain.deferral import compute_backoff
 from animastor_tasks.domain.job_rules import RUN_TIME_SHARE
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair, Pair
-from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.ports import Ports
+from animastor_tasks.errors import ArtifactStoreError, GeneratorError, StoreUnavailable
+from animastor_tasks.ports import GenerationRequest, Media, Ports
 
 log = logging.getLogger("animastor.generate")
 T = TypeVar("T")
@@ -147,20 +147,24 @@ COMMIT_RETRY_FIRST, COMMIT_RETRY_MAX = 0.25, 2.0
 
 
 def when_reachable(job: Job, spec: StageSpec, watcher: Watcher, write: Callable[[], T]) -> T:
-    """A job's write of its verdict (its commit, its failure, its give-back), tried again while Postgres cannot be
-    reached (a failover, a restart) until the job's watcher stops it (its lease lost, its book cancelled): for the
-    job's share of its soft time limit, and at least a lease TTL; a late write is harmless, as its token is
-    compared. *Why:* the verdict is the job's to write; lost on the first refused connection, the GPU work of a
-    finished job was thrown away, and the start, left open, counted as one lost to a dead worker (three such blips
-    failed a healthy scene as `worker_lost`). Given up after one lease TTL, an outage longer than that threw the
-    work away all the same, although the watcher kept the lease and nobody could take the pair over."""
+    """A job's write of its output or its verdict (its upload, its commit, its failure, its give-back), tried again
+    while its store cannot be reached (a Postgres failover or restart, an S3 endpoint down or answering 5xx) until
+    the job's watcher stops it (its lease lost, its book cancelled): for the job's share of its soft time limit,
+    and at least a lease TTL; a late write is harmless, as its token is compared. *Why:* the verdict is the job's
+    to write; lost on the first refused connection, the GPU work of a finished job was thrown away, and the start,
+    left open, counted as one lost to a dead worker (three such blips failed a healthy scene as `worker_lost`).
+    Given up after one lease TTL, an outage longer than that threw the work away all the same, although the
+    watcher kept the lease and nobody could take the pair over. An S3 store down for a minute failed every pair
+    that finished meanwhile, for good."""
     share = RUN_TIME_SHARE * watcher.ports.settings.job_soft_time_limit
     deadline = max(time.monotonic() + spec.lease_ttl, watcher.started_at + share)
     attempt = 0
     while True:
         try:
             return write()
-        except StoreUnavailable as err:
+        except (StoreUnavailable, ArtifactStoreError) as err:
+            if isinstance(err, ArtifactStoreError) and not err.unreachable:
+                raise
             attempt += 1
             delay = compute_backoff(attempt, base=COMMIT_RETRY_FIRST, maximum=COMMIT_RETRY_MAX)
             if time.monotonic() + delay > deadline or watcher.should_stop():
@@ -185,3 +189,15 @@ def guarded_progress(progress: Callable[[float], None], job: Job) -> Callable[[f
                 log.warning("[GENERATE] %s progress not reported: %s: %s", job.describe(), type(err).__name__, err)
 
     return report
+
+
+class UnavailableGenerator:
+    """Stands in for a generator that cannot be loaded: the pair fails with the reason, once."""
+
+    name = "unavailable"
+
+    def __init__(self, error: GeneratorError) -> None:
+        self.error = error
+
+    def generate(self, request: GenerationRequest, should_stop: Callable[[], bool], progress: Any) -> Media:
+        raise GeneratorError(str(self.error), retryable=self.error.retryable, misconfigured=self.error.misconfigured)
