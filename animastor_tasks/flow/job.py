@@ -146,7 +146,9 @@ class Watcher(threading.Thread):
 COMMIT_RETRY_FIRST, COMMIT_RETRY_MAX = 0.25, 2.0
 
 
-def when_reachable(job: Job, spec: StageSpec, watcher: Watcher, write: Callable[[], T]) -> T:
+def when_reachable(
+    job: Job, spec: StageSpec, watcher: Watcher, write: Callable[[], T], *, within_share: bool = False
+) -> T:
     """A job's write of its output or its verdict (its upload, its commit, its failure, its give-back), tried again
     while its store cannot be reached (a Postgres failover or restart, an S3 endpoint down or answering 5xx) until
     the job's watcher stops it (its lease lost, its book cancelled): for the job's share of its soft time limit,
@@ -155,9 +157,10 @@ def when_reachable(job: Job, spec: StageSpec, watcher: Watcher, write: Callable[
     left open, counted as one lost to a dead worker (three such blips failed a healthy scene as `worker_lost`).
     Given up after one lease TTL, an outage longer than that threw the work away all the same, although the
     watcher kept the lease and nobody could take the pair over. An S3 store down for a minute failed every pair
-    that finished meanwhile, for good."""
-    share = RUN_TIME_SHARE * watcher.ports.settings.job_soft_time_limit
-    deadline = max(time.monotonic() + spec.lease_ttl, watcher.started_at + share)
+    that finished meanwhile, for good. `within_share`: only inside the job's share, for a write the soft time
+    limit is not held back around (an upload: the limit ends one that hangs), so no wait of its own meets it."""
+    share_ends = watcher.started_at + RUN_TIME_SHARE * watcher.ports.settings.job_soft_time_limit
+    deadline = share_ends if within_share else max(time.monotonic() + spec.lease_ttl, share_ends)
     attempt = 0
     while True:
         try:
