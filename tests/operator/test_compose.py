@@ -221,3 +221,40 @@ def test_a_longer_presence_ttl_alone_gives_settings_the_processes_accept() -> No
             env = {k: v.strip("'\"") for k, v in environment(block).items()}
             settings = Settings.from_env(env)
             assert settings.silent_worker_seconds >= 2 * settings.presence_ttl_seconds, (files, name)
+
+
+# What a file sets itself: the stores' URLs from their passwords (one host), the artifacts' directory on its volume.
+BUILT_IN_THE_FILE = {"ANIMASTOR_DATABASE_URL", "ANIMASTOR_REDIS_URL", "ANIMASTOR_ARTIFACT_ROOT"}
+
+
+def settings_read() -> set[str]:
+    """The variables `Settings.from_env` reads."""
+    return set(re.findall(r'"(ANIMASTOR_[A-Z0-9_]+)"', (ROOT / "animastor_tasks" / "config.py").read_text()))
+
+
+def test_every_setting_set_for_compose_reaches_every_process_and_the_grace_follows() -> None:
+    """Set in `.env`, `ANIMASTOR_JOB_TIME_LIMIT` (which the files tell operators to raise together with the
+    stop's grace period, itself fixed at 33 minutes) reached no container, nor did 18 other settings: long
+    jobs were still killed at 1,900 s, on some hosts and not others where a file was patched by hand."""
+    names = settings_read()
+    assert {"ANIMASTOR_JOB_TIME_LIMIT", "ANIMASTOR_STAGES", "ANIMASTOR_DB_POOL_MAX"} <= names
+    farm = {"ANIMASTOR_HOST_NAME": "gpu-1", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    given = {name: f"set-{i}" for i, name in enumerate(sorted(names))}
+    for files, workers in (
+        (BASE, ("worker-audio", "worker-image")),
+        (CPU, ("worker-audio-cpu", "worker-image-cpu")),
+        (("docker-compose.gpu-host.yml",), ("worker-audio", "worker-image")),
+    ):
+        env = {**SECRETS, **farm, **given, "ANIMASTOR_STOP_GRACE_PERIOD": "50m"}
+        proc = run_compose("config", env=env, files=files)
+        assert proc.returncode == 0, proc.stderr
+        blocks = services(proc.stdout)
+        for name, block in blocks.items():
+            if "animastor-tasks" not in block:
+                continue  # Postgres, Redis
+            seen = {k: v.strip("'\"") for k, v in environment(block).items()}
+            wrong = {n: seen.get(n) for n in names - BUILT_IN_THE_FILE if seen.get(n) != given[n]}
+            assert not wrong, (files, name, wrong)
+        for name in workers:
+            grace = re.search(r"^    stop_grace_period: (\S+)$", blocks[name], re.M)
+            assert grace and seconds(grace.group(1)) == 50 * 60, (files, name, grace)
