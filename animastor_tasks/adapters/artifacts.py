@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +14,26 @@ from animastor_tasks.config import Settings, split_s3_url
 from animastor_tasks.errors import ArtifactStoreError
 from animastor_tasks.ports import ArtifactStore
 
-EXTENSIONS = {"audio/wav": ".wav", "image/png": ".png"}
+# The media types the generators make or the media checks know, by their usual names; any other is `.bin`.
+EXTENSIONS = {
+    **dict.fromkeys(("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"), ".wav"),
+    **dict.fromkeys(("audio/mpeg", "audio/mp3", "audio/mpeg3", "audio/x-mpeg"), ".mp3"),
+    **dict.fromkeys(("audio/aac", "audio/aacp", "audio/x-aac"), ".aac"),
+    **dict.fromkeys(("audio/ogg", "application/ogg"), ".ogg"),
+    "audio/opus": ".opus",
+    **dict.fromkeys(("audio/flac", "audio/x-flac"), ".flac"),
+    "audio/pcm": ".pcm",
+    "image/png": ".png",
+    **dict.fromkeys(("image/jpeg", "image/jpg"), ".jpg"),
+    "image/webp": ".webp",
+}
 
 
 def artifact_name(digest: str, media_type: str) -> str:
-    """`ab/abcdef….wav`: the content address, fanned out by its first two hex digits (both stores)."""
-    return f"{digest[:2]}/{digest}{EXTENSIONS.get(media_type, '.bin')}"
+    """`ab/abcdef….wav`: the content address, fanned out by its first two hex digits (both stores), named by its
+    media type whatever its case or parameters (`Audio/WAV; codecs=1`)."""
+    kind = media_type.split(";")[0].strip().lower()
+    return f"{digest[:2]}/{digest}{EXTENSIONS.get(kind, '.bin')}"
 
 
 class LocalArtifactStore:
@@ -36,19 +50,22 @@ class LocalArtifactStore:
         A file already there counts only with the right size (one cut short is written again), and a write
         that fails leaves no partial file behind: each failed job left one, and a full disk stayed full."""
         digest = hashlib.sha256(data).hexdigest()
-        path = self.root / artifact_name(digest, media_type)
+        path = self.root.expanduser().resolve() / artifact_name(digest, media_type)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             if not path.exists() or path.stat().st_size != len(data):
                 _write_durably(path, data)
         except OSError as err:  # a full disk, a read-only mount: the job fails saying so
             raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
-        uri = path.expanduser().resolve().as_uri()
+        uri = path.as_uri()
         return {"sha256": digest, "size": len(data), "media_type": media_type, "path": str(path), "uri": uri}
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    """Created 0666 less the umask, as any file the process writes: a temporary file's own 0600, kept by the rename,
+    shut out every reader under another user (a web server serving the `file://` URIs)."""
+    tmp = path.parent / f".tmp-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)

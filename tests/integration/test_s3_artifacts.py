@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from animastor_tasks.adapters.artifacts import LocalArtifactStore, artifact_store
+from animastor_tasks.adapters.artifacts import LocalArtifactStore, artifact_name, artifact_store
 from animastor_tasks.adapters.s3_artifacts import S3ArtifactStore
 from animastor_tasks.config import Settings
 from animastor_tasks.dev.net import free_port
@@ -163,6 +163,37 @@ def test_the_local_store_keeps_bytes_once_and_records_a_file_uri(tmp_path: Path)
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(ArtifactStoreError, match=r"artifact store file://.*/file: (FileExistsError|NotADirectory)"):
         LocalArtifactStore(tmp_path / "file").put(b"x", "image/png")
+
+
+def test_the_local_store_writes_files_others_can_read_by_the_umask_under_an_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every artifact was mode 0600 (the temporary file's, kept by the rename): a reader's app or web server under
+    another user could not open the `file://` URI that `status` gives. Its `path` was relative to the worker's
+    working directory (the default root is `artifacts`)."""
+    monkeypatch.chdir(tmp_path)
+    old = os.umask(0o022)
+    try:
+        first = LocalArtifactStore(Path("artifacts")).put(b"RIFF-audio", "audio/wav")
+        os.umask(0o077)
+        second = LocalArtifactStore(Path("artifacts")).put(b"PNG-image", "image/png")
+    finally:
+        os.umask(old)
+    assert Path(first["path"]).is_absolute() and Path(first["path"]).as_uri() == first["uri"]
+    assert Path(first["path"]).stat().st_mode & 0o777 == 0o644
+    assert Path(second["path"]).stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize(
+    ("media_type", "suffix"),
+    [("audio/mpeg", ".mp3"), ("audio/flac", ".flac"), ("audio/ogg", ".ogg"), ("audio/aac", ".aac"),
+     ("Audio/WAV", ".wav"), ("audio/x-wav", ".wav"), ("image/jpeg", ".jpg"), ("image/webp", ".webp"),
+     ("audio/wav; codecs=1", ".wav"), ("application/x-unknown", ".bin")],
+)  # fmt: skip
+def test_an_artifact_is_named_by_its_media_type(media_type: str, suffix: str) -> None:
+    """Only `audio/wav` and `image/png` had an extension: the speech generator's MP3, FLAC, Ogg and AAC were
+    stored as `.bin`, and `Audio/WAV` as `.bin` beside the same bytes' `.wav`."""
+    assert artifact_name("ab" * 32, media_type) == f"ab/{'ab' * 32}{suffix}"
 
 
 def test_the_s3_store_uploads_once_under_the_content_address(s3_env: S3Server) -> None:
