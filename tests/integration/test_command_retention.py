@@ -1,5 +1,5 @@
 """Ended commands past the retention are pruned by reconcile with their targets, a slice at a time; nothing
-else is. Real Postgres and Redis."""
+else is. The event journal is kept by age and by row count. Real Postgres and Redis."""
 
 from __future__ import annotations
 
@@ -84,3 +84,29 @@ def test_reconcile_prunes_ended_commands_only_when_a_retention_is_set(rt) -> Non
     use_settings(rt, replace(rt.settings, command_retention_days=30))
     report = reconcile_flow.reconcile(rt.ports, force=True)
     assert report["pruned_commands"] == 1 and kept(rt) == (set(), set())
+
+
+def events(rt: Wiring) -> int:
+    with rt.db.read() as conn:
+        return int(conn.execute("SELECT count(*) FROM events WHERE book_id = 'b'").fetchone()[0])
+
+
+def test_the_journal_keeps_events_by_age_and_by_count_and_zero_days_is_no_age_limit(rt) -> None:
+    """`ANIMASTOR_JOURNAL_RETENTION_DAYS=0` (which, for commands, means kept for ever) emptied the whole journal
+    on every reconcile; the journal's pruning had no test at all."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
+    advertise(rt, "gpu.audio")
+    for scene in ("s1", "s2", "s3"):
+        regenerate_scene(rt, scene)
+    journal = rt.ports.journal
+    written = events(rt)
+    assert written >= 3
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE events SET at = now() - interval '3 days' WHERE id = (SELECT min(id) FROM events)")
+    assert journal.prune_journal(0, 1_000_000) == 0 and events(rt) == written  # no age limit
+    assert journal.prune_journal(2, 1_000_000) == 1 and events(rt) == written - 1  # older than 2 days
+    assert journal.prune_journal(0, 2) >= written - 3 and events(rt) <= 2  # the newest rows only
+    use_settings(rt, replace(rt.settings, journal_retention_days=0.0))
+    before = events(rt)
+    reconcile_flow.reconcile(rt.ports, force=True)
+    assert events(rt) >= before

@@ -46,11 +46,14 @@ class Journal:
         self.db = db
 
     def prune_journal(self, retention_days: float, max_rows: int) -> int:
-        """Drop events older than the retention, then all but the newest `max_rows`."""
+        """Drop events older than the retention (0: no age limit, as for commands), then all but the newest
+        `max_rows`. *Why 0:* read as "older than now", it emptied the journal on every reconcile."""
         with self.db.transaction() as conn:
-            removed = conn.execute(
-                "DELETE FROM events WHERE at < now() - make_interval(secs => %s)", (retention_days * 86400,)
-            ).rowcount
+            removed = 0
+            if retention_days > 0:
+                removed = conn.execute(
+                    "DELETE FROM events WHERE at < now() - make_interval(secs => %s)", (retention_days * 86400,)
+                ).rowcount
             removed += conn.execute(
                 "DELETE FROM events WHERE id <= (SELECT max(id) - %s FROM events)", (max_rows,)
             ).rowcount
