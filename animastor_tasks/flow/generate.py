@@ -34,9 +34,17 @@ from animastor_tasks.domain.job_rules import (
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
-from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
+from animastor_tasks.errors import ArtifactStoreError, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import refill
-from animastor_tasks.flow.job import Job, Later, UnavailableGenerator, Watcher, guarded_progress, when_reachable
+from animastor_tasks.flow.job import (
+    Job,
+    Later,
+    Watcher,
+    checked_media,
+    guarded_progress,
+    load_generator,
+    when_reachable,
+)
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
 
 log = logging.getLogger("animastor.generate")
@@ -169,18 +177,7 @@ def _run_owned(
     watcher.start()
     started = time.monotonic()
     try:
-        generator: Generator
-        try:
-            generator = ports.generators.load(spec)
-        except ConfigError as err:  # the stage's setup: no verdict on the scene, it feeds the breaker
-            generator = UnavailableGenerator(GeneratorError(str(err), misconfigured=True))
-        except Exception as err:
-            # A plugin that cannot be imported is misconfigured (not retried); one whose factory failed (a GPU out of
-            # memory, its backend unreachable) is a backend failure (retried). Both feed the breaker, which gives
-            # the pairs back once open rather than failing a whole command in seconds.
-            log.exception("[GENERATE] %s generator %r could not be loaded", job.describe(), spec.generator)
-            why = f"generator {spec.generator!r} could not be loaded: {type(err).__name__}: {err}"
-            generator = UnavailableGenerator(GeneratorError(why, misconfigured=isinstance(err, ImportError)))
+        generator = load_generator(ports, spec, job)
         request = GenerationRequest(
             job.book_id,
             job.chapter_id,
@@ -283,7 +280,12 @@ def _generate_with_retries(
         attempt += 1
         tried = time.monotonic()
         try:
-            return generator.generate(request, watcher.should_stop, progress), "", attempt, None
+            return (
+                checked_media(generator, generator.generate(request, watcher.should_stop, progress)),
+                "",
+                attempt,
+                None,
+            )
         except Exception as err:  # a bug or a time limit too: classified, never looped on
             kind = classify_error(err)
             if kind is ErrorKind.STOPPED:

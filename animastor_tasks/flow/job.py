@@ -1,5 +1,5 @@
 """A GPU job as its worker knows it (`Job`: what its message carries), what its worker does around its end (`Later`),
-the watcher of its lease while it runs, and the stand-in for a generator that cannot be loaded."""
+the watcher of its lease while it runs, and what it asks of its generator (loaded, and returning media)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from animastor_tasks.domain.job_rules import RUN_TIME_SHARE
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair, Pair
-from animastor_tasks.errors import ArtifactStoreError, GeneratorError, StoreUnavailable
-from animastor_tasks.ports import GenerationRequest, Media, Ports
+from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
+from animastor_tasks.ports import GenerationRequest, Generator, Media, Ports
 
 log = logging.getLogger("animastor.generate")
 T = TypeVar("T")
@@ -194,7 +194,7 @@ def guarded_progress(progress: Callable[[float], None], job: Job) -> Callable[[f
     return report
 
 
-class UnavailableGenerator:
+class _Unavailable:
     """Stands in for a generator that cannot be loaded: the pair fails with the reason, once."""
 
     name = "unavailable"
@@ -204,3 +204,34 @@ class UnavailableGenerator:
 
     def generate(self, request: GenerationRequest, should_stop: Callable[[], bool], progress: Any) -> Media:
         raise GeneratorError(str(self.error), retryable=self.error.retryable, misconfigured=self.error.misconfigured)
+
+
+def checked_media(generator: Generator, answer: object) -> Media:
+    """What a generator returned, if it is `Media` of bytes and a type, else a TypeError (a bug: the pair fails
+    once, saying what came back). *Why:* a plugin's text or None raised past the job's verdict, at the hash or the
+    upload, and the pair stayed `generating` until its lost starts failed it as `worker_lost`."""
+    if (
+        isinstance(answer, Media)
+        and isinstance(answer.data, bytes | bytearray | memoryview)
+        and isinstance(answer.media_type, str)
+    ):
+        return answer
+    shape = type(answer).__name__
+    if isinstance(answer, Media):
+        shape = f"Media({type(answer.data).__name__}, {type(answer.media_type).__name__})"
+    raise TypeError(f"generator {generator.name!r} returned {shape}, not Media(bytes, str)")
+
+
+def load_generator(ports: Ports, spec: StageSpec, job: Job) -> Generator:
+    """The stage's generator, or a stand-in that fails each run with why it could not be loaded."""
+    try:
+        return ports.generators.load(spec)
+    except ConfigError as err:  # the stage's setup: no verdict on the scene, it feeds the breaker
+        return _Unavailable(GeneratorError(str(err), misconfigured=True))
+    except Exception as err:
+        # A plugin that cannot be imported is misconfigured (not retried); one whose factory failed (a GPU out of
+        # memory, its backend unreachable) is a backend failure (retried). Both feed the breaker, which gives
+        # the pairs back once open rather than failing a whole command in seconds.
+        log.exception("[GENERATE] %s generator %r could not be loaded", job.describe(), spec.generator)
+        why = f"generator {spec.generator!r} could not be loaded: {type(err).__name__}: {err}"
+        return _Unavailable(GeneratorError(why, misconfigured=isinstance(err, ImportError)))

@@ -419,3 +419,36 @@ def test_a_rate_limit_longer_than_the_jobs_retries_fails_no_scene(rt, tmp_path, 
     assert audio == {"pending": 6}
     [command] = rt.ports.commands.commands(book="b")
     assert command.status == "active"
+
+
+class _Returning:
+    """A plugin generator that returns `answer` as it is."""
+
+    name = "returning"
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
+    def generate(self, request: GenerationRequest, should_stop: Callable[[], bool], progress: Any) -> Any:
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [None, b"RIFF", Media("RIFF-as-text", "audio/wav"), Media(b"RIFF", None), Media(bytearray(b"RIFF"), "audio/wav")],  # type: ignore[arg-type]
+    ids=["none", "bare-bytes", "text-data", "no-type", "bytearray"],
+)
+def test_a_plugin_that_returns_no_media_fails_its_pair_once_saying_what_it_returned(rt, tmp_path, answer) -> None:
+    """A plugin whose `generate` returned text as its data (or no Media at all) raised a TypeError past the
+    job's verdict (at the hash, or reading `.data`): a traceback, the pair left `generating` with its start open,
+    taken over and run again until its lost starts failed it as `worker_lost`."""
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    _use_generator(rt, _Returning(answer))
+    result = run_job(rt.ports, job, worker="test")
+    if isinstance(answer, Media) and isinstance(answer.data, bytearray):
+        assert result["outcome"] == "ready", result  # bytes in all but name: taken
+        return
+    assert result["outcome"] == "failed" and "returned" in result["error"], result
+    assert states(rt, "b")[PAIR] == "failed"
+    assert len(_events(rt, "job.failed")) == 1
