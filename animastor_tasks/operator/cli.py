@@ -271,13 +271,14 @@ def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> N
 @main.command()
 @click.argument("book_id")
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--watch", is_flag=True, help="Refresh until every command is terminal, with rate and ETA.")
+@click.option("--watch", is_flag=True, help="Refresh until every command ends, with rate and ETA (not with --json).")
 @click.option("--interval", default=1.0, show_default=True, type=INTERVAL)
 def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
     """Commands of a book with progress, and every scene's state per stage (one cell each)."""
     from animastor_tasks.flow import status as status_flow
     from animastor_tasks.operator import render as views
 
+    _watch_or_json(watch, as_json)
     ports = _wired().ports
     if as_json:
         _emit(status_flow.status(ports, book_id), True, lambda _: None)
@@ -315,16 +316,24 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
+@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C (not with --json).")
 @click.option("--interval", default=2.0, show_default=True, type=INTERVAL)
 def queues(as_json: bool, watch: bool, interval: float) -> None:
     """GPU queues: consumers, depth (? when the broker cannot say), running, lane limit, breaker, deferrals."""
     from animastor_tasks.operator import render as views
 
-    if watch and not as_json:
+    _watch_or_json(watch, as_json)
+    if watch:
         views.watch_queues(lambda: views.queue_overview(_wired()), interval=interval)
         return
     _emit(views.queue_overview(_wired()), as_json, views.show_queues)
+
+
+def _watch_or_json(watch: bool, as_json: bool) -> None:
+    """`--watch` redraws a view for people; JSON is one answer. *Why:* together, the JSON was printed once and
+    the command exited 0, and a script that meant to follow a book took its first look for the last."""
+    if watch and as_json:
+        raise click.UsageError("--watch and --json do not go together: --json prints one answer, --watch a live view")
 
 
 @main.command("reconcile")

@@ -85,6 +85,16 @@ def test_seconds_that_are_not_a_positive_finite_number_are_usage_errors(rt, args
     assert rt.redis.client.llen("animastor.control") == 0  # nothing was sent
 
 
+@pytest.mark.parametrize("args", [("status", "b"), ("queues",)])
+def test_watch_and_json_together_are_refused(rt, args: tuple[str, ...]) -> None:
+    """`--watch --json` printed the JSON once and exited 0: a script that meant to follow a book until its
+    commands ended took the first look for the last."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    done = cli(*args, "--watch", "--json")
+    assert done.returncode == 2 and "--watch" in done.stderr and "--json" in done.stderr, done
+    assert done.stdout == ""
+
+
 def test_layers_both_on_and_off_at_once_is_refused(rt) -> None:
     """`--enable audio --disable audio` turned audio off without a word."""
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
