@@ -112,10 +112,7 @@ def fresh_connections(**_: Any) -> None:
     gpu = gpu_for_child(os.environ.get("ANIMASTOR_GPU_IDS", ""), getattr(current_process(), "index", 0) or 0)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    try:
-        # Remember the Redis dataset from the start, so a later FLUSHALL or empty restart is noticed
-        # (see BookStateStore._seen_epoch) even by a child that had run no gate pass before it.
-        wiring.current().ports.book_state.presence_unsure_since()
-    except Exception as err:  # Redis down at fork: noticed at the first gate pass instead
-        log.warning("[WORKER] could not read the Redis epoch at start: %s", err)
+    # Nothing here waits on a store: the child tells its parent it is up only once this returns, and one that
+    # takes longer than `worker_proc_alive_timeout` (4 s) is killed and forked again (a Redis cut off, read here,
+    # did that for as long as the partition lasted). The warm-up reads and connects in the background.
     warm.warm_up(app)

@@ -39,6 +39,9 @@ def warm_up(app: Celery) -> threading.Thread:
 
 def _warm(app: Celery, ping_postgres: Callable[[], None], ports: Ports) -> None:
     steps: list[tuple[str, Callable[[], Any]]] = [
+        # The Redis dataset remembered from the start, so a later FLUSHALL or empty restart is noticed
+        # (`BookStateStore._seen_epoch`) even by a process that has run no gate pass yet.
+        ("redis", ports.book_state.presence_unsure_since),
         ("postgres", ping_postgres),
         ("broker", lambda: _broker(app)),
         ("result backend", lambda: _result_backend(app)),

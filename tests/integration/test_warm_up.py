@@ -4,6 +4,9 @@ at start fails nothing (the first task connects instead). Real Postgres, Redis a
 from __future__ import annotations
 
 import logging
+import socket
+import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -75,3 +78,24 @@ def test_stores_that_are_down_at_start_fail_nothing(
     said = [r.getMessage() for r in caplog.records]
     assert any("warm-up: postgres not reachable yet" in m for m in said), said
     assert any("warm-up: broker not reachable yet" in m for m in said), said
+
+
+def test_a_pool_child_starts_at_once_while_redis_takes_connections_and_never_answers(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool child read the Redis epoch before it told its parent it was up: with Redis cut off (a partition
+    that drops packets, here a listener that never answers), that read waited out its timeouts, past Celery's
+    `worker_proc_alive_timeout` (4 s), and the parent killed and forked the child again, for as long as the
+    partition lasted. The read is the warm-up's now, in the background."""
+    from animastor_tasks.worker import app as worker_app
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # connections complete in the kernel's backlog; nothing ever reads them
+        hanging = replace(settings, redis_url=f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+        built = wiring.build(hanging, worker_app.app)
+        monkeypatch.setattr(wiring, "current", lambda: built)
+        monkeypatch.setattr(wiring, "reset", lambda: None)
+        started = time.monotonic()
+        worker_app.fresh_connections()
+        assert time.monotonic() - started < 2.0
