@@ -44,6 +44,15 @@ def test_a_stop_signals_the_main_process_alone(path: Path) -> None:
     assert _unit(path)["KillMode"] == "mixed"
 
 
+@pytest.mark.parametrize("path", UNITS, ids=lambda p: p.name)
+def test_a_unit_runs_as_its_own_user_in_its_state_directory(path: Path) -> None:
+    """The units ran every process as root with `/` as its working directory: a GPU job owned the host's files,
+    and the default artifact directory (`artifacts`, relative) was `/artifacts`."""
+    unit = _unit(path)
+    assert unit.get("User") == "animastor" and unit.get("Group") == "animastor"
+    assert unit.get("StateDirectory") == "animastor" and unit.get("WorkingDirectory") == "/var/lib/animastor"
+
+
 def test_a_gpu_worker_is_given_longer_than_a_job_may_run() -> None:
     gpu = _unit(next(u for u in UNITS if u.name.startswith("animastor-gpu-worker")))
     assert _seconds(gpu["TimeoutStopSec"]) > Settings().job_time_limit
