@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, unquote, urlencode, urlsplit
 
 from animastor_tasks.domain.deferral import DeferralWindows
 from animastor_tasks.domain.registry import MediaRegistry, StageSpec, registry_from_table
@@ -76,12 +76,7 @@ class Settings:
         settings = cls(
             database_url=_url(env, "ANIMASTOR_DATABASE_URL", DEFAULT_DATABASE_URL, ("postgresql", "postgres")),
             redis_url=redis_url,
-            broker_url=_url(  # by default the coordination Redis, spelled as kombu reads a socket
-                env,
-                "ANIMASTOR_BROKER_URL",
-                result_backend_url(redis_url),
-                ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp"),
-            ),
+            broker_url=_broker_url(env, redis_url),
             key_prefix=_prefix(env),
             registry=_registry(env),
             # At most a day: beat's schedule is a timedelta, and a period past its range failed every process.
@@ -309,6 +304,30 @@ def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"{key!r} twice in one object; give each key once")
         seen.add(key)
     return dict(pairs)
+
+
+def _broker_url(env: Mapping[str, str], redis_url: str) -> str:
+    """ANIMASTOR_BROKER_URL; by default the coordination Redis, spelled as kombu reads a socket and without the
+    redis-py options kombu's Connection takes none of (they are the runtime's own client's). *Why:* with
+    `?socket_timeout=5`, every process that sent a task died in kombu with a TypeError traceback."""
+    if not env.get("ANIMASTOR_BROKER_URL", "").strip():
+        base, _, query = result_backend_url(redis_url).partition("?")
+        kept = urlencode([(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if _kombu_reads(k)], safe="/")
+        return f"{base}?{kept}" if kept else base
+    url = _url(env, "ANIMASTOR_BROKER_URL", redis_url, ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp"))
+    parts = urlsplit(url)
+    unread = sorted(k for k, _ in parse_qsl(parts.query) if not _kombu_reads(k))
+    if parts.scheme.startswith("redis") and unread:
+        raise ConfigError(
+            f"ANIMASTOR_BROKER_URL={redact_url(url)!r}: kombu's Redis transport takes no option {', '.join(unread)}"
+            " (only ssl_* and virtual_host)"
+        )
+    return url
+
+
+def _kombu_reads(option: str) -> bool:
+    """A query option kombu's Connection takes from a Redis URL."""
+    return option.startswith("ssl_") or option == "virtual_host"
 
 
 def result_backend_url(redis_url: str) -> str:

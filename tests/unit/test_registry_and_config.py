@@ -217,3 +217,32 @@ def test_a_redis_url_option_redis_cannot_read_stops_the_process_at_start() -> No
     with pytest.raises(ConfigError, match=r"ANIMASTOR_REDIS_URL.*socket_timeout") as info:
         RedisConnection("redis://:hunter2@127.0.0.1:6379/0?socket_timeout=abc", Keyspace("t"))
     assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("redis_url", "broker_url"),
+    [
+        ("redis://127.0.0.1:6379/0?socket_timeout=5&health_check_interval=10", "redis://127.0.0.1:6379/0"),
+        (
+            "rediss://r.example:6380/1?ssl_cert_reqs=required&socket_keepalive=true",
+            "rediss://r.example:6380/1?ssl_cert_reqs=required",
+        ),
+        ("unix:///run/redis.sock?db=2&socket_timeout=5", "redis+socket:///run/redis.sock?virtual_host=2"),
+    ],
+)
+def test_redis_py_options_of_the_redis_url_stay_out_of_the_broker_derived_from_it(
+    redis_url: str, broker_url: str
+) -> None:
+    """`ANIMASTOR_REDIS_URL=redis://...?socket_timeout=5` passed the check, then every process that sent a task
+    died in kombu with a TypeError traceback: the broker is that URL too, and kombu's Connection takes no
+    redis-py option. Its options are the runtime's own client's; the broker keeps only the TLS ones."""
+    import kombu
+
+    settings = Settings.from_env({"ANIMASTOR_REDIS_URL": redis_url})
+    assert settings.redis_url == redis_url and settings.broker_url == broker_url
+    assert kombu.Connection(settings.broker_url).transport_cls  # kombu reads it (nothing connects)
+
+
+def test_a_broker_url_with_an_option_kombu_cannot_read_stops_the_process_at_start() -> None:
+    with pytest.raises(ConfigError, match=r"ANIMASTOR_BROKER_URL.*socket_timeout"):
+        Settings.from_env({"ANIMASTOR_BROKER_URL": "redis://:pw@127.0.0.1:6379/0?socket_timeout=5"})
