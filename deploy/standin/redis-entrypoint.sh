@@ -1,6 +1,6 @@
 #!/bin/sh
 # Stand-in for the official redis image's entrypoint: `redis-server ...` runs as the redis user in /data;
-# any other command (docker-compose.yml's `sh -c ... exec redis-server`) runs as given.
+# any other command runs as given.
 set -eu
 case "${1:-}" in -*|*.conf) set -- redis-server "$@" ;; esac
 if [ "${1:-}" = redis-server ] && [ "$(id -u)" = 0 ]; then

@@ -126,6 +126,10 @@ def test_the_stack_does_the_work(stack: ComposeStack, figure: Callable[[str], No
     found = stack("exec", "-T", "worker-audio-cpu", "python", "-c", check, *paths)
     assert found.returncode == 0, f"artifacts missing or not WAV/PNG in the artifacts volume: {found.stderr}"
 
+    # Redis runs as its own user, not root (the compose file's `sh -c` once ran it as root).
+    uid = stack("exec", "-T", "redis", "awk", "/^Uid:/ {print $2}", "/proc/1/status")
+    assert uid.returncode == 0 and uid.stdout.strip() not in ("", "0"), (uid.stdout, uid.stderr)
+
     workers = stack.url("ANIMASTOR_FLOWER_PORT", "/api/workers")
     assert http_status(workers) == 401
     assert http_status(workers, auth=FLOWER_AUTH) == 200
