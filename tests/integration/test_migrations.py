@@ -4,6 +4,7 @@ A database of its own, migrated up to 0005 as a release before 0006 left it."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,9 @@ from animastor_tasks.adapters.postgres import migrations
 from animastor_tasks.adapters.postgres.migrations import migrate, migration_files
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.dev.probes import database_name, drop_database, ensure_database, with_database
+from animastor_tasks.errors import StoreUnavailable
+
+from .helpers import cli
 
 # Refuses to run while any session holds `asset_states` exclusively (0006 adds a column under that lock).
 _NOTHING_HOLDS_ASSET_STATES = """
@@ -114,3 +118,34 @@ def test_two_migrates_at_once_apply_each_migration_once(empty: str) -> None:
         thread.join(60)
     assert errors == []
     assert sorted(results, key=len) == [[], [name for _, name, _ in migration_files()]]
+
+
+@pytest.mark.parametrize("command", [("queues",), ("status", "b"), ("commands",), ("reconcile",)])
+def test_a_database_not_migrated_is_named_so_with_what_to_run(
+    empty: str, monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...]
+) -> None:
+    """Against a database not migrated, every read was a psycopg traceback (`relation "asset_states" does not
+    exist`) and exit 1."""
+    monkeypatch.setenv("ANIMASTOR_DATABASE_URL", empty)
+    done = cli(*command)
+    assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr
+    assert "animastor-tasks db migrate" in done.stderr, done.stderr
+
+
+def test_a_column_this_release_reads_and_the_database_lacks_is_a_store_not_ready(before_0006: str) -> None:
+    """A release running before its `db migrate` (mid-upgrade): the missing column is Postgres not ready, a
+    `StoreUnavailable` a job's verdict waits out, not a bug that failed the pair with a traceback."""
+    db = Database(before_0006)
+    try:
+        with pytest.raises(StoreUnavailable, match="db migrate") as info, db.read() as conn:
+            conn.execute("SELECT " + _column_added_by(6) + " FROM asset_states")
+        assert info.value.store == "postgres"
+    finally:
+        db.close()
+
+
+def _column_added_by(version: int) -> str:
+    [sql] = [sql for v, _, sql in migration_files() if v == version]
+    found = re.search(r"ADD COLUMN (?:IF NOT EXISTS )?(\w+)", sql, re.IGNORECASE)
+    assert found, sql
+    return found.group(1)

@@ -37,6 +37,12 @@ def _is_store_error(err: BaseException) -> bool:
     )
 
 
+# A table or column this release reads is missing: the database is not migrated (yet: mid-upgrade, a new release
+# running before `db migrate`). A store not ready, not a bug: the CLI exits 3 saying what to run, and a job's
+# verdict waits for it as for a restart (`when_reachable`). It was a psycopg traceback, exit 1.
+_SCHEMA_BEHIND = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)
+NOT_MIGRATED = "the database is not migrated to this release; run `animastor-tasks db migrate`"
+
 #: Why the last attempt to connect to each URL failed, until one succeeds.
 _refusals: dict[str, str] = {}
 
@@ -128,6 +134,9 @@ class Database:
                     conn.autocommit = autocommit
                 yield conn
         except psycopg.Error as err:
+            if isinstance(err, _SCHEMA_BEHIND):
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise StoreUnavailable("postgres", self.url, f"{first}: {NOT_MIGRATED}") from err
             if _is_store_error(err):
                 detail = str(err).strip() or type(err).__name__
                 if isinstance(err, PoolTimeout) and self.url in _refusals:
