@@ -67,27 +67,9 @@ class LocalPostgres:
         bin_dir = postgres_bin_dir()
         run_as = _postgres_system_user(bin_dir)
         if not (self.pgdata / "PG_VERSION").exists():
-            shutil.rmtree(self.pgdata, ignore_errors=True)  # a half-initialised PGDATA from an interrupted initdb
-            self._make_pgdata(run_as)
-            _run_pg(
-                [
-                    str(bin_dir / "initdb"),
-                    "-D",
-                    str(self.pgdata),
-                    "-U",
-                    PG_SUPERUSER,
-                    "--auth=trust",
-                    "--encoding=UTF8",
-                    "--no-locale",  # a minimal container may lack the locale named by $LANG
-                    "--no-sync",  # throwaway data; saves seconds on slow disks
-                    "--no-instructions",
-                ],
-                cwd=self.pgdata,
-                run_as=run_as,
-                what="initdb",
-            )
+            self._initdb(bin_dir, run_as)
         else:
-            self._make_pgdata(run_as)
+            self._make_pgdata(self.pgdata, run_as)
         sockets, private_dir = choose_socket_dir(self.data_dir, self.pgdata, ".s.PGSQL.5432", run_as)
         stale_pidfile = self.pgdata / "postmaster.pid"
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -139,14 +121,42 @@ class LocalPostgres:
             "database": DEFAULT_DATABASE,
         }
 
-    def _make_pgdata(self, run_as: str | None) -> None:
-        self.pgdata.mkdir(mode=0o700, parents=True, exist_ok=True)
+    def _initdb(self, bin_dir: Path, run_as: str | None) -> None:
+        """initdb into a folder beside PGDATA, renamed into place once it succeeded. *Why:* initdb writes
+        PG_VERSION first; interrupted (a Ctrl-C during the first `up`), it left a PGDATA every later start took
+        for a whole one and failed on, for good."""
+        for leftover in [self.pgdata, *self.pgdata.parent.glob(f"{self.pgdata.name}.initdb-*")]:
+            shutil.rmtree(leftover, ignore_errors=True)  # best effort: an interrupted one may still be writing
+        self.pgdata.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{self.pgdata.name}.initdb-", dir=self.pgdata.parent))
+        self._make_pgdata(staging, run_as)
+        _run_pg(
+            [
+                str(bin_dir / "initdb"),
+                "-D",
+                str(staging),
+                "-U",
+                PG_SUPERUSER,
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-locale",  # a minimal container may lack the locale named by $LANG
+                "--no-sync",  # throwaway data; saves seconds on slow disks
+                "--no-instructions",
+            ],
+            cwd=staging,
+            run_as=run_as,
+            what="initdb",
+        )
+        staging.rename(self.pgdata)
+
+    def _make_pgdata(self, pgdata: Path, run_as: str | None) -> None:
+        pgdata.mkdir(mode=0o700, parents=True, exist_ok=True)
         if run_as is not None:
             import pwd
 
-            _ensure_traversable(self.pgdata)  # the system user must traverse every parent directory
+            _ensure_traversable(pgdata)  # the system user must traverse every parent directory
             entry = pwd.getpwnam(run_as)
-            os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
+            os.chown(pgdata, entry.pw_uid, entry.pw_gid)
 
     def alive(self, entry: Mapping[str, Any]) -> bool:
         """True when the recorded postmaster is still ours and answers."""

@@ -29,6 +29,8 @@ from animastor_tasks.dev.local_stores import BROKER_VAR, DATABASE_VAR, REDIS_VAR
 from animastor_tasks.dev.probes import ensure_database, probe_postgres, probe_redis
 from animastor_tasks.dev.processes import pid_alive, wait_dead
 from animastor_tasks.dev.stores import ensure_stores, stop_local
+from animastor_tasks.errors import StoreUnavailable
+from tests.support import wait_for
 
 CLOSED = {
     DATABASE_VAR: "postgresql://postgres@127.0.0.1:1/animastor_devstack",
@@ -141,6 +143,35 @@ def test_starts_embedded_stores_when_the_configured_ones_are_unreachable(local_d
     assert not pid_alive(pg_pid) and not pid_alive(redis_pid)
     assert not any(sock.exists() for sock in sockets)
     assert not local_dir.exists()
+
+
+def test_a_first_start_cut_short_in_initdb_starts_again(local_dir: Path) -> None:
+    """initdb writes PG_VERSION first: a Ctrl-C during the first `up` (or `make demo`) left a PGDATA that every
+    later start took for a whole one, and failed on for good ("pg_ctl start exited with 1")."""
+    first = subprocess.Popen(
+        [sys.executable, "-c", START_EMBEDDED, str(local_dir)],
+        env={**os.environ, **CLOSED},
+        start_new_session=True,  # its group holds initdb and the bootstrap backend too
+    )
+    try:
+        wait_for(lambda: next(local_dir.glob("pg*/PG_VERSION"), None), 60, "initdb begun", 0.002)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+    try:
+        overrides, lines = ensure_stores(CLOSED, data_dir=local_dir, log=lambda _line: None)
+    except StoreUnavailable as err:
+        pytest.fail(f"a first start cut short in initdb stopped every later one: {err}")
+    assert "started embedded PostgreSQL" in lines[0], lines
+    _check_clients(overrides)
+
+
+START_EMBEDDED = """
+import os, sys
+from pathlib import Path
+from animastor_tasks.dev.stores import ensure_stores
+ensure_stores(dict(os.environ), data_dir=Path(sys.argv[1]), log=lambda _line: None)
+"""
 
 
 def test_up_outlives_its_process_restarts_after_stale_state_and_down_stops(local_dir: Path) -> None:
