@@ -2,7 +2,7 @@
 # Stand-in for the official postgres image's entrypoint (the part docker-compose.yml relies on):
 # on an empty PGDATA, initdb with POSTGRES_USER / POSTGRES_PASSWORD, create POSTGRES_DB, accept password
 # logins from other containers; then run the server as the postgres user. Local socket logins are trusted,
-# as in the official image (that is what the pg_isready healthcheck uses).
+# as in the official image.
 set -eu
 export PGDATA="${PGDATA:-/var/lib/postgresql/data}"
 if [ "$(id -u)" = 0 ]; then
