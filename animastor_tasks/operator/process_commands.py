@@ -69,7 +69,7 @@ def up() -> None:
 
 @click.command()
 def down() -> None:
-    """Stop the local stores `up` started (if any)."""
+    """Stop the local stores `up` started (if any) and delete what they stored."""
     from animastor_tasks.dev import stores as devstack
 
     devstack.main(["down"])
