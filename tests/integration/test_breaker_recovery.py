@@ -66,3 +66,36 @@ def test_passes_that_cannot_be_sent_when_a_breaker_closes_cost_the_pass_that_clo
     assert rt.breaker.breaker_state("gpu.audio") == "closed"
     assert running(rt, "b") == {"b": 1}  # the test job; the book's other pairs go with its next pass
     assert rt.redis.client.zscore(rt.redis.keys.due(), "b") is not None
+
+
+def _waiting(rt, queue: str) -> list[str]:  # type: ignore[no-untyped-def]
+    return [str(b) for b in rt.redis.client.zrange(rt.redis.keys.lane_waiters(queue), 0, -1)]
+
+
+def test_a_half_open_lane_hands_its_one_test_permit_to_one_waiting_book_and_keeps_the_others_in_line(rt) -> None:
+    """Past the cooldown with no test permit out, a hand-over of the lane's free slots took every waiting book off
+    its list: one got the permit, each other was refused by the breaker, passed its slot on and was off the list
+    for good, its place in line lost (back only when its own deferral ran out)."""
+    queue = "gpu.audio"
+    for i, book in enumerate(("a", "b", "c")):
+        rt.ports.deferrals.wait_for_lane(queue, book, 100.0 + i)
+    now = rt.redis.server_time()
+    rt.redis.client.hset(rt.redis.keys.breaker(queue), mapping={"failures": 5, "open_until": repr(now - 1)})
+    assert rt.ports.deferrals.next_waiters(queue, 3) == ["a"]  # the one the test permit is for
+    assert _waiting(rt, queue) == ["b", "c"]
+    rt.redis.client.hset(rt.redis.keys.breaker(queue), "permit_until", repr(now + 60))  # the permit is out
+    assert rt.ports.deferrals.next_waiters(queue, 3) == []
+    assert _waiting(rt, queue) == ["b", "c"]
+
+
+def test_a_job_ending_while_its_lane_is_open_keeps_its_book_in_line_behind_the_waiters(rt) -> None:
+    """With the breaker open, a job's end took its own book off the waiting list as though nobody else waited
+    (and noted it served): each job that failed into an outage cost its book its place in line."""
+    queue = "gpu.audio"
+    for i, book in enumerate(("a", "b")):
+        rt.ports.deferrals.wait_for_lane(queue, book, 100.0 + i)
+    rt.redis.client.hset(rt.redis.keys.dispatch("d-x"), mapping={"rank": 1})
+    rt.redis.client.hset(rt.redis.keys.breaker(queue), mapping={"open_until": repr(rt.redis.server_time() + 60)})
+    assert rt.ports.deferrals.next_waiters(queue, 1, exclude="x", requeue_from="d-x") == []
+    assert _waiting(rt, queue) == ["a", "b", "x"]
+    assert rt.redis.client.hgetall(rt.redis.keys.lane_handed(queue)) == {}

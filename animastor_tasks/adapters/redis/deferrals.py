@@ -129,7 +129,8 @@ class DeferralStore:
         answer is `[exclude]`, taken off the list.
         When nobody waits, the pairs of `exclude` deferred for capacity may try again on the slot its job
         freed: with `requeue_from`, that bucket is emptied in the same step. While the lane's breaker is open
-        nobody is taken: each would find the lane refused and pass the slot on, emptying the list.
+        nobody is taken (and `exclude` only joins the list), half-open one book at most (its test permit's): each
+        other would find the lane refused and pass the slot on, emptying the list.
         """
         keys = [
             self.conn.keys.lane_waiters(queue),

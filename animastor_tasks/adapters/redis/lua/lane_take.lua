@@ -9,8 +9,9 @@
 -- KEYS[3] a key to delete when no book is taken, or '' for none: the deferrals of the book that freed
 --         the slot that wait for capacity, which may try again when nobody else waits
 -- KEYS[4] the lane's breaker hash, or '' for none: while it is open (as breaker_acquire.lua says: before
---         `open_until`, or its half-open permit out) nobody is taken: each would find the lane refused and pass
---         the slot on, emptying the list and losing its order
+--         `open_until`, or its half-open permit out) nobody is taken, and half-open one book at most (the one
+--         its test permit is for): each other would find the lane refused and pass the slot on, emptying the
+--         list and losing its order. A book re-queued meanwhile only joins the list (keeping its place there).
 -- KEYS[5] the lane's hand-over record (hash: book -> '<now> <wait score>'): every book served is noted there
 --         until its refill reports back, so that a refill lost puts its book back on the list (handed_restore.lua)
 -- ARGV[1] how many books to take
@@ -18,11 +19,15 @@
 -- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank, ARGV[5] the default rank
 -- returns the books taken, best first
 local count = tonumber(ARGV[1])
+local refused = false
 if KEYS[4] ~= '' then
     local now = tonumber(ARGV[3])
     local open_until = tonumber(redis.call('HGET', KEYS[4], 'open_until') or '0')
     if open_until > now or (open_until ~= 0 and tonumber(redis.call('HGET', KEYS[4], 'permit_until') or '0') > now) then
         count = 0
+        refused = true
+    elseif open_until ~= 0 then
+        count = math.min(count, 1)
     end
 end
 local requeue = KEYS[2] ~= '' and ARGV[2] ~= ''
@@ -53,8 +58,10 @@ if count > 0 then
         end
     end
 end
-if #taken > 0 then
-    redis.call('ZREM', KEYS[1], unpack(taken))
+if #taken > 0 or refused then
+    if #taken > 0 then
+        redis.call('ZREM', KEYS[1], unpack(taken))
+    end
     if requeue then
         redis.call('ZADD', KEYS[1], 'NX', own, ARGV[2])
     end
