@@ -276,3 +276,26 @@ def test_a_pass_on_a_stale_snapshot_never_puts_a_book_due_now_further_back(rt: W
     assert rt.redis.client.zscore(key, "b") == now
     page.write_due(rt.ports, "b", None, now)  # one that saw the entry as it is: the book leaves the index
     assert rt.redis.client.zscore(key, "b") is None
+
+
+def test_a_book_made_active_while_a_pass_finds_it_idle_stays_on_the_due_index(rt, monkeypatch) -> None:
+    """The pass read that the book had no active scene, reconcile (or a regenerate) then put a scene in and the
+    book on the due index, and the pass took the book off both: its pending work waited, unvisited by the tick,
+    until reconcile's round came back to it."""
+    store, client = rt.ports.book_state, rt.redis.client
+    real_scard = client.scard
+    activated: list[bool] = []
+
+    def scard_then_activate(key: str) -> int:
+        found = real_scard(key)
+        store.activate({"b": [("ch1", "s1")]})  # another process, between the read and the removal
+        activated.append(True)
+        return found
+
+    monkeypatch.setattr(client, "scard", scard_then_activate)
+    store.drop_book_if_idle("b")
+    monkeypatch.undo()
+    if not activated:
+        store.activate({"b": [("ch1", "s1")]})  # one step: it comes wholly before or after
+    assert client.zscore(rt.redis.keys.due(), "b") is not None
+    assert "b" in store.active_books()

@@ -26,6 +26,7 @@ class BookStateStore:
         self._data_lost_at = float("-inf")
         self._book_reads_if_small = conn.client.register_script(_script("book_reads_if_small"))
         self._due_clear = conn.client.register_script(_script("due_clear"))
+        self._drop_if_idle = conn.client.register_script(_script("drop_if_idle"))
 
     # -- cancel flag, layers mirror --------------------------------------------
     def set_cancel_flag(self, book: str) -> None:
@@ -326,10 +327,14 @@ class BookStateStore:
                 return
 
     def drop_book_if_idle(self, book: str) -> None:
-        with self.conn.errors():
-            if not self.conn.client.scard(self.conn.keys.active_scenes(book)):
-                self.conn.client.srem(self.conn.keys.active_books(), book)
-                self.conn.client.zrem(self.conn.keys.due(), book)
+        """The book off the active set and the due index if it has no active scene, atomically
+        (`lua/drop_if_idle.lua`)."""
+        keys = self.conn.keys
+        self.conn.run(
+            lambda: self._drop_if_idle(
+                keys=[keys.active_scenes(book), keys.active_books(), keys.due()], args=[book], client=self.conn.client
+            )
+        )
 
     def active_books(self) -> set[str]:
         members: set[Any] = self.conn.run(lambda: self.conn.client.smembers(self.conn.keys.active_books()))
