@@ -85,3 +85,24 @@ def test_a_node_started_again_lets_go_of_what_its_previous_run_still_held(rt, tm
     assert not rt.redis.client.exists(rt.redis.keys.holders("audio@gpu-1"))
     assert rt.redis.client.smembers(rt.redis.keys.holders("audio@gpu-2")) == {"audio@gpu-2#7"}
     assert LeaseStore(rt.redis).abandon_node("audio@gpu-1") == []  # a second start finds nothing
+
+
+def test_reconcile_restores_no_queued_lease_for_a_job_delivered_since_it_looked_at_the_queue(rt, tmp_path) -> None:
+    """Reconcile read the job as still queued; it was then delivered, and its pool process died at once (its
+    running marker and lease let go). The restore found neither and took a queued lease, a day long, that
+    nothing would end: the pair and its slot stood idle for a day."""
+    job = _started_job(rt, tmp_path)  # delivered after reconcile looked
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=None) == (job.dispatch_id, "audio", True)
+    restored = rt.ports.leases.restore_leases([(job.lease_pair, job.dispatch_id, job.fencing_token, 86_400.0)])
+    assert restored == set() and _lease(rt, job) is None
+
+
+def test_a_job_never_delivered_gets_its_queued_lease_back_after_redis_lost_it(rt, tmp_path) -> None:
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    rt.redis.client.delete(rt.redis.keys.lease(*job.lease_pair), rt.redis.keys.dispatch(job.dispatch_id))
+    rt.ports.leases.restore_leases([(job.lease_pair, job.dispatch_id, job.fencing_token, 86_400.0)])
+    assert _lease(rt, job) == job.dispatch_id

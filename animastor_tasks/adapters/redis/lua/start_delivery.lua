@@ -2,12 +2,15 @@
 -- has left its queue); if the dispatch still holds the pair's queued lease, the lease becomes the running
 -- job's (its TTL) and the delivery takes the dispatch's running marker unless another copy holds it.
 -- KEYS[1] lease key, KEYS[2] running marker, KEYS[3] undelivered marker, KEYS[4] the book's cancel flag,
--- KEYS[5] the dispatch's metadata hash, KEYS[6] the holder's entry (which job its process runs), KEYS[7] the
+-- KEYS[5] the dispatch's metadata hash (marked delivered), KEYS[6] the holder's entry (which job its process runs), KEYS[7] the
 -- holders of the holder's worker node
 -- ARGV[1] dispatch id, ARGV[2] lease ttl in ms, ARGV[3] holder (worker and process), ARGV[4] running marker
 -- ttl in s, ARGV[5] the holder entry's ttl in s
 -- returns {lease held, delivery owned, book cancelled, when the dispatch was published (nil: unknown)}
 redis.call('DEL', KEYS[3])
+if redis.call('EXISTS', KEYS[5]) == 1 then
+    redis.call('HSET', KEYS[5], 'delivered', '1')  -- for restore_lease.lua, whatever becomes of this delivery
+end
 local cancelled = redis.call('EXISTS', KEYS[4])
 local dispatched_at = redis.call('HGET', KEYS[5], 'dispatched_at')
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
