@@ -112,3 +112,13 @@ def test_a_clean_stop_takes_the_last_beat_away_and_a_name_silent_for_a_day_is_fo
     assert set(beats) == {NODE}
     assert 29 < rt.redis.server_time() - beats[NODE] < 32
     assert rt.redis.client.zcard(rt.redis.keys.beats()) == 1
+
+
+def test_a_queue_forgets_consumers_silent_for_a_day(rt) -> None:
+    """A consumer's entry left only with a clean stop: every pod a rollout replaced (a new name each time) or
+    killed stayed in its queue's consumers for ever."""
+    key = rt.redis.keys.consumers("gpu.audio")
+    now = rt.redis.server_time()
+    rt.redis.client.zadd(key, {"audio@pod-gone-2d": now - 2 * 86_400, "audio@pod-gone-1h": now - 3_600})
+    rt.presence.heartbeat("audio@pod-live", ["gpu.audio"], 60.0)
+    assert set(rt.redis.client.zrange(key, 0, -1)) == {"audio@pod-gone-1h", "audio@pod-live"}

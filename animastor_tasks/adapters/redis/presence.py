@@ -33,6 +33,8 @@ class PresenceStore:
             pipe = self.conn.client.pipeline(transaction=False)
             for queue in queues:
                 pipe.zadd(self.conn.keys.consumers(queue), {hostname: now + ttl})
+                # Names silent for a day go: each pod a rollout replaced (a new name each time) stayed for ever.
+                pipe.zremrangebyscore(self.conn.keys.consumers(queue), "-inf", f"({now - FORGET_SILENT_NODE_SECONDS}")
             for queue in gone:  # lua/withdraw_consumer.lua: its departure noted if it leaves nobody consuming
                 self.conn.withdraw_consumer_script(
                     keys=[self.conn.keys.consumers(queue), self.conn.keys.departures()],
