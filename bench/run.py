@@ -18,6 +18,7 @@ import time
 import traceback
 from typing import Any
 
+from animastor_tasks.errors import StoreUnavailable
 from bench.common import ROOT, BenchResult, Context, configure_environment, prepare_stores, reset_stores
 
 BENCHES = (
@@ -112,7 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     names = [name for name in BENCHES if not only or name in only]
 
     configure_environment()
-    prepare_stores()
+    try:
+        prepare_stores()
+    except StoreUnavailable as err:
+        print(
+            f"error: {err}\nThe benchmarks need PostgreSQL and Redis over TCP: BENCH_DATABASE_URL (default"
+            " postgresql://postgres@127.0.0.1:5432/animastor_bench) and BENCH_REDIS_URL (default"
+            " redis://127.0.0.1:6379/13).",
+            file=sys.stderr,
+        )
+        return 3
     ctx = Context(quick=args.quick)
     info = machine()
     results: dict[str, BenchResult] = {}
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     figures: dict[str, Any] = {}
     notes: dict[str, Any] = {}
-    if only and os.path.exists(args.output):
+    if (only or errors) and os.path.exists(args.output):  # a benchmark that failed keeps its last figures
         try:
             with open(args.output) as handle:
                 previous = json.load(handle)
