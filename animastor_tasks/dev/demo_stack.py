@@ -175,4 +175,4 @@ class DemoStack:
         if left:
             self.say(f"WARNING: processes still alive: {left}")
         else:
-            self.say(f"all {len(self.supervisor.groups)} process groups stopped; nothing left running")
+            self.say(f"all {self.supervisor.started} process groups stopped; nothing left running")

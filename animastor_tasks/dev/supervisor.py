@@ -133,7 +133,8 @@ class Supervisor:
         self.cwd = cwd
         self.token = secrets.token_hex(8)
         self.children: dict[str, Child] = {}
-        self.groups: list[int] = []  # every group ever started (its leader's pid)
+        self.groups: list[int] = []  # every group started and not yet seen empty (its leader's pid)
+        self.started = 0  # how many groups were ever started
         self.hurry = False  # set by a second Ctrl-C: no more grace periods
         self._shield = 0
         self._pending: int | None = None
@@ -180,6 +181,7 @@ class Supervisor:
             child = Child(name, list(argv), dict(env or {}), process, log_path)
             self.children[name] = child
             self.groups.append(process.pid)
+            self.started += 1
             _track(process.pid, live=True)
         self.say(f"started {name}: pid {process.pid} (process group {process.pid}), log {log_path}")
         return child
@@ -265,6 +267,9 @@ class Supervisor:
         for child in targets:
             _reap_group(child.pid)
             _track(child.pid, live=False)
+            if not group_members(child.pid) and child.pid in self.groups:
+                # Empty, its number may be a new session's one day: `stop_all` must not SIGKILL that group.
+                self.groups.remove(child.pid)
             if self.children.get(child.name) is child:
                 del self.children[child.name]
             self.say(f"stopped {child.name} (pid {child.pid}, exit status {child.process.returncode})")
