@@ -243,10 +243,17 @@ def show_commands(rows: list[dict[str, Any]], console: Console | None = None) ->
             Text(r["stage"]),
             r["status"],
             Text(r["reason"] or ""),
-            f"{p.get(AssetState.READY, 0)}/{p['total']}",
+            _done(p),
             f"{r['age_seconds']:.0f}s",
         )
     (console or Console()).print(table)
+
+
+def _done(progress: Mapping[str, Any]) -> str:
+    """Targets done (ready or failed, as `status` counts them) of the total, the failed named."""
+    failed = progress.get(AssetState.FAILED, 0)
+    done = f"{progress.get(AssetState.READY, 0) + failed}/{progress['total']}"
+    return f"{done} ({failed} failed)" if failed else done
 
 
 def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list[QueueRow]:

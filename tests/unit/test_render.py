@@ -241,3 +241,21 @@ def test_a_watch_rides_out_a_store_that_fails_a_refresh() -> None:
 
     render.watch_queues(queues, interval=0.01, console=console)
     assert rows == []
+
+
+def test_commands_counts_a_failed_target_as_done_as_status_does() -> None:
+    """`commands` showed `8/10` for a command whose last two targets failed (it had ended `failed`), where
+    `status` showed `10/10`: the same command read as unfinished in one view and done in the other."""
+    console = Console(record=True, width=160, color_system=None)
+    row = {
+        "command_id": "0123456789abcdef",
+        "book_id": "b",
+        "stage": "audio",
+        "status": "failed",
+        "reason": None,
+        "progress": {"total": 10, "ready": 8, "failed": 2},
+        "age_seconds": 3.0,
+    }
+    render.show_commands([row], console=console)
+    out = console.export_text()
+    assert "10/10" in out and "2 failed" in out
