@@ -93,9 +93,6 @@ class Keyspace:
     def cancel_flag(self, book: str) -> str:
         return self._key("cancel", book)
 
-    def layers(self, book: str) -> str:
-        return self._key("layers", book)
-
     def force_set(self, book: str) -> str:
         return self._key("force", book)
 

@@ -78,7 +78,7 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
 
 
 def _rebuild_redis(ports: Ports, books: list[str], indexed: list[str], report: dict[str, Any]) -> None:
-    """Cancel flags and layer mirrors of every book with work (a row each); the active index of `indexed`."""
+    """Cancel flags of every book with work (a row each); the active index of `indexed`."""
     tombstoned = ports.commands.tombstoned_books()
     ports.book_state.set_cancel_flags(tombstoned)
     if tombstoned:
@@ -86,7 +86,6 @@ def _rebuild_redis(ports: Ports, books: list[str], indexed: list[str], report: d
         # the flag of a book no longer tombstoned is lifted (a Stop All now is denied by its tombstone meanwhile).
         for book in set(tombstoned) - set(ports.commands.tombstoned_books()):
             ports.book_state.clear_cancel_flag(book)
-    ports.book_state.mirror_layers_many(ports.catalog.all_layers(books))
     # Page by page: the whole book's gate rows held at once took 1.1 GB and 10 s at a million pairs; and every
     # book in the same pages: a statement and a round trip per book were 6 of the 9 s of a farm of 5,000 books.
     rebuilt: set[str] = set()

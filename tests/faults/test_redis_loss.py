@@ -79,13 +79,12 @@ def test_redis_loss_with_jobs_queued_and_running(make_stack, redis_down_ok, figu
         # The force set is written only by a regenerate (reconcile never rebuilds it): gone means wiped.
         assert coord.redis.client.exists(coord.redis.keys.force_set(book.book_id)) == 0, "the fault did not wipe Redis"
 
-        # Rebuilt from Postgres: the tombstone's cancel flag, the layer mirror, the active index.
+        # Rebuilt from Postgres: the tombstone's cancel flag, the active index.
         def rebuilt() -> bool:
             flag = coord.ports.book_state.cancel_flag_set(stopped.book_id)
-            layers = coord.redis.client.get(coord.redis.keys.layers(book.book_id)) == LAYERS
             in_flight = any(s in ("pending", "generating") for s in stack.states(book.book_id).values())
             active = book.book_id in coord.ports.book_state.active_books() or not in_flight
-            return flag and layers and active
+            return flag and active
 
         wait_for(rebuilt, bound + 5, interval=0.05, what="Redis rebuilt from Postgres")
         rebuilt_after = time.monotonic() - fault

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import replace
@@ -217,10 +216,23 @@ def test_disabled_layer_is_skipped_and_reported(rt, book) -> None:
     result = regenerate_flow.regenerate(rt.ports, book, ["all"])
     assert [c["stage"] for c in result["commands"]] == ["audio"]
     assert result["skipped"] == [{"stage": "image", "reason": "layer_disabled"}]
-    assert json.loads(rt.redis.client.get(rt.redis.keys.layers(book))) == {
-        "audio_enabled": True,
-        "image_enabled": False,
-    }
+    assert layers_flow.layers_of(rt.ports, book) == {"audio": True, "image": False}
+
+
+def test_a_layer_change_saved_while_redis_cannot_be_reached_is_answered_as_done(rt, book, monkeypatch) -> None:
+    """The change was in Postgres (which every pass and job start reads), then Redis failed its mirror: reported
+    as failed (exit 3), a change in force read as lost. The release of its pending pairs waits for the next pass."""
+    regenerate_flow.regenerate(rt.ports, book, ["image"])
+
+    def unreachable(*args: object, **kwargs: object) -> None:
+        raise StoreUnavailable("redis", rt.settings.redis_url, "connection refused")
+
+    monkeypatch.setattr(rt.ports.book_state, "book_snapshots", unreachable)
+    assert layers_flow.set_layers(rt.ports, book, [], ["image"]) == {"audio": True, "image": False}
+    monkeypatch.undo()
+    assert layers_flow.layers_of(rt.ports, book) == {"audio": True, "image": False}
+    gate.gate_pass(rt.ports, book)  # the next pass
+    assert {s for (_, _, st), s in states(rt, book).items() if st == "image"} <= {"dirty", "generating"}
 
 
 def test_disabling_a_layer_releases_its_pending_pairs(rt, book) -> None:

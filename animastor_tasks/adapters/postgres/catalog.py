@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -227,11 +226,3 @@ class Catalog:
         with self.db.read() as conn:
             row = conn.execute("SELECT layer_config FROM books WHERE book_id = %s", (book_id,)).fetchone()
         return None if row is None else row[0]
-
-    def all_layers(self, book_ids: Iterable[str]) -> dict[str, str | None]:
-        with self.db.read() as conn:
-            return dict(
-                conn.execute(
-                    "SELECT book_id, layer_config FROM books WHERE book_id = ANY(%s)", (list(book_ids),)
-                ).fetchall()
-            )

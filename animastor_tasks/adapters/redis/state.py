@@ -42,19 +42,6 @@ class BookStateStore:
     def clear_cancel_flag(self, book: str) -> None:
         self.conn.run(lambda: self.conn.client.delete(self.conn.keys.cancel_flag(book)))
 
-    def mirror_layers(self, book: str, raw: str | None) -> None:
-        self.mirror_layers_many({book: raw})
-
-    def mirror_layers_many(self, layers: dict[str, str | None]) -> None:
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=False)
-            for book, raw in layers.items():
-                if raw is None:
-                    pipe.delete(self.conn.keys.layers(book))
-                else:
-                    pipe.set(self.conn.keys.layers(book), raw)
-            pipe.execute()
-
     # -- one read for a whole gate pass ---------------------------------------
     def book_snapshots(
         self, books: Sequence[str], now: float, queues: Sequence[str] = (), *, waiters: int = WAITERS_READ
