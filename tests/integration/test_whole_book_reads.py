@@ -12,7 +12,7 @@ from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import takeover
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, read_calls, states
+from .helpers import advertise, lose_leases, make_book, read_calls, states
 
 
 def _regenerated(rt: Wiring, book: str, scenes: int) -> None:
@@ -39,6 +39,7 @@ def test_a_dead_jobs_takeover_reads_the_facts_of_its_pairs_only(rt: Wiring) -> N
     _regenerated(rt, "b", scenes=40)
     dead = [g for g in rt.ports.assets.generating_pairs() if g.book == "b"][:2]
     assert len(dead) == 2
+    lose_leases(rt, [(g.book, *g.pair) for g in dead])  # their jobs died: what the takeover expires
     calls = read_calls(rt, "gate_rows")
     report = {"expired": 0}
     takeover.expire(rt.ports, dead, report)
