@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from celery import Celery
+from kombu.exceptions import OperationalError
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.ports import Counters
 
 log = logging.getLogger("animastor.dispatch")
@@ -87,7 +90,19 @@ class CeleryPublisher:
         # The optional kwargs only when set: a message without them is one every version of the task takes.
         optional = {"freed": freed, "slots": slots, "batch": batch}
         kwargs = {"book_id": book_id, "lane": lane} | {k: v for k, v in optional.items() if v is not None}
-        self.app.send_task("animastor.refill", kwargs=kwargs, queue=CONTROL_QUEUE)
+        with self._broker_errors():
+            self.app.send_task("animastor.refill", kwargs=kwargs, queue=CONTROL_QUEUE)
 
     def enqueue_gates(self, book_ids: Sequence[str]) -> None:
-        self.app.send_task("animastor.gate_batch", kwargs={"book_ids": list(book_ids)}, queue=CONTROL_QUEUE)
+        with self._broker_errors():
+            self.app.send_task("animastor.gate_batch", kwargs={"book_ids": list(book_ids)}, queue=CONTROL_QUEUE)
+
+    @contextmanager
+    def _broker_errors(self) -> Iterator[None]:
+        """A broker that cannot take a control message is `StoreUnavailable`, as every store at its edge. *Why:*
+        kombu's own error went past every caller, which handles a store's: a tick's batch of passes ended at the
+        first refill it could not send, the books after it taken off the due index and left to reconcile."""
+        try:
+            yield
+        except (OperationalError, OSError) as err:
+            raise StoreUnavailable("broker", str(self.app.conf.broker_url), str(err) or type(err).__name__) from err

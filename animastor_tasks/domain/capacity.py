@@ -51,8 +51,10 @@ class CapacityChoice:
     chosen: list[tuple[Pair, str]] = field(default_factory=list)  # (pair, dispatch id) to claim
     refused: dict[Outcome, list[Pair]] = field(default_factory=dict)  # by the limit each hit
     # Stages whose lane the book now waits for (refused by the lane or by its fair share, not by its
-    # cap): it joins their waiting lists so that a freed slot is handed to it.
+    # cap): it joins their waiting lists so that a freed slot is handed to it, at the priority of the most
+    # urgent of `waiting`, the pairs so refused.
     waits_for: set[str] = field(default_factory=set)
+    waiting: set[Pair] = field(default_factory=set)
 
 
 def below_share(generating: Sequence[Pair], stage: str, spec: StageSpec) -> bool:
@@ -131,6 +133,7 @@ def choose(
         if refusal is not None:
             choice.refused.setdefault(refusal, []).append(pair)
             choice.waits_for.add(stage)
+            choice.waiting.add(pair)
             continue
         choice.chosen.append((pair, dispatch_id))
         lane[stage] += 1

@@ -154,14 +154,19 @@ def _settle_idempotent(
     ports: Ports, book: str, todo: list[InFlight], force: set[Pair], result: DispatchResult, now: float
 ) -> list[InFlight]:
     """Already completed (same inputs, not forced) or already leased pairs are not dispatched."""
-    done = [i.pair for i in todo if i.pair not in force and i.has_artifact and i.ready_hash == i.current_hash]
+    # Unknown inputs (no hash on record: a stage the scene's import did not know) prove nothing: such a pair runs.
+    done = [
+        i.pair
+        for i in todo
+        if i.pair not in force and i.has_artifact and i.ready_hash is not None and i.ready_hash == i.current_hash
+    ]
     if done:
         completed = ports.assets.mark_already_completed(book, done)
         _defer(ports, book, Outcome.ALREADY_COMPLETED, completed, now)
         result.outcomes[Outcome.ALREADY_COMPLETED] += len(completed)
         result.gone.update(completed)
-    done_set = set(done)
-    todo = [i for i in todo if i.pair not in done_set]
+        # Only what Postgres settled leaves: one it refused (its inputs changed since the read) is dispatched.
+        todo = [i for i in todo if i.pair not in set(completed)]
 
     # Only a pair with a recorded dispatch can be held by it; one without is never read (a concurrent
     # claim of it is caught by the claim's compare-and-set on `pending`).
@@ -229,10 +234,11 @@ def _claim_and_publish(
             with ports.leases.batched():
                 for outcome, pairs in choice.refused.items():
                     _defer(ports, book, outcome, pairs, now, result)
-                refused = {pair for pairs in choice.refused.values() for pair in pairs}
                 lane_full = {stage for _, _, stage in choice.refused.get(Outcome.LANE_FULL, ())}
                 for stage in choice.waits_for:  # one stage per lane (the registry refuses a queue shared)
-                    rank = min(i.rank for i in todo if i.pair in refused and i.stage == stage)
+                    # The pairs that wait for the lane say the priority it waits at; one its cap refused does not
+                    # wait (an interactive pair at the cap put the book's bulk ones ahead of the normal waiters).
+                    rank = min(i.rank for i in todo if i.pair in choice.waiting and i.stage == stage)
                     if taken[stage]:
                         # Given a slot of the lane by this pass: to the back of the most urgent priority it still has
                         # waiting there (round robin), not the place an urgent pair it now runs had given it.
@@ -276,7 +282,10 @@ def _claim_and_publish(
             free = min(free, slots - sum(taken[s] for s, spec in specs.items() if spec.queue == queue))
         known = snap.waiters.get(queue)
         if known is None or any(b != book for b in known):
-            lanes.hand_over(ports, queue, free, exclude=book)
+            try:
+                lanes.hand_over(ports, queue, free, exclude=book)
+            except StoreUnavailable as err:  # claimed and published: the tick hands on a lane's stranded slots
+                log.warning("[DISPATCH] book=%r free slots of %s not handed on: %s", book, queue, err)
 
 
 def slot_order(item: InFlight) -> tuple[int, float, int]:

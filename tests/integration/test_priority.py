@@ -11,6 +11,7 @@ from animastor_tasks.flow import gate
 from animastor_tasks.flow import regenerate as regenerate_flow
 
 from .helpers import advertise, make_book, states, use_settings
+from .test_elastic_share import lane, waiting
 
 
 @pytest.fixture
@@ -78,3 +79,22 @@ def test_a_full_pass_orders_a_pair_by_its_most_urgent_command_s_age_as_a_refill_
     gate.gate_pass(rt.ports, "b")
     assert states(rt, "b")[("ch1", "s3", "audio")] == "generating"
     assert states(rt, "b")[("ch1", "s1", "audio")] == "pending"
+
+
+def test_an_interactive_pair_at_its_book_cap_does_not_put_the_books_bulk_pairs_first(rt) -> None:
+    """The book waited at the most urgent priority of every pair refused, those its hard cap refused (which do not
+    wait for the lane) among them: a reader's scene at the cap put the book's bulk pairs ahead of the books that
+    waited at normal priority, and each freed slot went to that bulk work first."""
+    from animastor_tasks.domain.deferral import wait_score
+    from animastor_tasks.domain.vocabulary import DeferralBucket, Priority, priority_rank
+
+    lane(rt, lane_limit=2, book_quota=2, window=4, book_cap=1)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], priority="bulk")
+    assert [s for (_, s, _), v in states(rt, "b").items() if v == "generating"] == ["s1"]  # its cap
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "n", wait_score(priority_rank(Priority.NORMAL), 100.0))
+    rt.redis.client.delete(rt.redis.keys.deferrals("b", DeferralBucket.CAPACITY))  # their deferrals ran out
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s2"]], priority="interactive")
+    assert states(rt, "b")[("ch1", "s2", "audio")] == "pending"  # refused by the cap
+    # Its bulk pair waits at bulk priority (the slot went to the normal book), not at its cap-refused scene's.
+    assert waiting(rt)["b"] >= wait_score(priority_rank(Priority.BULK), 0.0)

@@ -221,3 +221,70 @@ def test_a_slot_freed_by_a_failed_job_goes_to_its_own_lane_through_the_control_w
         {"book_id": "two", "lane": None, "freed": "gpu.audio"}
     ]
     assert running_by_stage(rt, "two") == {"image": 2, "audio": 2}
+
+
+def _drain(rt: Wiring) -> None:
+    for _ in range(100):
+        jobs = dispatched_jobs(rt, "b")
+        if not jobs:
+            refill.refill(rt.ports, "b")
+            if not (jobs := dispatched_jobs(rt, "b")):
+                return
+        for job in jobs:
+            assert run_job(rt.ports, job, worker="w")["outcome"] == "ready"
+    raise AssertionError("never drained")
+
+
+def test_a_refill_refused_by_the_breaker_keeps_its_book_due(rt) -> None:
+    """Handed a slot of a half-open lane whose test permit another pass had taken, the book's refill was refused
+    by the breaker, wrote no deferral and left the due index as it was: off the waiting list and not due, the
+    book waited for reconcile's round while the breaker closed."""
+    lane(rt, lane_limit=2, book_quota=2, window=4)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    now = rt.redis.server_time()
+    rt.redis.client.hset(
+        rt.redis.keys.breaker("gpu.audio"),
+        mapping={"failures": 5, "open_until": repr(now - 1), "permit_until": repr(now + 60)},  # permit out
+    )
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    rt.redis.client.zrem(rt.redis.keys.due(), "b")  # the tick took it; then the book was handed the slot
+    report = refill.refill(rt.ports, "b", "gpu.audio")
+    assert report.outcomes[Outcome.BREAKER_OPEN] == 2
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "b") is not None
+
+
+def test_a_pair_whose_inputs_were_never_hashed_runs_rather_than_waiting_for_ever(rt) -> None:
+    """A ready pair with no input hash on record (a stage its scene's import did not know) read as done already
+    (None == None) but Postgres settled nothing (NULL = NULL is not true): it was neither claimed nor deferred,
+    its command stayed active and its book was passed on every tick."""
+    lane(rt, lane_limit=2, book_quota=2, window=4)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    _drain(rt)
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE asset_states SET input_hash = NULL WHERE book_id = 'b'")
+        conn.execute("UPDATE scenes SET input_hashes = '{}'::jsonb WHERE book_id = 'b'")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)
+    assert states(rt, "b") == {("ch1", "s1", "audio"): "generating"}
+
+
+def test_a_broker_refusing_a_hand_over_costs_the_pass_that_claimed_nothing(rt, monkeypatch) -> None:
+    """The pass had claimed and published; handing its spare slots to a waiting book, kombu's error for the
+    refill it could not send went past every caller: a regenerate failed after its work was done, and a tick's
+    batch of passes ended there, the books after it left to reconcile."""
+    from kombu.exceptions import OperationalError
+
+    lane(rt, lane_limit=4, book_quota=4, window=4)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "x", 100.0)  # another book waits for the lane
+    app = rt.ports.publisher.app
+    send = app.send_task
+
+    def broker_down(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "animastor.refill":
+            raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        return send(name, *args, **kwargs)
+
+    monkeypatch.setattr(app, "send_task", broker_down)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert states(rt, "b") == {("ch1", "s1", "audio"): "generating"}
