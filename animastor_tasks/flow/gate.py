@@ -122,7 +122,6 @@ def _gate_pass(
         dispatch_work=dispatch_work,
         full_lanes=full_lanes,
         now=now,
-        recheck=None if known is None else partial(page.still_denied, ports, book),
     )
     released = set(report.released)
     busy = {i.pair[:2] for i in rows.in_flight if not released or i.pair not in released}

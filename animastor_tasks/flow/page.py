@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from animastor_tasks.domain.gate import BookFacts, Denial, decide_all
 from animastor_tasks.domain.types import Pair
@@ -50,21 +51,21 @@ def pass_rows(
     full_lanes: Collection[str],
     now: float,
     keep_pairs: bool = True,
-    recheck: Callable[[list[Pair]], list[Pair]] | None = None,
 ) -> tuple[list[InFlight], dispatch.DispatchResult]:
     """Decide, release and dispatch the pairs of `rows` into `report`; the pending pairs still waiting and
-    the dispatch's result (for `next_due`). `recheck`: facts read before the pass (a batch's), which a release
-    is not decided on: the pairs it would release, those that fresh facts still deny (`still_denied`)."""
+    the dispatch's result (for `next_due`). A release is decided again under the book's lock on the facts of
+    that moment (`Assets.release_denied`): those the pass read may have been overtaken since (a batch's read
+    ahead, a paged pass's cursor, a Stop All and a new regenerate between a pass's read and its release)."""
     book = report.book
     authorized, denied = judge(snap, rows, report, keep_pairs=keep_pairs)
     pending = [i for i in authorized if i.state == AssetState.PENDING]
-    to_release: list[Pair] = []
+    released: list[Pair] = []
     if denied:  # most passes deny nothing: skip a walk of the page
         to_release = [i.pair for i in rows.in_flight if i.state == AssetState.PENDING and i.pair in denied]
-    if to_release and recheck is not None:
-        to_release = recheck(to_release)
-    if to_release:
-        released = ports.assets.move_pairs(book, to_release, AssetState.PENDING, AssetState.DIRTY, "gate.released")
+        if to_release:
+            flag = partial(ports.book_state.cancel_flag_set, book)
+            released = ports.assets.release_denied(book, to_release, flag)
+    if released:
         ports.deferrals.clear_deferrals(book, released)
         report.released.extend(released)
         log.info(
@@ -80,20 +81,6 @@ def pass_rows(
         report.dispatched.extend(result.dispatched)
         report.claimed_lanes |= result.claimed_lanes
     return ([i for i in pending if i.pair not in result.gone] if result.gone else pending), result
-
-
-def still_denied(ports: Ports, book: str, pairs: list[Pair]) -> list[Pair]:
-    """Of `pairs`, those that facts read now deny while they are pending. Facts read a batch ago are safe to
-    dispatch on (a job re-checks the gate at its start) but not to release on: a Stop All and a new regenerate
-    between that read and the pass would have the pass release the new command's pairs on the old flag. Read by
-    key: these pairs' rows and the book's flag, whatever the size of the book."""
-    read = pair_facts(ports, book, pairs)
-    if read is None:  # the book is gone: its own next pass drops it
-        return []
-    facts, rows = read
-    wanted = set(pairs)
-    _, denied = decide_all(facts, [i for i in rows.in_flight if i.pair in wanted and i.state == AssetState.PENDING])
-    return [pair for pair in pairs if pair in denied]
 
 
 def pair_facts(ports: Ports, book: str, pairs: Sequence[Pair]) -> tuple[BookFacts, GateRows] | None:

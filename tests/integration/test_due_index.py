@@ -223,6 +223,40 @@ def test_a_batch_releases_nothing_on_facts_that_a_stop_all_and_a_new_regenerate_
     assert newest.status == "active", newest
 
 
+def test_a_single_books_pass_releases_nothing_on_a_flag_a_stop_all_and_a_new_regenerate_have_overtaken(
+    rt, monkeypatch
+) -> None:
+    """The same race in a single book's pass (and a paged one, whose facts may be seconds old): the pass read its
+    rows, the Stop All set its flag, the pass read its snapshot (the flag set: every pair denied), the Stop All
+    released the pairs and a regenerate pended them again under a new command; the pass then released them on
+    the flag it had read, no target of the new command was marked released, and it stayed active for ever."""
+    lane(rt, lane_limit=1)
+    rt.catalog.import_book(make_book("other", chapters=1, scenes=1))
+    regenerate_flow.regenerate(rt.ports, "other", ["audio"])  # the one slot: taken, so the book's pairs wait
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    snapshots = rt.ports.book_state.book_snapshots
+    raced: list[bool] = []
+
+    def overtaken(books: Any, *args: Any, **kwargs: Any) -> Any:
+        if raced or books != ["b"]:
+            return snapshots(books, *args, **kwargs)
+        raced.append(True)
+        rt.ports.book_state.stop_book("b")  # Stop All: its flag first
+        snap = snapshots(books, *args, **kwargs)
+        cancel_flow.cancel(rt.ports, "b")  # then the rest of it
+        regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # and a new intent, before the pass's release
+        return snap
+
+    monkeypatch.setattr(rt.ports.book_state, "book_snapshots", overtaken)
+    report = gate.gate_pass(rt.ports, "b")
+    monkeypatch.undo()
+    assert raced and report.released == []
+    assert set(states(rt, "b").values()) == {"pending"}
+    newest = max(rt.ports.commands.commands(book="b"), key=lambda c: c.created_at)
+    assert newest.status == "active", newest
+
+
 def test_reconcile_hands_on_a_free_slot_whose_refill_was_lost(rt) -> None:
     """A job that ended without its refill (its process died after the commit; Redis failed under the refill and
     its fallback) left its slot free. The book's pairs waited on capacity deferrals that each later refill of

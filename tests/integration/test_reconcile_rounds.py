@@ -47,7 +47,7 @@ def test_each_pass_repairs_the_next_books_within_its_budget_and_the_round_comes_
         passes.clear()
         rebuilds.clear()
         report = reconcile_flow.reconcile(rt.ports, force=True)
-        # A book whose pass releases pairs reads them once more, by key (`page.still_denied`): not a pass.
+        # A book whose pass releases pairs reads them once more under its lock (`Assets.release_denied`): not a pass.
         passed = sorted(b for c in passes if not isinstance(c[0], str) for b in c[0])
         return passed, sorted(b for c in rebuilds for b in c[0]), report
 

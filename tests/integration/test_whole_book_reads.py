@@ -80,11 +80,11 @@ def test_reconcile_reads_its_books_facts_several_books_at_a_time(rt: Wiring) -> 
     before = pending()
     active = {book: rt.redis.client.smembers(rt.redis.keys.active_scenes(book)) for book in books}
     rt.redis.client.delete(*[rt.redis.keys.active_scenes(book) for book in books])  # lost, as with Redis's data
-    calls = read_calls(rt, "gate_rows_many", "gate_rows")
+    calls = read_calls(rt, "gate_rows_many", "gate_rows", "release_denied")
     rebuilds = read_calls(rt, "in_flight_scene_pages")
     report = reconcile_flow.reconcile(rt.ports, force=True)
-    # Two statements for twelve books, and a read by key of the pairs each book that releases pairs releases: a
-    # release is decided on facts read at the time (`page.still_denied`).
+    # Two statements for twelve books, and a release by each book that releases pairs, decided again under the
+    # book's lock on the facts of that moment (`Assets.release_denied`: a read by key of those pairs).
     assert sorted(len(c[0]) for c in calls if not isinstance(c[0], str)) == [2, 10]
     assert sorted(c[0] for c in calls if isinstance(c[0], str)) == [book for book in books[::2] if before[book]]
     assert [sorted(c[0]) for c in rebuilds] == [books]  # and one for their active scenes

@@ -16,10 +16,11 @@ import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.commands import lock_book
-from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns
+from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns, rows_of_pairs
 from animastor_tasks.adapters.postgres.released import release_targets
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts, Waiter
+from animastor_tasks.domain.gate import BookFacts, decide_all
 from animastor_tasks.domain.keys import claim_locks
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import (
@@ -88,18 +89,27 @@ class AssetStore(GateReads):
         with self.db.transaction() as conn:
             if target == AssetState.DIRTY:
                 lock_book(conn, book)
-            rows = conn.execute(
-                _PAIRS_CTE + " UPDATE asset_states a SET state = %s, updated_at = now() FROM p"
-                " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
-                " AND a.stage = p.stage AND a.state = %s RETURNING a.chapter_id, a.scene_id, a.stage",
-                (*pair_columns(pairs), str(target), book, str(source)),
-            ).fetchall()
-            moved: list[Pair] = [tuple(r) for r in rows]
-            if moved:
-                journal.record(conn, event, book, {"pairs": len(moved), "from": source, "to": target})
-            if target == AssetState.DIRTY:
-                release_targets(conn, book, moved)
-        return moved
+            return _move(conn, book, pairs, source, target, event)
+
+    def release_denied(self, book: str, pairs: Sequence[Pair], cancel_flag: Callable[[], bool]) -> list[Pair]:
+        """Of `pairs`, those the gate denies now, `pending -> dirty` (as `move_pairs`): judged under the book's lock
+        on Postgres's facts of this moment and `cancel_flag()` read then. *Why:* judged on the pass's facts, a Stop
+        All and a new regenerate between the pass's read and its release had it release the new command's pairs
+        on the old flag, no target of the command marked released, and the command stayed active for ever."""
+        if not pairs:
+            return []
+        wanted = set(pairs)
+        with self.db.transaction() as conn:
+            lock_book(conn, book)  # a regenerate's commands and a Stop All come wholly before or after
+            rows = rows_of_pairs(conn, book, pairs)
+            if rows is None:
+                return []
+            facts = BookFacts(True, cancel_flag(), rows.tombstone, rows.layers_raw, rows.commanded)
+            _, denied = decide_all(
+                facts, [i for i in rows.in_flight if i.pair in wanted and i.state == AssetState.PENDING]
+            )
+            still = [pair for pair in pairs if pair in denied]
+            return _move(conn, book, still, AssetState.PENDING, AssetState.DIRTY, "gate.released") if still else []
 
     @contextmanager
     def claiming(
@@ -265,3 +275,20 @@ class AssetStore(GateReads):
                     (book,),
                 )
             ]
+
+
+def _move(
+    conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str
+) -> list[Pair]:
+    rows = conn.execute(
+        _PAIRS_CTE + " UPDATE asset_states a SET state = %s, updated_at = now() FROM p"
+        " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
+        " AND a.stage = p.stage AND a.state = %s RETURNING a.chapter_id, a.scene_id, a.stage",
+        (*pair_columns(pairs), str(target), book, str(source)),
+    ).fetchall()
+    moved: list[Pair] = [tuple(r) for r in rows]
+    if moved:
+        journal.record(conn, event, book, {"pairs": len(moved), "from": source, "to": target})
+    if target == AssetState.DIRTY:
+        release_targets(conn, book, moved)
+    return moved

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
+import psycopg
+
 from animastor_tasks.adapters.postgres import literals
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.domain.types import Pair, SceneKey
@@ -109,6 +111,13 @@ def pair_columns(pairs: Sequence[Pair]) -> tuple[list[str], list[str], list[str]
     return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs]
 
 
+def rows_of_pairs(conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair]) -> GateRows | None:
+    """`GateReads.gate_rows` of these pairs, on `conn` (a transaction's: under the book's lock, say)."""
+    columns = dict(zip(("chapters", "scenes", "stages"), pair_columns(pairs), strict=True))
+    rows = conn.execute(_GATE_ROWS_OF_PAIRS, {**_gate_row_params([book]), **columns}).fetchall()
+    return _gate_rows_by_book([book], rows)[book]
+
+
 def _gate_row_params(books: Sequence[str]) -> dict[str, Any]:
     return {
         "books": list(books),
@@ -150,10 +159,8 @@ class GateReads:
             found = self.gate_rows_many([book])
             assert found is not None  # no limit asked
             return found[book]
-        columns = dict(zip(("chapters", "scenes", "stages"), pair_columns(pairs), strict=True))
         with self.db.read() as conn:
-            rows = conn.execute(_GATE_ROWS_OF_PAIRS, {**_gate_row_params([book]), **columns}).fetchall()
-        return _gate_rows_by_book([book], rows)[book]
+            return rows_of_pairs(conn, book, pairs)
 
     def gate_rows_many(self, books: Sequence[str], limit: int | None = None) -> dict[str, GateRows | None] | None:
         """`gate_rows` of several books in one statement (a tick's batch); None for an unknown book.
