@@ -166,7 +166,8 @@ def _settle_idempotent(
         result.outcomes[Outcome.ALREADY_COMPLETED] += len(completed)
         result.gone.update(completed)
         # Only what Postgres settled leaves: one it refused (its inputs changed since the read) is dispatched.
-        todo = [i for i in todo if i.pair not in set(completed)]
+        settled = set(completed)
+        todo = [i for i in todo if i.pair not in settled]
 
     # Only a pair with a recorded dispatch can be held by it; one without is never read (a concurrent
     # claim of it is caught by the claim's compare-and-set on `pending`).
