@@ -11,7 +11,6 @@ import logging
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from animastor_tasks.domain.gate import BookFacts, Denial, decide_all
 from animastor_tasks.domain.types import Pair
@@ -63,8 +62,7 @@ def pass_rows(
     if denied:  # most passes deny nothing: skip a walk of the page
         to_release = [i.pair for i in rows.in_flight if i.state == AssetState.PENDING and i.pair in denied]
         if to_release:
-            flag = partial(ports.book_state.cancel_flag_set, book)
-            released = ports.assets.release_denied(book, to_release, flag)
+            released = ports.assets.release_denied(book, to_release)
     if released:
         ports.deferrals.clear_deferrals(book, released)
         report.released.extend(released)

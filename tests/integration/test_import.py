@@ -143,12 +143,12 @@ def test_persisted_transitions_are_compare_and_set(rt) -> None:
 
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     pairs = [("ch1", "s1", "audio"), ("ch1", "s2", "audio")]
-    # Both rows are dirty: a move that expects `pending` changes nothing and says so.
-    assert rt.ports.assets.move_pairs("b", pairs, AssetState.PENDING, AssetState.DIRTY, "test") == []
+    # Both rows are dirty: a release (which expects `pending`) changes nothing and says so.
+    assert rt.ports.assets.release_denied("b", pairs) == []
     assert set(states(rt, "b").values()) == {"dirty"}
     # An edge the FSM does not have is refused before any SQL runs.
-    with pytest.raises(InvalidTransition, match=r"'dirty'.*'ready'"):
-        rt.ports.assets.move_pairs("b", pairs, AssetState.DIRTY, AssetState.READY, "test")
+    with pytest.raises(InvalidTransition, match=r"'generating'.*'generating'"):
+        rt.ports.assets.expire_generating("b", pairs[0], 0, AssetState.GENERATING, lambda: True)
     assert not rt.ports.assets.expire_generating("b", pairs[0], 0, AssetState.PENDING, lambda: True)
 
 

@@ -74,28 +74,13 @@ class ClaimTransaction:
 class AssetStore(GateReads):
     """The moves and the claim; the gate's reads are `GateReads`'."""
 
-    def move_pairs(
-        self, book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str
-    ) -> list[Pair]:
-        """Compare-and-set many pairs `source -> target`; the pairs that really moved.
-
-        The edge is checked against the state machine first (`InvalidTransition`); a pair no
-        longer in `source` is left alone and simply missing from the answer. A release to `dirty`
-        marks the targets it cuts off and settles their commands (`released.release_targets`).
-        """
-        transition(source, target)
-        if not pairs:
-            return []
-        with self.db.transaction() as conn:
-            if target == AssetState.DIRTY:
-                lock_book(conn, book)
-            return _move(conn, book, pairs, source, target, event)
-
-    def release_denied(self, book: str, pairs: Sequence[Pair], cancel_flag: Callable[[], bool]) -> list[Pair]:
-        """Of `pairs`, those the gate denies now, `pending -> dirty` (as `move_pairs`): judged under the book's lock
-        on Postgres's facts of this moment and `cancel_flag()` read then. *Why:* judged on the pass's facts, a Stop
-        All and a new regenerate between the pass's read and its release had it release the new command's pairs
-        on the old flag, no target of the command marked released, and the command stayed active for ever."""
+    def release_denied(self, book: str, pairs: Sequence[Pair]) -> list[Pair]:
+        """Of `pairs`, those the gate denies now, `pending -> dirty`: judged under the book's lock on Postgres's facts
+        of this moment. *Why:* judged on the pass's facts, a Stop All and a new regenerate between the pass's read
+        and its release had it release the new command's pairs on the old flag, no target of the command marked
+        released, and the command stayed active for ever. The Redis flag is not read here (nothing waits on Redis
+        under the lock): a flag without its tombstone is a Stop All whose own step releases the pairs under this
+        lock, or one a regenerate has overtaken."""
         if not pairs:
             return []
         wanted = set(pairs)
@@ -104,12 +89,12 @@ class AssetStore(GateReads):
             rows = rows_of_pairs(conn, book, pairs)
             if rows is None:
                 return []
-            facts = BookFacts(True, cancel_flag(), rows.tombstone, rows.layers_raw, rows.commanded)
+            facts = BookFacts(True, False, rows.tombstone, rows.layers_raw, rows.commanded)
             _, denied = decide_all(
                 facts, [i for i in rows.in_flight if i.pair in wanted and i.state == AssetState.PENDING]
             )
             still = [pair for pair in pairs if pair in denied]
-            return _move(conn, book, still, AssetState.PENDING, AssetState.DIRTY, "gate.released") if still else []
+            return _release(conn, book, still) if still else []
 
     @contextmanager
     def claiming(
@@ -277,18 +262,17 @@ class AssetStore(GateReads):
             ]
 
 
-def _move(
-    conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair], source: AssetState, target: AssetState, event: str
-) -> list[Pair]:
+def _release(conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair]) -> list[Pair]:
+    """`pending -> dirty` of `pairs` (compare-and-set: one no longer pending is left alone and missing from the
+    answer); the targets it cuts off are marked and their commands settled (`released.release_targets`)."""
     rows = conn.execute(
         _PAIRS_CTE + " UPDATE asset_states a SET state = %s, updated_at = now() FROM p"
         " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
         " AND a.stage = p.stage AND a.state = %s RETURNING a.chapter_id, a.scene_id, a.stage",
-        (*pair_columns(pairs), str(target), book, str(source)),
+        (*pair_columns(pairs), AssetState.DIRTY, book, AssetState.PENDING),
     ).fetchall()
     moved: list[Pair] = [tuple(r) for r in rows]
     if moved:
-        journal.record(conn, event, book, {"pairs": len(moved), "from": source, "to": target})
-    if target == AssetState.DIRTY:
-        release_targets(conn, book, moved)
+        journal.record(conn, "gate.released", book, {"pairs": len(moved), "from": "pending", "to": "dirty"})
+    release_targets(conn, book, moved)
     return moved
