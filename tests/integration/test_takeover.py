@@ -541,3 +541,31 @@ def test_a_slot_handed_while_the_stage_awaits_its_restarted_worker_stays_with_th
     assert "x" in tick(rt)
     gate.gate_batch(rt.ports, ["x"])
     assert states(rt, "x")[("ch1", "s1", "audio")] == "generating"
+
+
+def test_a_lease_unreadable_for_one_pair_leaves_it_to_the_next_tick_and_takes_the_others_over(
+    rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The expiry reads the lease again under the row's lock: a Redis error there went past the loop, and the pairs
+    already taken over that tick never had their slots handed on."""
+    with_stage(rt, replace(rt.settings.registry.get("audio"), lease_ttl=1), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    dead = [g for g in rt.ports.assets.generating_pairs() if g.book == "b"]
+    assert len(dead) == 2
+    lose_leases(rt, [(g.book, *g.pair) for g in dead])
+    holders = rt.ports.leases.lease_holders
+    calls: list[int] = []
+
+    def first_unreadable(pairs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset")
+        return holders(pairs)
+
+    monkeypatch.setattr(rt.ports.leases, "lease_holders", first_unreadable)
+    report = {"expired": 0}
+    takeover.expire(rt.ports, dead, report)
+    assert report["expired"] == 1
+    assert sorted(v for (_, _, stage), v in states(rt, "b").items() if stage == "audio") == ["generating", "pending"]
