@@ -149,3 +149,10 @@ def _column_added_by(version: int) -> str:
     found = re.search(r"ADD COLUMN (?:IF NOT EXISTS )?(\w+)", sql, re.IGNORECASE)
     assert found, sql
     return found.group(1)
+
+
+def test_a_missing_column_with_every_migration_applied_is_raised_as_the_bug_it_is(rt) -> None:
+    """Only a database behind this release is "not migrated": on an up-to-date one a missing column is a bug in a
+    statement, which would otherwise be retried as an outage for ever (a job's verdict for most of its time)."""
+    with pytest.raises(psycopg.errors.UndefinedColumn), rt.db.read() as conn:
+        conn.execute("SELECT no_such_column FROM asset_states")

@@ -14,6 +14,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import resources
 from typing import Any, Self
 
 import psycopg
@@ -41,6 +42,16 @@ def _is_store_error(err: BaseException) -> bool:
 # running before `db migrate`). A store not ready, not a bug: the CLI exits 3 saying what to run, and a job's
 # verdict waits for it as for a restart (`when_reachable`). It was a psycopg traceback, exit 1.
 _SCHEMA_BEHIND = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)
+
+
+def _shipped_version() -> int:
+    """The newest migration shipped with the package (`sql/NNNN_name.sql`, applied by `migrations.migrate`)."""
+    folder = resources.files("animastor_tasks.adapters.postgres") / "sql"
+    return max(
+        (int(e.name[:4]) for e in folder.iterdir() if e.name.endswith(".sql") and e.name[:4].isdigit()), default=0
+    )
+
+
 NOT_MIGRATED = "the database is not migrated to this release; run `animastor-tasks db migrate`"
 
 #: Why the last attempt to connect to each URL failed, until one succeeds.
@@ -134,7 +145,7 @@ class Database:
                     conn.autocommit = autocommit
                 yield conn
         except psycopg.Error as err:
-            if isinstance(err, _SCHEMA_BEHIND):
+            if isinstance(err, _SCHEMA_BEHIND) and self._schema_behind():
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise StoreUnavailable("postgres", self.url, f"{first}: {NOT_MIGRATED}") from err
             if _is_store_error(err):
@@ -145,6 +156,18 @@ class Database:
             raise
         except PoolTimeout as err:
             raise StoreUnavailable("postgres", self.url, f"no connection within {self._timeout}s") from err
+
+    def _schema_behind(self) -> bool:
+        """Whether the database lacks a migration this release ships: asked after a missing table or column, which
+        is then Postgres not ready; with every migration applied it is a bug, raised as it is."""
+        try:
+            with self._get_pool().connection() as conn:
+                row = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
+        except psycopg.errors.UndefinedTable:
+            return True
+        except (psycopg.Error, PoolTimeout):
+            return False
+        return int((row or [0])[0] or 0) < _shipped_version()
 
     def close(self) -> None:
         if self._pool is not None and self._pid == os.getpid():
