@@ -333,3 +333,13 @@ def test_a_book_made_active_while_a_pass_finds_it_idle_stays_on_the_due_index(rt
         store.activate({"b": [("ch1", "s1")]})  # one step: it comes wholly before or after
     assert client.zscore(rt.redis.keys.due(), "b") is not None
     assert "b" in store.active_books()
+
+
+def test_a_book_with_an_active_scene_is_left_active_and_due(rt) -> None:
+    store, client = rt.ports.book_state, rt.redis.client
+    store.activate({"b": [("ch1", "s1")]})
+    store.drop_book_if_idle("b")
+    assert client.zscore(rt.redis.keys.due(), "b") is not None and "b" in store.active_books()
+    client.delete(rt.redis.keys.active_scenes("b"))  # its last scene done
+    store.drop_book_if_idle("b")
+    assert client.zscore(rt.redis.keys.due(), "b") is None and "b" not in store.active_books()
