@@ -276,7 +276,7 @@ class Supervisor:
 
     def stop_all(self, grace: float = 15.0) -> None:
         """Stop every child, the last started first (all signalled at once: it is faster), then kill whatever is
-        left of any group ever started or carries our token (a grandchild that left its group is ours all the
+        left of a group not yet seen empty or carries our token (a grandchild that left its group is ours all the
         same)."""
         self.stop(*reversed(list(self.children)), grace=grace)
         for pgid in self.groups:

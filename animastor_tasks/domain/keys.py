@@ -10,7 +10,6 @@ widens to another book).
 | key                                          | type   | lifetime                                  |
 | -------------------------------------------- | ------ | ----------------------------------------- |
 | ``P:cancel:B``                               | string | until the next regenerate of book B       |
-| ``P:layers:B``                               | string | mirror of Postgres, rebuilt by reconcile  |
 | ``P:force:B``  (members ``C:S:STAGE``)        | set    | force TTL (120 s) after a regenerate      |
 | ``P:defer:B:BUCKET`` (members ``C:S:STAGE``,  | zset   | score = expiry time; pruned by reconcile  |
 |   score = deferral expiry, unix seconds)      |        | and removed with the book's cancel        |

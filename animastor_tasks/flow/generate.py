@@ -195,7 +195,7 @@ def _run_owned(
         recovered = _record_breaker(ports, spec.queue, breaker_feed(None)) == "recovered"
         try:  # a store that does not answer is asked again for a while, the output in hand (`when_reachable`)
             upload = partial(ports.artifacts.put, media.data, media.media_type)
-            artifact = when_reachable(job, spec, watcher, upload, within_share=True)
+            artifact = when_reachable(job, spec, watcher, upload, within_share=True, what="output")
         except ArtifactStoreError as err:  # credentials, bucket, endpoint: fail with the store's words
             if watcher.should_stop():
                 return _stopped(ports, job, watcher, result)

@@ -147,7 +147,13 @@ COMMIT_RETRY_FIRST, COMMIT_RETRY_MAX = 0.25, 2.0
 
 
 def when_reachable(
-    job: Job, spec: StageSpec, watcher: Watcher, write: Callable[[], T], *, within_share: bool = False
+    job: Job,
+    spec: StageSpec,
+    watcher: Watcher,
+    write: Callable[[], T],
+    *,
+    within_share: bool = False,
+    what: str = "verdict",
 ) -> T:
     """A job's write of its output or its verdict (its upload, its commit, its failure, its give-back), tried again
     while its store cannot be reached (a Postgres failover or restart, an S3 endpoint down or answering 5xx) until
@@ -172,7 +178,7 @@ def when_reachable(
             delay = compute_backoff(attempt, base=COMMIT_RETRY_FIRST, maximum=COMMIT_RETRY_MAX)
             if time.monotonic() + delay > deadline or watcher.should_stop():
                 raise
-            log.warning("[GENERATE] %s verdict not written (%s); again in %.1fs", job.describe(), err, delay)
+            log.warning("[GENERATE] %s %s not written (%s); again in %.1fs", job.describe(), what, err, delay)
             if watcher.stop.wait(delay):
                 raise
 

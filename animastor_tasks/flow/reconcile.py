@@ -3,7 +3,7 @@
 It repairs, it never creates work: a `generating` pair with no live lease goes
 back to `pending` if it is still authorized (else `dirty`), a stage whose queue lost
 every consumer is BLOCKED, `pending` without authority is released, and after a Redis
-loss the active index, cancel flags and layer mirrors are rebuilt from Postgres. The
+loss the active index and cancel flags are rebuilt from Postgres. The
 tick does the lease and consumer part every few seconds (flow/takeover.py); what only
 reconcile does there is ask the broker which never-started jobs still wait in their queue.
 

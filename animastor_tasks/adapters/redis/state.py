@@ -1,4 +1,4 @@
-"""Per-book coordination state: cancel flags, the layers mirror, the force set, the active
+"""Per-book coordination state: cancel flags, the force set, the active
 index, and the one-round-trip snapshot a gate pass reads.
 
 Everything here can be rebuilt from Postgres (see `flow.reconcile`).
@@ -28,7 +28,7 @@ class BookStateStore:
         self._due_clear = conn.client.register_script(_script("due_clear"))
         self._drop_if_idle = conn.client.register_script(_script("drop_if_idle"))
 
-    # -- cancel flag, layers mirror --------------------------------------------
+    # -- cancel flag -------------------------------------------------------------
     def set_cancel_flag(self, book: str) -> None:
         self.set_cancel_flags([book])
 

@@ -1,6 +1,7 @@
 -- A running job whose lease vanished (Redis lost its data, or answered again after the lease lapsed) takes it
--- back with its delivery's markers, only while nobody holds the lease; the caller read in Postgres that the
--- pair is still this job's (its state, token and dispatch id).
+-- back with its delivery's markers, only while nobody holds the lease; the caller then reads in Postgres, under
+-- the pair's row lock, that the pair is still this job's (its state, token and dispatch id), and gives the lease
+-- up if not (flow/job.py `Watcher._take_back`).
 -- KEYS[1] lease key, KEYS[2] running marker, KEYS[3] the holder's entry, KEYS[4] the holders of its worker node
 -- ARGV[1] dispatch id, ARGV[2] lease ttl in ms, ARGV[3] holder (worker and process), ARGV[4] running marker
 -- ttl in s, ARGV[5] the holder entry's ttl in s
