@@ -15,12 +15,17 @@ from .test_generate import dispatched_jobs, with_stage
 DEAD, OTHER = "audio@gpu-1#101", "audio@gpu-2#202"
 
 
-def _started_job(rt: Wiring, tmp_path, holder: str = DEAD) -> Job:
+def _dispatched_job(rt: Wiring, tmp_path) -> Job:
     with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     [job] = dispatched_jobs(rt, "b")
+    return job
+
+
+def _started_job(rt: Wiring, tmp_path, holder: str = DEAD) -> Job:
+    job = _dispatched_job(rt, tmp_path)
     assert rt.ports.leases.start_delivery(job.lease_pair, job.dispatch_id, holder, 120)[:2] == (True, True)
     return job
 
@@ -98,11 +103,7 @@ def test_reconcile_restores_no_queued_lease_for_a_job_delivered_since_it_looked_
 
 
 def test_a_job_never_delivered_gets_its_queued_lease_back_after_redis_lost_it(rt, tmp_path) -> None:
-    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    [job] = dispatched_jobs(rt, "b")
+    job = _dispatched_job(rt, tmp_path)
     rt.redis.client.delete(rt.redis.keys.lease(*job.lease_pair), rt.redis.keys.dispatch(job.dispatch_id))
     rt.ports.leases.restore_leases([(job.lease_pair, job.dispatch_id, job.fencing_token, 86_400.0)])
     assert _lease(rt, job) == job.dispatch_id

@@ -130,6 +130,14 @@ def test_queue_depths_unknown_when_the_broker_is_down() -> None:
     assert depths == {"gpu.audio": None, "gpu.image": None}
 
 
+def commands_text(**row: Any) -> str:
+    """The `commands` table of one command (these fields over a plain one), as text."""
+    console = Console(record=True, width=160, color_system=None)
+    plain = {"command_id": "0123456789abcdef", "book_id": "b", "stage": "audio", "status": "active"}
+    render.show_commands([{**plain, "reason": None, "age_seconds": 3.0, **row}], console=console)
+    return console.export_text()
+
+
 def test_ids_and_reasons_are_shown_as_written_never_read_as_markup() -> None:
     """Chapter ids, book ids and reasons may hold brackets (the book format allows them): passed to a table as
     str they were read as Rich markup, so `ch[/1]` crashed `status` with a MarkupError and `[red]` vanished."""
@@ -137,18 +145,7 @@ def test_ids_and_reasons_are_shown_as_written_never_read_as_markup() -> None:
     for scene in data["scenes"]:
         scene["chapter_id"] = "ch[/1]"
     assert "ch[/1]" in text_of(render.status_view(data))
-    console = Console(record=True, width=160, color_system=None)
-    row = {
-        "command_id": "0123456789abcdef",
-        "book_id": "[red]b",
-        "stage": "audio",
-        "status": "cancelled",
-        "reason": "stop [/]",
-        "progress": {"total": 2, "ready": 1},
-        "age_seconds": 3.0,
-    }
-    render.show_commands([row], console=console)
-    out = console.export_text()
+    out = commands_text(book_id="[red]b", status="cancelled", reason="stop [/]", progress={"total": 2, "ready": 1})
     assert "[red]b" in out and "stop [/]" in out
 
 
@@ -246,16 +243,5 @@ def test_a_watch_rides_out_a_store_that_fails_a_refresh() -> None:
 def test_commands_counts_a_failed_target_as_done_as_status_does() -> None:
     """`commands` showed `8/10` for a command whose last two targets failed (it had ended `failed`), where
     `status` showed `10/10`: the same command read as unfinished in one view and done in the other."""
-    console = Console(record=True, width=160, color_system=None)
-    row = {
-        "command_id": "0123456789abcdef",
-        "book_id": "b",
-        "stage": "audio",
-        "status": "failed",
-        "reason": None,
-        "progress": {"total": 10, "ready": 8, "failed": 2},
-        "age_seconds": 3.0,
-    }
-    render.show_commands([row], console=console)
-    out = console.export_text()
+    out = commands_text(status="failed", progress={"total": 10, "ready": 8, "failed": 2})
     assert "10/10" in out and "2 failed" in out
