@@ -14,7 +14,6 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import resources
 from typing import Any, Self
 
 import psycopg
@@ -42,14 +41,6 @@ def _is_store_error(err: BaseException) -> bool:
 # running before `db migrate`). A store not ready, not a bug: the CLI exits 3 saying what to run, and a job's
 # verdict waits for it as for a restart (`when_reachable`). It was a psycopg traceback, exit 1.
 _SCHEMA_BEHIND = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)
-
-
-def _shipped_version() -> int:
-    """The newest migration shipped with the package (`sql/NNNN_name.sql`, applied by `migrations.migrate`)."""
-    folder = resources.files("animastor_tasks.adapters.postgres") / "sql"
-    return max(
-        (int(e.name[:4]) for e in folder.iterdir() if e.name.endswith(".sql") and e.name[:4].isdigit()), default=0
-    )
 
 
 NOT_MIGRATED = "the database is not migrated to this release; run `animastor-tasks db migrate`"
@@ -160,6 +151,8 @@ class Database:
     def _schema_behind(self) -> bool:
         """Whether the database lacks a migration this release ships: asked after a missing table or column, which
         is then Postgres not ready; with every migration applied it is a bug, raised as it is."""
+        from animastor_tasks.adapters.postgres.migrations import migration_files  # it builds on this module
+
         try:
             with self._get_pool().connection() as conn:
                 row = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
@@ -167,7 +160,7 @@ class Database:
             return True
         except (psycopg.Error, PoolTimeout):
             return False
-        return int((row or [0])[0] or 0) < _shipped_version()
+        return int((row or [0])[0] or 0) < max((version for version, _, _ in migration_files()), default=0)
 
     def close(self) -> None:
         if self._pool is not None and self._pid == os.getpid():
