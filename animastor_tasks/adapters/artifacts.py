@@ -11,20 +11,29 @@ from pathlib import Path
 from typing import Any
 
 from animastor_tasks.config import Settings, split_s3_url
+from animastor_tasks.domain.media_types import (
+    AAC_TYPES,
+    FLAC_TYPES,
+    JPEG_TYPES,
+    MP3_TYPES,
+    OGG_TYPES,
+    WAV_TYPES,
+    base_type,
+)
 from animastor_tasks.errors import ArtifactStoreError
 from animastor_tasks.ports import ArtifactStore
 
-# The media types the generators make or the media checks know, by their usual names; any other is `.bin`.
+# The media types the generators make or the media checks know; any other is `.bin`.
 EXTENSIONS = {
-    **dict.fromkeys(("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"), ".wav"),
-    **dict.fromkeys(("audio/mpeg", "audio/mp3", "audio/mpeg3", "audio/x-mpeg"), ".mp3"),
-    **dict.fromkeys(("audio/aac", "audio/aacp", "audio/x-aac"), ".aac"),
-    **dict.fromkeys(("audio/ogg", "application/ogg"), ".ogg"),
+    **dict.fromkeys(WAV_TYPES, ".wav"),
+    **dict.fromkeys(MP3_TYPES, ".mp3"),
+    **dict.fromkeys(AAC_TYPES, ".aac"),
+    **dict.fromkeys(OGG_TYPES, ".ogg"),
     "audio/opus": ".opus",
-    **dict.fromkeys(("audio/flac", "audio/x-flac"), ".flac"),
+    **dict.fromkeys(FLAC_TYPES, ".flac"),
     "audio/pcm": ".pcm",
     "image/png": ".png",
-    **dict.fromkeys(("image/jpeg", "image/jpg"), ".jpg"),
+    **dict.fromkeys(JPEG_TYPES, ".jpg"),
     "image/webp": ".webp",
 }
 
@@ -32,8 +41,7 @@ EXTENSIONS = {
 def artifact_name(digest: str, media_type: str) -> str:
     """`ab/abcdef….wav`: the content address, fanned out by its first two hex digits (both stores), named by its
     media type whatever its case or parameters (`Audio/WAV; codecs=1`)."""
-    kind = media_type.split(";")[0].strip().lower()
-    return f"{digest[:2]}/{digest}{EXTENSIONS.get(kind, '.bin')}"
+    return f"{digest[:2]}/{digest}{EXTENSIONS.get(base_type(media_type), '.bin')}"
 
 
 class LocalArtifactStore:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 
+from animastor_tasks.domain.media_types import base_type
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.media import check_known_media
@@ -86,7 +87,7 @@ class HttpGenerator:
 
     def _check_media_type(self, response: requests.Response) -> str:
         """The body must be the stage's media type; JSON or HTML here means a confused server."""
-        got = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        got = base_type(response.headers.get("Content-Type", ""))
         want = self.spec.media_type.lower()
         if want == "application/octet-stream":
             return got or want

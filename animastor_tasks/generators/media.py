@@ -18,6 +18,15 @@ import wave
 import zlib
 from array import array
 
+from animastor_tasks.domain.media_types import (
+    AAC_TYPES,
+    FLAC_TYPES,
+    JPEG_TYPES,
+    MP3_TYPES,
+    OGG_TYPES,
+    WAV_TYPES,
+    base_type,
+)
 from animastor_tasks.generators.audio_frames import check_adts, check_mpeg_audio, check_ogg
 from animastor_tasks.generators.flac import check_flac
 
@@ -114,13 +123,6 @@ def wav_duration_seconds(data: bytes) -> float:
     raise ValueError("not a WAV file: no data chunk")
 
 
-WAV_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"})
-MP3_TYPES = frozenset({"audio/mpeg", "audio/mp3", "audio/mpeg3", "audio/x-mpeg"})
-AAC_TYPES = frozenset({"audio/aac", "audio/aacp", "audio/x-aac"})
-OGG_TYPES = frozenset({"audio/ogg", "audio/opus", "application/ogg"})
-FLAC_TYPES = frozenset({"audio/flac", "audio/x-flac"})
-
-
 def check_known_media(media_type: str, data: bytes) -> None:
     """ValueError when `data` is not a file of the format `media_type` names, for the formats read here: a
     server's error text or a file still being written, sent under the right type, is not a result, and neither
@@ -131,12 +133,12 @@ def check_known_media(media_type: str, data: bytes) -> None:
     An AAC, an MP3 without a Xing/Info or VBRI frame count, or a WAV of unknown data length (streamed), cut
     exactly between two frames still reads as whole, and so does a FLAC whose STREAMINFO gives no total. Raw PCM
     (`audio/pcm`) is not checked: it has no structure at all. Any other type is taken as it is."""
-    kind = media_type.split(";")[0].strip().lower()
+    kind = base_type(media_type)
     if kind in WAV_TYPES:
         wav_duration_seconds(data)
     elif kind == "image/png":
         png_size(data)
-    elif kind in ("image/jpeg", "image/jpg"):
+    elif kind in JPEG_TYPES:
         check_jpeg(data)
     elif kind == "image/webp":
         check_webp(data)

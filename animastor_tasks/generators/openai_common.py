@@ -18,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
+from animastor_tasks.domain.media_types import base_type
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest
 from animastor_tasks.generators.transport import LIMIT_PARAMS, RETRY_PARAMS, Limits, Transport, check_endpoint
@@ -74,7 +75,7 @@ def string_param(
 
 def media_type_of(response: requests.Response) -> str:
     """The response's Content-Type without parameters, lower-cased ('' when absent)."""
-    return response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    return base_type(response.headers.get("Content-Type", ""))
 
 
 class OpenAIGenerator:
