@@ -90,11 +90,17 @@ def db() -> None:
 
 
 @db.command("migrate")
-def db_migrate() -> None:
+@click.option(
+    "--lock-wait",
+    type=click.FloatRange(min=0),
+    help="Seconds a migration tries for its table locks (a second at a time) before it gives up with exit 3"
+    " [default: 60].",
+)
+def db_migrate(lock_wait: float | None) -> None:
     """Apply pending migrations (idempotent)."""
-    from animastor_tasks.adapters.postgres.migrations import migrate
+    from animastor_tasks.adapters.postgres.migrations import LOCK_WAIT_SECONDS, migrate
 
-    applied = migrate(_wired().db)
+    applied = migrate(_wired().db, LOCK_WAIT_SECONDS if lock_wait is None else lock_wait)
     click.echo(f"applied: {', '.join(applied)}" if applied else "database is up to date")
 
 

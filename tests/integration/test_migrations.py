@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -156,3 +157,83 @@ def test_a_missing_column_with_every_migration_applied_is_raised_as_the_bug_it_i
     statement, which would otherwise be retried as an outage for ever (a job's verdict for most of its time)."""
     with pytest.raises(psycopg.errors.UndefinedColumn), rt.db.read() as conn:
         conn.execute("SELECT no_such_column FROM asset_states")
+
+
+@pytest.fixture
+def before_0009(settings: Any) -> Iterator[str]:
+    yield from _database(settings, "mig0009", 9)
+
+
+def _hold_commands_open(url: str) -> psycopg.Connection:
+    """A session idle in a transaction that read `commands` (0009 alters that table)."""
+    holder = psycopg.connect(url, application_name="report-left-open")
+    holder.execute("SELECT count(*) FROM commands").fetchone()
+    return holder
+
+
+def test_a_migration_behind_a_transaction_left_open_gives_up_naming_it_and_traffic_is_not_held_behind_it(
+    before_0009: str,
+) -> None:
+    """A migration waited for its table's lock as long as a transaction stayed open, and every statement on that
+    table queued behind it: the old code was still waiting after 8 s (for ever, until the session ended)."""
+    holder = _hold_commands_open(before_0009)
+    outcome: list[BaseException | list[str]] = []
+
+    def run() -> None:
+        db = Database(before_0009)
+        try:
+            outcome.append(migrate(db, lock_wait=3.0))
+        except BaseException as err:  # asserted below
+            outcome.append(err)
+        finally:
+            db.close()
+
+    thread = threading.Thread(target=run)
+    try:
+        thread.start()
+        slowest = 0.0
+        with psycopg.connect(before_0009, autocommit=True, options="-c statement_timeout=5000") as traffic:
+            while thread.is_alive() and not outcome:
+                started = time.monotonic()
+                try:
+                    traffic.execute("SELECT count(*) FROM commands").fetchone()
+                except psycopg.errors.QueryCanceled:
+                    pass  # held behind the migration for the whole statement timeout
+                slowest = max(slowest, time.monotonic() - started)
+                time.sleep(0.05)
+                if time.monotonic() > started + 8:
+                    break
+        thread.join(8)
+        assert not thread.is_alive(), "the migration still waits for the open transaction"
+    finally:
+        holder.close()
+        thread.join(30)
+    [err] = outcome
+    assert isinstance(err, StoreUnavailable) and err.store == "postgres", err
+    assert "0009_command_request_terms.sql" in str(err) and "report-left-open" in str(err), str(err)
+    assert "idle in transaction" in str(err) and "db migrate" in str(err), str(err)
+    assert slowest < 1.8, f"a read of the table waited {slowest:.2f}s behind the migration"
+    assert 9 not in _applied(before_0009)
+    # Once the transaction is gone the next run applies it.
+    db = Database(before_0009)
+    try:
+        assert migrate(db, lock_wait=3.0) == ["0009_command_request_terms.sql"]
+    finally:
+        db.close()
+
+
+def test_db_migrate_behind_an_open_transaction_exits_3_within_its_lock_wait(
+    before_0009: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANIMASTOR_DATABASE_URL", before_0009)
+    holder = _hold_commands_open(before_0009)
+    try:
+        started = time.monotonic()
+        done = cli("db", "migrate", "--lock-wait", "1")
+        took = time.monotonic() - started
+    finally:
+        holder.close()
+    assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr
+    assert "could not lock its tables within 1s" in done.stderr and "report-left-open" in done.stderr, done.stderr
+    assert took < 20, took
+    assert 9 not in _applied(before_0009)

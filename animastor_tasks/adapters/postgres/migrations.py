@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import logging
+import time
 from importlib import resources
 
+import psycopg
+
 from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.errors import StoreUnavailable
 
 log = logging.getLogger("animastor.postgres")
 
 _MIGRATIONS_LOCK_ID = 0x616E696D  # advisory lock taken while migrating
+LOCK_WAIT_SECONDS = 60.0  # how long a migration tries to get its table locks before it gives up
+ATTEMPT_LOCK_TIMEOUT_MS = 1000  # one try's wait for a lock: what the traffic queued behind it waits at most
+_PAUSE_BETWEEN_ATTEMPTS_S = 0.5  # the queued traffic runs meanwhile
 
 
 def migration_files() -> list[tuple[int, str, str]]:
@@ -23,12 +30,14 @@ def migration_files() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
-def migrate(db: Database) -> list[str]:
+def migrate(db: Database, lock_wait: float = LOCK_WAIT_SECONDS) -> list[str]:
     """Apply the migrations a database lacks; safe to run again and concurrently.
 
     Each migration commits on its own, so a table one of them locks is free again before the next
     starts (one transaction for all held 0006's lock on `asset_states` through every later one). A
     session advisory lock, held across them, makes a second migrate wait and then find nothing to do.
+    A migration tries for its table locks a second at a time for up to `lock_wait` seconds, then gives up
+    (`StoreUnavailable`, naming the open transactions), having applied nothing of itself.
     """
     applied: list[str] = []
     with db.read() as conn:
@@ -42,12 +51,48 @@ def migrate(db: Database) -> list[str]:
             for version, name, sql in migration_files():
                 if version in done:
                     continue
-                with conn.transaction():
-                    conn.execute(sql.encode())
-                    conn.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", (version, name))
+                _apply(db, conn, version, name, sql, lock_wait)
                 applied.append(name)
                 log.info("[DB] applied migration %s", name)
         finally:
             if not conn.broken:
                 conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATIONS_LOCK_ID,))
     return applied
+
+
+def _apply(db: Database, conn: psycopg.Connection, version: int, name: str, sql: str, lock_wait: float) -> None:
+    """One migration in its own transaction, its lock waits cut short and tried again. *Why:* waiting for a
+    table's lock behind a transaction left open (a psql session idle in one, a stuck report), the migration
+    held up every statement on that table queued behind its own request, for as long as that transaction
+    stayed open: the whole runtime stood still while the upgrade looked merely slow."""
+    deadline = time.monotonic() + lock_wait
+    while True:
+        try:
+            with conn.transaction():
+                conn.execute(f"SET LOCAL lock_timeout = '{ATTEMPT_LOCK_TIMEOUT_MS}ms'")
+                conn.execute(sql.encode())
+                conn.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", (version, name))
+            return
+        except psycopg.errors.LockNotAvailable:
+            if time.monotonic() >= deadline:
+                raise StoreUnavailable(
+                    "postgres",
+                    db.url,
+                    f"migration {name} could not lock its tables within {lock_wait:g}s; nothing of it was applied."
+                    f" Open transactions, oldest first: {_open_transactions(conn)}. End them (or wait for them),"
+                    " then run `animastor-tasks db migrate` again",
+                ) from None
+            log.warning("[DB] migration %s waits for a table lock another transaction holds; trying again", name)
+            time.sleep(_PAUSE_BETWEEN_ATTEMPTS_S)
+
+
+def _open_transactions(conn: psycopg.Connection) -> str:
+    rows = conn.execute(
+        "SELECT pid, coalesce(nullif(application_name, ''), usename::text, '?'), coalesce(state, '?'),"
+        " round(extract(epoch FROM now() - xact_start))::int, left(coalesce(query, ''), 80)"
+        " FROM pg_stat_activity WHERE xact_start IS NOT NULL AND pid <> pg_backend_pid()"
+        " AND datname = current_database() ORDER BY xact_start LIMIT 5"
+    ).fetchall()
+    if not rows:
+        return "none left"
+    return "; ".join(f"pid {pid} ({app}, {state} for {age}s: {query!r})" for pid, app, state, age, query in rows)
