@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from animastor_tasks.domain.deferral import compute_backoff
@@ -209,18 +209,25 @@ class _Unavailable:
         self.error = error
 
     def generate(self, request: GenerationRequest, should_stop: Callable[[], bool], progress: Any) -> Media:
-        raise GeneratorError(str(self.error), retryable=self.error.retryable, misconfigured=self.error.misconfigured)
+        error = self.error
+        raise GeneratorError(
+            str(error),
+            retryable=error.retryable,
+            retry_after=error.retry_after,
+            misconfigured=error.misconfigured,
+            rate_limited=error.rate_limited,
+        )
 
 
 def checked_media(generator: Generator, answer: object) -> Media:
     """What a generator returned, if it is `Media` of bytes and a type, else a TypeError (a bug: the pair fails
     once, saying what came back). *Why:* a plugin's text or None raised past the job's verdict, at the hash or the
-    upload, and the pair stayed `generating` until its lost starts failed it as `worker_lost`."""
-    if (
-        isinstance(answer, Media)
-        and isinstance(answer.data, bytes | bytearray | memoryview)
-        and isinstance(answer.media_type, str)
-    ):
+    upload, and the pair stayed `generating` until its lost starts failed it as `worker_lost`. A memoryview is
+    copied to bytes: its length counts items, not bytes (a wrong size kept, the artifact written again on every
+    run), and one not contiguous raised past the verdict at the hash."""
+    if isinstance(answer, Media) and isinstance(answer.data, memoryview) and isinstance(answer.media_type, str):
+        return replace(answer, data=bytes(answer.data))
+    if isinstance(answer, Media) and isinstance(answer.data, bytes | bytearray) and isinstance(answer.media_type, str):
         return answer
     shape = type(answer).__name__
     if isinstance(answer, Media):
@@ -234,6 +241,9 @@ def load_generator(ports: Ports, spec: StageSpec, job: Job) -> Generator:
         return ports.generators.load(spec)
     except ConfigError as err:  # the stage's setup: no verdict on the scene, it feeds the breaker
         return _Unavailable(GeneratorError(str(err), misconfigured=True))
+    except GeneratorError as err:  # a factory's own verdict (misconfigured, retryable or not) stands as it said
+        log.warning("[GENERATE] %s generator %r could not be loaded: %s", job.describe(), spec.generator, err)
+        return _Unavailable(err)
     except Exception as err:
         # A plugin that cannot be imported is misconfigured (not retried); one whose factory failed (a GPU out of
         # memory, its backend unreachable) is a backend failure (retried). Both feed the breaker, which gives

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 # 4xx answers that mean "not now" rather than "never": worth another attempt.
 RETRYABLE_4XX = frozenset({408, 429})
-# Refusals of the endpoint itself, whatever the scene (a key, a route, a method, a proxy's credentials).
-MISCONFIGURED_4XX = frozenset({401, 403, 404, 405, 407})
+# Refusals of the endpoint itself, whatever the scene (a key, a route, a method, a proxy's credentials, the
+# body's or the answer's format, the protocol).
+MISCONFIGURED_4XX = frozenset({401, 403, 404, 405, 406, 407, 415, 426})
 # Params read by the transport itself (never sent to a server).
 LIMIT_PARAMS = frozenset({"connect_timeout", "read_timeout", "total_timeout", "max_bytes"})
 RETRY_PARAMS = frozenset({"retries", "max_retry_after"})
@@ -44,7 +45,7 @@ _CHUNK = 64 * 1024
 _MESSAGE_LIMIT = 300
 _ERROR_BODY_LIMIT = 64 * 1024
 _SLEEP_SLICE = 0.05  # a stop request is noticed within this long while waiting out a Retry-After
-# Request errors that another attempt cannot fix.
+# Request errors that another attempt cannot fix, whatever the scene: the endpoint, a header or the proxy is wrong.
 _PERMANENT_REQUEST_ERRORS = (
     requests.exceptions.InvalidURL,
     requests.exceptions.InvalidHeader,
@@ -96,6 +97,12 @@ def check_endpoint(stage: str, generator: str, endpoint: str | None) -> str:
     parts = urlsplit(endpoint)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"stage {stage!r}: endpoint {redact_url(endpoint)!r} is not an http(s) URL")
+    if parts.username is not None or parts.password is not None:
+        # Never sent (the request's only credential is the worker's key): the server answered 401 to every scene.
+        raise ConfigError(
+            f"stage {stage!r}: endpoint {redact_url(endpoint)!r} carries a login, which is not sent; the worker"
+            " authenticates with ANIMASTOR_INFERENCE_API_KEY only: take the login out of the URL"
+        )
     return endpoint
 
 
@@ -156,7 +163,7 @@ class Transport:
                     raise GeneratorError(
                         f"stage {self.stage!r}: inference endpoint {self.shown_url} failed: "
                         f"{type(err).__name__}: {self.clean(str(err))}",
-                        retryable=not isinstance(err, _PERMANENT_REQUEST_ERRORS),
+                        misconfigured=isinstance(err, _PERMANENT_REQUEST_ERRORS),
                     ) from None
                 except GeneratorError:
                     self._check_cut(watchdog, limits, request)
@@ -322,14 +329,17 @@ class Transport:
                 error = error.get("message")
             if not isinstance(error, str):
                 error = payload.get("detail")
-            if isinstance(error, str):
-                text = error
+            # Another shape is quoted as JSON written again here: the key, if echoed, is spelled as `clean` looks
+            # for it, not in the server's own escapes (`\u003c` for `<`, `\/` for `/`) that hid it.
+            text = error if isinstance(error, str) else json.dumps(payload, ensure_ascii=False)
+        elif payload is not None:
+            text = json.dumps(payload, ensure_ascii=False)
         return self.clean(text.strip()) or "(empty body)"
 
     def clean(self, message: str) -> str:
         """Shorten a message and make sure the API key cannot leak through it (even if echoed back)."""
         if self._secret:
-            message = message.replace(self._secret, "***")
+            message = message.replace(self._secret, "***").replace(json.dumps(self._secret)[1:-1], "***")
         message = redact_url(message)
         return message if len(message) <= _MESSAGE_LIMIT else message[:_MESSAGE_LIMIT] + "..."
 

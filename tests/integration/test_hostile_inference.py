@@ -25,7 +25,7 @@ import pytest
 
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.errors import GenerationStopped, GeneratorError
+from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.http import HttpGenerator
 from animastor_tasks.generators.media import render_png, synthesize_wav
@@ -349,6 +349,10 @@ def test_netrc_credentials_on_the_worker_host_are_never_sent(
         (404, "application/json", True),  # a route gone
         (405, "text/html", True),
         (200, "text/html", True),  # a web page where media was due: another server answers there
+        # The body's or the answer's format, or the protocol, refused: the same for every scene.
+        (406, "application/json", True),
+        (415, "application/json", True),
+        (426, "application/json", True),
         (400, "application/json", False),  # this scene's input refused: a verdict on the scene
         (413, "application/json", False),
         # Another success than the protocol's 200 (an API that creates, queues or answers nothing) was a verdict on
@@ -439,3 +443,31 @@ def test_a_body_declared_larger_than_max_bytes_is_refused_before_it_is_read(serv
         _generate(_spec(serve(huge), max_bytes=1_000_000, read_timeout=2))
     assert time.monotonic() - started < 1.0
     assert "exceeds max_bytes=1000000" in str(caught.value) and not caught.value.retryable, caught.value
+
+
+def test_an_endpoint_no_request_can_reach_is_misconfigured_not_a_verdict_on_each_scene() -> None:
+    """A port out of range (`check_endpoint` let it through) raised InvalidURL for every request: each pair of the
+    lane failed for good as if its scene were at fault, and the breaker heard nothing."""
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec("http://127.0.0.1:99999"))
+    assert caught.value.misconfigured and not caught.value.retryable, caught.value
+
+
+def test_an_endpoint_with_a_login_in_its_url_is_refused_as_a_setting() -> None:
+    """The login was never sent (the request's only credential is the worker's key): every scene answered 401."""
+    with pytest.raises(ConfigError, match="carries a login") as caught:
+        _generate(_spec("http://alice:pa55word@127.0.0.1:9"))
+    assert "pa55word" not in str(caught.value)
+
+
+def test_a_key_echoed_in_the_servers_own_json_escapes_is_scrubbed(serve: Callable[[Answer], str]) -> None:
+    """An error body of another shape was quoted as sent: a server that escapes `<`, `>`, `&` or `/` in JSON (Go,
+    PHP) echoed the key past the scrub, into the journal."""
+    key = "sk-ab<cd>&ef/gh"
+    escaped = key.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").replace("/", "\\/")
+    url = serve(answering(401, "application/json", ('{"message": "invalid key ' + escaped + '"}').encode()))
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(url), key=key)
+    message = str(caught.value)
+    assert "invalid key ***" in message, message
+    assert "sk-ab" not in message and "gh" not in message and "u003c" not in message, message

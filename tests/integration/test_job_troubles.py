@@ -21,11 +21,12 @@ from animastor_tasks.errors import GeneratorError, StoreUnavailable
 from animastor_tasks.flow import gate, takeover
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
+from animastor_tasks.generators.media import synthesize_wav
 from animastor_tasks.ports import GenerationRequest, Generator, Media
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, make_book, states
-from .test_generate import dispatched_jobs, with_stage
+from .test_generate import dispatched_jobs, run_with_a_loader_that_raises, with_stage
 from .test_hostile_inference import answering, serve  # noqa: F401 (the fixture)
 
 PAIR = ("ch1", "s1", "audio")
@@ -452,3 +453,35 @@ def test_a_plugin_that_returns_no_media_fails_its_pair_once_saying_what_it_retur
     assert result["outcome"] == "failed" and "returned" in result["error"], result
     assert states(rt, "b")[PAIR] == "failed"
     assert len(_events(rt, "job.failed")) == 1
+
+
+@pytest.mark.parametrize("view", ["items-of-two-bytes", "not-contiguous"])
+def test_a_plugin_that_returns_a_memoryview_is_kept_as_its_bytes(rt, tmp_path, view: str) -> None:
+    """A memoryview's length counts its items: one of 2-byte samples was kept with half its size (and a local or S3
+    store wrote it again on every run, the size never matching); one not contiguous raised `BufferError` at the hash,
+    past the verdict, and the pair was left `generating`."""
+    wav = synthesize_wav("one two three")
+    every_byte_twice = bytes(b for b in wav for _ in "ab")
+    data = memoryview(wav).cast("H") if view == "items-of-two-bytes" else memoryview(every_byte_twice)[::2]
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    _use_generator(rt, _Returning(Media(data, "audio/wav")))  # type: ignore[arg-type]
+    result = run_job(rt.ports, job, worker="test")
+    assert result["outcome"] == "ready", result
+    with rt.db.read() as conn:
+        [(size,)] = conn.execute("SELECT size_bytes FROM artifacts WHERE book_id = 'b'").fetchall()
+    assert size == len(wav)
+
+
+def test_a_factory_that_says_its_stage_is_misconfigured_is_taken_at_its_word(rt, tmp_path) -> None:
+    """A plugin factory raising `GeneratorError(..., misconfigured=True)`, as the docs ask, was wrapped as a
+    retryable backend failure: retried `generate_max_retries` times, each with a traceback."""
+    result, _ = run_with_a_loader_that_raises(
+        rt,
+        tmp_path,
+        GeneratorError("param 'model' is required", misconfigured=True),
+        generate_max_retries=2,
+        retry_backoff_base=0.0,
+    )
+    assert result["attempts"] == 1 and "param 'model' is required" in result["error"], result
+    assert rt.redis.client.hget(rt.redis.keys.breaker("gpu.audio"), "failures") == "1"
