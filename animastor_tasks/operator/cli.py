@@ -65,14 +65,22 @@ def main() -> None:
 
 
 def _load_local_env() -> None:
-    """After `animastor-tasks up` started local stores, later commands find them without a `source`."""
+    """After `animastor-tasks up` started local stores, later commands find them without a `source`; but none of
+    them where the environment names, otherwise, a store they would set. *Why:* filled in one by one, a command
+    (or a worker) that named only its Redis took the local broker and database beside it: it published where no
+    worker of that Redis listened, and a worker heartbeat to one Redis while it consumed another's broker."""
     from animastor_tasks.dev.local_dir import default_data_dir
 
     if not default_data_dir().exists():
         return
     from animastor_tasks.dev import stores as devstack
 
-    for key, value in devstack.local_env().items():
+    local = devstack.local_env()
+    named = sorted(key for key, value in local.items() if os.environ.get(key, value) != value)
+    if named:
+        click.echo(f"note: the local stores of `animastor-tasks up` are not used: {', '.join(named)} set", err=True)
+        return
+    for key, value in local.items():
         os.environ.setdefault(key, value)
 
 

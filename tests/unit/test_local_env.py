@@ -1,0 +1,66 @@
+"""Which settings a command takes from the local stores `animastor-tasks up` left running (no store needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from animastor_tasks.config import Settings
+from animastor_tasks.dev import stores as devstack
+from animastor_tasks.operator import cli
+
+LOCAL = {
+    "ANIMASTOR_DATABASE_URL": "postgresql://postgres@/animastor?host=/tmp/local-run",
+    "ANIMASTOR_REDIS_URL": "unix:///tmp/local-run/redis.sock?db=0",
+    "ANIMASTOR_BROKER_URL": "redis+socket:///tmp/local-run/redis.sock",
+}
+
+
+@pytest.fixture
+def local_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANIMASTOR_LOCAL_DIR", str(tmp_path))
+    monkeypatch.setattr(devstack, "local_env", lambda data_dir=None: dict(LOCAL))
+    for key in LOCAL:
+        monkeypatch.delenv(key, raising=False)
+
+
+def test_a_command_that_names_one_store_takes_none_of_the_local_ones(
+    local_stores: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Filled in one by one, a command naming only its Redis took the local broker and database: it published where
+    no worker of that Redis listened."""
+    monkeypatch.setenv("ANIMASTOR_REDIS_URL", "redis://prod-redis:6379/0")
+    cli._load_local_env()
+    settings = Settings.from_env()
+    assert settings.broker_url == "redis://prod-redis:6379/0"
+    assert settings.database_url != LOCAL["ANIMASTOR_DATABASE_URL"]
+    assert "ANIMASTOR_REDIS_URL set" in capsys.readouterr().err
+
+
+def test_a_command_that_names_no_store_takes_the_local_ones(local_stores: None) -> None:
+    cli._load_local_env()
+    settings = Settings.from_env()
+    assert (settings.database_url, settings.broker_url) == (LOCAL["ANIMASTOR_DATABASE_URL"], LOCAL["ANIMASTOR_BROKER_URL"])
+
+
+def test_a_setting_the_same_as_the_local_one_is_no_conflict(local_stores: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANIMASTOR_REDIS_URL", LOCAL["ANIMASTOR_REDIS_URL"])  # the env file sourced
+    cli._load_local_env()
+    assert Settings.from_env().broker_url == LOCAL["ANIMASTOR_BROKER_URL"]
+
+
+def test_a_store_the_local_stack_does_not_run_may_be_named_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`up` found the configured Postgres and started only Redis: the database named beside it is no conflict."""
+    monkeypatch.setenv("ANIMASTOR_LOCAL_DIR", str(tmp_path))
+    only_redis = {k: v for k, v in LOCAL.items() if k != "ANIMASTOR_DATABASE_URL"}
+    monkeypatch.setattr(devstack, "local_env", lambda data_dir=None: dict(only_redis))
+    for key in LOCAL:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("ANIMASTOR_DATABASE_URL", "postgresql://postgres@db-host:5432/animastor")
+    cli._load_local_env()
+    settings = Settings.from_env()
+    assert settings.broker_url == LOCAL["ANIMASTOR_BROKER_URL"]
+    assert settings.database_url == "postgresql://postgres@db-host:5432/animastor"
