@@ -41,10 +41,15 @@ def test_a_command_that_names_one_store_takes_none_of_the_local_ones(
 def test_a_command_that_names_no_store_takes_the_local_ones(local_stores: None) -> None:
     cli._load_local_env()
     settings = Settings.from_env()
-    assert (settings.database_url, settings.broker_url) == (LOCAL["ANIMASTOR_DATABASE_URL"], LOCAL["ANIMASTOR_BROKER_URL"])
+    assert (settings.database_url, settings.broker_url) == (
+        LOCAL["ANIMASTOR_DATABASE_URL"],
+        LOCAL["ANIMASTOR_BROKER_URL"],
+    )
 
 
-def test_a_setting_the_same_as_the_local_one_is_no_conflict(local_stores: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_setting_the_same_as_the_local_one_is_no_conflict(
+    local_stores: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ANIMASTOR_REDIS_URL", LOCAL["ANIMASTOR_REDIS_URL"])  # the env file sourced
     cli._load_local_env()
     assert Settings.from_env().broker_url == LOCAL["ANIMASTOR_BROKER_URL"]
