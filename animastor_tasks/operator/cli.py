@@ -238,14 +238,26 @@ def regenerate(
     as_json: bool,
 ) -> None:
     """Ask for work: one command per stage (enqueues animastor.regenerate)."""
+    import uuid
+
     from animastor_tasks.client import Client
 
     picked = [_scene_arg(s) for s in scenes] or None
+    # Made here, not by the client, so that an answer that did not come can say how to ask again safely.
+    request_id = str(uuid.uuid4()) if command_id is None else command_id
     client = Client(timeout=timeout)
     try:
         result = client.regenerate(
-            book_id, list(stages), picked, command_id=command_id, force=not no_force, priority=priority
+            book_id, list(stages), picked, command_id=request_id, force=not no_force, priority=priority
         )
+    except (InvalidInput, ConfigError):
+        raise  # refused: nothing was written
+    except AnimastorError:
+        # No answer (the message may be queued, or have run): a retry with a new id would make a second command,
+        # and with force stop the first one's jobs. The same id is a resend, never a second command.
+        click.echo(f"note: to ask again, resend with --command-id {request_id} (a resend is never a second command)",
+                   err=True)  # fmt: skip
+        raise
     finally:
         client.close()
 

@@ -99,3 +99,23 @@ def test_a_string_where_a_list_belongs_is_sent_as_given_for_the_worker_to_refuse
     [raw] = rt.redis.client.lrange("animastor.control", 0, -1)
     _args, kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
     assert (kwargs["stages"], kwargs["scenes"]) == (stages, json.loads(json.dumps(scenes)))
+
+
+def test_cli_regenerate_without_an_answer_says_which_command_id_to_resend_with(rt) -> None:
+    """The id was made inside the client and never shown: after a timeout the natural retry made a second command
+    (with force, stopping the first one's jobs once a control worker ran them both)."""
+    import re
+
+    command = ("regenerate", "b1", "--stage", "audio", "--timeout", "1")
+    done = subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.operator.cli", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "no answer within 1s" in done.stderr, done.stderr
+    hint = re.search(r"resend with --command-id ([0-9a-f-]{36})", done.stderr)
+    assert hint, done.stderr
+    # The queued message carries that id: a resend with it is the same request.
+    [message] = rt.redis.client.lrange("animastor.control", 0, -1)
+    assert json.loads(base64.b64decode(json.loads(message)["body"]))[1]["command_id"] == hint.group(1)
