@@ -220,6 +220,35 @@ def test_a_redis_url_option_redis_cannot_read_stops_the_process_at_start() -> No
 
 
 @pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:hunter2@127.0.0.1:6379/0?sockettimeout=5",
+        "unix:///run/redis.sock?db=0&retry_on_timout=1",
+        "rediss://:hunter2@r.example:6380/0?ssl_cert_reqs=required&healthcheck_interval=10",
+    ],
+)
+def test_a_redis_url_option_redis_py_does_not_know_stops_the_process_at_start(url: str) -> None:
+    """redis-py handed a misspelt option to each connection, which refused it with a TypeError: a traceback from
+    every command, and the metrics exporter took a Redis that was fine for down."""
+    from animastor_tasks.adapters.redis.connection import RedisConnection
+    from animastor_tasks.domain.keys import Keyspace
+
+    with pytest.raises(ConfigError, match=r"ANIMASTOR_REDIS_URL.*(sockettimeout|retry_on_timout|healthcheck)") as info:
+        RedisConnection(url, Keyspace("t"))
+    assert "hunter2" not in str(info.value)
+
+
+def test_a_database_url_option_libpq_does_not_know_is_a_setting_to_fix_not_postgres_down() -> None:
+    """It was read at the first connection: the pool's whole timeout, then exit 3 "postgres unavailable"."""
+    from animastor_tasks.adapters.postgres.pool import Database
+
+    with pytest.raises(ConfigError, match=r"ANIMASTOR_DATABASE_URL.*connect_timout") as info:
+        Database("postgresql://u:hunter2@db.example:5432/a?connect_timout=5")
+    assert "hunter2" not in str(info.value)
+    Database("postgresql://u:hunter2@db.example:5432/a?connect_timeout=5&application_name=x").close()
+
+
+@pytest.mark.parametrize(
     ("redis_url", "broker_url"),
     [
         ("redis://127.0.0.1:6379/0?socket_timeout=5&health_check_interval=10", "redis://127.0.0.1:6379/0"),

@@ -17,10 +17,11 @@ from contextlib import contextmanager
 from typing import Any, Self
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.errors import ConfigError, StoreUnavailable, redact_url
 
 log = logging.getLogger("animastor.postgres")
 #: New rows of one book from which a write analyzes the tables it wrote (`Database.analyze`): below, a nested loop
@@ -80,6 +81,10 @@ def close_open_pools() -> None:
 
 class Database:
     def __init__(self, url: str, *, max_size: int = 8, timeout: float = 5.0) -> None:
+        try:  # an option libpq does not know (`?connect_timout=5`) is a setting to fix, not Postgres down
+            conninfo_to_dict(url)
+        except psycopg.ProgrammingError as err:
+            raise ConfigError(f"ANIMASTOR_DATABASE_URL={redact_url(url)!r}: {str(err).strip()}") from None
         self.url = url
         self._max_size = max_size
         self._timeout = timeout

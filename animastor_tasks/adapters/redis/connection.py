@@ -35,8 +35,12 @@ class RedisConnection:
             self.client: redis.Redis = redis.Redis.from_url(
                 url, decode_responses=True, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
             )
-        except ValueError as err:  # an option it cannot read (`?socket_timeout=abc`): at start, not at each call
-            raise ConfigError(f"ANIMASTOR_REDIS_URL={redact_url(url)!r}: {err}") from err
+            # An option it does not know (`?sockettimeout=5`) is handed to each connection, which refuses it with a
+            # TypeError: a traceback from every command, and a Redis that was fine reported down by the exporter.
+            pool = self.client.connection_pool
+            pool.connection_class(**pool.connection_kwargs)  # connects nowhere
+        except (TypeError, ValueError) as err:  # one it cannot read (`?socket_timeout=abc`): at start, not at each call
+            raise ConfigError(f"ANIMASTOR_REDIS_URL={redact_url(url)!r}: {err}") from None
         self.renew_script = self.client.register_script(_script("renew_lease"))
         self.restore_script = self.client.register_script(_script("restore_lease"))
         self.supersede_script = self.client.register_script(_script("supersede"))
