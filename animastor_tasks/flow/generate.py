@@ -162,6 +162,7 @@ def _run_owned(
         # No GPU work yet: the lease goes with the delivery, and the tick takes the pair over once Postgres answers
         # (left, each job of a queue drained during an outage held a slot idle for the rest of its lease TTL).
         delivered.release = True
+        later.job_started()  # the check is over, unanswered: the delivery was this one's, and ends with it
         raise
     later.job_started()
     if denial is not None or row is None:

@@ -15,7 +15,8 @@ A job is kept only
   limits;
 - unless the worker is shutting down: its running job finishes, and the next one goes to the broker.
 
-A job claimed but not run (the task failed after its refill) is published after all.
+A job claimed but not run (the task failed after its refill, or the kept job raised before its start
+check) is published after all.
 
 The bookkeeping of a job that ended with a job kept to follow it (its lease, counters, result and
 Flower's events) is done in a thread while the next job starts (`Aftermath`): the free GPU waits for
@@ -147,14 +148,24 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
             aftermath(partial(_announce, task, "task-started", job.dispatch_id, hostname=worker))  # with its pid
             # Held back until the job has passed its start check, with its predecessor's bookkeeping.
             keeper = aftermath.keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
+            aftermath.started = False
             ran = _run_kept(task, _job_ports(ports, keeper, aftermath), job, name, trace, run, aftermath)
             aftermath.end()
             if not ran:
+                if not aftermath.started:  # its delivery never began (a store did not answer): the broker's again
+                    _quietly_publish(_holding(ports.publisher, task.app, queue, job, name))
                 _quietly_publish(keeper)
                 break
     finally:
         aftermath.finish()
     return result
+
+
+def _holding(inner: Publisher, app: Celery, queue: str, job: Job, task_name: str) -> KeepingPublisher:
+    """A publisher that holds `job` kept, for `_quietly_publish` to send it to the broker."""
+    holder = KeepingPublisher(inner, app, queue, deadline=0.0)
+    holder.kept, holder.task_name = job, task_name
+    return holder
 
 
 def _job_ports(ports: Ports, keeper: KeepingPublisher, aftermath: Aftermath) -> Ports:
@@ -184,6 +195,7 @@ class Aftermath(Later):
         self.keeper = keeper
         self.steps: list[Callable[[], object]] = []
         self.thread: threading.Thread | None = None
+        self.started = False  # the current job's start check is over
 
     def __call__(self, step: Callable[[], object]) -> None:
         if threading.current_thread() is self.thread:  # a held step's own: now
@@ -198,6 +210,7 @@ class Aftermath(Later):
         return time_limit.soft_limit_held(job.describe())
 
     def job_started(self) -> None:
+        self.started = True
         if not self.steps or self.thread is not None:
             return
         steps, self.steps = self.steps, []

@@ -18,6 +18,7 @@ from celery import signals
 from celery.contrib.testing.worker import start_worker
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.job import Job
@@ -120,6 +121,52 @@ def test_a_job_kept_for_a_task_that_then_fails_is_published_after_all(rt) -> Non
     finally:
         client.close()
     assert [m["headers"]["id"] for m in messages] == [kept.dispatch_id]
+
+
+def test_a_kept_job_that_raised_before_its_start_check_is_published_after_all(rt) -> None:
+    """A kept job whose delivery could not start (Redis did not answer `start_delivery`) was neither run nor
+    published: its pair held its queued lease and slot, found only by reconcile's broker check."""
+    from animastor_tasks.worker.tasks import app
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
+
+    def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
+        if job == kept:
+            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset")
+        ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
+        return {"outcome": "ready"}
+
+    task = app.tasks["animastor.generate.audio"]
+    chain.run_chain(task, rt.ports, AUDIO, Job("b", "ch1", "s1", "audio", "d1" * 16, 3), run)
+    assert _queued_ids(rt) == [kept.dispatch_id]
+
+
+def test_a_kept_job_that_raised_after_its_start_check_is_not_published_again(rt) -> None:
+    """Started, it is this delivery's as a delivered task's is (acked when it raises): never a second copy."""
+    from animastor_tasks.worker.tasks import app
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
+
+    def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
+        if job == kept:
+            later.job_started()
+            raise RuntimeError("a bug after the start")
+        ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
+        return {"outcome": "ready"}
+
+    task = app.tasks["animastor.generate.audio"]
+    chain.run_chain(task, rt.ports, AUDIO, Job("b", "ch1", "s1", "audio", "d1" * 16, 3), run)
+    assert _queued_ids(rt) == []
+
+
+def _queued_ids(rt: Any) -> list[str]:
+    client = redis.Redis.from_url(rt.settings.broker_url)
+    try:
+        return [json.loads(raw)["headers"]["id"] for raw in client.lrange(AUDIO, 0, -1)]
+    finally:
+        client.close()
 
 
 def test_a_kept_job_is_announced_once_it_has_passed_its_start_check_not_before(rt, monkeypatch) -> None:
