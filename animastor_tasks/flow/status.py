@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import validate
 from animastor_tasks.ports import CommandRow, Ports
+
+log = logging.getLogger("animastor.status")
 
 
 def progress(row: CommandRow) -> dict[str, Any]:
@@ -30,7 +34,7 @@ def status(ports: Ports, book_id: object) -> dict[str, Any]:
         entry = scenes.setdefault((chapter, scene), {"chapter_id": chapter, "scene_id": scene, "stages": {}})
         uri = uris.get((chapter, scene, stage))
         entry["stages"][stage] = {"state": state, "artifact": artifact, "artifact_uri": uri}
-    cancelled = ports.commands.is_tombstoned(book) or ports.book_state.cancel_flag_set(book)
+    cancelled = ports.commands.is_tombstoned(book) or _cancel_flag(ports, book)
     return {
         "book_id": book,
         "cancelled": cancelled,
@@ -47,3 +51,14 @@ def status(ports: Ports, book_id: object) -> dict[str, Any]:
         ],
         "scenes": list(scenes.values()),
     }
+
+
+def _cancel_flag(ports: Ports, book: str) -> bool:
+    """The book's cancel flag, or False when Redis does not answer: everything else shown is Postgres's, and a Stop
+    All that went through has its Postgres tombstone. *Why:* during a Redis outage `status` exited 3, and the
+    operator could not see a book's progress at all while restoring it."""
+    try:
+        return ports.book_state.cancel_flag_set(book)
+    except StoreUnavailable as err:
+        log.warning("[STATUS] book=%r: cancel flag unread (%s); shown from the Postgres tombstone alone", book, err)
+        return False

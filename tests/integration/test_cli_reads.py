@@ -149,3 +149,19 @@ def test_a_heartbeat_s_age_is_read_from_the_beat_not_from_this_shell_s_ttl(rt) -
     [audio] = [row for row in queue_overview(rt) if row["queue"] == "gpu.audio"]
     [consumer] = audio["consumers"]
     assert 0 <= consumer["heartbeat_age_seconds"] < 2, consumer
+
+
+def test_status_of_a_book_shows_its_progress_while_redis_does_not_answer(rt, monkeypatch) -> None:
+    """Only the cancel flag is Redis's: during a Redis outage `status` exited 3 and showed nothing at all."""
+    import socket
+
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("ANIMASTOR_REDIS_URL", f"redis://127.0.0.1:{port}/0")
+    monkeypatch.setenv("ANIMASTOR_BROKER_URL", f"redis://127.0.0.1:{port}/0")
+    done = cli("status", "b", "--json")
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert shown["cancelled"] is False and len(shown["scenes"]) == 2, shown
