@@ -72,7 +72,8 @@ def down() -> None:
     """Stop the local stores `up` started (if any) and delete what they stored."""
     from animastor_tasks.dev import stores as devstack
 
-    devstack.main(["down"])
+    if devstack.main(["down"]) != 0:  # it said why on stderr
+        sys.exit(3)
 
 
 _GPU_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9:/_-]*")  # an index, or a GPU-/MIG- UUID as CUDA_VISIBLE_DEVICES takes

@@ -69,3 +69,21 @@ def test_a_store_the_local_stack_does_not_run_may_be_named_beside_it(
     settings = Settings.from_env()
     assert settings.broker_url == LOCAL["ANIMASTOR_BROKER_URL"]
     assert settings.database_url == "postgresql://postgres@db-host:5432/animastor"
+
+
+def test_down_that_could_not_stop_the_local_stores_exits_non_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It printed the error and exited 0: a script went on as if the stores and their data were gone."""
+    from click.testing import CliRunner
+
+    from animastor_tasks.errors import StoreUnavailable
+
+    def refuse(self: devstack.LocalStores) -> list[str]:
+        raise StoreUnavailable("postgres", "postgresql:///animastor", "pg_ctl stop failed")
+
+    monkeypatch.setenv("ANIMASTOR_LOCAL_DIR", str(tmp_path))
+    monkeypatch.setattr(devstack.LocalStores, "stop", refuse)
+    done = CliRunner().invoke(cli.main, ["down"])
+    assert done.exit_code == 3, done.output
+    assert "pg_ctl stop failed" in done.output
