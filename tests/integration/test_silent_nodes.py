@@ -111,7 +111,35 @@ def test_a_clean_stop_takes_the_last_beat_away_and_a_name_silent_for_a_day_is_fo
 
     assert set(beats) == {NODE}
     assert 29 < rt.redis.server_time() - beats[NODE] < 32
-    assert rt.redis.client.zcard(rt.redis.keys.beats()) == 1
+    rt.presence.heartbeat("audio@other", ["gpu.audio"], 6)  # a heartbeat drops the name silent for a day
+    assert set(rt.redis.client.zrange(rt.redis.keys.beats(), 0, -1)) == {NODE, "audio@other"}
+
+
+def test_the_last_beats_are_read_with_a_read_only_redis_user(rt: Wiring) -> None:
+    """The queue view and the metrics exporter read them, and the read pruned on the way: a read-only Redis user
+    (or a replica) was refused (NOPERM), the view exited 3, and the exporter reported Redis down."""
+    import uuid
+    from urllib.parse import urlsplit, urlunsplit
+
+    from animastor_tasks.adapters.redis.connection import RedisConnection
+    from animastor_tasks.adapters.redis.presence import PresenceStore
+
+    _beat(rt, 30)
+    user = f"reader-{uuid.uuid4().hex[:8]}"
+    rt.redis.client.execute_command(
+        "ACL", "SETUSER", user, "on", "nopass", "~*", "resetchannels", "-@all", "+@read", "+time", "+select"
+    )
+    try:
+        parts = urlsplit(rt.settings.redis_url)
+        url = urlunsplit(parts._replace(netloc=f"{user}@{parts.hostname}:{parts.port or 6379}"))
+        reader = RedisConnection(url, rt.redis.keys)
+        try:
+            beats = PresenceStore(reader).last_beats([NODE, "audio@never"])
+        finally:
+            reader.client.close()
+    finally:
+        rt.redis.client.execute_command("ACL", "DELUSER", user)
+    assert set(beats) == {NODE}
 
 
 def test_a_queue_forgets_consumers_silent_for_a_day(rt) -> None:

@@ -45,20 +45,24 @@ class PresenceStore:
                 pipe.zadd(self.conn.keys.beats(), {hostname: now})
             else:
                 pipe.zrem(self.conn.keys.beats(), hostname)
+            pipe.zremrangebyscore(self.conn.keys.beats(), "-inf", f"({now - FORGET_SILENT_NODE_SECONDS}")
             pipe.execute()
 
     def last_beats(self, nodes: Sequence[str]) -> dict[str, float]:
-        """{node: when it last beat} for those of `nodes` on record (by the server's clock). A name silent for
-        `FORGET_SILENT_NODE_SECONDS` is dropped on the way."""
+        """{node: when it last beat} for those of `nodes` on record (by the server's clock), but a name silent for
+        `FORGET_SILENT_NODE_SECONDS` (a heartbeat drops it). A read only: the queue view and the metrics exporter
+        call it, and with a read-only Redis user (or a replica) its prune was refused, the view exited 3 and the
+        exporter reported Redis down."""
         if not nodes:
             return {}
         forget_before = self.conn.server_time() - FORGET_SILENT_NODE_SECONDS
         with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=False)
-            pipe.zremrangebyscore(self.conn.keys.beats(), "-inf", f"({forget_before}")
-            pipe.zmscore(self.conn.keys.beats(), list(nodes))
-            _, beats = pipe.execute()
-        return {node: float(beat) for node, beat in zip(nodes, beats, strict=True) if beat is not None}
+            beats = self.conn.client.zmscore(self.conn.keys.beats(), list(nodes))
+        return {
+            node: float(beat)
+            for node, beat in zip(nodes, beats, strict=True)
+            if beat is not None and float(beat) >= forget_before
+        }
 
     def departed_ago(self, queues: Sequence[str]) -> dict[str, float]:
         """{queue: seconds since a consumer last stopped consuming it cleanly} for those of `queues` on record."""
