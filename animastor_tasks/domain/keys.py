@@ -11,8 +11,8 @@ widens to another book).
 | -------------------------------------------- | ------ | ----------------------------------------- |
 | ``P:cancel:B``                               | string | until the next regenerate of book B       |
 | ``P:force:B``  (members ``C:S:STAGE``)        | set    | force TTL (120 s) after a regenerate      |
-| ``P:defer:B:BUCKET`` (members ``C:S:STAGE``,  | zset   | score = expiry time; pruned by reconcile  |
-|   score = deferral expiry, unix seconds)      |        | and removed with the book's cancel        |
+| ``P:defer:B:BUCKET`` (members ``C:S:STAGE``,  | zset   | score = expiry time; pruned by reconcile, |
+|   score = deferral expiry, unix seconds)      |        | gone with the cancel or once B is idle    |
 | ``P:active-books`` (members ``B``)            | set    | while the book has active scenes          |
 | ``P:active:B`` (members ``C:S``)              | set    | while a scene has queued or running work  |
 | ``P:active-books:due`` (members ``B``, score  | zset   | while B has pending work; the tick takes  |

@@ -343,3 +343,18 @@ def test_a_book_with_an_active_scene_is_left_active_and_due(rt) -> None:
     client.delete(rt.redis.keys.active_scenes("b"))  # its last scene done
     store.drop_book_if_idle("b")
     assert client.zscore(rt.redis.keys.due(), "b") is None and "b" not in store.active_books()
+
+
+def test_a_book_that_goes_idle_takes_its_deferrals_with_it(rt) -> None:
+    """Reconcile prunes deferrals of active books only: every book that finished kept its sets in Redis for ever."""
+    store, client = rt.ports.book_state, rt.redis.client
+    rt.ports.deferrals.defer("b", "capacity", [("ch1", "s1", "audio")], 60, rt.redis.server_time())
+    rt.ports.deferrals.defer("b", "idempotent", [("ch1", "s2", "audio")], 600, rt.redis.server_time())
+    rt.ports.deferrals.defer("other", "capacity", [("ch1", "s1", "audio")], 60, rt.redis.server_time())
+    store.activate({"b": [("ch1", "s1")]})
+    store.drop_book_if_idle("b")
+    assert client.exists(rt.redis.keys.deferrals("b", "capacity"), rt.redis.keys.deferrals("b", "idempotent")) == 2
+    client.delete(rt.redis.keys.active_scenes("b"))  # its last scene done
+    store.drop_book_if_idle("b")
+    assert client.exists(rt.redis.keys.deferrals("b", "capacity"), rt.redis.keys.deferrals("b", "idempotent")) == 0
+    assert client.exists(rt.redis.keys.deferrals("other", "capacity")) == 1

@@ -314,12 +314,15 @@ class BookStateStore:
                 return
 
     def drop_book_if_idle(self, book: str) -> None:
-        """The book off the active set and the due index if it has no active scene, atomically
+        """The book off the active set and the due index, its deferrals gone, if it has no active scene, atomically
         (`lua/drop_if_idle.lua`)."""
         keys = self.conn.keys
+        deferrals = [keys.deferrals(book, bucket) for bucket in DEFER_BUCKETS]
         self.conn.run(
             lambda: self._drop_if_idle(
-                keys=[keys.active_scenes(book), keys.active_books(), keys.due()], args=[book], client=self.conn.client
+                keys=[keys.active_scenes(book), keys.active_books(), keys.due(), *deferrals],
+                args=[book],
+                client=self.conn.client,
             )
         )
 
