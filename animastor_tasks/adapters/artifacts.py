@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,19 @@ def artifact_name(digest: str, media_type: str) -> str:
     return f"{digest[:2]}/{digest}{EXTENSIONS.get(base_type(media_type), '.bin')}"
 
 
+# A temporary file older than this is one its writer left when it died (a write takes seconds).
+STALE_TEMPORARY_SECONDS = 3600.0
+
+
 class LocalArtifactStore:
+    """Files under `root`, each written in `root/.tmp/` first and renamed into place. A temporary file a killed
+    writer left (SIGKILL, a power cut: nothing ran to remove it) is swept at the first write of a process that
+    comes after, once it is an hour old: left in the content folders, they were never found again, and a disk
+    that a few killed writes of big media filled stayed full."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._swept = False
 
     @property
     def url(self) -> str:
@@ -58,21 +69,36 @@ class LocalArtifactStore:
         A file already there counts only with the right size (one cut short is written again), and a write
         that fails leaves no partial file behind: each failed job left one, and a full disk stayed full."""
         digest = hashlib.sha256(data).hexdigest()
-        path = self.root.expanduser().resolve() / artifact_name(digest, media_type)
+        root = self.root.expanduser().resolve()
+        path = root / artifact_name(digest, media_type)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             if not path.exists() or path.stat().st_size != len(data):
-                _write_durably(path, data)
+                temporary = root / ".tmp"
+                temporary.mkdir(exist_ok=True)
+                if not self._swept:
+                    _sweep(temporary, time.time() - STALE_TEMPORARY_SECONDS)
+                    self._swept = True
+                _write_durably(path, data, temporary)
         except OSError as err:  # a full disk, a read-only mount: the job fails saying so
             raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
         uri = path.as_uri()
         return {"sha256": digest, "size": len(data), "media_type": media_type, "path": str(path), "uri": uri}
 
 
-def _write_durably(path: Path, data: bytes) -> None:
+def _sweep(temporary: Path, before: float) -> None:
+    """Remove the temporary files last written before `before` (best effort: another process may sweep too)."""
+    with os.scandir(temporary) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < before:
+                    os.unlink(entry.path)
+
+
+def _write_durably(path: Path, data: bytes, temporary: Path) -> None:
     """Created 0666 less the umask, as any file the process writes: a temporary file's own 0600, kept by the rename,
     shut out every reader under another user (a web server serving the `file://` URIs)."""
-    tmp = path.parent / f".tmp-{secrets.token_hex(8)}"
+    tmp = temporary / secrets.token_hex(8)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -377,3 +378,19 @@ def test_a_bad_store_fails_the_job_with_its_message_and_nothing_is_ready(
         s["stages"]["audio"] == {"state": "failed", "artifact": None, "artifact_uri": None} for s in status["scenes"]
     )
     print(f"{case}: {results[0]['error']}")
+
+
+def test_the_temporary_files_killed_writers_left_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    """A writer killed mid-write (SIGKILL, a power cut) left its `.tmp-` file in a content folder, found by nothing
+    ever again: a few killed writes of big media kept a disk full."""
+    root = tmp_path / "artifacts"
+    (root / ".tmp").mkdir(parents=True)
+    stale, live = root / ".tmp" / "left-by-a-killed-writer", root / ".tmp" / "being-written"
+    stale.write_bytes(b"x" * 1000)
+    live.write_bytes(b"y")
+    two_hours_ago = time.time() - 7200
+    os.utime(stale, (two_hours_ago, two_hours_ago))
+    stored = LocalArtifactStore(root).put(b"RIFF-audio", "audio/wav")
+    assert not stale.exists() and live.exists()
+    assert Path(stored["path"]).read_bytes() == b"RIFF-audio"
+    assert [p.name for p in Path(stored["path"]).parent.iterdir()] == [Path(stored["path"]).name]
