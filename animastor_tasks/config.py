@@ -267,6 +267,9 @@ def split_s3_url(url: str) -> tuple[str, str]:
     prefix = parts.path.strip("/")
     if not _KEY_PREFIX_RE.fullmatch(prefix) or "//" in prefix:
         raise ConfigError(f"{name}={url!r}: the key prefix {prefix!r} must be S3-safe characters without '//'")
+    if any(segment in (".", "..") for segment in prefix.split("/")):
+        # A server on a filesystem (rclone's, MinIO's) resolves such a segment: keys outside the prefix, or refused.
+        raise ConfigError(f"{name}={url!r}: the key prefix {prefix!r} must have no '.' or '..' segment")
     return parts.netloc, prefix
 
 

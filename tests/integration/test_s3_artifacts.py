@@ -105,6 +105,10 @@ def test_the_url_chooses_the_store_and_the_root_keeps_working(tmp_path: Path) ->
         ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket:9000/x"}, "no credentials, port or query"),
         ({"ANIMASTOR_ARTIFACT_URL": "s3://key:hunter2@bucket/x"}, "no credentials, port or query"),
         ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket/a//b"}, "without '//'"),
+        # A server on a filesystem (rclone, MinIO's) resolves or refuses a `..` segment: keys outside the prefix.
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket/books/../other"}, "'.' or '..'"),
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket/./books"}, "'.' or '..'"),
+        ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket/.."}, "'.' or '..'"),
         ({"ANIMASTOR_ARTIFACT_URL": "s3://bucket/x?versionId=1"}, "no credentials, port or query"),
         ({"ANIMASTOR_ARTIFACT_URL": "ftp://host/dir"}, "must be a directory, file:///directory or s3://"),
         ({"ANIMASTOR_ARTIFACT_URL": "s3:bucket/dir"}, "must be a directory, file:///directory or s3://"),
