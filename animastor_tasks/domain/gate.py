@@ -11,7 +11,7 @@ An unreadable registry proves no command: nothing is authorized.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
@@ -45,6 +45,14 @@ def parse_layers(raw: str | None) -> dict[str, bool]:
 
 def layer_enabled(layers: dict[str, bool], stage: str) -> bool:
     return layers.get(f"{stage}_enabled") is not False
+
+
+def changed_layers(raw: str | None, changes: Mapping[str, bool]) -> str:
+    """The layer config `raw` with `changes` ({stage: enabled}) made and every other stage's setting kept, one this
+    process's stage table lacks included: another process's table may have it."""
+    layers = parse_layers(raw)
+    layers.update({f"{stage}_enabled": enabled for stage, enabled in changes.items()})
+    return json.dumps(layers, sort_keys=True)
 
 
 @dataclass(frozen=True)

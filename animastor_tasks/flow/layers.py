@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 from animastor_tasks.domain.book import show_value
@@ -24,10 +23,9 @@ def set_layers(ports: Ports, book_id: object, enable: list[str], disable: list[s
     both = sorted(set(enable) & set(disable))
     if both:
         raise InvalidCommand(f"stage: {', '.join(map(show_value, both))} both enabled and disabled; name each once")
-    layers = {f"{s}_enabled": layer_enabled(parse_layers(ports.catalog.layers(book)), s) for s in known}
-    layers.update({f"{s}_enabled": True for s in enable})
-    layers.update({f"{s}_enabled": False for s in disable})
-    ports.catalog.set_layers(book, json.dumps(layers, sort_keys=True))
+    raw = ports.catalog.change_layers(book, {**dict.fromkeys(enable, True), **dict.fromkeys(disable, False)})
+    if raw is None:  # removed since it was checked
+        raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
     try:
         gate.gate_pass(ports, book, dispatch_work=False)
     except StoreUnavailable as err:
@@ -35,7 +33,8 @@ def set_layers(ports: Ports, book_id: object, enable: list[str], disable: list[s
         # pairs of a stage turned off go at the book's next pass. *Why:* reported as failed, a change in force
         # read as lost.
         log.warning("[COMMAND] book=%r layers saved; its pairs not released until its next pass: %s", book, err)
-    return {s: layers[f"{s}_enabled"] for s in known}
+    layers = parse_layers(raw)
+    return {s: layer_enabled(layers, s) for s in known}
 
 
 def layers_of(ports: Ports, book_id: object) -> dict[str, bool]:

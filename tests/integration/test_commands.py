@@ -6,6 +6,7 @@ import re
 import uuid
 from dataclasses import replace
 
+import psycopg
 import pytest
 
 from animastor_tasks.errors import InvalidCommand, StoreUnavailable
@@ -15,6 +16,7 @@ from animastor_tasks.flow import layers as layers_flow
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import status as status_flow
+from tests.support import wait_for
 
 from .helpers import advertise, make_book, queued_messages, states, use_settings
 
@@ -487,3 +489,55 @@ def test_a_resend_answers_once_the_commands_it_replays_are_on_disk(rt, book) -> 
     with rt.db.read() as conn:
         flushed = int(conn.execute("SELECT pg_current_wal_flush_lsn() - '0/0'").fetchone()[0])
     assert again["replayed"] and flushed >= written
+
+
+def test_a_layer_change_from_a_shell_with_another_stage_table_keeps_the_layers_it_does_not_know(rt, book) -> None:
+    """The config was rebuilt from the shell's own stages and written over: `--enable audio` from a shell without
+    the image stage dropped `image_enabled: false`, and the next `regenerate all` commanded image jobs again."""
+    layers_flow.set_layers(rt.ports, book, [], ["image"])
+    full = rt.settings
+    audio_only = tuple(s for s in full.registry.stages if s.name == "audio")
+    use_settings(rt, replace(full, registry=replace(full.registry, stages=audio_only)))
+    assert layers_flow.set_layers(rt.ports, book, ["audio"], []) == {"audio": True}
+    use_settings(rt, full)
+    assert layers_flow.layers_of(rt.ports, book) == {"audio": True, "image": False}
+    assert [c["stage"] for c in regenerate_flow.regenerate(rt.ports, book, ["all"])["commands"]] == ["audio"]
+
+
+def test_two_layer_changes_at_once_both_hold(rt, book) -> None:
+    """Each read the config, then wrote its own whole: the second undid the first (both callers told done)."""
+    import threading
+
+    holder = psycopg.connect(rt.settings.database_url)
+    holder.execute("SELECT 1 FROM books WHERE book_id = %s FOR UPDATE", (book,))  # both changes queue behind it
+    done: list[object] = []
+
+    def change(disable: str) -> None:
+        try:
+            done.append(layers_flow.set_layers(rt.ports, book, [], [disable]))
+        except BaseException as err:  # asserted below
+            done.append(err)
+
+    threads = [threading.Thread(target=change, args=(stage,)) for stage in ("audio", "image")]
+    try:
+        for thread in threads:
+            thread.start()
+        with psycopg.connect(rt.settings.database_url, autocommit=True) as watch:
+            wait_for(
+                lambda: (
+                    watch.execute(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                    ).fetchone()[0]
+                    >= 2
+                ),
+                10,
+                "both changes wait for the book's row",
+            )
+    finally:
+        holder.commit()
+        holder.close()
+        for thread in threads:
+            thread.join(30)
+    assert all(isinstance(d, dict) for d in done), done
+    assert layers_flow.layers_of(rt.ports, book) == {"audio": False, "image": False}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import psycopg
@@ -11,6 +12,7 @@ from animastor_tasks.adapters.postgres import journal
 from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database
 from animastor_tasks.adapters.postgres.released import mark_released
 from animastor_tasks.domain.book import Book
+from animastor_tasks.domain.gate import changed_layers
 from animastor_tasks.domain.inputs import scene_hashes
 from animastor_tasks.domain.registry import MediaRegistry
 from animastor_tasks.domain.resend import FirstSending, named_match, spelled_out
@@ -215,12 +217,18 @@ class Catalog:
         with self.db.read() as conn:
             return conn.execute("SELECT 1 FROM books WHERE book_id = %s", (book_id,)).fetchone() is not None
 
-    def set_layers(self, book_id: str, raw: str | None) -> bool:
+    def change_layers(self, book_id: str, changes: Mapping[str, bool]) -> str | None:
+        """The book's layer config with `changes` ({stage: enabled}) made, read and written under the book's row
+        lock; None: no such book. *Why:* rebuilt from this process's stage table and written over, the setting of
+        a stage only another table has was dropped (a layer turned off came back on), and of two changes made at
+        once the last undid the first."""
         with self.db.transaction() as conn:
-            updated = conn.execute(
-                "UPDATE books SET layer_config = %s, updated_at = now() WHERE book_id = %s", (raw, book_id)
-            ).rowcount
-        return bool(updated)
+            row = conn.execute("SELECT layer_config FROM books WHERE book_id = %s FOR UPDATE", (book_id,)).fetchone()
+            if row is None:
+                return None
+            raw = changed_layers(row[0], changes)
+            conn.execute("UPDATE books SET layer_config = %s, updated_at = now() WHERE book_id = %s", (raw, book_id))
+        return raw
 
     def layers(self, book_id: str) -> str | None:
         with self.db.read() as conn:
