@@ -22,7 +22,7 @@ from animastor_tasks.domain.gate import layer_enabled, parse_layers
 from animastor_tasks.domain.resend import resend_differs
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import CommandStatus, Priority
-from animastor_tasks.errors import DuplicateCommand, InvalidCommand
+from animastor_tasks.errors import DuplicateCommand, InvalidCommand, StoreUnavailable
 from animastor_tasks.flow import gate, page, refill, validate
 from animastor_tasks.ports import CommandContext, CommandRow, Ports, Snapshot
 
@@ -80,12 +80,16 @@ def regenerate(
         for stage in enabled
     }
     # A new explicit intent lifts the cancel; Redis first, so a Redis outage writes nothing.
-    ports.book_state.clear_cancel_flag(book)
+    was_cancelled = ports.book_state.clear_cancel_flag(book)
     try:
         # As named (`all` kept): `validate.stage_names` above checked it is a list or tuple of known names.
         asked = (list(dict.fromkeys(cast("list[str]", stages))), named is None)
         created = ports.commands.create_commands(book, request_id, per_stage, force, rank, asked)
-    except DuplicateCommand:
+    except BaseException as err:
+        if was_cancelled:
+            _keep_cancelled(ports, book)
+        if not isinstance(err, DuplicateCommand):
+            raise
         again = ports.catalog.command_context(book, named, request_id)  # a resend that came in meanwhile made them
         if not again.replay_of:  # the id of a command that another request of several stages made
             raise InvalidCommand(
@@ -111,6 +115,20 @@ def regenerate(
         for stage, (cid, scenes) in sorted(per_stage.items())
     ]
     return {"commands": described, "skipped": skipped}
+
+
+def _keep_cancelled(ports: Ports, book: str) -> None:
+    """The cancel flag set again, this request having made no command, while the book's tombstone stands (read again
+    after, as reconcile does: a regenerate that lifted it meanwhile keeps it lifted). *Why:* a running job stops on
+    the flag, which may be all that stops it (its Stop All could not reach it otherwise): lifted by a regenerate
+    that was then refused, the job ran on to its end."""
+    try:
+        if ports.commands.is_tombstoned(book):
+            ports.book_state.set_cancel_flags([book])
+            if not ports.commands.is_tombstoned(book):
+                ports.book_state.clear_cancel_flag(book)
+    except StoreUnavailable as err:  # reconcile sets it again from the tombstone
+        log.warning("[COMMAND] book=%r cancel flag not set again after a refused regenerate: %s", book, err)
 
 
 def _start_work(

@@ -541,3 +541,19 @@ def test_two_layer_changes_at_once_both_hold(rt, book) -> None:
             thread.join(30)
     assert all(isinstance(d, dict) for d in done), done
     assert layers_flow.layers_of(rt.ports, book) == {"audio": False, "image": False}
+
+
+def test_a_regenerate_refused_after_a_stop_all_leaves_the_cancel_flag_set(rt, book) -> None:
+    """The flag was lifted before the commands were made, and stayed lifted when they were refused: a running job,
+    which stops on the flag (all that stops it when its Stop All could not reach it), ran on to its end."""
+    request = str(uuid.uuid4())
+    regenerate_flow.regenerate(rt.ports, book, ["all"], command_id=request)
+    cancel_flow.cancel(rt.ports, book)
+    assert rt.ports.book_state.cancel_flag_set(book)
+    taken = str(uuid.uuid5(uuid.UUID(request), "audio"))  # the id of one of the first request's commands
+    with pytest.raises(InvalidCommand, match="already the id of a command of another request"):
+        regenerate_flow.regenerate(rt.ports, book, ["audio"], command_id=taken)
+    assert rt.ports.book_state.cancel_flag_set(book)
+    # A regenerate that is taken lifts it, as before.
+    regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    assert not rt.ports.book_state.cancel_flag_set(book)

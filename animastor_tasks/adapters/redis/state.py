@@ -39,8 +39,9 @@ class BookStateStore:
                 pipe.set(self.conn.keys.cancel_flag(book), "1")
             pipe.execute()
 
-    def clear_cancel_flag(self, book: str) -> None:
-        self.conn.run(lambda: self.conn.client.delete(self.conn.keys.cancel_flag(book)))
+    def clear_cancel_flag(self, book: str) -> bool:
+        """Whether there was one."""
+        return bool(self.conn.run(lambda: self.conn.client.delete(self.conn.keys.cancel_flag(book))))
 
     # -- one read for a whole gate pass ---------------------------------------
     def book_snapshots(
