@@ -110,3 +110,22 @@ def test_the_journal_keeps_events_by_age_and_by_count_and_zero_days_is_no_age_li
     before = events(rt)
     reconcile_flow.reconcile(rt.ports, force=True)
     assert events(rt) >= before
+
+
+def test_a_request_is_pruned_whole_once_its_every_command_is_past_the_retention(rt) -> None:
+    """Commands went one by one: with its audio command pruned and its image one kept, a resend of the request got
+    the image command back and was told the audio layer was off (`skipped: layer_disabled`), nothing redone."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    advertise(rt, "gpu.image")
+    request = str(uuid.uuid4())
+    first = regenerate_flow.regenerate(rt.ports, "b", ["audio", "image"], [["ch1", "s1"]], command_id=request)
+    by_stage = {c["stage"]: c["command_id"] for c in first["commands"]}
+    age(rt, by_stage["audio"], "completed", days=10)
+    assert rt.ports.commands.prune_commands(7, 50_000) == 0  # its image command is still at work
+    again = regenerate_flow.regenerate(rt.ports, "b", ["audio", "image"], [["ch1", "s1"]], command_id=request)
+    assert again["replayed"] and again["skipped"] == [], again
+    assert {c["command_id"] for c in again["commands"]} == set(by_stage.values())
+    age(rt, by_stage["image"], "completed", days=8)
+    assert rt.ports.commands.prune_commands(7, 1) == 2  # both, though the budget held one target
+    assert kept(rt) == (set(), set())

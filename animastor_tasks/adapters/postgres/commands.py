@@ -314,18 +314,23 @@ class CommandStore:
         return {book: int(n) for book, n in rows}
 
     def prune_commands(self, retention_days: float, targets: int) -> int:
-        """Delete the commands that ended longer than `retention_days` ago, oldest first, with their targets: as
-        many as fit in `targets` target rows (one command at least), so that a backlog of whole-book commands
-        is pruned a slice per call. A command over for good says nothing a gate, a commit or a release reads;
-        past the retention a resend of its `command_id` makes new commands. How many commands were deleted."""
+        """Delete the requests whose every command ended longer than `retention_days` ago, oldest first, with their
+        commands and targets: as many as fit in `targets` target rows (one request at least), so that a backlog of
+        whole-book commands is pruned a slice per call. A command over for good says nothing a gate, a commit or a
+        release reads; past the retention a resend of its `command_id` makes new commands. A request goes whole:
+        with some of its commands pruned, a resend found the others only, and answered that the stages of those
+        pruned had their layer off. How many commands were deleted."""
+        ended, cutoff = literals.ENDED_STATUSES, "now() - make_interval(secs => %(keep)s)"
         with self.db.transaction() as conn:
             return conn.execute(
-                "DELETE FROM commands WHERE command_id IN (SELECT command_id FROM"
-                " (SELECT command_id, sum(coalesce(target_count, 1)) OVER (ORDER BY updated_at, command_id)"
-                "  - coalesce(target_count, 1) AS older FROM commands"
-                f"  WHERE status IN {literals.ENDED_STATUSES} AND updated_at < now() - make_interval(secs => %s)"
-                "  ORDER BY updated_at, command_id LIMIT %s) c WHERE older < %s)",
-                (retention_days * 86400, targets, targets),
+                "DELETE FROM commands WHERE request_id IN (SELECT request_id FROM"
+                " (SELECT request_id, sum(coalesce(target_count, 1)) OVER (ORDER BY updated_at, command_id)"
+                "  - coalesce(target_count, 1) AS older FROM commands c"
+                f"  WHERE status IN {ended} AND updated_at < {cutoff}"
+                "  AND NOT EXISTS (SELECT 1 FROM commands o WHERE o.request_id = c.request_id"
+                f"   AND (o.status NOT IN {ended} OR o.updated_at >= {cutoff}))"
+                "  ORDER BY updated_at, command_id LIMIT %(targets)s) p WHERE older < %(targets)s)",
+                {"keep": retention_days * 86400, "targets": targets},
             ).rowcount
 
 
