@@ -34,6 +34,7 @@ from celery import Task
 
 from animastor_tasks.domain.liveness import delivery_holder
 from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.errors import InvalidCommand
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, refill, validate
 from animastor_tasks.flow import reconcile as reconcile_flow
@@ -57,20 +58,37 @@ def _newer(task: str, kwargs: dict[str, Any]) -> None:
         log.warning("[WORKER] %s: ignored %s, sent by a newer version", task, ", ".join(sorted(kwargs)))
 
 
+MISSING: Any = object()  # a required argument the message lacks
+
+
+def _call_as_schema_says(task: str, unknown: dict[str, Any], **required: Any) -> None:
+    """A call its schema refuses (a required argument missing, one it does not name) is the `InvalidCommand` it
+    says, before anything is read or written. *Why:* Python's own TypeError reached the caller as a bare
+    TypeError. An argument this version does not know is refused, not ignored: it is a caller's intent."""
+    missing = sorted(name for name, value in required.items() if value is MISSING)
+    if missing:
+        raise InvalidCommand(f"{task}: missing required argument(s) {', '.join(missing)}")
+    if unknown:
+        raise InvalidCommand(f"{task}: unknown argument(s) {', '.join(sorted(unknown))}")
+
+
 @app.task(name="animastor.regenerate")
 def regenerate(
-    book_id: str,
-    stages: list[str],
+    book_id: Any = MISSING,
+    stages: Any = MISSING,
     scenes: list[list[str]] | None = None,
     command_id: str | None = None,
     force: bool = True,
     priority: str | None = None,
+    **unknown: Any,
 ) -> dict[str, Any]:
+    _call_as_schema_says("animastor.regenerate", unknown, book_id=book_id, stages=stages)
     return regenerate_flow.regenerate(ports(), book_id, stages, scenes, command_id, force, priority)
 
 
 @app.task(name="animastor.cancel")
-def cancel(book_id: str, reason: str | None = None) -> dict[str, Any]:
+def cancel(book_id: Any = MISSING, reason: str | None = None, **unknown: Any) -> dict[str, Any]:
+    _call_as_schema_says("animastor.cancel", unknown, book_id=book_id)
     return cancel_flow.cancel(ports(), book_id, reason)
 
 

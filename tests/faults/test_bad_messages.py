@@ -69,7 +69,8 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
             "animastor.regenerate",
             {"book": book.book_id, "stage": "audio"},
             "json",
-            "[{id}] raised unexpected: TypeError(\"regenerate() got an unexpected keyword argument 'book'\")",
+            "[{id}] raised unexpected: InvalidCommand('animastor.regenerate: missing required argument(s) book_id,"
+            " stages')",
         ),
         (
             "wrong types",

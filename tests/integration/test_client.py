@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -104,8 +105,6 @@ def test_a_string_where_a_list_belongs_is_sent_as_given_for_the_worker_to_refuse
 def test_cli_regenerate_without_an_answer_says_which_command_id_to_resend_with(rt) -> None:
     """The id was made inside the client and never shown: after a timeout the natural retry made a second command
     (with force, stopping the first one's jobs once a control worker ran them both)."""
-    import re
-
     command = ("regenerate", "b1", "--stage", "audio", "--timeout", "1")
     done = subprocess.run(
         [sys.executable, "-m", "animastor_tasks.operator.cli", *command],
@@ -119,3 +118,24 @@ def test_cli_regenerate_without_an_answer_says_which_command_id_to_resend_with(r
     # The queued message carries that id: a resend with it is the same request.
     [message] = rt.redis.client.lrange("animastor.control", 0, -1)
     assert json.loads(base64.b64decode(json.loads(message)["body"]))[1]["command_id"] == hint.group(1)
+
+
+@pytest.mark.parametrize(
+    ("task", "kwargs", "said"),
+    [
+        ("regenerate", {"book_id": "b1"}, "animastor.regenerate: missing required argument(s) stages"),
+        ("regenerate", {"stages": ["audio"]}, "animastor.regenerate: missing required argument(s) book_id"),
+        ("regenerate", {"book_id": "b1", "stages": ["audio"], "prority": "bulk"}, "unknown argument(s) prority"),
+        ("cancel", {}, "animastor.cancel: missing required argument(s) book_id"),
+        ("cancel", {"book_id": "b1", "why": "x"}, "animastor.cancel: unknown argument(s) why"),
+    ],
+)
+def test_a_call_the_schema_refuses_is_an_invalid_command_not_a_type_error(rt, task, kwargs, said) -> None:
+    """Python's own TypeError (a required argument missing, one the task does not name) reached a caller that used
+    `send_task` as a bare TypeError, where the schema promises InvalidCommand; nothing is written either way."""
+    from animastor_tasks.errors import InvalidCommand
+    from animastor_tasks.worker import tasks
+
+    with pytest.raises(InvalidCommand, match=re.escape(said)):
+        getattr(tasks, task).run(**kwargs)
+    assert rt.ports.commands.commands() == []
