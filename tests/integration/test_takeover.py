@@ -569,3 +569,41 @@ def test_a_lease_unreadable_for_one_pair_leaves_it_to_the_next_tick_and_takes_th
     takeover.expire(rt.ports, dead, report)
     assert report["expired"] == 1
     assert sorted(v for (_, _, stage), v in states(rt, "b").items() if stage == "audio") == ["generating", "pending"]
+
+
+def test_a_forced_regenerate_racing_a_takeover_still_clears_the_pairs_input_hash(rt: Wiring, tmp_path: Path) -> None:
+    """The takeover moved the pair to `pending` while the forced regenerate's statements ran: the one clearing the
+    pending pairs' hash had read it `generating`, the one fencing generating pairs found it `pending` once the
+    takeover committed. Its old hash kept, the pair could be settled `already_completed` from the media made
+    before the reader asked for fresh media, once the force window was over."""
+    import psycopg
+
+    job = one_job(rt, tmp_path)
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE asset_states SET input_hash = 'made-before' WHERE book_id = 'b' AND stage = 'audio'")
+    regenerating = threading.Thread(
+        target=regenerate_flow.regenerate, args=(rt.ports, "b", ["audio"]), kwargs={"scenes": [["ch1", "s1"]]}
+    )
+
+    def meanwhile_a_forced_regenerate() -> bool:
+        regenerating.start()
+        with psycopg.connect(rt.settings.database_url, autocommit=True) as watch:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                waiting = watch.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND datname = current_database()"
+                ).fetchone()[0]
+                if waiting:
+                    break
+                time.sleep(0.01)
+        return True
+
+    assert rt.ports.assets.expire_generating("b", job.pair, job.fencing_token, AssetState.PENDING,
+                                             meanwhile_a_forced_regenerate)  # fmt: skip
+    regenerating.join(30)
+    with rt.db.read() as conn:
+        [(hashed,)] = conn.execute(
+            "SELECT input_hash FROM asset_states WHERE book_id = 'b' AND stage = 'audio'"
+        ).fetchall()
+    assert hashed is None

@@ -117,13 +117,6 @@ class CommandStore:
                         " AND a.state = ANY(%s)",
                         (AssetState.PENDING, force, chapters, scene_ids, book, stage, queue),
                     )
-                    if force:  # and a target already queued (by a command without force) is taken the same way
-                        conn.execute(
-                            "UPDATE asset_states a SET input_hash = NULL FROM unnest(%s::text[], %s::text[]) AS t(c, s)"
-                            " WHERE a.book_id = %s AND a.stage = %s AND a.chapter_id = t.c AND a.scene_id = t.s"
-                            " AND a.state = %s AND a.input_hash IS NOT NULL",
-                            (chapters, scene_ids, book, stage, AssetState.PENDING),
-                        )
                     fenced: list[tuple[Pair, str | None]] = []
                     rerun = states_taking(Take.RERUN, force)
                     if rerun:
@@ -137,6 +130,17 @@ class CommandStore:
                                 (chapters, scene_ids, book, stage, values(rerun)),
                             ).fetchall()
                         ]
+                    if force:
+                        # A target already queued (by a command without force) is taken the same way. After the
+                        # fencing above: a takeover (or an unclaim) that moved a generating target to `pending`
+                        # while these statements ran is seen here, once committed; before, neither statement
+                        # matched it and it kept the hash of the media made before the reader asked for fresh.
+                        conn.execute(
+                            "UPDATE asset_states a SET input_hash = NULL FROM unnest(%s::text[], %s::text[]) AS t(c, s)"
+                            " WHERE a.book_id = %s AND a.stage = %s AND a.chapter_id = t.c AND a.scene_id = t.s"
+                            " AND a.state = %s AND a.input_hash IS NOT NULL",
+                            (chapters, scene_ids, book, stage, AssetState.PENDING),
+                        )
                     detail = {"command_id": command_id, "targets": len(scenes), "force": force, "rerun": len(fenced)}
                     journal.record(conn, "command.created", book, detail, stage=stage)
                     created.append(command_id)
