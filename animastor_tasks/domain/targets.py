@@ -26,7 +26,9 @@ class Take(StrEnum):
 def regenerate_take(state: AssetState | str, force: bool) -> Take:
     """`pending` joins (queued already). `generating` joins the running job unless forced: without force
     its commit completes the new command; with force the reader asked for a fresh run, so the running
-    job must neither complete it nor keep running, and its slot counts until it has stopped."""
+    job must neither complete it nor keep running, and its slot counts until it has stopped. (A running job
+    that started from other inputs than its scene's now is rerun without force too: the command store reads
+    that, `job_starts.input_hash`.)"""
     state = AssetState(state)
     if state == AssetState.PENDING:
         return Take.JOIN

@@ -217,7 +217,7 @@ def test_a_migration_behind_a_transaction_left_open_gives_up_naming_it_and_traff
     # Once the transaction is gone the next run applies it.
     db = Database(before_0009)
     try:
-        assert migrate(db, lock_wait=3.0) == ["0009_command_request_terms.sql"]
+        assert migrate(db, lock_wait=3.0) == [name for version, name, _ in migration_files() if version >= 9]
     finally:
         db.close()
 

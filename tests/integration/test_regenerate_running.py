@@ -398,3 +398,42 @@ def test_a_forced_rerun_keeps_its_slot_when_another_book_waits_for_the_lane(rt, 
     refill.refill(rt.ports, "b", "gpu.audio")  # the refill the tick handed the slot to, as the control worker runs it
     assert states(rt, "b")[PAIR] == "generating" and states(rt, "w")[PAIR] == "pending"
     assert dispatched_jobs(rt, "b")[0].dispatch_id != job.dispatch_id
+
+
+def test_regenerate_without_force_after_a_re_import_does_not_join_a_run_of_the_old_text(rt, tmp_path) -> None:
+    """The running job read the old text at its start; a reader who re-imported the scene and asked without force
+    was joined to it, and its commit completed the new command with media made from the old text."""
+    audio(rt, tmp_path, params={"steps": 60, "step_seconds": 0.1}, lease_ttl=3)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1, text="The old words"))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    taken_by_worker(rt)
+    thread, outcome = in_thread(rt, job)
+    time.sleep(0.3)  # started: it read the old text
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1, text="The new words"))
+    second = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)["commands"][0]["command_id"]
+    [fenced] = dispatched_jobs(rt, "b")
+    assert fenced.fencing_token == job.fencing_token + 1  # fenced off, as a forced regenerate does
+    thread.join(timeout=10)
+    assert outcome["outcome"] in ("stopped", "fence_rejected"), outcome  # nothing of the old text committed
+    assert status_of(rt, second) == "active"
+    assert states(rt, "b")[PAIR] != "ready"
+
+
+def test_regenerate_without_force_joins_a_run_of_the_scenes_current_text(rt, tmp_path) -> None:
+    """A re-import that left the scene's text as it was changes nothing: the run is joined as before."""
+    audio(rt, tmp_path, params={"steps": 10, "step_seconds": 0.1})
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    taken_by_worker(rt)
+    thread, outcome = in_thread(rt, job)
+    time.sleep(0.3)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    second = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)["commands"][0]["command_id"]
+    assert dispatched_jobs(rt, "b") == [job]
+    thread.join(timeout=10)
+    assert outcome["outcome"] == "ready", outcome
+    assert status_of(rt, second) == "completed"

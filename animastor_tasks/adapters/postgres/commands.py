@@ -130,6 +130,8 @@ class CommandStore:
                                 (chapters, scene_ids, book, stage, values(rerun)),
                             ).fetchall()
                         ]
+                    else:  # joined, but for a running job that is making media from other inputs than now
+                        fenced = _fence_stale_runs(conn, book, stage, chapters, scene_ids)
                     if force:
                         # A target already queued (by a command without force) is taken the same way. After the
                         # fencing above: a takeover (or an unclaim) that moved a generating target to `pending`
@@ -336,6 +338,28 @@ class CommandStore:
                 "  ORDER BY updated_at, command_id LIMIT %(targets)s) p WHERE older < %(targets)s)",
                 {"keep": retention_days * 86400, "targets": targets},
             ).rowcount
+
+
+def _fence_stale_runs(
+    conn: psycopg.Connection[Any], book: str, stage: str, chapters: list[str], scene_ids: list[str]
+) -> list[tuple[Pair, str | None]]:
+    """The targets whose running job started from other inputs than their scene's now (a re-import changed them
+    meanwhile), fenced off as a forced regenerate fences them: joined, that job's commit completed the new command
+    with media made from the old text. A start an older version recorded (no hash) is joined, as before."""
+    return [
+        ((c, s, stage), d)
+        for c, s, d in conn.execute(
+            "UPDATE asset_states a SET fencing_token = a.fencing_token + 1, updated_at = now()"
+            " FROM unnest(%s::text[], %s::text[]) AS t(c, s), scenes sc, job_starts j"
+            " WHERE a.book_id = %s AND a.stage = %s AND a.chapter_id = t.c AND a.scene_id = t.s AND a.state = %s"
+            " AND sc.book_id = a.book_id AND sc.chapter_id = a.chapter_id AND sc.scene_id = a.scene_id"
+            " AND j.book_id = a.book_id AND j.chapter_id = a.chapter_id AND j.scene_id = a.scene_id"
+            " AND j.stage = a.stage AND j.open_dispatch = a.dispatch_id AND j.input_hash IS NOT NULL"
+            " AND j.input_hash IS DISTINCT FROM sc.input_hashes ->> a.stage"
+            " RETURNING a.chapter_id, a.scene_id, a.dispatch_id",
+            (chapters, scene_ids, book, stage, AssetState.GENERATING),
+        ).fetchall()
+    ]
 
 
 def lock_book(conn: psycopg.Connection[Any], book: str) -> None:

@@ -36,10 +36,11 @@ class StartTransaction:
         chapter, scene, stage = self._pair
         with self._conn.pipeline():
             self._conn.execute(
-                "INSERT INTO job_starts (book_id, chapter_id, scene_id, stage, open_dispatch, lost_starts)"
-                " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (book_id, chapter_id, scene_id, stage) DO UPDATE"
-                " SET open_dispatch = EXCLUDED.open_dispatch, lost_starts = EXCLUDED.lost_starts, updated_at = now()",
-                (self._book, chapter, scene, stage, dispatch_id, lost_starts),
+                "INSERT INTO job_starts (book_id, chapter_id, scene_id, stage, open_dispatch, lost_starts, input_hash)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (book_id, chapter_id, scene_id, stage) DO UPDATE"
+                " SET open_dispatch = EXCLUDED.open_dispatch, lost_starts = EXCLUDED.lost_starts,"
+                " input_hash = EXCLUDED.input_hash, updated_at = now()",
+                (self._book, chapter, scene, stage, dispatch_id, lost_starts, self.row and self.row.input_hash),
             )
             detail = {"token": token, "lost_starts": lost_starts}
             journal.record(self._conn, "job.started", self._book, detail, pair=self._pair, dispatch_id=dispatch_id)
