@@ -607,3 +607,20 @@ def test_a_forced_regenerate_racing_a_takeover_still_clears_the_pairs_input_hash
             "SELECT input_hash FROM asset_states WHERE book_id = 'b' AND stage = 'audio'"
         ).fetchall()
     assert hashed is None
+
+
+def test_a_takeover_that_read_the_layer_off_sends_the_pair_back_to_pending_once_it_is_on_again(
+    rt: Wiring, tmp_path: Path
+) -> None:
+    """The takeover chose `dirty` on facts read before the reader turned the layer on again: released with no reason
+    to mark on its command's target, the pair waited for nothing to queue it, and its command stayed active."""
+    from animastor_tasks.flow import layers as layers_flow
+
+    job = one_job(rt, tmp_path)
+    layers_flow.set_layers(rt.ports, "b", [], ["audio"])  # the takeover reads it off...
+    layers_flow.set_layers(rt.ports, "b", ["audio"], [])  # ...and it is on again when the takeover writes
+    assert rt.ports.assets.expire_generating("b", job.pair, job.fencing_token, AssetState.DIRTY, lambda: True)
+    assert states(rt, "b")[job.pair] == "pending"
+    (command,) = rt.ports.commands.commands(book="b")
+    assert command.status == "active"
+    assert len(gate.gate_pass(rt.ports, "b").dispatched) == 1  # its work goes on

@@ -20,7 +20,7 @@ from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns
 from animastor_tasks.adapters.postgres.released import release_targets
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts, Waiter
-from animastor_tasks.domain.gate import BookFacts, decide_all
+from animastor_tasks.domain.gate import BookFacts, decide, decide_all
 from animastor_tasks.domain.keys import claim_locks
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import (
@@ -211,12 +211,20 @@ class AssetStore(GateReads):
     ) -> bool:
         """A generating pair whose lease is gone goes back (`pending` or `dirty`) if its token is unchanged and
         `still_lapsed()`, asked under the pair's row lock once it is updated (a job taking its lease back reads
-        the pair's row under that lock: `token_is_current(locking=True)`)."""
+        the pair's row under that lock: `token_is_current(locking=True)`). `dirty` is judged again under the book's
+        lock on Postgres's facts of this moment, as `release_denied` judges: a pair the gate authorizes now (its
+        layer turned on again since the caller read it off) goes `pending`. *Why:* released to `dirty` with no
+        reason to mark on its command's target, the pair waited for nothing to queue it, its command active for
+        ever."""
         transition(AssetState.GENERATING, target)
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
             if target == AssetState.DIRTY:
                 lock_book(conn, book)
+                rows = rows_of_pairs(conn, book, [pair])
+                if rows is not None:
+                    facts = BookFacts(True, False, rows.tombstone, rows.layers_raw, rows.commanded)
+                    target = AssetState.DIRTY if decide(facts, pair) is not None else AssetState.PENDING
             done = conn.execute(
                 "UPDATE asset_states SET state = %s, dispatch_id = NULL, updated_at = now()"
                 " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s"
