@@ -557,3 +557,25 @@ def test_a_regenerate_refused_after_a_stop_all_leaves_the_cancel_flag_set(rt, bo
     # A regenerate that is taken lifts it, as before.
     regenerate_flow.regenerate(rt.ports, book, ["audio"])
     assert not rt.ports.book_state.cancel_flag_set(book)
+
+
+def test_reading_a_requests_statuses_locks_none_of_its_commands(rt, book) -> None:
+    """The read was an update of the commands, locking them in key order: a transaction holding one of them and
+    then wanting another (a Stop All, a settle: their own order) deadlocked with it, and Postgres failed a side."""
+    import threading
+
+    first = regenerate_flow.regenerate(rt.ports, book, ["all"], [["ch1", "s1"]])["commands"]
+    ids = sorted(c["command_id"] for c in first)
+    holder = psycopg.connect(rt.settings.database_url)
+    read: list[object] = []
+    try:
+        holder.execute("UPDATE commands SET updated_at = now() WHERE command_id = %s", (ids[1],))
+        reading = threading.Thread(target=lambda: read.append(rt.ports.commands.command_statuses(ids)))
+        reading.start()
+        reading.join(5)
+        assert not reading.is_alive(), "the read waits for a command another transaction holds"
+        holder.execute("UPDATE commands SET updated_at = now() WHERE command_id = %s", (ids[0],))
+        holder.commit()
+    finally:
+        holder.close()
+    assert read == [{cid: "active" for cid in ids}]

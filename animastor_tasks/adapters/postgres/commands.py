@@ -160,15 +160,16 @@ class CommandStore:
 
     def command_statuses(self, command_ids: Sequence[str]) -> dict[str, str]:
         """Each command's status, by its key alone (`commands` counts the states of all its targets), once every
-        commit before it is on disk: `create_commands` does not wait for its own flush. The read is an update
-        that changes nothing, so its commit waits for the WAL up to it to be flushed, the commands' included: a
-        transaction that only reads waits for none. (A logical decoding message would do the same, but needs a
-        privilege a hardened database may withhold.)"""
-        with self.db.transaction() as conn:
+        commit before it is on disk: `create_commands` does not wait for its own flush. The read's transaction
+        takes a transaction id, so its commit is recorded and waits for the WAL up to it to be flushed, the
+        commands' included: a transaction that only reads waits for none. (A logical decoding message would do
+        the same, but needs a privilege a hardened database may withhold.) *Why not an update of the commands,
+        as before:* it locked their rows in key order, while a Stop All and a settle lock them in theirs, and a
+        deadlock failed one side (a Stop All answered "postgres unavailable")."""
+        with self.db.transaction() as conn, conn.pipeline():
+            conn.execute("SELECT txid_current()")
             rows = conn.execute(
-                "UPDATE commands SET updated_at = updated_at WHERE command_id = ANY(%s::uuid[])"
-                " RETURNING command_id, status",
-                (list(command_ids),),
+                "SELECT command_id, status FROM commands WHERE command_id = ANY(%s::uuid[])", (list(command_ids),)
             ).fetchall()
         return {str(cid): status for cid, status in rows}
 
