@@ -141,13 +141,13 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
             continue
         facts = facts_by_book[g.book]
         authorized = facts is not None and decide(facts, g.pair) is None
-        target = AssetState.PENDING if authorized else AssetState.DIRTY
-        try:
-            expired = ports.assets.expire_generating(g.book, g.pair, g.token, target, _not_taken_back(ports, g))
+        asked = AssetState.PENDING if authorized else AssetState.DIRTY
+        try:  # `dirty` is judged again under the book's lock: the pair may go `pending` after all
+            target = ports.assets.expire_generating(g.book, g.pair, g.token, asked, _not_taken_back(ports, g))
         except StoreUnavailable as err:  # its lease unreadable: left to the next tick, the slots freed so far handed
             log.warning("[TAKEOVER] book=%r pair %s not taken over this tick: %s", g.book, g.pair, err)
             continue
-        if expired:
+        if target is not None:
             report["expired"] += 1
             if g.stage in registry:
                 freed[registry.get(g.stage).queue] += 1

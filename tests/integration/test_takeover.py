@@ -619,8 +619,8 @@ def test_a_takeover_that_read_the_layer_off_sends_the_pair_back_to_pending_once_
     job = one_job(rt, tmp_path)
     layers_flow.set_layers(rt.ports, "b", [], ["audio"])  # the takeover reads it off...
     layers_flow.set_layers(rt.ports, "b", ["audio"], [])  # ...and it is on again when the takeover writes
-    assert rt.ports.assets.expire_generating("b", job.pair, job.fencing_token, AssetState.DIRTY, lambda: True)
-    assert states(rt, "b")[job.pair] == "pending"
+    went = rt.ports.assets.expire_generating("b", job.pair, job.fencing_token, AssetState.DIRTY, lambda: True)
+    assert went == AssetState.PENDING and states(rt, "b")[job.pair] == "pending"
     (command,) = rt.ports.commands.commands(book="b")
     assert command.status == "active"
     assert len(gate.gate_pass(rt.ports, "b").dispatched) == 1  # its work goes on

@@ -208,14 +208,14 @@ class AssetStore(GateReads):
 
     def expire_generating(
         self, book: str, pair: Pair, token: int, target: AssetState, still_lapsed: Callable[[], bool]
-    ) -> bool:
+    ) -> AssetState | None:
         """A generating pair whose lease is gone goes back (`pending` or `dirty`) if its token is unchanged and
         `still_lapsed()`, asked under the pair's row lock once it is updated (a job taking its lease back reads
         the pair's row under that lock: `token_is_current(locking=True)`). `dirty` is judged again under the book's
         lock on Postgres's facts of this moment, as `release_denied` judges: a pair the gate authorizes now (its
         layer turned on again since the caller read it off) goes `pending`. *Why:* released to `dirty` with no
         reason to mark on its command's target, the pair waited for nothing to queue it, its command active for
-        ever."""
+        ever. Returns the state the pair went to, or None when it was left as it was."""
         transition(AssetState.GENERATING, target)
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
@@ -233,12 +233,12 @@ class AssetStore(GateReads):
             ).rowcount
             if done and not still_lapsed():
                 conn.rollback()
-                return False
+                return None
             if done:
                 journal.record(conn, "lease.expired", book, {"token": token, "to": str(target)}, pair=pair)
                 if target == AssetState.DIRTY:
                     release_targets(conn, book, [pair])
-        return bool(done)
+        return target if done else None
 
     def artifact_uris(self, book: str) -> dict[Pair, str]:
         """Each pair's committed artifact's URI: the newest artifact row of the pair with its sha256."""
