@@ -237,13 +237,17 @@ def _run_steps(steps: Sequence[Callable[[], object]]) -> None:
             log.warning("[GENERATE] bookkeeping after a job skipped: %s: %s", type(err).__name__, err)
 
 
-def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: RunJob, later: Later) -> bool:
-    """A kept job, recorded under its own id like a delivered one; False when it raised."""
+def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: RunJob, later: Aftermath) -> bool:
+    """A kept job, recorded under its own id like a delivered one; False when it raised (recorded as failed only
+    once its start check was over: one that raised before is published again, and runs under the same id)."""
     started = time.monotonic()
     try:
         with tracing.span(f"run/{name}", trace, **{"celery.task_name": name, "messaging.message.id": job.dispatch_id}):
             outcome = run(ports, job, progress_reporter(task, job), later)
     except Exception as err:
+        if not later.started:
+            log.warning("[GENERATE] %s could not start in its predecessor's task (%s); published", job.describe(), err)
+            return False
         log.exception("[GENERATE] %s raised in its predecessor's task", job.describe())
         _announce(task, "task-failed", job.dispatch_id, exception=repr(err), traceback=traceback.format_exc())
         _record(task.backend.mark_as_failure, job.dispatch_id, err)
