@@ -50,10 +50,10 @@ STALE_TEMPORARY_SECONDS = 3600.0
 
 
 class LocalArtifactStore:
-    """Files under `root`, each written in `root/.tmp/` first and renamed into place. A temporary file a killed
-    writer left (SIGKILL, a power cut: nothing ran to remove it) is swept at the first write of a process that
-    comes after, once it is an hour old: left in the content folders, they were never found again, and a disk
-    that a few killed writes of big media filled stayed full."""
+    """Files under `root`, each written in `root/.tmp/` first and renamed into place. The temporary files killed
+    writers left (SIGKILL, a power cut: nothing ran to remove them) are swept at each process's first write, those
+    over an hour old: left in the content folders, they were never found again, and a disk that a few killed
+    writes of big media filled stayed full."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
