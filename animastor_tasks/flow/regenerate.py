@@ -5,7 +5,8 @@ to `pending`, the Redis side (force set, deferrals cleared, active index) follow
 gate pass starts at once so the first job never waits for the next tick.
 
 A target whose job is running is not taken from it (`domain.targets.regenerate_take`): without
-force that job's commit serves the new command; with force the job is fenced off in Postgres and
+force that job's commit serves the new command (unless the job started from other inputs than the
+scene's now: re-imported while it ran); with force (or so) the job is fenced off in Postgres and
 told to stop through its lease, its pair stays `generating` (its slot counts) until it has
 stopped, and reconcile then hands the pair back to `pending` for a fresh run.
 """
@@ -165,7 +166,8 @@ def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[
 
 
 def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str | None]]) -> None:
-    """Jobs a forced regenerate fenced off (their token moved on in Postgres already). A running one's lease, still
+    """Jobs a regenerate fenced off (forced, or running on inputs re-imported since: their token moved on in Postgres
+    already). A running one's lease, still
     held by it, is swapped for a stop marker, so the job's next renewal fails and it stops, while the pair reads as
     held (reconcile leaves it `generating`, its slot counted) until the job has returned or one lease TTL after its
     worker died. A job still queued (no delivery runs it) has nothing to return from: its lease is withdrawn, and
@@ -181,7 +183,7 @@ def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str |
     dispatch_ids = [d for _, d in superseded if d]
     if dispatch_ids:
         ports.publisher.revoke(dispatch_ids)
-    log.info("[COMMAND] book=%r forced over %d job(s), %d running: fenced off, told to stop", book,
+    log.info("[COMMAND] book=%r fenced off %d job(s), %d running: told to stop", book,
              len(superseded), running)  # fmt: skip
 
 

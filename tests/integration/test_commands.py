@@ -559,9 +559,10 @@ def test_a_regenerate_refused_after_a_stop_all_leaves_the_cancel_flag_set(rt, bo
     assert not rt.ports.book_state.cancel_flag_set(book)
 
 
-def test_reading_a_requests_statuses_locks_none_of_its_commands(rt, book) -> None:
-    """The read was an update of the commands, locking them in key order: a transaction holding one of them and
-    then wanting another (a Stop All, a settle: their own order) deadlocked with it, and Postgres failed a side."""
+def test_reading_a_requests_statuses_waits_for_no_second_command_and_so_for_no_deadlock(rt, book) -> None:
+    """The read was an update of every command of the request, locking them in key order: a transaction holding one
+    of them and then wanting another (a Stop All, a settle: their own order) deadlocked with it, and Postgres failed
+    a side. It holds one now, and waits for no other."""
     import threading
 
     first = regenerate_flow.regenerate(rt.ports, book, ["all"], [["ch1", "s1"]])["commands"]

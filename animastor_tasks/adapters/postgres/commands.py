@@ -161,15 +161,19 @@ class CommandStore:
     def command_statuses(self, command_ids: Sequence[str]) -> dict[str, str]:
         """Each command's status, by its key alone (`commands` counts the states of all its targets), once every
         commit before it is on disk: `create_commands` does not wait for its own flush. The read's transaction
-        takes a transaction id, so its commit is recorded and waits for the WAL up to it to be flushed, the
-        commands' included: a transaction that only reads waits for none. (A logical decoding message would do
-        the same, but needs a privilege a hardened database may withhold.) *Why not an update of the commands,
-        as before:* it locked their rows in key order, while a Stop All and a settle lock them in theirs, and a
-        deadlock failed one side (a Stop All answered "postgres unavailable")."""
+        writes (an update of one of the commands that changes nothing), so its commit waits for the WAL up to it
+        to be flushed, the commands' included: a transaction that only reads, or only takes a transaction id,
+        waits for none. (A logical decoding message would do the same, but needs a privilege a hardened database
+        may withhold.) One row only: updating them all locked them in key order, while a Stop All and a settle
+        lock them in theirs, and a deadlock failed one side (a Stop All answered "postgres unavailable"); holding
+        one row and waiting for no other, the read can be in no cycle."""
+        if not command_ids:
+            return {}
+        ids = sorted(command_ids)
         with self.db.transaction() as conn, conn.pipeline():
-            conn.execute("SELECT txid_current()")
+            conn.execute("UPDATE commands SET updated_at = updated_at WHERE command_id = %s", (ids[0],))
             rows = conn.execute(
-                "SELECT command_id, status FROM commands WHERE command_id = ANY(%s::uuid[])", (list(command_ids),)
+                "SELECT command_id, status FROM commands WHERE command_id = ANY(%s::uuid[])", (ids,)
             ).fetchall()
         return {str(cid): status for cid, status in rows}
 
@@ -346,7 +350,8 @@ def _fence_stale_runs(
 ) -> list[tuple[Pair, str | None]]:
     """The targets whose running job started from other inputs than their scene's now (a re-import changed them
     meanwhile), fenced off as a forced regenerate fences them: joined, that job's commit completed the new command
-    with media made from the old text. A start an older version recorded (no hash) is joined, as before."""
+    with media made from the old text. A start an older version recorded (its dispatch not the one the hash was
+    read for) is joined, as before."""
     return [
         ((c, s, stage), d)
         for c, s, d in conn.execute(
@@ -355,7 +360,7 @@ def _fence_stale_runs(
             " WHERE a.book_id = %s AND a.stage = %s AND a.chapter_id = t.c AND a.scene_id = t.s AND a.state = %s"
             " AND sc.book_id = a.book_id AND sc.chapter_id = a.chapter_id AND sc.scene_id = a.scene_id"
             " AND j.book_id = a.book_id AND j.chapter_id = a.chapter_id AND j.scene_id = a.scene_id"
-            " AND j.stage = a.stage AND j.open_dispatch = a.dispatch_id AND j.input_hash IS NOT NULL"
+            " AND j.stage = a.stage AND j.input_dispatch = a.dispatch_id AND j.input_hash IS NOT NULL"
             " AND j.input_hash IS DISTINCT FROM sc.input_hashes ->> a.stage"
             " RETURNING a.chapter_id, a.scene_id, a.dispatch_id",
             (chapters, scene_ids, book, stage, AssetState.GENERATING),

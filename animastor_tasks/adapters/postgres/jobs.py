@@ -30,17 +30,22 @@ class StartTransaction:
     def __init__(self, conn: psycopg.Connection[Any], book: str, pair: Pair, row: JobRow | None) -> None:
         self._conn, self._book, self._pair, self.row = conn, book, pair, row
 
+    def _input_hash(self) -> str | None:
+        """The scene's input hash for the stage as the start read it: what the job's media is made from."""
+        return None if self.row is None else self.row.input_hash
+
     def record_start(self, token: int, dispatch_id: str, lost_starts: int) -> None:
         """Journal the start, keep it open until the job ends (a dead worker never ends it), and commit: both
         rows and the COMMIT go in one round trip, which also releases the row lock."""
         chapter, scene, stage = self._pair
         with self._conn.pipeline():
             self._conn.execute(
-                "INSERT INTO job_starts (book_id, chapter_id, scene_id, stage, open_dispatch, lost_starts, input_hash)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (book_id, chapter_id, scene_id, stage) DO UPDATE"
+                "INSERT INTO job_starts (book_id, chapter_id, scene_id, stage, open_dispatch, lost_starts,"
+                " input_hash, input_dispatch) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+                " ON CONFLICT (book_id, chapter_id, scene_id, stage) DO UPDATE"
                 " SET open_dispatch = EXCLUDED.open_dispatch, lost_starts = EXCLUDED.lost_starts,"
-                " input_hash = EXCLUDED.input_hash, updated_at = now()",
-                (self._book, chapter, scene, stage, dispatch_id, lost_starts, self.row and self.row.input_hash),
+                " input_hash = EXCLUDED.input_hash, input_dispatch = EXCLUDED.input_dispatch, updated_at = now()",
+                (*(self._book, chapter, scene, stage), dispatch_id, lost_starts, self._input_hash(), dispatch_id),
             )
             detail = {"token": token, "lost_starts": lost_starts}
             journal.record(self._conn, "job.started", self._book, detail, pair=self._pair, dispatch_id=dispatch_id)
