@@ -38,6 +38,18 @@ def in_thread(rt: Wiring, job: Job) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, outcome
 
 
+def a_running_job(rt: Wiring, text: str = "Once upon a time") -> tuple[Job, threading.Thread, dict[str, Any]]:
+    """One audio scene regenerated and its job started in a thread (its start check passed: it read the text)."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1, text=text))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    taken_by_worker(rt)
+    thread, outcome = in_thread(rt, job)
+    time.sleep(0.3)
+    return job, thread, outcome
+
+
 def taken_by_worker(rt: Wiring) -> None:
     """The jobs run in-process: their messages are taken off the queue as a worker would."""
     rt.redis.client.delete("gpu.audio")
@@ -126,13 +138,7 @@ def test_forced_regenerate_during_a_run_stops_it_and_runs_fresh_once_it_stopped(
 def test_a_fenced_job_that_finishes_first_does_not_complete_the_forced_command(rt, tmp_path) -> None:
     """The old job ends before its next renewal: its output is refused, the forced command waits for a fresh run."""
     audio(rt, tmp_path, params={"steps": 8, "step_seconds": 0.1}, lease_ttl=60)
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    [job] = dispatched_jobs(rt, "b")
-    taken_by_worker(rt)
-    thread, outcome = in_thread(rt, job)
-    time.sleep(0.3)
+    _, thread, outcome = a_running_job(rt)
     forced = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)["commands"][0]["command_id"]
     thread.join(timeout=5)
     assert outcome["outcome"] == "fence_rejected", outcome
@@ -404,13 +410,7 @@ def test_regenerate_without_force_after_a_re_import_does_not_join_a_run_of_the_o
     """The running job read the old text at its start; a reader who re-imported the scene and asked without force
     was joined to it, and its commit completed the new command with media made from the old text."""
     audio(rt, tmp_path, params={"steps": 60, "step_seconds": 0.1}, lease_ttl=3)
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1, text="The old words"))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    [job] = dispatched_jobs(rt, "b")
-    taken_by_worker(rt)
-    thread, outcome = in_thread(rt, job)
-    time.sleep(0.3)  # started: it read the old text
+    job, thread, outcome = a_running_job(rt, text="The old words")
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1, text="The new words"))
     second = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)["commands"][0]["command_id"]
     [fenced] = dispatched_jobs(rt, "b")
@@ -424,13 +424,7 @@ def test_regenerate_without_force_after_a_re_import_does_not_join_a_run_of_the_o
 def test_regenerate_without_force_joins_a_run_of_the_scenes_current_text(rt, tmp_path) -> None:
     """A re-import that left the scene's text as it was changes nothing: the run is joined as before."""
     audio(rt, tmp_path, params={"steps": 10, "step_seconds": 0.1})
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    [job] = dispatched_jobs(rt, "b")
-    taken_by_worker(rt)
-    thread, outcome = in_thread(rt, job)
-    time.sleep(0.3)
+    job, thread, outcome = a_running_job(rt)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     second = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)["commands"][0]["command_id"]
     assert dispatched_jobs(rt, "b") == [job]
