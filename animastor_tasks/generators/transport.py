@@ -238,6 +238,14 @@ class Transport:
         status = response.status_code
         if status == 200:
             return
+        if status < 200:
+            # An interim answer (102 Processing, 103 Early Hints) the HTTP client takes for the final one (it skips
+            # only a 100): its empty body failed each scene in turn as a verdict on the scene, the breaker told nothing.
+            raise GeneratorError(
+                f"stage {self.stage!r}: inference endpoint answered {status}, an interim status the worker's HTTP"
+                " client cannot read past; the endpoint must answer with its final status directly",
+                misconfigured=True,
+            )
         if 200 <= status < 300:
             # An API that creates (201), queues (202) or answers nothing (204) is not the protocol's: it answers
             # every scene so, and its body may be the media itself, no message to quote.

@@ -471,3 +471,23 @@ def test_a_key_echoed_in_the_servers_own_json_escapes_is_scrubbed(serve: Callabl
     message = str(caught.value)
     assert "invalid key ***" in message, message
     assert "sk-ab" not in message and "gh" not in message and "u003c" not in message, message
+
+
+@pytest.mark.parametrize("interim", [102, 103])
+def test_an_interim_status_before_the_answer_is_a_misconfigured_endpoint_not_a_verdict(
+    serve: Callable[[Answer], str], interim: int
+) -> None:
+    """requests skips only a 100: a 102 or 103 before the 200 was taken for the answer, its empty body a verdict
+    on each scene in turn (every pair of the lane failed, the breaker told nothing)."""
+
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        wav = synthesize_wav("one two")
+        handler.wfile.write(f"HTTP/1.1 {interim} Interim\r\n\r\n".encode())
+        handler.wfile.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: audio/wav\r\nContent-Length: " + str(len(wav)).encode() + b"\r\n\r\n"
+        )
+        handler.wfile.write(wav)
+
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(serve(answer)))
+    assert caught.value.misconfigured and f"answered {interim}" in str(caught.value), caught.value
