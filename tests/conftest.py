@@ -14,6 +14,8 @@ the rest took the whole suite past 25 minutes on 2 cores.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +29,7 @@ _RUN = uuid.uuid4().hex[:8]
 #: this run's stores, which each worker has its own of.
 RUN_APART = frozenset({"cluster", "deploy", "unit", "dev"})
 _made_database: list[str] = []  # the database this process named and made, dropped when pytest ends
+_artifact_root: dict[str, str] = {}  # this process's artifact directory, removed when pytest ends
 
 
 def _worker() -> tuple[str, int]:
@@ -66,6 +69,8 @@ def _configure_environment() -> None:
         "ANIMASTOR_REDIS_URL": os.environ.get("ANIMASTOR_TEST_REDIS_URL", "redis://127.0.0.1:6379/15"),
     }
     overrides, lines = ensure_stores(base, log=lambda _: None)
+    if overrides and os.environ.get("CI"):  # CI starts real servers: a suite on embedded ones would hide that
+        raise pytest.UsageError(f"CI: the stores CI starts do not answer ({' | '.join(lines)}); see .ci/run")
     env = {**base, **overrides}
     if "ANIMASTOR_DATABASE_URL" in overrides:
         # A local embedded server: give this run its own database on it as well.
@@ -79,6 +84,9 @@ def _configure_environment() -> None:
     env["ANIMASTOR_REDIS_URL"] = redis_db_for_worker(env["ANIMASTOR_REDIS_URL"], index)
     env["ANIMASTOR_BROKER_URL"] = redis_db_for_worker(env["ANIMASTOR_BROKER_URL"], index)
     env["ANIMASTOR_KEY_PREFIX"] = f"t{_RUN}"
+    # The run's own artifacts (the default is `./artifacts` in the checkout: shared by runs and workers, and a file
+    # already there of the right size is not written again, so later runs tested no write at all).
+    env["ANIMASTOR_ARTIFACT_ROOT"] = _artifact_root.setdefault(worker, tempfile.mkdtemp(prefix=f"animastor-{_RUN}-"))
     env["ANIMASTOR_TEST_CONFIGURED"] = worker
     env["ANIMASTOR_TEST_STORES"] = " | ".join(lines)
     os.environ.update(env)
@@ -96,6 +104,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
     for url in _made_database:
         drop_database(url)
+    for root in _artifact_root.values():
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

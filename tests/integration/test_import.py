@@ -229,7 +229,7 @@ def test_a_reimport_that_removes_a_scene_stops_the_job_running_it(rt, tmp_path) 
     assert json.loads(done.stdout)["scenes_removed"] == 1
     worker.join(timeout=15)
     assert outcome.get("outcome") == "stopped", outcome
-    assert time.monotonic() - imported < 3  # at its next lease renewal, not after its 10 s run
+    assert time.monotonic() - imported < 8  # at its next lease renewal, not after its 10 s run (a CLI start in it)
     assert rt.redis.client.exists(rt.redis.keys.lease(*job.lease_pair)) == 0
 
 

@@ -253,10 +253,8 @@ def test_a_backend_that_hangs_until_the_jobs_time_runs_out_feeds_the_breaker(rt,
 
     _use_generator(rt, _Scripted(hang))
     [job] = dispatched_jobs(rt, "b")
-    started = time.monotonic()
     result = run_job(rt.ports, job, worker="test")
-    assert time.monotonic() - started < 1.5
-    assert result["outcome"] == "failed" and result["attempts"] == 2, result
+    assert result["outcome"] == "failed" and result["attempts"] == 2, result  # no third past 0.9 of the limit
     assert "no time left for another attempt" in result["error"]
     assert rt.redis.client.hget(rt.redis.keys.breaker("gpu.audio"), "failures") == "1"
 

@@ -25,6 +25,7 @@ from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
 from animastor_tasks.flow.job import Job, Watcher
 from animastor_tasks.worker.wiring import Wiring
+from tests.support import missing
 
 from .helpers import CountingBroker, advertise, lose_leases, make_book, states
 from .test_generate import dispatched_jobs, with_stage
@@ -366,7 +367,7 @@ def _amqp_reachable() -> bool:
 def test_a_broker_consumer_never_stands_in_for_missing_heartbeats(rt: Wiring) -> None:
     """Old code: heartbeats gone, the AMQP count (a half-open connection of a cut-off worker) said 1."""
     if not _amqp_reachable():
-        pytest.skip("RabbitMQ is not listening on 127.0.0.1:5672")
+        missing("RabbitMQ is not listening on 127.0.0.1:5672")
     from kombu import Connection, Queue
 
     queue = f"gpu.test-{uuid.uuid4().hex[:8]}"
@@ -461,15 +462,15 @@ def test_a_passive_declare_that_fails_for_another_reason_than_a_missing_queue_is
     """Every failed passive declare was read as a queue nobody consumes: a broker shutting down (or a queue whose
     node is down) counted 0 consumers, and the tick BLOCKED a stage whose workers were alive."""
     if not _amqp_reachable():
-        pytest.skip("RabbitMQ is not listening on 127.0.0.1:5672")
+        missing("RabbitMQ is not listening on 127.0.0.1:5672")
     from amqp import exceptions
     from amqp.channel import Channel
 
     from animastor_tasks.adapters.broker_probe import amqp_consumer_counts
 
     url = "amqp://guest:guest@127.0.0.1:5672//"
-    missing = f"gpu.none-{uuid.uuid4().hex[:8]}"
-    assert amqp_consumer_counts(url, [missing]) == {missing: 0}  # no such queue: nobody consumes it
+    absent = f"gpu.none-{uuid.uuid4().hex[:8]}"
+    assert amqp_consumer_counts(url, [absent]) == {absent: 0}  # no such queue: nobody consumes it
 
     def shutting_down(self: Channel, *args: Any, **kwargs: Any) -> Any:
         raise exceptions.ConnectionForced("CONNECTION_FORCED - broker forced connection closure")

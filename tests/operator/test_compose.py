@@ -215,12 +215,15 @@ def test_a_longer_presence_ttl_alone_gives_settings_the_processes_accept() -> No
                 "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}  # fmt: skip
         proc = run_compose("config", env={**SECRETS, **farm, "ANIMASTOR_PRESENCE_TTL_SECONDS": "20"}, files=files)
         assert proc.returncode == 0, proc.stderr
+        checked = 0
         for name, block in services(proc.stdout).items():
             if "ANIMASTOR_PRESENCE_TTL_SECONDS" not in block:
                 continue
             env = {k: v.strip("'\"") for k, v in environment(block).items()}
             settings = Settings.from_env(env)
             assert settings.silent_worker_seconds >= 2 * settings.presence_ttl_seconds, (files, name)
+            checked += 1
+        assert checked, f"no service of {files} passes ANIMASTOR_PRESENCE_TTL_SECONDS: nothing was checked"
 
 
 # What a file sets itself: the stores' URLs from their passwords (one host), the artifacts' directory on its volume.
