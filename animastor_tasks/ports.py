@@ -95,7 +95,14 @@ class Assets(Protocol):
     def mark_already_completed(self, book: str, pairs: Sequence[Pair]) -> list[Pair]: ...
     def generating_pairs(self) -> list[GeneratingRow]: ...
     def expire_generating(  # `still_lapsed` asked under the pair's row lock, after the update: False undoes it
-        self, book: str, pair: Pair, token: int, target: AssetState, still_lapsed: Callable[[], bool]
+        self,
+        book: str,
+        pair: Pair,
+        token: int,
+        target: AssetState,
+        still_lapsed: Callable[[], bool],
+        *,
+        cancel_flag: bool = False,  # the Redis flag as the caller read it, for a `dirty` judged again
     ) -> AssetState | None: ...  # the state written (`dirty` may be judged `pending` again), None: none
     def scene_states(self, book: str) -> list[tuple[str, str, str, str, str | None]]: ...
     def artifact_uris(self, book: str) -> dict[Pair, str]: ...  # committed artifacts' file:// or s3:// URIs

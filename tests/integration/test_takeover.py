@@ -625,3 +625,13 @@ def test_a_takeover_that_read_the_layer_off_sends_the_pair_back_to_pending_once_
     (command,) = rt.ports.commands.commands(book="b")
     assert command.status == "active"
     assert len(gate.gate_pass(rt.ports, "b").dispatched) == 1  # its work goes on
+
+
+def test_a_takeover_behind_a_cancel_flag_alone_still_releases_the_pair(rt: Wiring, tmp_path: Path) -> None:
+    """A Stop All whose Postgres half failed leaves the Redis flag alone: judged again under the lock on Postgres's
+    facts only, the release to `dirty` turned `pending`, a pair waiting under a cancel (found by the stateful test:
+    regenerate, flag only, every lease lost)."""
+    job, _ = _lapsed_started_job(rt, tmp_path)
+    rt.ports.book_state.set_cancel_flags(["b"])
+    take_over(rt)
+    assert states(rt, "b")[job.pair] == "dirty"

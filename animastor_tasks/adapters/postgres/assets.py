@@ -207,13 +207,21 @@ class AssetStore(GateReads):
             ]
 
     def expire_generating(
-        self, book: str, pair: Pair, token: int, target: AssetState, still_lapsed: Callable[[], bool]
+        self,
+        book: str,
+        pair: Pair,
+        token: int,
+        target: AssetState,
+        still_lapsed: Callable[[], bool],
+        *,
+        cancel_flag: bool = False,
     ) -> AssetState | None:
         """A generating pair whose lease is gone goes back (`pending` or `dirty`) if its token is unchanged and
         `still_lapsed()`, asked under the pair's row lock once it is updated (a job taking its lease back reads
         the pair's row under that lock: `token_is_current(locking=True)`). `dirty` is judged again under the book's
-        lock on Postgres's facts of this moment, as `release_denied` judges: a pair the gate authorizes now (its
-        layer turned on again since the caller read it off) goes `pending`. *Why:* released to `dirty` with no
+        lock on Postgres's facts of this moment and the Redis cancel flag as the caller read it (nothing waits on
+        Redis under the lock): a pair the gate authorizes now (its layer turned on again since the caller read it
+        off) goes `pending`. *Why:* released to `dirty` with no
         reason to mark on its command's target, the pair waited for nothing to queue it, its command active for
         ever. Returns the state the pair went to, or None when it was left as it was."""
         transition(AssetState.GENERATING, target)
@@ -223,7 +231,7 @@ class AssetStore(GateReads):
                 lock_book(conn, book)
                 rows = rows_of_pairs(conn, book, [pair])
                 if rows is not None:
-                    facts = BookFacts(True, False, rows.tombstone, rows.layers_raw, rows.commanded)
+                    facts = BookFacts(True, cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
                     target = AssetState.DIRTY if decide(facts, pair) is not None else AssetState.PENDING
             done = conn.execute(
                 "UPDATE asset_states SET state = %s, dispatch_id = NULL, updated_at = now()"
