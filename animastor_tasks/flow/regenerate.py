@@ -157,7 +157,10 @@ def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[
     judge (behind the book's backlog) is left to the full pass, which writes why it waits: the book is due
     for it at once."""
     if snap is not None:
-        gate.gate_pass(ports, book, snapshot=snap)
+        if gate.gate_pass(ports, book, snapshot=snap).error:
+            # It read nothing (a store did not answer): the tick's next pass does its work. Left as it was, the book
+            # reached the due index through no one, the new work waiting for reconcile's round to come to it.
+            page.write_due(ports, book, ports.clock(), snap.due_at)
         return
     report = refill.refill(ports, book)
     judged = report.denied.keys() | set(report.authorized)

@@ -358,3 +358,24 @@ def test_a_book_that_goes_idle_takes_its_deferrals_with_it(rt) -> None:
     store.drop_book_if_idle("b")
     assert client.exists(rt.redis.keys.deferrals("b", "capacity"), rt.redis.keys.deferrals("b", "idempotent")) == 0
     assert client.exists(rt.redis.keys.deferrals("other", "capacity")) == 1
+
+
+def test_a_regenerate_whose_first_pass_fails_leaves_its_book_due(rt, monkeypatch) -> None:
+    """The new work reached the due index only through the first pass's end: a pass that could not read the book's
+    rows (or a process that died before it) left the book off the tick's index until reconcile's round came to it."""
+    from animastor_tasks.errors import StoreUnavailable
+
+    from .helpers import advertise, make_book
+
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+
+    def unreadable(*_: object, **__: object) -> None:
+        raise StoreUnavailable("postgres", rt.settings.database_url, "connection reset")
+
+    monkeypatch.setattr(rt.ports.assets, "gate_rows_many", unreadable)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    monkeypatch.undo()
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "b") is not None
+    rt.redis.client.delete(rt.redis.keys.lock("tick"))
+    assert "b" in gate.tick(rt.ports)
