@@ -101,11 +101,6 @@ class KeepingPublisher:
             log.debug("[GENERATE] queue %s not counted (%s); the next job is published", self.queue, err)
             return False
 
-    def publish_kept(self) -> None:
-        if self.kept is not None:
-            job, self.kept = self.kept, None
-            self.inner.publish_job(self.task_name, self.queue, job.dispatch_id, dataclasses.asdict(job))
-
     def revoke(self, dispatch_ids: Sequence[str]) -> None:
         self.inner.revoke(dispatch_ids)
 
@@ -125,7 +120,7 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
         try:
             result = run(_job_ports(ports, keeper, aftermath), first, progress_reporter(task, first), aftermath)
         except BaseException:
-            _quietly_publish(keeper)
+            _quietly_publish(ports.publisher, keeper.task_name, queue, keeper.kept)
             raise
         while keeper.kept is not None:
             job, name, trace = keeper.kept, keeper.task_name, keeper.trace
@@ -153,19 +148,12 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
             aftermath.end()
             if not ran:
                 if not aftermath.started:  # its delivery never began (a store did not answer): the broker's again
-                    _quietly_publish(_holding(ports.publisher, task.app, queue, job, name))
-                _quietly_publish(keeper)
+                    _quietly_publish(ports.publisher, name, queue, job)
+                _quietly_publish(ports.publisher, keeper.task_name, queue, keeper.kept)
                 break
     finally:
         aftermath.finish()
     return result
-
-
-def _holding(inner: Publisher, app: Celery, queue: str, job: Job, task_name: str) -> KeepingPublisher:
-    """A publisher that holds `job` kept, for `_quietly_publish` to send it to the broker."""
-    holder = KeepingPublisher(inner, app, queue, deadline=0.0)
-    holder.kept, holder.task_name = job, task_name
-    return holder
 
 
 def _job_ports(ports: Ports, keeper: KeepingPublisher, aftermath: Aftermath) -> Ports:
@@ -320,8 +308,11 @@ def _record(store: Callable[..., Any], *args: Any) -> None:
         log.warning("[GENERATE] %s not recorded: %s", args[0], err)
 
 
-def _quietly_publish(keeper: KeepingPublisher) -> None:
+def _quietly_publish(publisher: Publisher, task_name: str, queue: str, job: Job | None) -> None:
+    """A job claimed here but not run here (if any) to the broker after all."""
+    if job is None:
+        return
     try:
-        keeper.publish_kept()
+        publisher.publish_job(task_name, queue, job.dispatch_id, dataclasses.asdict(job))
     except Exception as err:  # its queued lease lapses through reconcile: the broker never held it
         log.warning("[GENERATE] kept job not published (%s); reconcile takes it over", err)
