@@ -27,7 +27,7 @@ from animastor_tasks.domain.vocabulary import (
     AssetState,
     transition,
 )
-from animastor_tasks.ports import Claim, GeneratingRow
+from animastor_tasks.ports import Claim, GateRows, GeneratingRow
 
 _PAIRS_CTE = "WITH p(chapter_id, scene_id, stage) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
 
@@ -71,6 +71,17 @@ class ClaimTransaction:
         return [Claim(*row) for row in rows]
 
 
+def _facts_now(
+    conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair], cancel_flag: bool = False
+) -> tuple[GateRows, BookFacts] | None:
+    """The pairs' rows and the book's gate facts as Postgres has them now, under the caller's book lock (the Redis
+    flag as the caller read it: nothing waits on Redis under the lock); None for a book that is gone."""
+    rows = rows_of_pairs(conn, book, pairs)
+    if rows is None:
+        return None
+    return rows, BookFacts(True, cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
+
+
 class AssetStore(GateReads):
     """The moves and the claim; the gate's reads are `GateReads`'."""
 
@@ -86,10 +97,10 @@ class AssetStore(GateReads):
         wanted = set(pairs)
         with self.db.transaction() as conn:
             lock_book(conn, book)  # a regenerate's commands and a Stop All come wholly before or after
-            rows = rows_of_pairs(conn, book, pairs)
-            if rows is None:
+            found = _facts_now(conn, book, pairs)
+            if found is None:
                 return []
-            facts = BookFacts(True, False, rows.tombstone, rows.layers_raw, rows.commanded)
+            rows, facts = found
             _, denied = decide_all(
                 facts, [i for i in rows.in_flight if i.pair in wanted and i.state == AssetState.PENDING]
             )
@@ -219,20 +230,19 @@ class AssetStore(GateReads):
         """A generating pair whose lease is gone goes back (`pending` or `dirty`) if its token is unchanged and
         `still_lapsed()`, asked under the pair's row lock once it is updated (a job taking its lease back reads
         the pair's row under that lock: `token_is_current(locking=True)`). `dirty` is judged again under the book's
-        lock on Postgres's facts of this moment and the Redis cancel flag as the caller read it (nothing waits on
-        Redis under the lock): a pair the gate authorizes now (its layer turned on again since the caller read it
-        off) goes `pending`. *Why:* released to `dirty` with no
-        reason to mark on its command's target, the pair waited for nothing to queue it, its command active for
-        ever. Returns the state the pair went to, or None when it was left as it was."""
+        lock on Postgres's facts of this moment and the Redis cancel flag as the caller read it (`_facts_now`): a
+        pair the gate authorizes now (its layer turned on again since the caller read it off) goes `pending`.
+        *Why:* released to `dirty` with no reason to mark on its command's target, the pair waited for nothing to
+        queue it, its command active for ever. Returns the state the pair went to, or None when it was left as it
+        was."""
         transition(AssetState.GENERATING, target)
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
             if target == AssetState.DIRTY:
                 lock_book(conn, book)
-                rows = rows_of_pairs(conn, book, [pair])
-                if rows is not None:
-                    facts = BookFacts(True, cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
-                    target = AssetState.DIRTY if decide(facts, pair) is not None else AssetState.PENDING
+                found = _facts_now(conn, book, [pair], cancel_flag)
+                if found is not None:
+                    target = AssetState.DIRTY if decide(found[1], pair) is not None else AssetState.PENDING
             done = conn.execute(
                 "UPDATE asset_states SET state = %s, dispatch_id = NULL, updated_at = now()"
                 " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s"
