@@ -92,6 +92,10 @@ class Keyspace:
     def cancel_flag(self, book: str) -> str:
         return self._key("cancel", book)
 
+    def lifting(self, book: str) -> str:
+        """The regenerates lifting the book's cancel flag whose commands are not written yet (see `BookState`)."""
+        return self._key("lifting", book)
+
     def force_set(self, book: str) -> str:
         return self._key("force", book)
 

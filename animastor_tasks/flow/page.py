@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from animastor_tasks.domain.gate import BookFacts, Denial, decide_all
@@ -62,7 +62,8 @@ def pass_rows(
     if denied:  # most passes deny nothing: skip a walk of the page
         to_release = [i.pair for i in rows.in_flight if i.state == AssetState.PENDING and i.pair in denied]
         if to_release:
-            released = ports.assets.release_denied(book, to_release)
+            asker = stop_stands(ports, book) if snap.cancel_flag else None
+            released = ports.assets.release_denied(book, to_release, asker)
     if released:
         ports.deferrals.clear_deferrals(book, released)
         report.released.extend(released)
@@ -79,6 +80,22 @@ def pass_rows(
         report.dispatched.extend(result.dispatched)
         report.claimed_lanes |= result.claimed_lanes
     return ([i for i in pending if i.pair not in result.gone] if result.gone else pending), result
+
+
+def stop_stands(ports: Ports, book: str) -> Callable[[], bool]:
+    """Asked under the book's lock where no tombstone stands, of a cancel flag the caller saw: whether it is a Stop
+    All's own that no regenerate is lifting (`BookState.stop_stands`). Redis unreadable: no, nothing is released on
+    it (the pairs stay denied, as every pass denies them while the flag stands)."""
+
+    def ask() -> bool:
+        try:
+            return ports.book_state.stop_stands(book, ports.clock())
+        except StoreUnavailable as err:
+            log.warning("[COMMAND-GATE] book=%r cancel flag unreadable under the lock, nothing released on it: %s",
+                        book, err)  # fmt: skip
+            return False
+
+    return ask
 
 
 def pair_facts(ports: Ports, book: str, pairs: Sequence[Pair]) -> tuple[BookFacts, GateRows] | None:

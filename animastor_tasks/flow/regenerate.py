@@ -81,7 +81,7 @@ def regenerate(
         for stage in enabled
     }
     # A new explicit intent lifts the cancel; Redis first, so a Redis outage writes nothing.
-    was_cancelled = ports.book_state.clear_cancel_flag(book)
+    was_cancelled = ports.book_state.lift_cancel_flag(book, request_id, ports.clock())
     try:
         # As named (`all` kept): `validate.stage_names` above checked it is a list or tuple of known names.
         asked = (list(dict.fromkeys(cast("list[str]", stages))), named is None)
@@ -97,7 +97,7 @@ def regenerate(
                 f"command_id: {request_id} is already the id of a command of another request; send a new id"
             ) from None
         return _replay(ports, again, request_id, book, wanted, force, rank, named)
-    snap, pairs = _start_work(ports, book, enabled, targets, force)
+    snap, pairs = _start_work(ports, book, enabled, targets, force, request_id)
     if created.superseded:
         _stop_superseded(ports, book, created.superseded)
     log.info(
@@ -133,7 +133,7 @@ def _keep_cancelled(ports: Ports, book: str) -> None:
 
 
 def _start_work(
-    ports: Ports, book: str, stages: list[str], targets: list[SceneKey], force: bool
+    ports: Ports, book: str, stages: list[str], targets: list[SceneKey], force: bool, request_id: str
 ) -> tuple[Snapshot | None, list[Pair]]:
     """The commands' Redis side (`BookState.start_work`); returns the snapshot the first gate pass needs, read
     after those writes in the same round trip, and the pairs."""
@@ -145,6 +145,7 @@ def _start_work(
         force_ttl=ports.settings.force_ttl_seconds if force else None,
         snapshot=(ports.clock(), ports.settings.registry.queues()),
         most_scenes=BIG_BOOK_SCENES,
+        lifted=request_id,
     )
     return snap, pairs
 
@@ -217,7 +218,8 @@ def _replay(
     rows = ports.commands.commands(command_ids=context.replay_of)
     active = sorted({r.stage for r in rows if r.status == CommandStatus.ACTIVE})
     if active:
-        snap, pairs = _start_work(ports, book, active, named if named is not None else context.scenes, force)
+        targets = named if named is not None else context.scenes
+        snap, pairs = _start_work(ports, book, active, targets, force, request_id)
         _first_dispatch(ports, book, snap, pairs)
     # The stages it asked for that made no command had their layer off, as the first answer said (known only of
     # a command that keeps what its request asked: migration 0009).

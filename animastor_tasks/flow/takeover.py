@@ -143,9 +143,9 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
         authorized = facts is not None and decide(facts, g.pair) is None
         asked = AssetState.PENDING if authorized else AssetState.DIRTY
         try:  # `dirty` is judged again under the book's lock: the pair may go `pending` after all
-            flagged = facts is not None and facts.cancel_flag
+            flagged = page.stop_stands(ports, g.book) if facts is not None and facts.cancel_flag else None
             lapsed = _not_taken_back(ports, g)
-            target = ports.assets.expire_generating(g.book, g.pair, g.token, asked, lapsed, cancel_flag=flagged)
+            target = ports.assets.expire_generating(g.book, g.pair, g.token, asked, lapsed, stop_stands=flagged)
         except StoreUnavailable as err:  # its lease unreadable: left to the next tick, the slots freed so far handed
             log.warning("[TAKEOVER] book=%r pair %s not taken over this tick: %s", g.book, g.pair, err)
             continue

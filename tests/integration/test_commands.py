@@ -307,15 +307,16 @@ def test_a_stop_all_between_a_regenerates_lift_and_its_commands_leaves_the_new_c
     """A Stop All that set the cancel flag after the regenerate lifted it, and committed before the regenerate's
     commands did: the new command was active, the book flagged, and the regenerate's own pass released its
     pairs (cancelled, said the flag) with nothing marked, so the command stayed active for ever."""
-    lift = rt.ports.book_state.clear_cancel_flag
+    lift = rt.ports.book_state.lift_cancel_flag
 
-    def lift_then_stop_all(book_id: str) -> None:
-        lift(book_id)
+    def lift_then_stop_all(book_id: str, request: str, now: float) -> bool:
+        lifted = lift(book_id, request, now)
         cancel_flow.cancel(rt.ports, book_id, "pressed stop")
+        return lifted
 
-    rt.ports.book_state.clear_cancel_flag = lift_then_stop_all  # type: ignore[method-assign]
+    rt.ports.book_state.lift_cancel_flag = lift_then_stop_all  # type: ignore[method-assign]
     [created] = regenerate_flow.regenerate(rt.ports, book, ["audio"], [["ch1", "s1"]])["commands"]
-    rt.ports.book_state.clear_cancel_flag = lift  # type: ignore[method-assign]
+    rt.ports.book_state.lift_cancel_flag = lift  # type: ignore[method-assign]
     assert not rt.ports.book_state.cancel_flag_set(book) and not rt.ports.commands.is_tombstoned(book)
     assert states(rt, book)[("ch1", "s1", "audio")] == "generating"
     assert created["status"] == "active"

@@ -77,7 +77,7 @@ class CommandOnly(RuleBasedStateMachine):
     @rule()
     def cancel_flag_only(self) -> None:
         """A Stop All whose Postgres half failed: the Redis flag alone must stop everything."""
-        self.rt.ports.book_state.set_cancel_flag(BOOK)
+        self.rt.ports.book_state.stop_book(BOOK)
 
     @rule(stage=st.sampled_from(STAGES), on=st.booleans())
     def toggle_layer(self, stage: str, on: bool) -> None:

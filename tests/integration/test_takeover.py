@@ -632,6 +632,6 @@ def test_a_takeover_behind_a_cancel_flag_alone_still_releases_the_pair(rt: Wirin
     facts only, the release to `dirty` turned `pending`, a pair waiting under a cancel (found by the stateful test:
     regenerate, flag only, every lease lost)."""
     job, _ = _lapsed_started_job(rt, tmp_path)
-    rt.ports.book_state.set_cancel_flags(["b"])
+    rt.ports.book_state.stop_book("b")
     take_over(rt)
     assert states(rt, "b")[job.pair] == "dirty"

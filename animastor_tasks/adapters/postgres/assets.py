@@ -72,32 +72,36 @@ class ClaimTransaction:
 
 
 def _facts_now(
-    conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair], cancel_flag: bool = False
+    conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair], stop_stands: Callable[[], bool] | None = None
 ) -> tuple[GateRows, BookFacts] | None:
-    """The pairs' rows and the book's gate facts as Postgres has them now, under the caller's book lock (the Redis
-    flag as the caller read it: nothing waits on Redis under the lock); None for a book that is gone."""
+    """The pairs' rows and the book's gate facts as Postgres has them now, under the caller's book lock; None for a
+    book that is gone. The Redis flag counts only where the caller saw one and no tombstone stands: `stop_stands()`
+    is then asked here, under the lock (a round trip waited for on this rare path alone), whether it still stops
+    the book. A regenerate's commands come wholly before or after, and it lifts the flag before them."""
     rows = rows_of_pairs(conn, book, pairs)
     if rows is None:
         return None
-    return rows, BookFacts(True, cancel_flag, rows.tombstone, rows.layers_raw, rows.commanded)
+    flagged = not rows.tombstone and stop_stands is not None and stop_stands()
+    return rows, BookFacts(True, flagged, rows.tombstone, rows.layers_raw, rows.commanded)
 
 
 class AssetStore(GateReads):
     """The moves and the claim; the gate's reads are `GateReads`'."""
 
-    def release_denied(self, book: str, pairs: Sequence[Pair]) -> list[Pair]:
-        """Of `pairs`, those the gate denies now, `pending -> dirty`: judged under the book's lock on Postgres's facts
-        of this moment. *Why:* judged on the pass's facts, a Stop All and a new regenerate between the pass's read
-        and its release had it release the new command's pairs on the old flag, no target of the command marked
-        released, and the command stayed active for ever. The Redis flag is not read here (nothing waits on Redis
-        under the lock): a flag without its tombstone is a Stop All whose own step releases the pairs under this
-        lock, or one a regenerate has overtaken."""
+    def release_denied(
+        self, book: str, pairs: Sequence[Pair], stop_stands: Callable[[], bool] | None = None
+    ) -> list[Pair]:
+        """Of `pairs`, those the gate denies now, `pending -> dirty`: judged under the book's lock on the facts of this
+        moment (`_facts_now`; `stop_stands` where the caller saw a cancel flag). *Why:* judged on the pass's facts, a
+        Stop All and a new regenerate between the pass's read and its release had it release the new command's pairs
+        on the old flag, no target of the command marked released, and the command stayed active for ever; judged on
+        Postgres's alone, the pairs of a Stop All whose Postgres half failed stayed `pending` under its flag."""
         if not pairs:
             return []
         wanted = set(pairs)
         with self.db.transaction() as conn:
             lock_book(conn, book)  # a regenerate's commands and a Stop All come wholly before or after
-            found = _facts_now(conn, book, pairs)
+            found = _facts_now(conn, book, pairs, stop_stands)
             if found is None:
                 return []
             rows, facts = found
@@ -225,12 +229,12 @@ class AssetStore(GateReads):
         target: AssetState,
         still_lapsed: Callable[[], bool],
         *,
-        cancel_flag: bool = False,
+        stop_stands: Callable[[], bool] | None = None,
     ) -> AssetState | None:
         """A generating pair whose lease is gone goes back (`pending` or `dirty`) if its token is unchanged and
         `still_lapsed()`, asked under the pair's row lock once it is updated (a job taking its lease back reads
         the pair's row under that lock: `token_is_current(locking=True)`). `dirty` is judged again under the book's
-        lock on Postgres's facts of this moment and the Redis cancel flag as the caller read it (`_facts_now`): a
+        lock on the facts of this moment (`_facts_now`; `stop_stands` where the caller saw a cancel flag): a
         pair the gate authorizes now (its layer turned on again since the caller read it off) goes `pending`.
         *Why:* released to `dirty` with no reason to mark on its command's target, the pair waited for nothing to
         queue it, its command active for ever. Returns the state the pair went to, or None when it was left as it
@@ -240,7 +244,7 @@ class AssetStore(GateReads):
         with self.db.transaction() as conn:
             if target == AssetState.DIRTY:
                 lock_book(conn, book)
-                found = _facts_now(conn, book, [pair], cancel_flag)
+                found = _facts_now(conn, book, [pair], stop_stands)
                 if found is not None:
                     target = AssetState.DIRTY if decide(found[1], pair) is not None else AssetState.PENDING
             done = conn.execute(

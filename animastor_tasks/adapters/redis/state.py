@@ -17,6 +17,9 @@ from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.ports import Snapshot
 
 WAITERS_READ = 16  # books read at the head of each queue's waiting list (the fair share looks at them)
+STOP_FLAG = "stop"  # a Stop All's own flag; any other value mirrors a tombstone (reconcile, a refused regenerate)
+MIRROR_FLAG = "1"
+LIFT_SECONDS = 60  # a regenerate's lift counts as under way this long at most (its process may die before the end)
 
 
 class BookStateStore:
@@ -29,19 +32,42 @@ class BookStateStore:
         self._drop_if_idle = conn.client.register_script(_script("drop_if_idle"))
 
     # -- cancel flag -------------------------------------------------------------
-    def set_cancel_flag(self, book: str) -> None:
-        self.set_cancel_flags([book])
-
     def set_cancel_flags(self, books: Iterable[str]) -> None:
+        """Flags that mirror tombstones read from Postgres: never written over a Stop All's own (which says more)."""
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             for book in books:
-                pipe.set(self.conn.keys.cancel_flag(book), "1")
+                pipe.set(self.conn.keys.cancel_flag(book), MIRROR_FLAG, nx=True)
             pipe.execute()
 
     def clear_cancel_flag(self, book: str) -> bool:
         """Whether there was one."""
         return bool(self.conn.run(lambda: self.conn.client.delete(self.conn.keys.cancel_flag(book))))
+
+    def lift_cancel_flag(self, book: str, request: str, now: float) -> bool:
+        """A regenerate's first step: the flag deleted, and the lift counted as under way until its commands are
+        written and `start_work(lifted=request)` ends it. Whether a flag was set.
+        *Why:* a Stop All's flag that comes meanwhile is lifted again by `start_work`, and a pass that saw it
+        must not release the new command's pairs as cancelled (`stop_stands`)."""
+        lifting = self.conn.keys.lifting(book)
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=True)
+            pipe.delete(self.conn.keys.cancel_flag(book))
+            pipe.zremrangebyscore(lifting, "-inf", now)
+            pipe.zadd(lifting, {request: now + LIFT_SECONDS})
+            pipe.expire(lifting, LIFT_SECONDS)
+            return bool(pipe.execute()[0])
+
+    def stop_stands(self, book: str, now: float) -> bool:
+        """Whether the book's flag is a Stop All's own with no regenerate lifting it: then it stops the book without
+        its tombstone (a Stop All whose Postgres half failed, or is on its way). A flag that mirrors a tombstone
+        stands on that tombstone alone: set from a read that a regenerate overtook, it is lifted again."""
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            pipe.get(self.conn.keys.cancel_flag(book))
+            pipe.zcount(self.conn.keys.lifting(book), f"({now}", "+inf")
+            flag, lifting = pipe.execute()
+        return bool(flag == STOP_FLAG and not lifting)
 
     # -- one read for a whole gate pass ---------------------------------------
     def book_snapshots(
@@ -226,10 +252,12 @@ class BookStateStore:
         force_ttl: int | None,
         snapshot: tuple[float, Sequence[str]] | None = None,
         most_scenes: int | None = None,
+        lifted: str | None = None,
     ) -> Snapshot | None:
         """A regenerate's Redis side in one round trip: the cancel flag lifted again (a Stop All whose flag came
         between the regenerate's first lift and its commands left the book flagged, its new command active
-        with nothing to run it), force set (or un-force), deferrals cleared, scenes in the active index.
+        with nothing to run it) and the lift of request `lifted` ended, force set (or un-force), deferrals
+        cleared, scenes in the active index.
         `snapshot` (now, queues): the book's snapshot read after those writes, in the same round trip, for the
         gate pass that follows at once; `most_scenes`: only while the active index holds at most that many
         scenes (None for a bigger book: its sets are not read)."""
@@ -238,6 +266,8 @@ class BookStateStore:
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
             pipe.delete(self.conn.keys.cancel_flag(book))
+            if lifted is not None:
+                pipe.zrem(self.conn.keys.lifting(book), lifted)
             if members:
                 if force_ttl is not None:
                     pipe.sadd(force_key, *members)
@@ -337,7 +367,7 @@ class BookStateStore:
         run, its fair share binding the books that waited after it until a hand-over served it and it passed on."""
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
-            pipe.set(self.conn.keys.cancel_flag(book), "1")
+            pipe.set(self.conn.keys.cancel_flag(book), STOP_FLAG)
             pipe.delete(self.conn.keys.force_set(book), self.conn.keys.active_scenes(book))
             pipe.delete(*(self.conn.keys.deferrals(book, b) for b in DEFER_BUCKETS))
             pipe.srem(self.conn.keys.active_books(), book)
