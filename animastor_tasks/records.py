@@ -93,6 +93,7 @@ class GeneratingRow:
     token: int
     dispatch_id: str | None
     started: bool = False  # its dispatch's start is open in Postgres: a job ran it, and has not ended
+    started_at: float | None = None  # when that start was made (unix seconds, Postgres's clock)
 
     @property
     def pair(self) -> Pair:

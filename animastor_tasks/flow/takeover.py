@@ -39,6 +39,7 @@ from animastor_tasks.flow import lanes, page
 from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.takeover")
+CLOCKS_SLACK = 1.0  # seconds between Postgres's clock and Redis's that a comparison of the two allows for
 
 
 def on_tick(ports: Ports) -> dict[str, int]:
@@ -105,14 +106,26 @@ def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dic
 
 def without_retakes(ports: Ports, lapsed: list[GeneratingRow]) -> list[GeneratingRow]:
     """`lapsed` but the started jobs that may yet take their lease back: those of a stage whose lease TTL has not
-    passed since Redis lost its data or answered again (`presence_unsure_since`)."""
+    passed since Redis lost its data or answered again (`presence_unsure_since`), or since the Redis server
+    started, for a job that started before it. *Why the last:* the control host rebooted with its Redis, its
+    processes saw nothing of the restart, and their first tick took every running job over before the jobs'
+    next renewals (a third of a lease TTL apart) could take their leases back: their GPU work was done again."""
     started = [g for g in lapsed if g.started]
     if not started:
         return lapsed
-    quiet_for = ports.clock() - ports.book_state.presence_unsure_since()
+    now = ports.clock()
+    quiet_for = now - ports.book_state.presence_unsure_since()
+    since_restart = now - ports.book_state.server_started_at()
     registry = ports.settings.registry
-    awaited = {id(g) for g in started if g.stage in registry and quiet_for < registry.get(g.stage).lease_ttl}
-    return [g for g in lapsed if id(g) not in awaited]
+
+    def awaited(g: GeneratingRow) -> bool:
+        # Its start by Postgres's clock, the restart by Redis's: a second's slack for the two clocks.
+        before_restart = g.started_at is not None and g.started_at < now - since_restart + CLOCKS_SLACK
+        quiet = min(quiet_for, since_restart) if before_restart else quiet_for
+        return g.stage in registry and quiet < registry.get(g.stage).lease_ttl
+
+    waiting = {id(g) for g in started if awaited(g)}
+    return [g for g in lapsed if id(g) not in waiting]
 
 
 def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) -> None:

@@ -144,6 +144,38 @@ def test_a_job_running_through_a_redis_restart_keeps_its_gpu_work(make_stack, re
     figure(f"job of 6 s, Redis restarted 1 s in: starts {len(starts)}, leases expired 0, done {finished:.1f}s after")
 
 
+def test_a_control_host_rebooted_with_its_redis_leaves_running_jobs_their_gpu_work(
+    make_stack, redis_down_ok, figure
+) -> None:
+    """The control host rebooted (its Redis with it, empty) while a GPU host ran a long job: the control worker and
+    beat started again had seen nothing of the restart, so their first tick took the job's lease-less pair over at
+    once, before the job's next renewal (every third of its lease) could take its lease back: the job stopped and
+    its GPU work was done again. A job that started before Redis did is now given its lease TTL from Redis's start."""
+    # 12 s, renewing its 30 s lease every 10 s
+    params = {"steps": 48, "step_seconds": 0.25}
+    stack = make_stack(stages=stage_table(audio=audio_stage(params=params, lease_ttl=30), image=image_stage()))
+    cluster = stack.cluster
+    control, beat = cluster.control(wait=False), cluster.beat(wait=False)
+    cluster.wait_ready(control, cluster.gpu("audio", wait=False), beat)
+    book = make_book("reboot-book", chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+    stack.client.regenerate(book.book_id, ["audio"])
+    wait_for(lambda: stack.events("job.started", book.book_id), 20, interval=0.05, what="the job started")
+    cluster.kill(control)
+    cluster.kill(beat)
+    redis_down_ok.restart()
+    cluster.wait_ready(cluster.control(wait=False), cluster.beat(wait=False))
+    back = time.monotonic()
+    stack.wait_commands(book.book_id, ["audio"], "completed", timeout=60)
+    starts = stack.events("job.started", book.book_id)
+    expired = stack.events("lease.expired", book.book_id)
+    assert len(starts) == 1 and expired == [], (starts, expired)
+    figure(
+        f"control worker, beat and Redis restarted under a running job: starts {len(starts)}, leases expired 0, "
+        f"done {time.monotonic() - back:.1f}s after they were back"
+    )
+
+
 def test_a_redis_outage_that_loses_nothing_blocks_no_stage_whose_workers_live(
     make_stack, redis_down_ok, figure
 ) -> None:

@@ -10,6 +10,8 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import redis
+
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member, parse_pair_member, parse_scene_member, scene_member
@@ -228,6 +230,17 @@ class BookStateStore:
             _, epoch = pipe.execute()
         self._seen_epoch(epoch, now)
         return self._lost_or_recovered_at()
+
+    def server_started_at(self) -> float:
+        """The latest the Redis server may have started, by its clock: its uptime back from now, plus the second that
+        uptime's whole seconds may leave out; -inf where INFO is refused. *Why:* a process started after a restart
+        saw nothing of it, and the leases the restart lost look lapsed."""
+        with self.conn.errors():
+            try:
+                uptime = float(self.conn.client.info("server")["uptime_in_seconds"])
+            except (redis.ResponseError, KeyError, TypeError, ValueError):
+                return float("-inf")
+        return self.conn.server_time() - uptime + 1.0
 
     def _seen_epoch(self, epoch: Any, now: float) -> None:
         """A dataset token other than the one seen before means Redis was emptied meanwhile.
