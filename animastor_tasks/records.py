@@ -115,6 +115,7 @@ class JobRow:
     open_start: str | None = None  # the dispatch whose start of this pair never ended (its worker died?)
     lost_starts: int = 0  # worker-lost starts in a row before that one
     input_hash: str | None = None  # the scene's input hash for the stage: what the job's media is made from
+    open_start_shut_down: bool = False  # that start's worker was told to shut down while it ran (0011)
 
 
 @dataclass(frozen=True)

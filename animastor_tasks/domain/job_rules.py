@@ -22,9 +22,10 @@ from animastor_tasks.errors import ArtifactStoreError, GenerationStopped, Genera
 # -- worker-lost starts ---------------------------------------------------------------------------
 
 
-def lost_starts(previous: int, open_start: str | None) -> int:
-    """Worker-lost starts in a row, counting this start: one more when the previous start never ended."""
-    return previous + 1 if open_start is not None else previous
+def lost_starts(previous: int, open_start: str | None, shut_down: bool = False) -> int:
+    """Worker-lost starts in a row, counting this start: one more when the previous start never ended, unless its
+    worker had been told to shut down meanwhile (a rollout's kill is the operator's doing, not the scene's)."""
+    return previous + 1 if open_start is not None and not shut_down else previous
 
 
 def worker_lost_reason(lost: int, limit: int) -> str | None:

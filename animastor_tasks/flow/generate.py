@@ -138,7 +138,7 @@ def _start(ports: Ports, job: Job, cancel_flag: bool) -> tuple[Denial | None, Jo
         denial = decide_job_start(facts, job.pair, job.fencing_token, job.dispatch_id)
         if denial is not None or row is None:
             return denial, row, None
-        lost = lost_starts(row.lost_starts, row.open_start)
+        lost = lost_starts(row.lost_starts, row.open_start, row.open_start_shut_down)
         gave_up = worker_lost_reason(lost, ports.settings.worker_lost_limit)
         if gave_up is None:
             start.record_start(job.fencing_token, job.dispatch_id, lost)

@@ -68,6 +68,13 @@ def let_go_of_previous_run(sender: Any = None, **_: Any) -> None:
         lost.let_go_of_previous_run(settings, sender.hostname)
 
 
+@signals.worker_shutting_down.connect
+def note_shutdown(sender: Any = None, **_: Any) -> None:
+    """A job this worker runs and a rollout then kills is not counted as worker-lost at its next start (lost.py)."""
+    if isinstance(sender, str) and sender:
+        lost.note_shutdown(settings, sender)
+
+
 @signals.celeryd_init.connect
 def refuse_unknown_queues(sender: str, instance: Any, conf: Any, options: dict[str, Any], **_: Any) -> None:
     """A worker consumes only queues the media registry (or the control plane) knows.

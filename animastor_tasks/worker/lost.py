@@ -23,6 +23,10 @@ under the same node name lets go, before it runs anything, of the jobs its previ
 leases are dropped and the tick takes the pairs over, rather than the lane's slots waiting for those leases to
 lapse. A heartbeat of the name still live is watched for one beat first: a name that beats again is another
 live worker's, whose jobs are left alone. One that never comes back is let go by the tick (flow/takeover.py).
+
+A worker told to shut down (SIGTERM: a rollout, before it kills) notes the starts of the jobs it runs as ended by
+the operator should they never end (`note_shutdown`): the next start of each does not count a lost one. A scene
+chased from worker to worker by a rolling restart failed `worker_lost` otherwise, as one that kills every process.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
+from animastor_tasks.adapters.postgres.jobs import JobStore
+from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.adapters.redis import counters
 from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.adapters.redis.leases import LeaseStore
@@ -136,6 +142,24 @@ def let_go_of_previous_run(settings: Settings, node: str) -> None:
             node,
             dispatch_id,
         )
+
+
+def note_shutdown(settings: Settings, node: str) -> None:
+    """`worker_shutting_down`, in the main process: the open starts of the jobs `node`'s processes run are noted as
+    told to stop (a drained job ends its start as usual; one killed when the grace runs out is not worker-lost).
+    Never raises: unnoted, a kill counts as before."""
+    conn = _connection(settings)
+    db = Database(settings.database_url, max_size=1, timeout=2.0)
+    try:
+        noted = JobStore(db).note_shutdown(LeaseStore(conn).node_dispatches(node))
+    except Exception as err:  # a store down at shutdown: the worker must still stop
+        log.warning("[WORKER] %s shutting down: its running jobs' starts not noted: %s", node, err)
+        return
+    finally:
+        conn.close()
+        db.close()
+    if noted:
+        log.info("[WORKER] %s shutting down: %d running job start(s) noted as stopped by the operator", node, noted)
 
 
 def _count(conn: RedisConnection, freed: list[tuple[str, str, bool]]) -> None:

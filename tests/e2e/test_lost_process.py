@@ -129,6 +129,38 @@ def test_a_worker_killed_whole_and_started_again_lets_go_of_its_previous_runs_jo
     figure(f"GPU worker SIGKILLed mid-job and started again as {node}: pair ready {took:.1f}s after the kill")
 
 
+def test_a_job_its_worker_was_told_to_stop_under_counts_no_lost_start(make_stack, figure) -> None:
+    """A rollout: the worker was sent SIGTERM (a warm shutdown) and killed when its grace ran out, mid-job. The
+    start it left open counted as worker-lost, as one an OOM kill leaves: a scene chased from worker to worker by a
+    rolling restart failed `worker_lost` after `ANIMASTOR_WORKER_LOST_LIMIT` starts (1 here: at its first)."""
+    stack = make_stack(
+        stages=stage_table(audio=audio_stage(params=SLOW, lease_ttl=LEASE_TTL), image=image_stage()),
+        presence_ttl_seconds=10,
+        worker_lost_limit=1,
+    )
+    cluster = stack.cluster
+    gpu = cluster.gpu("audio", wait=False)
+    cluster.wait_ready(cluster.control(wait=False), gpu, cluster.beat(wait=False))
+    book = make_book("rollout", chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+    node = gpu.hostname
+    assert node
+
+    stack.client.regenerate(book.book_id, ["audio"], wait=False)
+    wait_for(lambda: _started(stack, book.book_id, "s1") or None, 20, what="the job started")
+    cluster.send_signal(gpu, signal.SIGTERM, group=False)  # the deployment asks it to stop...
+    time.sleep(0.5)
+    cluster.kill(gpu)  # ...and its grace runs out
+    at = time.monotonic()
+    cluster.gpu("audio", args=["-n", node], wait=False)  # the rollout's new pod, under the same name
+    wait_for(lambda: _state(stack, book.book_id, "s1") in ("ready", "failed"), BOUND, what="the pair done")
+    starts = _started(stack, book.book_id, "s1")
+    assert _state(stack, book.book_id, "s1") == "ready", starts
+    assert len(starts) == 2 and starts[1]["detail"]["lost_starts"] == 0, starts
+    took = time.monotonic() - at
+    figure(f"GPU worker told to stop, then killed mid-job: no lost start counted, pair ready {took:.1f}s after")
+
+
 def test_a_second_live_worker_under_the_same_name_leaves_the_first_ones_job_alone(make_stack, figure) -> None:
     stack, gpu = _stack(make_stack, params={"steps": 12, "step_seconds": 1.0})  # still running when the twin decides
     book = make_book("same-name", chapters=1, scenes=1)

@@ -23,6 +23,7 @@ def test_a_start_that_finds_the_previous_one_open_counts_one_lost_start() -> Non
     assert lost_starts(0, None) == 0  # the previous start ended (or there was none)
     assert lost_starts(0, "d1") == 1  # d1 started and never ended: its worker died
     assert lost_starts(2, "d3") == 3
+    assert lost_starts(2, "d3", shut_down=True) == 2  # d3's worker was told to stop first: a rollout's kill
 
 
 @pytest.mark.parametrize(("lost", "limit", "reason"), [(0, 3, None), (2, 3, None), (3, 3, "worker_lost: 3 starts")])

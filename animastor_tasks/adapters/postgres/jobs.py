@@ -8,7 +8,7 @@ live in one place. Every end of a started job clears its open start in the same 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,7 +44,8 @@ class StartTransaction:
                 " input_hash, input_dispatch) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (book_id, chapter_id, scene_id, stage) DO UPDATE"
                 " SET open_dispatch = EXCLUDED.open_dispatch, lost_starts = EXCLUDED.lost_starts,"
-                " input_hash = EXCLUDED.input_hash, input_dispatch = EXCLUDED.input_dispatch, updated_at = now()",
+                " input_hash = EXCLUDED.input_hash, input_dispatch = EXCLUDED.input_dispatch, shutdown_at = NULL,"
+                " updated_at = now()",
                 (*(self._book, chapter, scene, stage), dispatch_id, lost_starts, self._input_hash(), dispatch_id),
             )
             detail = {"token": token, "lost_starts": lost_starts}
@@ -74,7 +75,8 @@ class JobStore:
                     f"  WHERE c.book_id = a.book_id AND c.status = {literals.ACTIVE}"
                     "  AND ct.chapter_id = a.chapter_id"
                     "  AND ct.scene_id = a.scene_id AND ct.stage = a.stage),"
-                    " b.layer_config, j.open_dispatch, coalesce(j.lost_starts, 0), s.input_hashes ->> a.stage"
+                    " b.layer_config, j.open_dispatch, coalesce(j.lost_starts, 0), s.input_hashes ->> a.stage,"
+                    " j.shutdown_at IS NOT NULL"
                     " FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
                     "  AND s.scene_id = a.scene_id JOIN books b ON b.book_id = a.book_id"
                     " LEFT JOIN job_starts j ON j.book_id = a.book_id AND j.chapter_id = a.chapter_id"
@@ -162,6 +164,15 @@ class JobStore:
                 journal.record(conn, "job.given_back", book, detail, pair=pair, dispatch_id=dispatch_id)
             _end_start(conn, book, pair, dispatch_id)
         return bool(done)
+
+    def note_shutdown(self, dispatch_ids: Sequence[str]) -> int:
+        """The open starts of `dispatch_ids` were told to stop by a shutdown of their worker (0011); how many."""
+        if not dispatch_ids:
+            return 0
+        with self.db.transaction() as conn:
+            return conn.execute(
+                "UPDATE job_starts SET shutdown_at = now() WHERE open_dispatch = ANY(%s::text[])", (list(dispatch_ids),)
+            ).rowcount
 
     def end_start(self, book: str, pair: Pair, dispatch_id: str) -> None:
         """A started job ended without a commit (stopped, fenced off at commit): its start is closed."""

@@ -194,6 +194,13 @@ class LeaseStore:
         self.conn.run(lambda: self.conn.client.delete(keys.holders(node)))
         return freed
 
+    def node_dispatches(self, node: str) -> list[str]:
+        """The dispatches the processes of worker `node` run (their holder entries, kept jobs too); two round trips."""
+        keys = self.conn.keys
+        holders: Any = self.conn.run(lambda: self.conn.client.smembers(keys.holders(node)))
+        entries = self._values([keys.holding(h) for h in sorted(holders)])
+        return [str(e).split("\n", 1)[0] for e in entries if e is not None and "\n" in str(e)]
+
     def delivery_holders(self, dispatch_ids: Sequence[str]) -> list[str | None]:
         """Which process runs each dispatch (its running marker: `<node>#<pid>`), None where none does."""
         return [None if h is None else str(h) for h in self._values([self.conn.keys.running(d) for d in dispatch_ids])]
