@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.capacity import CapacityCounts
@@ -138,6 +138,11 @@ class Journal(Protocol):
 # -- Redis: coordination, rebuildable from Postgres ---------------------------------------
 
 
+# The cancel flag a regenerate lifted: a Stop All's own ("stop": it alone stops the book), one mirroring a tombstone
+# ("mirror"), or none.
+LiftedFlag = Literal["stop", "mirror"] | None
+
+
 class BookState(Protocol):
     """Cancel flags, the force set and the active index."""
 
@@ -149,8 +154,9 @@ class BookState(Protocol):
     def presence_unsure_since(self, now: float | None = None) -> float: ...
     def server_started_at(self) -> float: ...  # when the Redis server started (-inf: it does not say)
     def cancel_flag_set(self, book: str) -> bool: ...
-    def clear_cancel_flag(self, book: str) -> bool: ...
-    def lift_cancel_flag(self, book: str, request: str, now: float) -> bool: ...  # a regenerate's; whether one was set
+    def clear_mirror_flag(self, book: str) -> None: ...  # only a flag that mirrors a tombstone
+    def lift_cancel_flag(self, book: str, request: str, now: float) -> LiftedFlag: ...  # a regenerate's
+    def end_lift(self, book: str, request: str, put_back: LiftedFlag = None) -> None: ...  # a refused regenerate's
     def stop_stands(self, book: str, now: float) -> bool: ...  # a Stop All's own flag, no regenerate lifting it
     def set_cancel_flags(self, books: Iterable[str]) -> None: ...  # mirrors of tombstones, never over a Stop All's
     def stop_book(self, book: str, queues: Sequence[str] = ()) -> None: ...  # and off these lanes' waiting lists

@@ -11,9 +11,10 @@ widens to another book).
 | -------------------------------------------- | ------ | ----------------------------------------- |
 | ``P:cancel:B``                               | string | until the next regenerate of book B       |
 |   (``stop``: a Stop All's; ``1``: a mirror of |        |                                           |
-|   B's tombstone, set by reconcile)            |        |                                           |
+|   B's tombstone: reconcile, or a regenerate   |        |                                           |
+|   that was refused)                           |        |                                           |
 | ``P:lifting:B`` (members: request ids, score | zset   | a regenerate's lift of B's cancel flag,   |
-|   = when the lift counts as over)             |        | until its commands are written (60 s max) |
+|   = when the lift counts as over)             |        | until its commands are written (5 min max)|
 | ``P:force:B``  (members ``C:S:STAGE``)        | set    | force TTL (120 s) after a regenerate      |
 | ``P:defer:B:BUCKET`` (members ``C:S:STAGE``,  | zset   | score = expiry time; pruned by reconcile, |
 |   score = deferral expiry, unix seconds)      |        | gone with the cancel or once B is idle    |

@@ -85,7 +85,7 @@ def _rebuild_redis(ports: Ports, books: list[str], indexed: list[str], report: d
         # A regenerate that deleted a tombstone after the read lifted its book's flag before the write set it again:
         # the flag of a book no longer tombstoned is lifted (a Stop All now is denied by its tombstone meanwhile).
         for book in set(tombstoned) - set(ports.commands.tombstoned_books()):
-            ports.book_state.clear_cancel_flag(book)
+            ports.book_state.clear_mirror_flag(book)  # a Stop All's own flag, set since, stays
     # Page by page: the whole book's gate rows held at once took 1.1 GB and 10 s at a million pairs; and every
     # book in the same pages: a statement and a round trip per book were 6 of the 9 s of a farm of 5,000 books.
     rebuilt: set[str] = set()

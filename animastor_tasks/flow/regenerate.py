@@ -25,7 +25,7 @@ from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import CommandStatus, Priority
 from animastor_tasks.errors import DuplicateCommand, InvalidCommand, StoreUnavailable
 from animastor_tasks.flow import gate, page, refill, validate
-from animastor_tasks.ports import CommandContext, CommandRow, Ports, Snapshot
+from animastor_tasks.ports import CommandContext, CommandRow, LiftedFlag, Ports, Snapshot
 
 log = logging.getLogger("animastor.commands")
 BIG_BOOK_SCENES = 500  # active scenes (the active index) from which a regenerate does not pass the whole book
@@ -81,14 +81,13 @@ def regenerate(
         for stage in enabled
     }
     # A new explicit intent lifts the cancel; Redis first, so a Redis outage writes nothing.
-    was_cancelled = ports.book_state.lift_cancel_flag(book, request_id, ports.clock())
+    lifted = ports.book_state.lift_cancel_flag(book, request_id, ports.clock())
     try:
         # As named (`all` kept): `validate.stage_names` above checked it is a list or tuple of known names.
         asked = (list(dict.fromkeys(cast("list[str]", stages))), named is None)
         created = ports.commands.create_commands(book, request_id, per_stage, force, rank, asked)
     except BaseException as err:
-        if was_cancelled:
-            _keep_cancelled(ports, book)
+        _keep_cancelled(ports, book, request_id, lifted)
         if not isinstance(err, DuplicateCommand):
             raise
         again = ports.catalog.command_context(book, named, request_id)  # a resend that came in meanwhile made them
@@ -118,16 +117,20 @@ def regenerate(
     return {"commands": described, "skipped": skipped}
 
 
-def _keep_cancelled(ports: Ports, book: str) -> None:
-    """The cancel flag set again, this request having made no command, while the book's tombstone stands (read again
-    after, as reconcile does: a regenerate that lifted it meanwhile keeps it lifted). *Why:* a running job stops on
-    the flag, which may be all that stops it (its Stop All could not reach it otherwise): lifted by a regenerate
-    that was then refused, the job ran on to its end."""
+def _keep_cancelled(ports: Ports, book: str, request_id: str, lifted: LiftedFlag) -> None:
+    """This request having made no command, its lift ends and the cancel flag it lifted is put back: a Stop All's own
+    always, one mirroring the book's tombstone while that stands (read again after, as reconcile does: a regenerate
+    that lifted it meanwhile keeps it lifted). *Why:* a running job stops on the flag, which may be all that stops it
+    (its Stop All could not reach it otherwise): lifted by a regenerate that was then refused, the job ran on to its
+    end."""
     try:
-        if ports.commands.is_tombstoned(book):
-            ports.book_state.set_cancel_flags([book])
-            if not ports.commands.is_tombstoned(book):
-                ports.book_state.clear_cancel_flag(book)
+        if lifted == "stop":
+            ports.book_state.end_lift(book, request_id, put_back="stop")
+            return
+        mirror = lifted == "mirror" and ports.commands.is_tombstoned(book)
+        ports.book_state.end_lift(book, request_id, put_back="mirror" if mirror else None)
+        if mirror and not ports.commands.is_tombstoned(book):
+            ports.book_state.clear_mirror_flag(book)
     except StoreUnavailable as err:  # reconcile sets it again from the tombstone
         log.warning("[COMMAND] book=%r cancel flag not set again after a refused regenerate: %s", book, err)
 

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.faults
 
 QUEUES = ["gpu.audio", "gpu.image"]
 BIDI_AND_BOM = set("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\ufeff")
-PER_BOOK_KINDS = {"cancel": 1, "layers": 1, "force": 1, "active": 1, "defer": 2, "lease": 4}
+PER_BOOK_KINDS = {"cancel": 1, "lifting": 1, "layers": 1, "force": 1, "active": 1, "defer": 2, "lease": 4}
 OTHER_KINDS = {
     "active-books",
     "dispatch",
@@ -246,7 +246,7 @@ def cancel_touches_no_other_book(rt: Wiring, books: dict[str, Book], victim: str
     assert pg_states(rt, others) == pg_before, f"cancel of {victim!r} changed another book in Postgres"
     left = {key for key in after if book_of(rt, key) == victim}
     kinds = {key.split(":", 2)[1] for key in left}
-    assert kinds <= {"cancel", "layers"}, f"{victim!r} still has {sorted(left)} after its cancel"
+    assert kinds <= {"cancel", "lifting", "layers"}, f"{victim!r} still has {sorted(left)} after its cancel"
     assert rt.ports.book_state.cancel_flag_set(victim) and victim not in rt.ports.book_state.active_books()
     with rt.db.read() as conn:
         busy = conn.execute(

@@ -71,3 +71,31 @@ def test_a_mirrored_flag_does_not_overwrite_a_stop_alls_own(rt, book, monkeypatc
     _stop_all_without_postgres(rt, book, monkeypatch)
     rt.ports.book_state.set_cancel_flags([book])
     assert len(gate.gate_pass(rt.ports, book, dispatch_work=False).released) == 5
+
+
+def test_a_refused_regenerate_puts_back_a_stop_alls_own_flag(rt, book, monkeypatch) -> None:
+    """A regenerate lifts the flag first; refused after that (its commands not written), it put the flag back only
+    while a tombstone stood: the flag of a Stop All whose Postgres half failed, all that stopped the book, was gone."""
+    _stop_all_without_postgres(rt, book, monkeypatch)
+
+    def down(*args: object) -> None:
+        raise StoreUnavailable("postgres", rt.settings.database_url, "connection refused")
+
+    monkeypatch.setattr(rt.ports.commands, "create_commands", down)
+    with pytest.raises(StoreUnavailable):
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    monkeypatch.undo()
+    assert rt.ports.book_state.cancel_flag_set(book)
+    assert not rt.redis.client.exists(rt.redis.keys.lifting(book))  # its lift over: nothing holds the release back
+    assert len(gate.gate_pass(rt.ports, book, dispatch_work=False).released) == 5
+
+
+def test_reconcile_lifts_a_mirrored_flag_but_never_a_stop_alls_own(rt, book, monkeypatch) -> None:
+    """Reconcile sets the flags of the tombstones it read, then lifts those whose tombstone is gone since: a Stop All
+    whose flag came in between (its Postgres half failed) lost it."""
+    rt.ports.book_state.set_cancel_flags([book])
+    rt.ports.book_state.clear_mirror_flag(book)
+    assert not rt.ports.book_state.cancel_flag_set(book)
+    _stop_all_without_postgres(rt, book, monkeypatch)
+    rt.ports.book_state.clear_mirror_flag(book)
+    assert rt.ports.book_state.cancel_flag_set(book)

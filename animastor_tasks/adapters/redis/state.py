@@ -1,4 +1,4 @@
-"""Per-book coordination state: cancel flags, the force set, the active
+"""Per-book coordination state: cancel flags (`cancel_flags.py`), the force set, the active
 index, and the one-round-trip snapshot a gate pass reads.
 
 Everything here can be rebuilt from Postgres (see `flow.reconcile`).
@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from animastor_tasks.adapters.redis.cancel_flags import STOP_FLAG, CancelFlagStore
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member, parse_pair_member, parse_scene_member, scene_member
@@ -19,57 +20,16 @@ from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.ports import Snapshot
 
 WAITERS_READ = 16  # books read at the head of each queue's waiting list (the fair share looks at them)
-STOP_FLAG = "stop"  # a Stop All's own flag; any other value mirrors a tombstone (reconcile, a refused regenerate)
-MIRROR_FLAG = "1"
-LIFT_SECONDS = 60  # a regenerate's lift counts as under way this long at most (its process may die before the end)
 
 
-class BookStateStore:
+class BookStateStore(CancelFlagStore):
     def __init__(self, conn: RedisConnection) -> None:
-        self.conn = conn
+        super().__init__(conn)
         self._epoch: str | None = None  # the dataset token this process last saw (see `_seen_epoch`)
         self._data_lost_at = float("-inf")
         self._book_reads_if_small = conn.client.register_script(_script("book_reads_if_small"))
         self._due_clear = conn.client.register_script(_script("due_clear"))
         self._drop_if_idle = conn.client.register_script(_script("drop_if_idle"))
-
-    # -- cancel flag -------------------------------------------------------------
-    def set_cancel_flags(self, books: Iterable[str]) -> None:
-        """Flags that mirror tombstones read from Postgres: never written over a Stop All's own (which says more)."""
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=False)
-            for book in books:
-                pipe.set(self.conn.keys.cancel_flag(book), MIRROR_FLAG, nx=True)
-            pipe.execute()
-
-    def clear_cancel_flag(self, book: str) -> bool:
-        """Whether there was one."""
-        return bool(self.conn.run(lambda: self.conn.client.delete(self.conn.keys.cancel_flag(book))))
-
-    def lift_cancel_flag(self, book: str, request: str, now: float) -> bool:
-        """A regenerate's first step: the flag deleted, and the lift counted as under way until its commands are
-        written and `start_work(lifted=request)` ends it. Whether a flag was set.
-        *Why:* a Stop All's flag that comes meanwhile is lifted again by `start_work`, and a pass that saw it
-        must not release the new command's pairs as cancelled (`stop_stands`)."""
-        lifting = self.conn.keys.lifting(book)
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=True)
-            pipe.delete(self.conn.keys.cancel_flag(book))
-            pipe.zremrangebyscore(lifting, "-inf", now)
-            pipe.zadd(lifting, {request: now + LIFT_SECONDS})
-            pipe.expire(lifting, LIFT_SECONDS)
-            return bool(pipe.execute()[0])
-
-    def stop_stands(self, book: str, now: float) -> bool:
-        """Whether the book's flag is a Stop All's own with no regenerate lifting it: then it stops the book without
-        its tombstone (a Stop All whose Postgres half failed, or is on its way). A flag that mirrors a tombstone
-        stands on that tombstone alone: set from a read that a regenerate overtook, it is lifted again."""
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=False)
-            pipe.get(self.conn.keys.cancel_flag(book))
-            pipe.zcount(self.conn.keys.lifting(book), f"({now}", "+inf")
-            flag, lifting = pipe.execute()
-        return bool(flag == STOP_FLAG and not lifting)
 
     # -- one read for a whole gate pass ---------------------------------------
     def book_snapshots(
@@ -252,9 +212,6 @@ class BookStateStore:
         if value is not None and self._epoch is not None and value != self._epoch:
             self._data_lost_at = now
         self._epoch = value if value is not None else self._epoch
-
-    def cancel_flag_set(self, book: str) -> bool:
-        return bool(self.conn.run(lambda: self.conn.client.exists(self.conn.keys.cancel_flag(book))))
 
     def start_work(
         self,
