@@ -41,8 +41,7 @@ from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
-from animastor_tasks.adapters.postgres.jobs import JobStore
-from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.adapters.postgres import jobs
 from animastor_tasks.adapters.redis import counters
 from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.adapters.redis.leases import LeaseStore
@@ -147,17 +146,15 @@ def let_go_of_previous_run(settings: Settings, node: str) -> None:
 def note_shutdown(settings: Settings, node: str) -> None:
     """`worker_shutting_down`, in the main process: the open starts of the jobs `node`'s processes run are noted as
     told to stop (a drained job ends its start as usual; one killed when the grace runs out is not worker-lost).
-    Never raises: unnoted, a kill counts as before."""
+    Bounded (a second for Redis, two for Postgres) and never raises: unnoted, a kill counts as before."""
     conn = _connection(settings)
-    db = Database(settings.database_url, max_size=1, timeout=2.0)
     try:
-        noted = JobStore(db).note_shutdown(LeaseStore(conn).node_dispatches(node))
+        noted = jobs.note_shutdown(settings.database_url, LeaseStore(conn).node_jobs(node))
     except Exception as err:  # a store down at shutdown: the worker must still stop
         log.warning("[WORKER] %s shutting down: its running jobs' starts not noted: %s", node, err)
         return
     finally:
         conn.close()
-        db.close()
     if noted:
         log.info("[WORKER] %s shutting down: %d running job start(s) noted as stopped by the operator", node, noted)
 

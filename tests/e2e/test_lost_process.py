@@ -149,8 +149,9 @@ def test_a_job_its_worker_was_told_to_stop_under_counts_no_lost_start(make_stack
     stack.client.regenerate(book.book_id, ["audio"], wait=False)
     wait_for(lambda: _started(stack, book.book_id, "s1") or None, 20, what="the job started")
     cluster.send_signal(gpu, signal.SIGTERM, group=False)  # the deployment asks it to stop...
-    time.sleep(0.5)
-    cluster.kill(gpu)  # ...and its grace runs out
+    noted = "SELECT 1 FROM job_starts WHERE book_id = %s AND shutdown_at IS NOT NULL"
+    wait_for(lambda: stack.query(noted, (book.book_id,)), 10, interval=0.05, what="the start noted")
+    cluster.kill(gpu)  # ...and its grace runs out, mid-job
     at = time.monotonic()
     cluster.gpu("audio", args=["-n", node], wait=False)  # the rollout's new pod, under the same name
     wait_for(lambda: _state(stack, book.book_id, "s1") in ("ready", "failed"), BOUND, what="the pair done")

@@ -19,8 +19,9 @@ from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.book import storable
 from animastor_tasks.domain.keys import book_lock, lane_lock
-from animastor_tasks.domain.types import Pair
+from animastor_tasks.domain.types import BookPair, Pair
 from animastor_tasks.domain.vocabulary import AssetState, transition
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.ports import JobRow
 
 
@@ -165,15 +166,6 @@ class JobStore:
             _end_start(conn, book, pair, dispatch_id)
         return bool(done)
 
-    def note_shutdown(self, dispatch_ids: Sequence[str]) -> int:
-        """The open starts of `dispatch_ids` were told to stop by a shutdown of their worker (0011); how many."""
-        if not dispatch_ids:
-            return 0
-        with self.db.transaction() as conn:
-            return conn.execute(
-                "UPDATE job_starts SET shutdown_at = now() WHERE open_dispatch = ANY(%s::text[])", (list(dispatch_ids),)
-            ).rowcount
-
     def end_start(self, book: str, pair: Pair, dispatch_id: str) -> None:
         """A started job ended without a commit (stopped, fenced off at commit): its start is closed."""
         with self.db.transaction() as conn:
@@ -207,6 +199,31 @@ def _owned(book: str, pair: Pair, token: int, dispatch_id: str) -> dict[str, Any
         "token": token,
         "dispatch_id": dispatch_id,
     }
+
+
+def note_shutdown(url: str, starts: Sequence[tuple[BookPair, str]], timeout: float = 2.0) -> int:
+    """The open starts of these (pair, dispatch id) were told to stop by a shutdown of their worker (0011); how many.
+    One connection of its own, bounded by `timeout`, no pool: this runs in the worker's signal handler, where a pool's
+    threads must not start."""
+    if not starts:
+        return 0
+    columns = [list(c) for c in zip(*((*pair, dispatch_id) for pair, dispatch_id in starts), strict=True)]
+    try:
+        with psycopg.connect(
+            url,
+            autocommit=True,
+            connect_timeout=max(1, round(timeout)),
+            options=f"-c statement_timeout={int(timeout * 1000)}",
+        ) as conn:
+            return conn.execute(
+                "UPDATE job_starts j SET shutdown_at = now()"
+                " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[]) AS s(b, c, sc, st, d)"
+                " WHERE j.book_id = s.b AND j.chapter_id = s.c AND j.scene_id = s.sc AND j.stage = s.st"
+                " AND j.open_dispatch = s.d",
+                columns,
+            ).rowcount
+    except psycopg.Error as err:
+        raise StoreUnavailable("postgres", url, str(err).strip() or type(err).__name__) from err
 
 
 def _end_start(conn: psycopg.Connection[Any], book: str, pair: Pair, dispatch_id: str | None) -> None:

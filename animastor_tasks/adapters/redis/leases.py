@@ -194,12 +194,16 @@ class LeaseStore:
         self.conn.run(lambda: self.conn.client.delete(keys.holders(node)))
         return freed
 
-    def node_dispatches(self, node: str) -> list[str]:
-        """The dispatches the processes of worker `node` run (their holder entries, kept jobs too); two round trips."""
+    def node_jobs(self, node: str) -> list[tuple[BookPair, str]]:
+        """(pair, dispatch id) of the jobs the processes of worker `node` run (their holder entries, kept jobs too); two
+        round trips."""
         keys = self.conn.keys
         holders: Any = self.conn.run(lambda: self.conn.client.smembers(keys.holders(node)))
-        entries = self._values([keys.holding(h) for h in sorted(holders)])
-        return [str(e).split("\n", 1)[0] for e in entries if e is not None and "\n" in str(e)]
+        entries = [str(e) for e in self._values([keys.holding(h) for h in sorted(holders)]) if e is not None]
+        return [
+            (keys.parse_lease(lease), dispatch_id)
+            for dispatch_id, lease in (e.split("\n", 1) for e in entries if "\n" in e)
+        ]
 
     def delivery_holders(self, dispatch_ids: Sequence[str]) -> list[str | None]:
         """Which process runs each dispatch (its running marker: `<node>#<pid>`), None where none does."""
