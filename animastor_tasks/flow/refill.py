@@ -75,8 +75,13 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
         if handed is not None:
             _keep_place(ports, book, handed)
             return report
-    if lane is not None and lane not in report.claimed_lanes | report.held_lanes:
+    used = report.claimed_lanes | report.held_lanes
+    if lane is not None and lane not in used:
         gate.pass_on_slot(ports, book, lane, slots if slots_of == lane else 1)
+    elif lane is None and slots_of is not None and slots_of not in used:
+        # Its own job's slot, found unused: nobody waited for the lane as the job ended, but a book whose refill was
+        # on its way may be back on the list by now (it waited for the tick to find the lane stranded, two ticks).
+        gate.pass_on_slot(ports, book, slots_of, 1)
     if handed is not None:
         _hand_over_done(ports, book, handed, began)
     return report

@@ -288,3 +288,27 @@ def test_a_broker_refusing_a_hand_over_costs_the_pass_that_claimed_nothing(rt, m
     monkeypatch.setattr(app, "send_task", broker_down)
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     assert states(rt, "b") == {("ch1", "s1", "audio"): "generating"}
+
+
+def test_a_slot_freed_as_nobody_waited_goes_to_a_book_that_came_back_to_the_list_meanwhile(rt, monkeypatch) -> None:
+    """A book's own job ended while no book was on the lane's waiting list (the one waiting was off it, its refill
+    on its way), so its refill was its own; it had nothing left for the lane, and the slot was dropped, while the
+    other book, back on the list by then, waited for the tick to find the lane stranded (two ticks)."""
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    rt.catalog.import_book(make_book("c", chapters=1, scenes=2))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "c", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert running(rt, "c", "b") == Counter({"c": 2}) and "b" in waiting(rt)
+    score = waiting(rt)["b"]
+    rt.redis.client.zrem(rt.redis.keys.lane_waiters("gpu.audio"), "b")  # handed another slot: its refill on its way
+    real = candidates.dispatch_candidates
+
+    def back_on_the_list(*args: Any, **kwargs: Any) -> Any:
+        rt.ports.deferrals.wait_for_lane("gpu.audio", "b", score)  # its refill found the lane full again
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(candidates, "dispatch_candidates", back_on_the_list)
+    finish_one(rt, "c")
+    monkeypatch.undo()
+    assert running(rt, "c", "b") == Counter({"c": 1, "b": 1})
