@@ -92,8 +92,12 @@ class GeneratingRow:
     stage: str
     token: int
     dispatch_id: str | None
-    started: bool = False  # its dispatch's start is open in Postgres: a job ran it, and has not ended
-    started_at: float | None = None  # when that start was made (unix seconds, Postgres's clock)
+    started_at: float | None = None  # when its dispatch's start, open in Postgres, was made (unix seconds, its clock)
+
+    @property
+    def started(self) -> bool:
+        """A job ran its dispatch, and has not ended."""
+        return self.started_at is not None
 
     @property
     def pair(self) -> Pair:

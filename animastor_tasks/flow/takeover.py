@@ -114,15 +114,15 @@ def without_retakes(ports: Ports, lapsed: list[GeneratingRow]) -> list[Generatin
     if not started:
         return lapsed
     now = ports.clock()
-    quiet_for = now - ports.book_state.presence_unsure_since()
-    since_restart = now - ports.book_state.server_started_at()
+    unsure_since = ports.book_state.presence_unsure_since()
+    restarted = ports.book_state.server_started_at()
     registry = ports.settings.registry
 
     def awaited(g: GeneratingRow) -> bool:
         # Its start by Postgres's clock, the restart by Redis's: a second's slack for the two clocks.
-        before_restart = g.started_at is not None and g.started_at < now - since_restart + CLOCKS_SLACK
-        quiet = min(quiet_for, since_restart) if before_restart else quiet_for
-        return g.stage in registry and quiet < registry.get(g.stage).lease_ttl
+        before_restart = g.started_at is not None and g.started_at < restarted + CLOCKS_SLACK
+        since = max(unsure_since, restarted) if before_restart else unsure_since
+        return g.stage in registry and now - since < registry.get(g.stage).lease_ttl
 
     waiting = {id(g) for g in started if awaited(g)}
     return [g for g in lapsed if id(g) not in waiting]

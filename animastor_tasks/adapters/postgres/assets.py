@@ -213,7 +213,6 @@ class AssetStore(GateReads):
                 GeneratingRow(*r)
                 for r in conn.execute(
                     "SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.fencing_token, a.dispatch_id,"
-                    " j.open_dispatch IS NOT NULL AND j.open_dispatch = a.dispatch_id,"
                     " CASE WHEN j.open_dispatch = a.dispatch_id THEN extract(epoch FROM j.updated_at)::float8 END"
                     " FROM asset_states a LEFT JOIN job_starts j ON j.book_id = a.book_id"
                     "  AND j.chapter_id = a.chapter_id AND j.scene_id = a.scene_id AND j.stage = a.stage"

@@ -173,10 +173,10 @@ class LeaseStore:
         whether its lease was dropped too), or None when it held none still running. `redelivered`: the dispatch whose
         message the broker delivers again, which keeps its lease as it is for that delivery to run it."""
         keys = self.conn.keys
-        entry: Any = self.conn.run(lambda: self.conn.client.get(keys.holding(holder)))
-        if entry is None or "\n" not in str(entry):
+        entry = _holding_entry(self.conn.run(lambda: self.conn.client.get(keys.holding(holder))))
+        if entry is None:
             return None
-        dispatch_id, lease = str(entry).split("\n", 1)
+        dispatch_id, lease = entry
         freed, dropped = self.conn.run(
             lambda: self.conn.abandon_delivery_script(
                 keys=[keys.running(dispatch_id), lease, keys.holding(holder)],
@@ -199,11 +199,8 @@ class LeaseStore:
         round trips."""
         keys = self.conn.keys
         holders: Any = self.conn.run(lambda: self.conn.client.smembers(keys.holders(node)))
-        entries = [str(e) for e in self._values([keys.holding(h) for h in sorted(holders)]) if e is not None]
-        return [
-            (keys.parse_lease(lease), dispatch_id)
-            for dispatch_id, lease in (e.split("\n", 1) for e in entries if "\n" in e)
-        ]
+        entries = [_holding_entry(e) for e in self._values([keys.holding(h) for h in sorted(holders)])]
+        return [(keys.parse_lease(lease), dispatch_id) for dispatch_id, lease in filter(None, entries)]
 
     def delivery_holders(self, dispatch_ids: Sequence[str]) -> list[str | None]:
         """Which process runs each dispatch (its running marker: `<node>#<pid>`), None where none does."""
@@ -219,6 +216,14 @@ class LeaseStore:
     def batched(self) -> AbstractContextManager[None]:
         """The writes of the lease and deferral stores made in the block by this thread go in one round trip."""
         return self.conn.batched()
+
+
+def _holding_entry(raw: object) -> tuple[str, str] | None:
+    """A holder entry (`start_delivery.lua`, `retake_lease.lua`) as (dispatch id, lease key); None when absent."""
+    if raw is None or "\n" not in str(raw):
+        return None
+    dispatch_id, lease = str(raw).split("\n", 1)
+    return dispatch_id, lease
 
 
 def _seconds(raw: object) -> float | None:
