@@ -105,7 +105,8 @@ class GeneratorError(AnimastorError):
     the stage's setup is wrong or its server refuses every request (a redirect, a rejected key, a wrong route,
     a confused content type, a bad param): not worth a retry, and no verdict on the scene either, so it counts
     against the queue's breaker rather than failing every pair of the lane. `rate_limited`: the backend refused
-    for now, whoever asked (HTTP 429): retried, and no verdict on the scene either once the retries are spent."""
+    for now, whoever asked (HTTP 429, or 503 naming a Retry-After): retried, and no verdict on the scene either
+    once the retries are spent."""
 
     def __init__(
         self,

@@ -20,7 +20,14 @@ from animastor_tasks.domain.media_types import base_type
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.media import check_known_media
-from animastor_tasks.generators.transport import LIMIT_PARAMS, RETRYABLE_4XX, Limits, Transport, check_endpoint
+from animastor_tasks.generators.transport import (
+    ERROR_PAGE_TYPES,
+    LIMIT_PARAMS,
+    RETRYABLE_4XX,
+    Limits,
+    Transport,
+    check_endpoint,
+)
 
 if TYPE_CHECKING:
     from animastor_tasks.config import Settings
@@ -86,10 +93,13 @@ class HttpGenerator:
         return Media(data, media_type)
 
     def _check_media_type(self, response: requests.Response) -> str:
-        """The body must be the stage's media type; JSON or HTML here means a confused server."""
+        """The body must be the stage's media type (any but a server's error page, for a stage of bytes): JSON or
+        HTML here means a confused server, or one that answered its error under 200."""
         got = base_type(response.headers.get("Content-Type", ""))
         want = self.spec.media_type.lower()
-        if want == "application/octet-stream":
+        if got == "application/json" and want != got:
+            raise self._transport.json_instead(response, repr(want))
+        if want == "application/octet-stream" and got not in ERROR_PAGE_TYPES:
             return got or want
         if got != want:
             raise GeneratorError(

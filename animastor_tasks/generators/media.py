@@ -89,14 +89,20 @@ def synthesize_wav(
     return buffer.getvalue()
 
 
+# Data lengths a WAV writer puts down when it cannot seek back to write the real one. *Why 0x7FFFF000:* a TTS
+# server piping SoX's or espeak-ng's output had every scene of its lane failed as a WAV cut short.
+_UNKNOWN_DATA_LENGTHS = (0, 0x7FFFF000, 0xFFFFFFFF)
+
+
 def wav_duration_seconds(data: bytes) -> float:
     """Duration of a WAV file in seconds, whatever its sample format; ValueError if `data` is not a WAV file.
 
     Read from the RIFF chunks rather than with `wave`, which knows integer PCM alone: a server writing 32-bit
     float or extensible-format WAV (torchaudio, scipy) had every pair of its stage failed as not a WAV file.
-    A data chunk of unknown length (0 or 0xFFFFFFFF, written by a streaming server) runs to the end, which must end
-    a sample frame (one cut exactly between two frames still reads as whole). No samples
-    at all (a TTS given only punctuation) or fewer bytes than the chunk declares (a body cut short) is no audio.
+    A data chunk of unknown length (0 or 0xFFFFFFFF, written by a streaming server; 0x7FFFF000, written by SoX and
+    espeak-ng to a pipe) runs to the end, which must end a sample frame (one cut exactly between two frames still
+    reads as whole). No samples at all (a TTS given only punctuation) or fewer bytes than the chunk declares (a body
+    cut short) is no audio.
     """
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise ValueError("not a WAV file: no RIFF/WAVE header")
@@ -111,11 +117,12 @@ def wav_duration_seconds(data: bytes) -> float:
             if not rate or not block:
                 raise ValueError("not a WAV file: no usable fmt chunk before the data")
             available = len(data) - body
-            if size not in (0, 0xFFFFFFFF) and size > available:
+            unknown = size in _UNKNOWN_DATA_LENGTHS
+            if not unknown and size > available:
                 raise ValueError(f"WAV cut short: its data chunk declares {size} bytes, {available} are there")
-            if size in (0, 0xFFFFFFFF) and available % block:
+            if unknown and available % block:
                 raise ValueError(f"WAV cut short: its data of unknown length ends inside a {block}-byte sample frame")
-            frames = (available if size in (0, 0xFFFFFFFF) else size) // block
+            frames = (available if unknown else size) // block
             if not frames:
                 raise ValueError("WAV holds no samples")
             return frames / rate

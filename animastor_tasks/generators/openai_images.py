@@ -20,6 +20,7 @@ from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.media import PNG_SIGNATURE, check_known_media
 from animastor_tasks.generators.openai_common import OCTET_STREAM, OpenAIGenerator, media_type_of, string_param
+from animastor_tasks.generators.transport import json_error
 
 SIZE_PATTERN = re.compile(r"[1-9][0-9]{0,4}x[1-9][0-9]{0,4}|auto")
 _MAGIC: tuple[tuple[str, Callable[[bytes], bool]], ...] = (
@@ -75,23 +76,25 @@ class OpenAIImagesGenerator(OpenAIGenerator):
             payload = json.loads(raw)
         except ValueError:
             raise self._fail("answered a body that is not JSON", misconfigured=True) from None
-        error = payload.get("error") if isinstance(payload, dict) else None
-        if error:  # an error under 200 (a model still loading): the server's words, and worth another attempt
-            said = error.get("message") if isinstance(error, dict) else error
-            said = self._transport.clean(str(said))
+        said = json_error(payload)
+        if said:  # an error under 200 (a model still loading): the server's words, and worth another attempt
+            said = self._transport.clean(said)
             raise GeneratorError(f"stage {self.spec.name!r}: inference endpoint answered 200 with an error: {said}")
         try:
             encoded = payload["data"][0]["b64_json"]
             if not isinstance(encoded, str):
                 raise TypeError("b64_json is not a string")
-            data = base64.b64decode(encoded, validate=True)
-        except (ValueError, LookupError, TypeError, binascii.Error) as err:
+        except (LookupError, TypeError) as err:
             # Its answer to every scene (a URL where the base64 image was asked for): the server is not set up so.
             raise self._fail(
                 f"answered JSON without an image in data[0].b64_json ({type(err).__name__}); it must honour"
                 " response_format b64_json",
                 misconfigured=True,
             ) from None
+        try:
+            data = decode_base64(encoded)
+        except (ValueError, binascii.Error) as err:
+            raise self._fail(f"answered a data[0].b64_json that is not base64 ({err})", misconfigured=True) from None
         if not data:
             raise self._fail("answered an empty image")
         found = next((kind for kind, test in _MAGIC if test(data)), OCTET_STREAM)
@@ -105,3 +108,15 @@ class OpenAIImagesGenerator(OpenAIGenerator):
         except ValueError as err:
             raise self._fail(f"returned a broken image ({err})") from None
         return Media(data, self.spec.media_type if want != OCTET_STREAM else found)
+
+
+def decode_base64(text: str) -> bytes:
+    """The bytes of a base64 image as servers write it: wrapped in lines (Python's `encodebytes`), as a `data:` URL,
+    in the URL-safe alphabet, without its padding. *Why:* each was refused as a server not set up for b64_json,
+    and the lane's breaker opened on a server that sent its images."""
+    if text.startswith("data:"):
+        text = text.partition(",")[2]
+    text = "".join(text.split()).rstrip("=")
+    text += "=" * (-len(text) % 4)
+    urlsafe = "-" in text or "_" in text
+    return base64.b64decode(text, altchars=b"-_" if urlsafe else None, validate=True)

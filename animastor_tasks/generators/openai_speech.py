@@ -26,8 +26,14 @@ FORMATS: dict[str, str] = {
     "aac": "audio/aac",
     "pcm": "audio/pcm",
 }
-# How an error names the format a body failed to be (FLAC and PCM are not checked: see `check_known_media`).
-_NAMES = {"wav": "a WAV file", "mp3": "an MP3 file", "opus": "an Ogg Opus file", "aac": "an ADTS AAC file"}
+# How an error names the format a body failed to be (PCM is not checked: see `check_known_media`).
+_NAMES = {
+    "wav": "a WAV file",
+    "mp3": "an MP3 file",
+    "flac": "a FLAC file",
+    "opus": "an Ogg Opus file",
+    "aac": "an ADTS AAC file",
+}
 # Other names servers give the same types.
 _ALIASES = {
     "audio/x-wav": "audio/wav",
@@ -99,15 +105,18 @@ class OpenAISpeechGenerator(OpenAIGenerator):
         return fmt, self.spec.media_type if stage_type != OCTET_STREAM else FORMATS[fmt]
 
     def _check_type(self, response: requests.Response) -> str:
-        """Any audio type (servers name WAV four ways) or a bare byte stream; JSON or HTML is a confused server."""
+        """Any audio type (servers name WAV four ways) or a bare byte stream; JSON or HTML is a confused server, or one
+        that answered its error under 200."""
         got = media_type_of(response)
+        if got == "application/json":
+            raise self._transport.json_instead(response, "audio")
         if got and not got.startswith("audio/") and got != OCTET_STREAM:
             raise self._fail(f"returned Content-Type {got!r}, expected audio", misconfigured=True)
         return got
 
 
 def _other_format(data: bytes, asked: str) -> str | None:
-    """The checked format other than `asked` that `data` is whole in, if any (FLAC and PCM are not checked)."""
+    """The checked format other than `asked` that `data` is whole in, if any (PCM is not checked)."""
     for kind in (k for k in _NAMES if FORMATS[k] != asked):
         try:
             check_known_media(FORMATS[kind], data)

@@ -38,6 +38,8 @@ RETRYABLE_4XX = frozenset({408, 429})
 # Refusals of the endpoint itself, whatever the scene (a key, a route, a method, a proxy's credentials, the
 # body's or the answer's format, the protocol).
 MISCONFIGURED_4XX = frozenset({401, 403, 404, 405, 406, 407, 415, 426})
+# What a server's error page comes as: never media, even for a stage that stores whatever bytes it is sent.
+ERROR_PAGE_TYPES = frozenset({"application/json", "text/html"})
 # Params read by the transport itself (never sent to a server).
 LIMIT_PARAMS = frozenset({"connect_timeout", "read_timeout", "total_timeout", "max_bytes"})
 RETRY_PARAMS = frozenset({"retries", "max_retry_after"})
@@ -104,6 +106,19 @@ def check_endpoint(stage: str, generator: str, endpoint: str | None) -> str:
             " authenticates with ANIMASTOR_INFERENCE_API_KEY only: take the login out of the URL"
         )
     return endpoint
+
+
+def json_error(payload: object) -> str | None:
+    """The message of a JSON error body: `{"error": "..."}`, OpenAI's `{"error": {"message": ...}}` or FastAPI's
+    `{"detail": "..."}`; None for JSON of another shape."""
+    if not isinstance(payload, dict):
+        return None
+    error = payload.get("error")
+    if isinstance(error, dict):
+        error = error.get("message")
+    if not isinstance(error, str):
+        error = payload.get("detail")
+    return error if isinstance(error, str) else None
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -264,12 +279,15 @@ class Transport:
             )
         message = self.server_message(response)
         retryable = status >= 500 or status in RETRYABLE_4XX
+        retry_after = retry_after_seconds(response.headers.get("Retry-After")) if retryable else None
         raise GeneratorError(
             f"stage {self.stage!r}: inference endpoint answered {status}: {message}",
             retryable=retryable,
-            retry_after=retry_after_seconds(response.headers.get("Retry-After")) if retryable else None,
+            retry_after=retry_after,
             misconfigured=status in MISCONFIGURED_4XX,
-            rate_limited=status == 429,
+            # A 503 that says when to come back is a server refusing whoever asks (a model loading, a queue full), as
+            # a 429 is. *Why:* taken as the scene's fault, it failed scenes for good until the breaker opened.
+            rate_limited=status == 429 or (status == 503 and retry_after is not None),
         )
 
     def _read_body(
@@ -318,6 +336,10 @@ class Transport:
     def server_message(self, response: requests.Response) -> str:
         """The server's error text (`{"error": "..."}`, OpenAI's `{"error": {"message": ...}}` or
         `{"detail": "..."}`), or the start of whatever it sent instead."""
+        return self._message_in(self._error_body_text(response))[0]
+
+    def _error_body_text(self, response: requests.Response) -> str:
+        """The start of an error answer's body, as text."""
         raw = bytearray()
         try:
             for chunk in response.iter_content(_CHUNK):
@@ -326,23 +348,31 @@ class Transport:
                     break
         except requests.exceptions.RequestException:
             pass  # the status alone still says what happened
-        text = raw[:_ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
+        return raw[:_ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
+
+    def _message_in(self, text: str) -> tuple[str, bool]:
+        """(the message of an error body, whether it is one the server wrote as an error)."""
         try:
             payload = json.loads(text)
         except ValueError:
-            payload = None
-        if isinstance(payload, dict):
-            error = payload.get("error")
-            if isinstance(error, dict):
-                error = error.get("message")
-            if not isinstance(error, str):
-                error = payload.get("detail")
-            # Another shape is quoted as JSON written again here: the key, if echoed, is spelled as `clean` looks
-            # for it, not in the server's own escapes (`\u003c` for `<`, `\/` for `/`) that hid it.
-            text = error if isinstance(error, str) else json.dumps(payload, ensure_ascii=False)
-        elif payload is not None:
-            text = json.dumps(payload, ensure_ascii=False)
-        return self.clean(text.strip()) or "(empty body)"
+            return self.clean(text.strip()) or "(empty body)", False
+        said = json_error(payload)
+        # Another shape is quoted as JSON written again here: the key, if echoed, is spelled as `clean` looks for it,
+        # not in the server's own escapes (`\u003c` for `<`, `\/` for `/`) that hid it.
+        text = said if said is not None else json.dumps(payload, ensure_ascii=False)
+        return self.clean(text.strip()) or "(empty body)", said is not None
+
+    def json_instead(self, response: requests.Response, expected: str) -> GeneratorError:
+        """The error for a 200 that answered JSON where `expected` media was asked for. An error under 200 (a model
+        still loading) is the server's words and worth another attempt; other JSON is its answer to every scene.
+        *Why:* every such answer was `misconfigured` without the server's words, the first scenes failed for good."""
+        message, is_error = self._message_in(self._error_body_text(response))
+        if is_error:
+            return GeneratorError(f"stage {self.stage!r}: inference endpoint answered 200 with an error: {message}")
+        return GeneratorError(
+            f"stage {self.stage!r}: inference endpoint returned JSON, expected {expected}: {message}",
+            misconfigured=True,
+        )
 
     def clean(self, message: str) -> str:
         """Shorten a message and make sure the API key cannot leak through it (even if echoed back)."""

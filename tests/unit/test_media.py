@@ -169,13 +169,14 @@ def _wav(format_tag: int, channels: int, rate: int, bits: int, seconds: float, d
         (_wav(3, 1, 24000, 32, 1.5), 1.5),  # 32-bit float (torchaudio, scipy): `wave` refused it
         (_wav(0xFFFE, 2, 48000, 24, 0.5), 0.5),  # extensible
         (_wav(1, 1, 16000, 16, 2.0, data_size=0xFFFFFFFF), 2.0),  # streamed: length unknown
+        (_wav(1, 1, 22050, 16, 1.0, data_size=0x7FFFF000), 1.0),  # SoX or espeak-ng writing to a pipe
     ],
 )
 def test_a_wav_of_any_sample_format_has_its_duration(wav: bytes, seconds: float) -> None:
     assert wav_duration_seconds(wav) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("unknown", [0, 0xFFFFFFFF])
+@pytest.mark.parametrize("unknown", [0, 0x7FFFF000, 0xFFFFFFFF])
 def test_a_streamed_wav_cut_inside_a_sample_frame_is_cut_short(unknown: int) -> None:
     """A streaming server writes no data length; a body of such a WAV cut short (a connection closed cleanly halfway,
     no Content-Length) read as whole. Cut inside a frame it is known now; cut between two frames it still is not."""

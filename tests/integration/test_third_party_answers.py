@@ -1,0 +1,149 @@
+"""Answers real third-party inference servers give that are not what the protocol asks, each taken for what it
+says: a 503 that names a time is the server's refusal of whoever asks, a JSON error under 200 is worth another
+attempt, an error page is never media, and media written by common tools passes.
+
+Each server is a real HTTP server on a loopback port (the harness of test_hostile_inference.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+
+from animastor_tasks.domain.job_rules import Verdict, classify_error, verdict
+from animastor_tasks.errors import GeneratorError
+from animastor_tasks.generators.media import render_png, synthesize_wav
+from tests.integration.test_hostile_inference import Answer, _generate, _spec, answering, serve  # noqa: F401
+from tests.unit.test_flac import flac
+
+Serve = Callable[[Answer], str]
+
+
+def _refusal(spec_of: Callable[[str], object], answer: Answer, serve: Serve) -> GeneratorError:  # noqa: F811
+    with pytest.raises(GeneratorError) as info:
+        _generate(spec_of(serve(answer)))  # type: ignore[arg-type]
+    return info.value
+
+
+@pytest.mark.parametrize("after", ["120", "Wed, 21 Oct 2037 07:28:00 GMT"])
+def test_a_503_that_says_when_to_come_back_gives_the_pair_back(after: str, serve: Serve) -> None:  # noqa: F811
+    """A server loading its model or with a full queue answers 503 and a Retry-After: the verdict on a backend error
+    while the breaker was closed failed the first scenes of every restart for good, healthy scenes an operator had
+    to regenerate by hand. It is a rate limit now, as a 429 is: the pair goes back to `pending`."""
+    answer = answering(503, "application/json", b'{"error": "model loading"}', headers={"Retry-After": after})
+    err = _refusal(_spec, answer, serve)
+    assert err.rate_limited and err.retryable and "model loading" in str(err), err
+    assert verdict(classify_error(err), "closed") is Verdict.GIVE_BACK
+
+    bare = _refusal(_spec, answering(503, "text/plain", b"overloaded"), serve)
+    assert bare.retryable and not bare.rate_limited, bare  # no time named: a backend error, as before
+
+
+def _riff_wav(data_length: int) -> bytes:
+    """A mono 16-bit WAV as SoX and espeak-ng write one to a pipe: the data length they cannot seek back to fix."""
+    whole = synthesize_wav("one two three")
+    frames = whole[44:]
+    fmt = struct.pack("<HHIIHH", 1, 1, 16000, 32000, 2, 16)
+    chunks = b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", data_length) + frames
+    return b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE" + chunks
+
+
+@pytest.mark.parametrize("generator", ["http", "openai-speech"])
+def test_a_wav_piped_out_of_sox_or_espeak_is_audio(generator: str, serve: Serve) -> None:  # noqa: F811
+    """Their data length 0x7FFFF000 failed every scene of the lane as a WAV cut short, after a full GPU run each."""
+    body = _riff_wav(0x7FFFF000)
+    media = _generate(_spec(serve(answering(200, "audio/wav", body)), generator=generator, model="tts"))
+    assert media.data == body and media.media_type == "audio/wav"
+
+
+def test_a_flac_answered_for_another_format_is_the_servers_setup(serve: Serve) -> None:  # noqa: F811
+    """A server that ignores `response_format` answers every scene in its own format: FLAC was not among the formats
+    tried, so each scene failed as its own fault, at full speed, the breaker told nothing."""
+    err = _refusal(
+        lambda url: _spec(url, generator="openai-speech", model="tts"), answering(200, "audio/flac", flac()), serve
+    )
+    assert err.misconfigured and "audio/flac" in str(err) and "response_format 'wav'" in str(err), err
+
+
+@pytest.mark.parametrize("generator", ["http", "openai-speech"])
+def test_a_json_error_under_200_is_the_servers_words_and_worth_another_attempt(
+    generator: str,
+    serve: Serve,  # noqa: F811
+) -> None:
+    """Refused as a confused content type before its body was read: the server's words were lost and the scene
+    failed, not retried. The images generator already read it so."""
+    body = b'{"error": {"message": "model loading, try again"}}'
+    err = _refusal(
+        lambda url: _spec(url, generator=generator, model="tts"), answering(200, "application/json", body), serve
+    )
+    assert err.retryable and not err.misconfigured and "model loading, try again" in str(err), err
+
+    other = b'{"voices": ["alto"]}'  # JSON that is no error: the endpoint is not the speech route
+    err = _refusal(
+        lambda url: _spec(url, generator=generator, model="tts"), answering(200, "application/json", other), serve
+    )
+    assert err.misconfigured and "voices" in str(err), err
+
+
+@pytest.mark.parametrize(
+    ("media_type", "body", "retryable"),
+    [
+        ("application/json", b'{"error": "CUDA out of memory"}', True),
+        ("text/html; charset=utf-8", b"<html><body>Sign in</body></html>", False),
+    ],
+)
+def test_a_stage_of_any_bytes_does_not_store_an_error_page(
+    media_type: str,
+    body: bytes,
+    retryable: bool,
+    serve: Serve,  # noqa: F811
+) -> None:
+    """A stage of `application/octet-stream` took any Content-Type: a 200 carrying the server's JSON error or a
+    proxy's login page was stored as the scene's media and the pair marked `ready`."""
+
+    def octets(url: str) -> object:
+        return replace(_spec(url), media_type="application/octet-stream")
+
+    err = _refusal(octets, answering(200, media_type, body), serve)
+    assert err.retryable is retryable and err.misconfigured is not retryable, err
+    if retryable:
+        assert "CUDA out of memory" in str(err)
+    media = _generate(octets(serve(answering(200, "application/x-custom", b"\x00model bytes"))))  # type: ignore[arg-type]
+    assert media.data == b"\x00model bytes"
+
+
+def _png_b64(shape: Callable[[bytes], str]) -> bytes:
+    return b'{"data": [{"b64_json": "%s"}]}' % shape(render_png("a tower")).encode()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        lambda b: base64.encodebytes(b).decode().replace("\n", "\\n"),  # wrapped in lines of 76
+        lambda b: "data:image/png;base64," + base64.b64encode(b).decode(),
+        lambda b: base64.urlsafe_b64encode(b).decode().rstrip("="),
+    ],
+    ids=["wrapped", "data-url", "urlsafe-unpadded"],
+)
+def test_an_image_in_the_base64_variants_servers_write_is_an_image(
+    shape: Callable[[bytes], str],
+    serve: Serve,  # noqa: F811
+) -> None:
+    """Each was refused as a server that ignores `response_format b64_json`, which it had honoured: the lane's
+    breaker opened on a server that sent its images, and every image pair waited."""
+    url = serve(answering(200, "application/json", _png_b64(shape)))
+    media = _generate(_spec(url, "image", "openai-images", model="img"))
+    assert media.data == render_png("a tower") and media.media_type == "image/png"
+
+
+def test_a_b64_json_that_is_not_base64_says_so(serve: Serve) -> None:  # noqa: F811
+    err = _refusal(
+        lambda url: _spec(url, "image", "openai-images", model="img"),
+        answering(200, "application/json", b'{"data": [{"b64_json": "not*base64!"}]}'),
+        serve,
+    )
+    assert err.misconfigured and "not base64" in str(err), err
