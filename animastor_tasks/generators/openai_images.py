@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import requests
 
+from animastor_tasks.domain.media_types import JPEG_TYPES
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.media import PNG_SIGNATURE, check_known_media
@@ -99,7 +100,8 @@ class OpenAIImagesGenerator(OpenAIGenerator):
             raise self._fail("answered an empty image")
         found = next((kind for kind, test in _MAGIC if test(data)), OCTET_STREAM)
         want = self.spec.media_type.lower()
-        if want != OCTET_STREAM and found != want:  # the model's output type, whatever the scene
+        named = "image/jpeg" if want in JPEG_TYPES else want  # a stage of `image/jpg` stores JPEGs too
+        if want != OCTET_STREAM and found != named:  # the model's output type, whatever the scene
             raise self._fail(
                 f"returned an image of type {found!r}, stage {self.spec.name!r} stores {want!r}", misconfigured=True
             )

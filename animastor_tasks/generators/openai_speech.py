@@ -12,6 +12,7 @@ from typing import Any
 
 import requests
 
+from animastor_tasks.domain.media_types import OGG_TYPES
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.media import check_known_media
@@ -105,12 +106,12 @@ class OpenAISpeechGenerator(OpenAIGenerator):
         return fmt, self.spec.media_type if stage_type != OCTET_STREAM else FORMATS[fmt]
 
     def _check_type(self, response: requests.Response) -> str:
-        """Any audio type (servers name WAV four ways) or a bare byte stream; JSON or HTML is a confused server, or one
-        that answered its error under 200."""
+        """Any audio type (servers name WAV four ways, and Ogg `application/ogg` too) or a bare byte stream; JSON or
+        HTML is a confused server, or one that answered its error under 200."""
         got = media_type_of(response)
         if got == "application/json":
             raise self._transport.json_instead(response, "audio")
-        if got and not got.startswith("audio/") and got != OCTET_STREAM:
+        if got and not got.startswith("audio/") and got not in (OCTET_STREAM, *OGG_TYPES):
             raise self._fail(f"returned Content-Type {got!r}, expected audio", misconfigured=True)
         return got
 

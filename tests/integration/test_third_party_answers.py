@@ -18,6 +18,7 @@ from animastor_tasks.domain.job_rules import Verdict, classify_error, verdict
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators.media import render_png, synthesize_wav
 from tests.integration.test_hostile_inference import Answer, _generate, _spec, answering, serve  # noqa: F401
+from tests.unit.test_audio_frames import ogg_stream
 from tests.unit.test_flac import flac
 
 Serve = Callable[[Answer], str]
@@ -147,3 +148,16 @@ def test_a_b64_json_that_is_not_base64_says_so(serve: Serve) -> None:  # noqa: F
         serve,
     )
     assert err.misconfigured and "not base64" in str(err), err
+
+
+def test_media_under_the_other_names_of_its_type_is_media(serve: Serve) -> None:  # noqa: F811
+    """An Opus answer as `application/ogg` was refused as no audio type, and a JPEG for a stage of `image/jpg` as an
+    image of another type: each a server that answered every scene right, refused as set up wrong."""
+    url = serve(answering(200, "application/ogg", ogg_stream()))
+    speech = _generate(replace(_spec(url, generator="openai-speech", model="tts"), media_type="audio/ogg"))
+    assert speech.data == ogg_stream() and speech.media_type == "audio/ogg"
+
+    jpeg = b"\xff\xd8\xff\xe0" + bytes(200) + b"\xff\xda" + bytes(300) + b"\xff\xd9"
+    url = serve(answering(200, "application/json", _png_b64(lambda _: base64.b64encode(jpeg).decode())))
+    image = _generate(replace(_spec(url, "image", "openai-images", model="img"), media_type="image/jpg"))
+    assert image.data == jpeg and image.media_type == "image/jpg"
