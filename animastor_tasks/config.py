@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, parse_qsl, unquote, urlencode, urlsplit
 from animastor_tasks.domain.deferral import DeferralWindows
 from animastor_tasks.domain.registry import MediaRegistry, StageSpec, registry_from_table
 from animastor_tasks.errors import ConfigError, redact_url
+from animastor_tasks.url_options import check_broker_options, check_redis_options
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/animastor"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -168,12 +169,14 @@ def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ..
         raise ConfigError(f"{name}={redact_url(value)!r} names no host")
     if parts.scheme in ("redis", "rediss"):
         _check_redis_url(name, value, parts.path)
+    if name == "ANIMASTOR_REDIS_URL":
+        check_redis_options(name, value)
     return value
 
 
 def _check_redis_url(name: str, value: str, path: str) -> None:
     """A database that is a number. *Why:* redis-py takes a path that is no number (`/animastor`, as a
-    namespace) as database 0, another application's maybe. (Its options are read by the Redis adapter.)"""
+    namespace) as database 0, another application's maybe. (Its options: `url_options`.)"""
     database = path.lstrip("/")
     if path.count("/") > 1 or (database and not database.isdigit()):
         raise ConfigError(f"{name}={redact_url(value)!r}: the path must be a database number, as in /0")
@@ -318,13 +321,7 @@ def _broker_url(env: Mapping[str, str], redis_url: str) -> str:
         kept = urlencode([(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if _kombu_reads(k)], safe="/")
         return f"{base}?{kept}" if kept else base
     url = _url(env, "ANIMASTOR_BROKER_URL", redis_url, ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp"))
-    parts = urlsplit(url)
-    unread = sorted(k for k, _ in parse_qsl(parts.query) if not _kombu_reads(k))
-    if parts.scheme.startswith("redis") and unread:
-        raise ConfigError(
-            f"ANIMASTOR_BROKER_URL={redact_url(url)!r}: kombu's Redis transport takes no option {', '.join(unread)}"
-            " (only ssl_* and virtual_host)"
-        )
+    check_broker_options("ANIMASTOR_BROKER_URL", url)
     return url
 
 

@@ -275,3 +275,45 @@ def test_redis_py_options_of_the_redis_url_stay_out_of_the_broker_derived_from_i
 def test_a_broker_url_with_an_option_kombu_cannot_read_stops_the_process_at_start() -> None:
     with pytest.raises(ConfigError, match=r"ANIMASTOR_BROKER_URL.*socket_timeout"):
         Settings.from_env({"ANIMASTOR_BROKER_URL": "redis://:pw@127.0.0.1:6379/0?socket_timeout=5"})
+
+
+@pytest.mark.parametrize(
+    ("name", "url"),
+    [
+        ("ANIMASTOR_REDIS_URL", "redis://:hunter2@127.0.0.1:6379/0?socket_timeout=abc"),
+        ("ANIMASTOR_REDIS_URL", "redis://:hunter2@127.0.0.1:6379/0?foo=1"),
+        ("ANIMASTOR_REDIS_URL", "unix:///run/redis.sock?db=abc"),
+        ("ANIMASTOR_REDIS_URL", "rediss://:hunter2@r.example:6380/0?ssl_cert_reqs=bogus"),
+        ("ANIMASTOR_BROKER_URL", "amqp://u:hunter2@mq.example//?heartbeat=abc"),
+        ("ANIMASTOR_BROKER_URL", "amqp://u:hunter2@mq.example//?foo=1"),
+        ("ANIMASTOR_BROKER_URL", "rediss://:hunter2@r.example:6380/0?ssl_cert_reqs=bogus"),
+    ],
+)
+def test_a_url_option_its_client_cannot_read_is_a_config_error_naming_the_variable(name: str, url: str) -> None:
+    """Options were read only when a client was made: a ValueError, TypeError or KeyError traceback (exit 1) from
+    `cancel`, `status` or a GPU worker's start, rather than the ConfigError (exit 2) every other bad value gives."""
+    with pytest.raises(ConfigError, match=name) as info:
+        Settings.from_env({name: url})
+    assert "hunter2" not in str(info.value)
+
+
+def test_the_cli_refuses_a_bad_url_option_with_exit_2_before_it_sends_anything(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from click.testing import CliRunner
+
+    from animastor_tasks.operator.cli import main
+
+    monkeypatch.setenv("ANIMASTOR_LOCAL_DIR", "/nonexistent/animastor-local")
+    for env in (
+        {"ANIMASTOR_REDIS_URL": "redis://127.0.0.1:1/0?socket_timeout=abc"},
+        {"ANIMASTOR_REDIS_URL": "rediss://127.0.0.1:1/0?ssl_cert_reqs=bogus"},
+        {"ANIMASTOR_BROKER_URL": "amqp://127.0.0.1:1//?heartbeat=abc"},
+    ):
+        result = CliRunner().invoke(main, ["cancel", "b1", "--timeout", "1"], env=env)
+        assert result.exit_code == 2, (env, result.output, result.exception)
+        assert next(iter(env)) in result.output
+
+
+def test_a_redis_broker_url_with_its_database_twice_is_refused() -> None:
+    """kombu takes `virtual_host` from a socket URL only: beside a host URL's path it was a TypeError traceback."""
+    with pytest.raises(ConfigError, match=r"ANIMASTOR_BROKER_URL.*virtual_host"):
+        Settings.from_env({"ANIMASTOR_BROKER_URL": "redis://127.0.0.1:6379/0?virtual_host=2"})

@@ -1,0 +1,119 @@
+"""The query options of the Redis and broker URLs, checked when the settings are built.
+
+*Why:* they were read first when a client was made: `?socket_timeout=abc`, `?foo=1` or `?ssl_cert_reqs=bogus`
+was a ValueError, TypeError or KeyError traceback (exit 1) from `cancel`, `status` or a GPU worker's start, not
+the ConfigError naming the variable that every other bad value gives. *Why by hand:* the settings sit below the
+ports, which import no driver (pyproject.toml's contracts), so they cannot ask redis-py or kombu;
+tests/unit/test_url_options.py holds these lists to the installed drivers.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+from collections.abc import Callable
+from urllib.parse import parse_qsl, urlsplit
+
+from animastor_tasks.errors import ConfigError, redact_url
+
+Rule = tuple[Callable[[str], bool], str]  # (can the client read this value, what it takes)
+
+
+def _number(value: str) -> bool:
+    try:
+        return math.isfinite(float(value)) and float(value) >= 0
+    except ValueError:
+        return False
+
+
+def _known(lookup: Callable[[str], object]) -> Callable[[str], bool]:
+    def check(value: str) -> bool:
+        try:
+            lookup(value)
+        except LookupError:
+            return False
+        return True
+
+    return check
+
+
+def _one_of(*values: str) -> Rule:
+    return (lambda value: value in values, f"one of {', '.join(values)}")
+
+
+NUMBER: Rule = (_number, "a finite number, 0 or more")
+WHOLE: Rule = (str.isdigit, "a whole number, 0 or more")
+FLAG: Rule = (lambda value: value.lower() in ("true", "false", "yes", "no", "1", "0"), "true or false")
+TEXT: Rule = (lambda value: True, "")
+
+REDIS_PY: dict[str, Rule] = {  # what redis-py's pool and connections take from a URL, with the types it reads
+    "db": WHOLE,
+    "socket_timeout": NUMBER,
+    "socket_connect_timeout": NUMBER,
+    "socket_read_size": WHOLE,
+    "health_check_interval": WHOLE,
+    "max_connections": WHOLE,
+    "retry_on_timeout": FLAG,
+    "protocol": _one_of("2", "3"),
+    "client_name": TEXT,
+    "username": TEXT,
+    "password": TEXT,
+    "encoding": (_known(codecs.lookup), "a Python codec"),
+    "encoding_errors": (_known(codecs.lookup_error), "a Python codec error handler"),
+}
+REDIS_PY_TCP: dict[str, Rule] = {"socket_keepalive": FLAG}  # not a socket file's
+REDIS_PY_TLS: dict[str, Rule] = {  # a rediss:// URL's only
+    "ssl_cert_reqs": _one_of("none", "optional", "required"),
+    "ssl_check_hostname": FLAG,
+    "ssl_validate_ocsp": FLAG,
+    "ssl_validate_ocsp_stapled": FLAG,
+    **dict.fromkeys(
+        ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_password", "ssl_ciphers"),
+        TEXT,
+    ),
+}
+# kombu reads the TLS options itself (its certificate requirement in either spelling), then hands them to redis-py.
+KOMBU_TLS: dict[str, Rule] = {
+    **REDIS_PY_TLS,
+    "ssl_cert_reqs": _one_of("none", "optional", "required", "CERT_NONE", "CERT_OPTIONAL", "CERT_REQUIRED"),
+    "ssl_check_hostname": TEXT,  # anything but `false` is true to kombu
+}
+KOMBU_SOCKET: dict[str, Rule] = {"virtual_host": WHOLE, **KOMBU_TLS}  # a host URL's database is its path only
+KOMBU_AMQP: dict[str, Rule] = {
+    "heartbeat": NUMBER,
+    "connect_timeout": NUMBER,
+    "login_method": _one_of("AMQPLAIN", "PLAIN", "EXTERNAL", "GSSAPI"),
+    "ssl": FLAG,
+    "insist": FLAG,
+    **KOMBU_TLS,
+}
+
+
+def redis_py_options(scheme: str) -> dict[str, Rule]:
+    """The options redis-py takes from a URL of this scheme."""
+    extra = {"unix": {}, "redis": REDIS_PY_TCP, "rediss": {**REDIS_PY_TCP, **REDIS_PY_TLS}}
+    return {**REDIS_PY, **extra.get(scheme, {})}
+
+
+def check_redis_options(name: str, url: str) -> None:
+    """The options of a URL the runtime's own redis-py client (and the result store) reads."""
+    _check(name, url, redis_py_options(urlsplit(url).scheme), "redis-py")
+
+
+def check_broker_options(name: str, url: str) -> None:
+    """The options of the broker URL, as kombu's Connection reads them."""
+    scheme = urlsplit(url).scheme
+    amqp = scheme in ("amqp", "amqps", "pyamqp")
+    rules, transport = (KOMBU_AMQP, "AMQP") if amqp else (KOMBU_SOCKET if "socket" in scheme else KOMBU_TLS, "Redis")
+    _check(name, url, rules, f"kombu's {transport} transport")
+
+
+def _check(name: str, url: str, rules: dict[str, Rule], client: str) -> None:
+    for option, value in parse_qsl(urlsplit(url).query):  # a blank value is ignored by both clients
+        if option not in rules:
+            raise ConfigError(
+                f"{name}={redact_url(url)!r}: {client} takes no option {option!r} (it takes {', '.join(sorted(rules))})"
+            )
+        readable, takes = rules[option]
+        if not readable(value):
+            raise ConfigError(f"{name}={redact_url(url)!r}: {option} must be {takes}")

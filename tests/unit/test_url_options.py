@@ -1,0 +1,69 @@
+"""The option lists the settings check URLs against (animastor_tasks/url_options.py, kept by hand because the
+settings may import no driver) agree with the installed redis-py and kombu: every option they let through, with
+a value they let through, is one the driver reads without an error."""
+
+from __future__ import annotations
+
+import pytest
+
+from animastor_tasks.url_options import KOMBU_AMQP, KOMBU_SOCKET, KOMBU_TLS, redis_py_options
+
+SAMPLES = {  # one value of each option that the checks accept
+    "db": "2",
+    "socket_timeout": "2.5",
+    "socket_connect_timeout": "1",
+    "socket_read_size": "65536",
+    "health_check_interval": "10",
+    "max_connections": "20",
+    "retry_on_timeout": "true",
+    "protocol": "3",
+    "client_name": "animastor",
+    "username": "u",
+    "password": "p",
+    "encoding": "latin-1",
+    "encoding_errors": "replace",
+    "socket_keepalive": "false",
+    "ssl_cert_reqs": "optional",
+    "ssl_check_hostname": "false",
+    "ssl_validate_ocsp": "false",
+    "ssl_validate_ocsp_stapled": "false",
+    "ssl_keyfile": "/k.pem",
+    "ssl_certfile": "/c.pem",
+    "ssl_ca_certs": "/ca.pem",
+    "ssl_ca_path": "/ca",
+    "ssl_ca_data": "x",
+    "ssl_password": "p",
+    "ssl_ciphers": "HIGH",
+    "virtual_host": "3",
+    "heartbeat": "30",
+    "connect_timeout": "4",
+    "login_method": "PLAIN",
+    "ssl": "true",
+    "insist": "false",
+}
+BASES = {"redis": "redis://127.0.0.1:1/0", "rediss": "rediss://127.0.0.1:1/0", "unix": "unix:///run/r.sock"}
+
+
+@pytest.mark.parametrize("scheme", sorted(BASES))
+def test_every_option_let_through_is_one_redis_py_reads(scheme: str) -> None:
+    import redis
+
+    for option in redis_py_options(scheme):
+        url = f"{BASES[scheme]}{'&' if '?' in BASES[scheme] else '?'}{option}={SAMPLES[option]}"
+        pool = redis.ConnectionPool.from_url(url)
+        pool.connection_class(**pool.connection_kwargs)  # connects nowhere; raises on what it cannot take
+
+
+@pytest.mark.parametrize(
+    ("base", "rules"),
+    [
+        ("rediss://127.0.0.1:1/0", KOMBU_TLS),
+        ("redis+socket:///run/r.sock", KOMBU_SOCKET),
+        ("amqp://u:p@h:1//", KOMBU_AMQP),
+    ],
+)
+def test_every_option_let_through_is_one_kombu_reads(base: str, rules: dict[str, object]) -> None:
+    import kombu
+
+    for option in rules:
+        kombu.Connection(f"{base}?{option}={SAMPLES[option]}")
