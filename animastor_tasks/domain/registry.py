@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _QUEUE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -20,6 +21,8 @@ STAGE_KEYS = frozenset(
     | {"endpoint", "params"}
 )
 _KNOWN = ", ".join(sorted(STAGE_KEYS))
+# The installed generators that call an inference server: each needs the stage's `endpoint`.
+SERVER_GENERATORS = frozenset({"http", "openai-speech", "openai-images"})
 
 DEFAULT_TABLE: dict[str, dict[str, Any]] = {
     "audio": {"queue": "gpu.audio", "input": "text", "media_type": "audio/wav"},
@@ -92,6 +95,29 @@ def _text(stage: str, key: str, value: Any) -> str:
     return value
 
 
+def _endpoint(stage: str, value: Any) -> str | None:
+    """An http(s) URL with a host, a port in 1-65535 and no blank or control character. *Why:* `http://`,
+    `http://host:99999/x` or `http://ho st/x` passed start-up; the GPU worker started healthy and every job of
+    the stage failed `misconfigured`."""
+    if value is None:
+        return None
+    ok = isinstance(value, str) and value.startswith(("http://", "https://")) and value.isprintable()
+    if ok and not any(ch.isspace() for ch in value):
+        try:
+            parts = urlsplit(value)
+            ok = bool(parts.hostname) and parts.port != 0  # `.port` raises ValueError past 65535
+        except ValueError:
+            ok = False
+    else:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"stage {stage!r}: endpoint must be an http(s) URL with a host (a port, if any, 1-65535; no blanks),"
+            f" got {value!r}"
+        )
+    return str(value)
+
+
 def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
     """Build the registry from `{stage: {queue, input, media_type, lease_ttl, ...}}`."""
     table = DEFAULT_TABLE if table is None else table
@@ -113,9 +139,7 @@ def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
         input_field = entry.get("input", "text")
         if input_field not in INPUT_FIELDS:
             raise ValueError(f"stage {name!r}: input must be one of {INPUT_FIELDS}, got {input_field!r}")
-        endpoint = entry.get("endpoint")
-        if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://"))):
-            raise ValueError(f"stage {name!r}: endpoint must be an http(s) URL, got {endpoint!r}")
+        endpoint = _endpoint(name, entry.get("endpoint"))
         unknown = sorted(set(entry) - STAGE_KEYS)
         if unknown:  # a misspelt limit was ignored: the stage ran with the default it meant to change
             raise ValueError(f"stage {name!r}: unknown key(s) {', '.join(map(repr, unknown))} (known: {_KNOWN})")
@@ -128,6 +152,8 @@ def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
                 f"stage {name!r}: generator 'builtin' makes placeholder media and calls no endpoint; drop"
                 " 'generator' (an endpoint means 'http') or the endpoint"
             )
+        if generator in SERVER_GENERATORS and endpoint is None:  # every job failed `misconfigured`
+            raise ValueError(f"stage {name!r}: generator {generator!r} calls an inference server: give its 'endpoint'")
         stages.append(
             StageSpec(
                 name=name,

@@ -91,6 +91,26 @@ def refuse_unknown_queues(sender: str, instance: Any, conf: Any, options: dict[s
             f"known queues: {', '.join(sorted(known))} (stages come from ANIMASTOR_STAGES)\n"
         )
         raise SystemExit(2)
+    refuse_generators_not_built(wanted)
+
+
+def refuse_generators_not_built(queues: set[str]) -> None:
+    """A GPU worker builds the generator of each stage it consumes before it starts (a factory is cheap: it is
+    called per job). *Why:* one not installed on this host (`"generator": "htp"`) let the worker start healthy
+    and fail every job `misconfigured`, said only at DEBUG by the warm-up. The control worker builds none: a
+    generator need be installed only where its stage runs."""
+    from animastor_tasks.generators import load_generator
+
+    problems = []
+    for spec in settings.registry.stages:
+        if spec.queue in queues:
+            try:
+                load_generator(spec, settings)
+            except Exception as err:  # the same for every job of the stage: the worker's setup, not a job's
+                problems.append(str(err))
+    if problems:
+        sys.stderr.write(f"animastor-tasks: refusing to start: {'; '.join(problems)}\n")
+        raise SystemExit(2)
 
 
 @signals.celeryd_after_setup.connect

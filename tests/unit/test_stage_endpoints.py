@@ -1,0 +1,65 @@
+"""A stage whose generator cannot work is refused at start-up, not found out by every job failing `misconfigured`:
+an endpoint that cannot be a URL, a generator that calls a server given none (ANIMASTOR_STAGES, every process),
+and a generator this host does not have installed (the GPU worker of that stage)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from animastor_tasks.config import Settings
+from animastor_tasks.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("stage", "needle"),
+    [
+        ({"endpoint": "http://"}, "endpoint"),
+        ({"endpoint": "http://host:99999/x"}, "endpoint"),
+        ({"endpoint": "http://host:0/x"}, "endpoint"),
+        ({"endpoint": "http://ho st/x"}, "endpoint"),
+        ({"endpoint": "http://host/x\n"}, "endpoint"),
+        ({"endpoint": "http://:8765/v1"}, "endpoint"),
+        ({"generator": "openai-speech"}, "openai-speech"),
+        ({"generator": "openai-images"}, "openai-images"),
+        ({"generator": "http"}, "'http'"),
+    ],
+)
+def test_a_stage_whose_endpoint_cannot_be_called_is_a_config_error(stage: dict[str, str], needle: str) -> None:
+    import json
+
+    with pytest.raises(ConfigError, match="ANIMASTOR_STAGES") as info:
+        Settings.from_env({"ANIMASTOR_STAGES": json.dumps({"audio": {"media_type": "audio/wav", **stage}})})
+    assert needle in str(info.value).split(":", 1)[1]
+
+
+def test_endpoints_that_are_urls_pass() -> None:
+    table = (
+        '{"audio": {"endpoint": "http://gpu-box:8765/v1/generate"},'
+        ' "image": {"generator": "openai-images", "endpoint": "https://[::1]/v1"}}'
+    )
+    settings = Settings.from_env({"ANIMASTOR_STAGES": table})
+    assert [s.generator for s in settings.stages] == ["http", "openai-images"]
+
+
+def test_a_gpu_worker_whose_generator_is_not_installed_refuses_to_start(tmp_path: Path) -> None:
+    """It started healthy and failed every job `misconfigured`; the warm-up said why at DEBUG only."""
+    env = {
+        **os.environ,
+        "ANIMASTOR_LOCAL_DIR": str(tmp_path / "none"),
+        "ANIMASTOR_STAGES": '{"audio": {"generator": "htp", "media_type": "audio/wav"}}',
+        "ANIMASTOR_REDIS_URL": "redis://127.0.0.1:1/0",  # nothing listens: nothing may be needed to refuse
+        "ANIMASTOR_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/none",
+    }
+    env.pop("ANIMASTOR_BROKER_URL", None)
+    argv = [sys.executable, "-m", "animastor_tasks.operator.cli", "worker", "--stage", "audio", "-P", "solo"]
+    try:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the worker started: {str(err.stderr)[-500:]}")
+    assert done.returncode == 2, done.stderr
+    assert "generator 'htp' is not installed" in done.stderr
