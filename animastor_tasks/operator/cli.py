@@ -91,6 +91,35 @@ def _emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
         human(data)
 
 
+class Seconds(click.ParamType):
+    """A finite number of seconds, at least `least` (above it when `open_low`) and at most `most`: `nan` and `inf`
+    passed click's FloatRange, and were a traceback in `sleep` or a wait that never ended; `1e300` overflowed a
+    sleep, or waited for ever on a command already sent."""
+
+    name = "seconds"
+
+    def __init__(self, least: float, most: float, *, open_low: bool = False) -> None:
+        self.least, self.most, self.open_low = least, most, open_low
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        too_low = seconds <= self.least if self.open_low else seconds < self.least
+        if not math.isfinite(seconds) or too_low:
+            bound = f"above {self.least:g}" if self.open_low else f"at least {self.least:g}"
+            self.fail(f"{value!r} must be a finite number {bound}", param, ctx)
+        if seconds > self.most:
+            self.fail(f"{value!r} must be at most {self.most:g}", param, ctx)
+        return seconds
+
+
+WAIT = Seconds(0, 86_400, open_low=True)  # how long a command waits for the control worker's answer: a day at most
+INTERVAL = Seconds(0.1, 3_600)  # a --watch view's refresh: an hour at most
+LOCK_WAIT = Seconds(0, 86_400)  # `db migrate --lock-wait`: `nan` or `inf` was a deadline never reached
+
+
 # -- stores ------------------------------------------------------------------------------
 @main.group()
 def db() -> None:
@@ -100,7 +129,7 @@ def db() -> None:
 @db.command("migrate")
 @click.option(
     "--lock-wait",
-    type=click.FloatRange(min=0),
+    type=LOCK_WAIT,
     help="Seconds a migration tries for its table locks (a second at a time) before it gives up with exit 3"
     " [default: 60].",
 )
@@ -178,34 +207,6 @@ def layers_show(book_id: str, as_json: bool) -> None:
 
 
 # -- commands ---------------------------------------------------------------------------------
-class Seconds(click.ParamType):
-    """A finite number of seconds, at least `least` (above it when `open_low`) and at most `most`: `nan` and `inf`
-    passed click's FloatRange, and were a traceback in `sleep` or a wait that never ended; `1e300` overflowed a
-    sleep, or waited for ever on a command already sent."""
-
-    name = "seconds"
-
-    def __init__(self, least: float, most: float, *, open_low: bool = False) -> None:
-        self.least, self.most, self.open_low = least, most, open_low
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        too_low = seconds <= self.least if self.open_low else seconds < self.least
-        if not math.isfinite(seconds) or too_low:
-            bound = f"above {self.least:g}" if self.open_low else f"at least {self.least:g}"
-            self.fail(f"{value!r} must be a finite number {bound}", param, ctx)
-        if seconds > self.most:
-            self.fail(f"{value!r} must be at most {self.most:g}", param, ctx)
-        return seconds
-
-
-WAIT = Seconds(0, 86_400, open_low=True)  # how long a command waits for the control worker's answer: a day at most
-INTERVAL = Seconds(0.1, 3_600)  # a --watch view's refresh: an hour at most
-
-
 def _scene_arg(value: str) -> tuple[str, str]:
     chapter, sep, scene = value.partition("/")
     if not sep:
