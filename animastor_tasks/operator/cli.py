@@ -208,10 +208,19 @@ def layers_show(book_id: str, as_json: bool) -> None:
 
 # -- commands ---------------------------------------------------------------------------------
 def _scene_arg(value: str) -> tuple[str, str]:
+    """CHAPTER/SCENE, each id as the regenerate task checks it. *Why:* `ch/` was published (and refused by the
+    worker, or with the broker down left a resend to make), and `a/b/c` was read as chapter `a`, scene `b/c`."""
+    from animastor_tasks.domain.book import validate_id
+
     chapter, sep, scene = value.partition("/")
-    if not sep:
-        raise click.BadParameter(f"{value!r} must be CHAPTER/SCENE (write a '/' inside an id as %2F)")
-    return unquote(chapter), unquote(scene)
+    if not sep or "/" in scene:
+        raise click.BadParameter(f"{value!r} must be CHAPTER/SCENE, one '/' (write a '/' inside an id as %2F)")
+    try:
+        return validate_id("chapter id", unquote(chapter), error=InvalidInput), validate_id(
+            "scene id", unquote(scene), error=InvalidInput
+        )
+    except InvalidInput as err:
+        raise click.BadParameter(f"{value!r}: {err}", param_hint="--scene") from None
 
 
 @main.command()
@@ -242,11 +251,17 @@ def regenerate(
     import uuid
 
     from animastor_tasks.client import Client
+    from animastor_tasks.flow import validate
 
+    # Checked here, as the task would, so that bad input exits 2 with nothing published.
+    settings = Settings.from_env()
     picked = [_scene_arg(s) for s in scenes] or None
+    known = settings.registry.names()
+    if unknown := [s for s in stages if s != "all" and s not in known]:
+        raise click.BadParameter(f"unknown stage {unknown[0]!r} (known: {', '.join(known)}, all)", param_hint="--stage")
     # Made here, not by the client, so that an answer that did not come can say how to ask again safely.
-    request_id = str(uuid.uuid4()) if command_id is None else command_id
-    client = Client(timeout=timeout)
+    request_id = str(uuid.uuid4()) if command_id is None else validate.request_id(command_id)
+    client = Client(settings, timeout=timeout)
     try:
         result = client.regenerate(
             book_id, list(stages), picked, command_id=request_id, force=not no_force, priority=priority

@@ -26,3 +26,32 @@ def test_a_lock_wait_that_is_no_finite_number_of_seconds_is_refused(wait: str) -
     transaction left open it waited for ever instead of exiting 3."""
     result = CliRunner().invoke(main, ["db", "migrate", "--lock-wait", wait], env=NOWHERE)
     assert result.exit_code == 2 and "--lock-wait" in result.output, (wait, result.output)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--command-id", "nope"], "command_id"),
+        (["--command-id", "{8c4f3f6e-7c2a-4a8e-9d0b-2f1e6a5b4c3d}"], "command_id"),
+        (["--scene", "ch/"], "--scene"),
+        (["--scene", "/sc"], "--scene"),
+        (["--scene", "ch1/ %0A"], "--scene"),
+        # A second '/' was taken as part of the scene id (chapter `a`, scene `b/c`): a '/' in an id is %2F.
+        (["--scene", "a/b/c"], "%2F"),
+        (["--stage", "video"], "video"),
+    ],
+)
+def test_regenerate_refuses_its_own_bad_input_before_it_publishes(args: list[str], needle: str) -> None:
+    """Each was published (with the broker down: "resend with --command-id nope", exit 3)."""
+    argv = ["regenerate", "b1", "--timeout", "1", *(["--stage", "audio"] if "--stage" not in args else []), *args]
+    result = CliRunner().invoke(main, argv, env=NOWHERE)
+    assert result.exit_code == 2, (args, result.output)
+    assert needle in result.output and "resend" not in result.output, result.output
+
+
+def test_regenerate_with_good_input_goes_on_to_the_broker() -> None:
+    """The checks above refuse only what is wrong: a good request reaches the (absent) broker, exit 3."""
+    argv = ["regenerate", "b1", "--stage", "all", "--scene", "ch%2F1/sc 1", "--timeout", "1"]
+    argv += ["--command-id", "8C4F3F6E-7C2A-4A8E-9D0B-2F1E6A5B4C3D"]
+    result = CliRunner().invoke(main, argv, env=NOWHERE)
+    assert result.exit_code == 3, result.output
