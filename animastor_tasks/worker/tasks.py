@@ -18,9 +18,10 @@
 |                             |                     | fencing_token (its process may run the next job of its      |
 |                             |                     | freed slot in the same task: worker/chain.py)               |
 
-The tasks only this runtime sends (all but regenerate and cancel) take, and log, kwargs they do not know:
+The tasks only this runtime sends (all but regenerate, cancel and gate) take, and log, kwargs they do not know:
 a newer version's message to an older worker during a rolling deploy runs rather than failing with a
-TypeError (a refill lost so left its slot idle until reconcile).
+TypeError (a refill lost so left its slot idle until reconcile). The three a caller sends refuse one: it is
+the caller's intent (a misspelt `lane` ran a whole gate pass).
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def cancel(book_id: Any = MISSING, reason: str | None = None, **unknown: Any) ->
 
 
 @app.task(name="animastor.gate")
-def gate_task(book_id: str, lane: str | None = None, **newer: Any) -> dict[str, Any]:
-    _newer("animastor.gate", newer)
+def gate_task(book_id: Any = MISSING, lane: str | None = None, **unknown: Any) -> dict[str, Any]:
+    # Sent by callers only (the runtime hands slots through animastor.refill): held to its schema, as regenerate.
+    _call_as_schema_says("animastor.gate", unknown, book_id=book_id)
     # `lane`: a message of a version that handed slots through this task; handed slots are refills now.
     book, queue = validate.known_book(ports(), book_id), validate.lane(ports(), lane)
     return _pass_result(book, gate.gate_pass(ports(), book) if queue is None else refill.refill(ports(), book, queue))
