@@ -231,8 +231,11 @@ BUILT_IN_THE_FILE = {"ANIMASTOR_DATABASE_URL", "ANIMASTOR_REDIS_URL", "ANIMASTOR
 
 
 def settings_read() -> set[str]:
-    """The variables `Settings.from_env` reads."""
-    return set(re.findall(r'"(ANIMASTOR_[A-Z0-9_]+)"', (ROOT / "animastor_tasks" / "config.py").read_text()))
+    """The variables `Settings.from_env` reads, and the tracing switch (worker/tracing.py) every process checks."""
+    read = ("config.py", "worker/tracing.py")
+    return {
+        n for f in read for n in re.findall(r'"(ANIMASTOR_[A-Z0-9_]+)"', (ROOT / "animastor_tasks" / f).read_text())
+    }
 
 
 def test_every_setting_set_for_compose_reaches_every_process_and_the_grace_follows() -> None:
@@ -240,7 +243,7 @@ def test_every_setting_set_for_compose_reaches_every_process_and_the_grace_follo
     stop's grace period, itself fixed at 33 minutes) reached no container, nor did 18 other settings: long
     jobs were still killed at 1,900 s, on some hosts and not others where a file was patched by hand."""
     names = settings_read()
-    assert {"ANIMASTOR_JOB_TIME_LIMIT", "ANIMASTOR_STAGES", "ANIMASTOR_DB_POOL_MAX"} <= names
+    assert {"ANIMASTOR_JOB_TIME_LIMIT", "ANIMASTOR_STAGES", "ANIMASTOR_DB_POOL_MAX", "ANIMASTOR_OTEL"} <= names
     farm = {"ANIMASTOR_HOST_NAME": "gpu-1", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
     given = {name: f"set-{i}" for i, name in enumerate(sorted(names))}
     for files, workers in (
@@ -261,3 +264,34 @@ def test_every_setting_set_for_compose_reaches_every_process_and_the_grace_follo
         for name in workers:
             grace = re.search(r"^    stop_grace_period: (\S+)$", blocks[name], re.M)
             assert grace and seconds(grace.group(1)) == 50 * 60, (files, name, grace)
+
+
+S3_STORE = {
+    "ANIMASTOR_ARTIFACT_URL": "s3://farm-artifacts/prod",
+    "AWS_ENDPOINT_URL_S3": "https://s3.example",
+    "AWS_ACCESS_KEY_ID": "key-id",
+    "AWS_SECRET_ACCESS_KEY": "key-secret",
+    "AWS_DEFAULT_REGION": "eu-west-3",
+}
+
+
+@pytest.mark.parametrize("files", [BASE, CPU], ids=["base", "cpu"])
+def test_an_s3_store_set_for_compose_gets_its_credentials_in_every_process(files: tuple[str, ...]) -> None:
+    """The one-host files passed ANIMASTOR_ARTIFACT_URL=s3://... but none of the AWS_* variables boto3 reads: the
+    store's endpoint, key pair and region never reached a container, and every job failed its upload."""
+    proc = run_compose("config", env={**SECRETS, **S3_STORE}, files=files)
+    assert proc.returncode == 0, proc.stderr
+    checked = 0
+    for name, block in services(proc.stdout).items():
+        if "animastor-tasks" not in block:
+            continue  # Postgres, Redis
+        seen = {k: v.strip("'\"") for k, v in environment(block).items()}
+        assert {k: seen.get(k) for k in S3_STORE} == S3_STORE, (files, name)
+        checked += 1
+    assert checked >= 7
+    # Unset (the directory store, the default): nothing required, and no empty region (boto3 refuses one).
+    proc = run_compose("config", env=SECRETS, files=files)
+    assert proc.returncode == 0, proc.stderr
+    for block in services(proc.stdout).values():
+        region = environment(block).get("AWS_DEFAULT_REGION", "null") if "animastor-tasks" in block else "null"
+        assert region.strip("'\"") != "", block
