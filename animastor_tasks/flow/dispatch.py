@@ -132,6 +132,10 @@ def dispatch_pending(
         if state == "open":
             open_stages.add(stage)
             result.outcomes[Outcome.BREAKER_OPEN] += sum(1 for i in todo if i.stage == stage)
+            # Waiting for the breaker, the book waits for the lane too, at its most urgent pair's priority (its
+            # place kept from pass to pass). *Why:* off the list, a reader's scene was invisible to the passes sent
+            # as the breaker closed, and a bulk book passed first took every free slot.
+            _wait_for_lane(ports, book, specs[stage].queue, min(i.rank for i in todo if i.stage == stage), now)
         elif state == "permit":
             permits[stage] = 1  # half-open: exactly one test dispatch
     todo = [i for i in todo if i.stage not in open_stages]

@@ -106,9 +106,11 @@ def send_due_passes(ports: Ports, *also: str) -> list[str]:
 
 
 def breaker_closed(ports: Ports, queue: str, *also: str) -> None:
-    """A success closed the lane's open breaker: the books due now (those whose pairs waited for the breaker among
-    them: each tick passed them while it was open) get their passes at once. *Why:* the job or test publish that
-    closed it used one slot, and the lane's other free slots stood idle until the next tick (up to 5 s)."""
+    """A success closed the lane's open breaker: its free slots go to the books waiting for it, most urgent first
+    (those whose pairs waited for the breaker among them), and the books due now get their passes at once. *Why:*
+    the job or test publish that closed it used one slot, and the lane's other free slots stood idle until the next
+    tick (up to 5 s), or two ticks for the books waiting with capacity deferrals (a due pass looks past those)."""
+    hand_on_freed(ports, {queue})
     try:
         books = send_due_passes(ports, *also)
     except Exception as err:  # Redis or the broker: the next tick sends them; the caller's job or pass goes on

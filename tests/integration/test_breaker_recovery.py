@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from animastor_tasks.flow import cancel as cancel_flow
+from animastor_tasks.flow import lanes
 from animastor_tasks.flow import regenerate as regenerate_flow
 
 from .helpers import make_book, states, use_settings
@@ -99,3 +101,43 @@ def test_a_job_ending_while_its_lane_is_open_keeps_its_book_in_line_behind_the_w
     assert rt.ports.deferrals.next_waiters(queue, 1, exclude="x", requeue_from="d-x") == []
     assert _waiting(rt, queue) == ["a", "b", "x"]
     assert rt.redis.client.hgetall(rt.redis.keys.lane_handed(queue)) == {}
+
+
+def test_a_reader_s_scene_that_waited_for_an_open_breaker_goes_before_a_bulk_book_when_it_closes(rt) -> None:
+    """Pairs refused by an open breaker left their books off the lane's waiting list, only due: the passes sent as
+    the breaker closed went in due order, and a bulk book regenerated before the reader's scene took every free
+    slot; the scene waited a whole bulk job."""
+    lane(rt, lane_limit=2, book_quota=2, window=4)
+    use_settings(rt, replace(rt.settings, breaker_threshold=1, breaker_cooldown_seconds=60))
+    for book, scenes in (("a", 1), ("bulk", 4), ("reader", 1)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    assert rt.ports.breaker.breaker_record("gpu.audio", False, 1, 60, run=True) == "open"  # another job's failure
+    regenerate_flow.regenerate(rt.ports, "bulk", ["audio"], priority="bulk")
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], priority="interactive")
+    run_control(rt)
+    assert running(rt, "bulk", "reader") == {}
+    finish_one(rt, "a")  # runs well: the breaker closes
+    assert rt.breaker.breaker_state("gpu.audio") == "closed"
+    assert running(rt, "bulk", "reader") == {"reader": 1, "bulk": 1}
+
+
+def test_a_breaker_that_closes_hands_its_free_slots_to_the_books_waiting_for_the_lane(rt) -> None:
+    """A book waiting for the lane (its pairs deferred for capacity) is not passed by the due passes the closing
+    sent: the lane's free slots stood beside it until the tick found them stranded, two ticks later."""
+    queue = "gpu.audio"
+    lane(rt, lane_limit=3, book_quota=1, window=4)
+    rt.catalog.import_book(make_book("first", chapters=1, scenes=3))
+    rt.catalog.import_book(make_book("waiter", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "first", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "waiter", ["audio"])
+    assert running(rt, "first", "waiter") == {"first": 3}
+    assert _waiting(rt, queue) == ["waiter"]
+    rt.redis.client.hset(rt.redis.keys.breaker(queue), mapping={"open_until": repr(rt.redis.server_time() + 60)})
+    cancel_flow.cancel(rt.ports, "first")  # three slots free, but the lane is open: nobody is handed one
+    run_control(rt)
+    assert running(rt, "first", "waiter") == {} and _waiting(rt, queue) == ["waiter"]
+    rt.redis.client.delete(rt.redis.keys.breaker(queue))
+    lanes.breaker_closed(rt.ports, queue)
+    run_control(rt)
+    assert running(rt, "waiter") == {"waiter": 2}
