@@ -38,6 +38,9 @@ widens to another book).
 |                                               |        | the visibility timeout                    |
 | ``P:consumers:QUEUE`` (members hostname,      | zset   | heartbeat TTL per member (a few seconds)  |
 |   score = heartbeat expiry)                   |        |                                           |
+| ``P:held:QUEUE`` (members hostname,           | zset   | heartbeat TTL per member, while the       |
+|   score = heartbeat expiry)                   |        | worker beats for QUEUE with no consumer   |
+|                                               |        | on it (draining its jobs, reconnecting)   |
 | ``P:lane-waiters:QUEUE`` (members ``B``,      | zset   | until the book is handed a free slot of   |
 |   score = priority rank x 1e10 + when B first |        | the lane (most urgent, then oldest first: |
 |   waited for the lane)                        |        | round robin)                              |
@@ -163,6 +166,10 @@ class Keyspace:
     # -- per queue ------------------------------------------------------------
     def consumers(self, queue: str) -> str:
         return self._key("consumers", queue)
+
+    def held(self, queue: str) -> str:
+        """The workers that beat for the queue without a consumer on it for now (draining, or reconnecting)."""
+        return self._key("held", queue)
 
     def lane_waiters(self, queue: str) -> str:
         return self._key("lane-waiters", queue)

@@ -33,11 +33,13 @@ class PresenceStep(bootsteps.StartStopStep):
         self._advertised: set[str] = set()
         self._draining = threading.Event()
         self._reconnecting = threading.Event()
+        self._wake = threading.Event()  # beat now, not at the end of the wait: the worker stopped consuming
 
     def start(self, parent: Any) -> None:
         self._draining.clear()
         self._reconnecting.clear()
         if self._thread is not None and self._thread.is_alive():
+            self._wake.set()
             return  # the consumer restarted while a job was still draining: the heartbeat never stopped
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, args=(parent,), name="animastor-presence", daemon=True)
@@ -49,6 +51,7 @@ class PresenceStep(bootsteps.StartStopStep):
         # stage's commands. It keeps beating the queues it had until it consumes again.
         if parent.blueprint.state == RUN:
             self._reconnecting.set()
+            self._wake.set()
             return
         # Warm shutdown stops the consumer before the pool has finished its jobs. Withdrawing now would tell
         # the gate that nobody consumes the stage: it would BLOCK the command and release the pair, and the
@@ -57,6 +60,7 @@ class PresenceStep(bootsteps.StartStopStep):
         if _jobs_in_hand():
             if not self._draining.is_set():  # stop() and shutdown() both come here
                 self._draining.set()
+                self._wake.set()
                 signals.worker_shutdown.connect(lambda **_: self._finish(parent), weak=False)
             return
         self._finish(parent)
@@ -65,6 +69,7 @@ class PresenceStep(bootsteps.StartStopStep):
 
     def _finish(self, parent: Any) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._withdraw(parent)
@@ -78,17 +83,24 @@ class PresenceStep(bootsteps.StartStopStep):
                 self._withdraw(parent)
                 return
             try:
-                if self._draining.is_set() or self._reconnecting.is_set():  # no consumer now: keep what it had
+                # No consumer now: it keeps what it had, and says it holds them (the broker counts it out, its
+                # heartbeat stands: presence.PresenceStore.counts).
+                holding = self._draining.is_set() or self._reconnecting.is_set()
+                if holding:
                     queues = set(self._advertised)
                 else:
                     queues = {q.name for q in (parent.task_consumer.queues if parent.task_consumer else [])}
-                wiring.current().presence.heartbeat(parent.hostname, queues, ttl, gone=self._advertised - queues)
+                wiring.current().presence.heartbeat(
+                    parent.hostname, queues, ttl, gone=self._advertised - queues, holding=holding
+                )
                 self._advertised = queues
             except StoreUnavailable as err:
                 log.warning("[PRESENCE] heartbeat failed: %s", err)
             except Exception:
                 log.exception("[PRESENCE] heartbeat failed")
-            if self._stop.wait(ttl / 3):
+            self._wake.wait(ttl / 3)
+            self._wake.clear()
+            if self._stop.is_set():
                 return
 
     def _withdraw(self, parent: Any) -> None:

@@ -10,9 +10,10 @@ import pytest
 
 from tests.support import missing
 
-from .harness import AmqpQueueTap, amqp_queue_depth
+from .harness import AmqpQueueTap, amqp_queue_depth, audio_stage, stage_table
 from .test_blocked import run_blocked
 from .test_full_run import run_full_book
+from .test_workers import run_replaced_worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.amqp]
 
@@ -47,6 +48,15 @@ def test_full_book_run_amqp(make_stack, figure, amqp_broker) -> None:
     # Every job was routed through RabbitMQ and consumed: nothing is left in the GPU queues.
     assert amqp_queue_depth(amqp_broker.url, "gpu.audio") == 0
     assert amqp_queue_depth(amqp_broker.url, "gpu.image") == 0
+
+
+def test_a_stage_whose_only_worker_is_replaced_keeps_its_commands_amqp(make_stack, figure, amqp_broker) -> None:
+    """Warm shutdown cancels the consumer before the pool has finished its job, and RabbitMQ counts the queue's
+    consumers 0 from then on, while the draining worker still beats: the broker's zero won over the live heartbeat,
+    the job's own refill (or the tick) found the stage without a consumer and no departure noted, and BLOCKED its
+    command for good."""
+    stages = stage_table(audio=audio_stage(params={"steps": 24, "step_seconds": 0.25}))  # 6 s: a tick drains with it
+    run_replaced_worker(make_stack(broker_url=amqp_broker.url, stages=stages), figure, " (amqp broker)", scenes=2)
 
 
 def test_a_gpu_worker_asks_rabbitmq_for_an_ack_timeout_longer_than_its_jobs(make_stack, figure, amqp_broker) -> None:

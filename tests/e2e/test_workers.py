@@ -105,13 +105,18 @@ def test_a_stage_whose_only_worker_is_replaced_keeps_its_commands(make_stack, fi
     """A deployment replacing the stage's only worker (`docker compose up` recreates its container): the old one
     finishes its job and stops cleanly, the new one consumes seconds later. Old code: a tick in between found jobs
     queued and no consumer, and BLOCKED the command for good."""
+    stack = make_stack(stages=stage_table(audio=audio_stage(params={"steps": 4, "step_seconds": 0.25})))
+    run_replaced_worker(stack, figure, "")
+
+
+def run_replaced_worker(stack, figure, broker: str, scenes: int = 6) -> None:  # type: ignore[no-untyped-def]
+    """The stage's only worker replaced while its first job runs: the command completes."""
     from tests.integration.helpers import make_book
 
-    stack = make_stack(stages=stage_table(audio=audio_stage(params={"steps": 4, "step_seconds": 0.25})))
     cluster = stack.cluster
     control, beat, old = cluster.control(wait=False), cluster.beat(wait=False), cluster.gpu("audio", wait=False)
     cluster.wait_ready(control, beat, old)
-    book = make_book("replaced-worker", chapters=1, scenes=6)
+    book = make_book("replaced-worker", chapters=1, scenes=scenes)
     stack.rt.catalog.import_book(book)
     stack.client.regenerate(book.book_id, ["audio"])
     old.wait_log(" started on ", timeout=20)  # its first job runs
@@ -120,4 +125,4 @@ def test_a_stage_whose_only_worker_is_replaced_keeps_its_commands(make_stack, fi
     gap = time.monotonic() - stopped
     rows = stack.wait_commands(book.book_id, ["audio"], "completed", timeout=60)
     assert rows["audio"].status == "completed" and new.alive()
-    figure(f"only audio worker replaced: {gap:.1f}s from SIGTERM to its successor ready; the command completed")
+    figure(f"only audio worker replaced{broker}: {gap:.1f}s from SIGTERM to its successor ready; the command completed")

@@ -53,6 +53,7 @@ OTHER_KINDS = {
     "handing",
     "superseded",
     "lanes-seen-free",
+    "held",
 }
 EXAMPLES = current_scale().pick(60, 500)
 

@@ -383,7 +383,12 @@ def test_a_broker_consumer_never_stands_in_for_missing_heartbeats(rt: Wiring) ->
             assert presence.counts([queue]) == {queue: 1}
         finally:
             q.delete()
-    # A heartbeat without a consumer: the broker's zero wins (a killed worker's connection closed at once).
+    # A heartbeat without a consumer: the broker's zero wins (a killed worker's connection closed at once)...
+    assert presence.counts([queue]) == {queue: 0}
+    # ...unless the worker says it holds the queue (draining its job at a warm shutdown, or reconnecting).
+    presence.heartbeat("w@h", [queue], 30, holding=True)
+    assert presence.counts([queue]) == {queue: 1}
+    presence.heartbeat("w@h", [queue], 30)  # consuming again: it holds nothing, and the broker's count is read
     assert presence.counts([queue]) == {queue: 0}
 
 

@@ -5,9 +5,10 @@ A heartbeat writes `hostname -> expiry` into one sorted set per queue, by the Re
 clocks differ; every reader of a heartbeat judges it by that clock too); a clean stop
 removes it and, when that leaves the queue without a live consumer, notes when (a restart's
 successor is given time to come); a SIGKILLed worker's entry expires within one TTL. On AMQP the broker's own
-count may only lower it: a zero there wins (a killed worker's connection closes at once),
-but a count above zero never stands in for missing heartbeats. A worker cut off by a
-partition leaves a half-open connection the broker keeps counting until its heartbeat
+count may only lower it: a zero there wins (a killed worker's connection closes at once), unless a worker
+*holds* the queue (it beats for it without a consumer: draining its jobs at a warm shutdown, or its consumer
+restarting after a lost broker connection), and a count above zero never stands in for missing heartbeats.
+A worker cut off by a partition leaves a half-open connection the broker keeps counting until its heartbeat
 timeout; its heartbeats have stopped, so it is not live.
 """
 
@@ -25,19 +26,31 @@ class PresenceStore:
         self.conn = conn
         self.amqp_url = amqp_url
 
-    def heartbeat(self, hostname: str, queues: Iterable[str], ttl: float, gone: Iterable[str] = ()) -> None:
+    def heartbeat(
+        self, hostname: str, queues: Iterable[str], ttl: float, gone: Iterable[str] = (), *, holding: bool = False
+    ) -> None:
         """`hostname` consumes `queues` for `ttl` seconds more (and no longer `gone`); its last beat is noted beside,
-        whatever it consumes. A `ttl` of 0 with no queues is a clean stop: its last beat goes too."""
+        whatever it consumes. A `ttl` of 0 with no queues is a clean stop: its last beat goes too. `holding`: it
+        has no consumer on them for now (draining, or reconnecting to its broker), and will have one again or
+        withdraw."""
         now = self.conn.server_time()  # the server's clock: its readers run on other hosts
+        keys = self.conn.keys
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             for queue in queues:
-                pipe.zadd(self.conn.keys.consumers(queue), {hostname: now + ttl})
+                pipe.zadd(keys.consumers(queue), {hostname: now + ttl})
                 # Names silent for a day go: each pod a rollout replaced (a new name each time) stayed for ever.
-                pipe.zremrangebyscore(self.conn.keys.consumers(queue), "-inf", f"({now - FORGET_SILENT_NODE_SECONDS}")
+                forget = f"({now - FORGET_SILENT_NODE_SECONDS}"
+                pipe.zremrangebyscore(keys.consumers(queue), "-inf", forget)
+                if holding:
+                    pipe.zadd(keys.held(queue), {hostname: now + ttl})
+                    pipe.zremrangebyscore(keys.held(queue), "-inf", forget)
+                else:
+                    pipe.zrem(keys.held(queue), hostname)
             for queue in gone:  # lua/withdraw_consumer.lua: its departure noted if it leaves nobody consuming
+                pipe.zrem(keys.held(queue), hostname)
                 self.conn.withdraw_consumer_script(
-                    keys=[self.conn.keys.consumers(queue), self.conn.keys.departures()],
+                    keys=[keys.consumers(queue), keys.departures()],
                     args=[hostname, now, queue],
                     client=pipe,
                 )
@@ -94,5 +107,20 @@ class PresenceStore:
         beating = [q for q in queues if counts[q] > 0]
         if self.amqp_url and beating:  # nothing to ask where no heartbeat is live: the answer is zero already
             broker_counts = amqp_consumer_counts(self.amqp_url, beating)
-            counts.update({q: min(counts[q], broker_counts.get(q, 0)) for q in beating})
+            # *Why held queues keep their count:* a warm shutdown cancels the consumer before its job is done, and
+            # the broker's zero BLOCKED the commands of a stage whose only worker a rollout replaced, for good.
+            held = self._held([q for q in beating if not broker_counts.get(q, 0)])
+            counts.update({q: min(counts[q], broker_counts.get(q, 0)) for q in beating if q not in held})
         return counts
+
+    def _held(self, queues: Sequence[str]) -> set[str]:
+        """Those of `queues` that a live worker holds without a consumer (`heartbeat`'s `holding`)."""
+        if not queues:
+            return set()
+        now = self.conn.server_time()
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for queue in queues:
+                pipe.zcount(self.conn.keys.held(queue), f"({now}", "+inf")
+            held = pipe.execute()
+        return {queue for queue, count in zip(queues, held, strict=True) if count}
