@@ -13,7 +13,9 @@ A job is kept only
   with more slots than worker processes holds a backlog in the broker);
 - while the task is younger than `Settings.chain_budget_seconds`: a kept job shares its task's time
   limits;
-- unless the worker is shutting down: its running job finishes, and the next one goes to the broker.
+- unless the worker is shutting down: its running job finishes, and the next one goes to the broker (asked
+  again as the kept job is about to start: a SIGTERM between its keeping and its start let a whole job start
+  after it, unseen by the shutdown note, `worker/lost.py`).
 
 A job claimed but not run (the task failed after its refill, or the kept job raised before its start
 check) is published after all.
@@ -124,6 +126,9 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
             raise
         while keeper.kept is not None:
             job, name, trace = keeper.kept, keeper.task_name, keeper.trace
+            if not keeping():  # the worker began shutting down after the job was kept: not started here
+                _quietly_publish(ports.publisher, name, queue, job)
+                break
             fields = dataclasses.asdict(job)
             # Held back, they run in another thread, where Celery's request (and the worker's name) is not set.
             worker = _worker_name(task)
