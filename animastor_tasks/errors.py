@@ -83,6 +83,11 @@ class StoreUnavailable(AnimastorError):
         return f"{self.store} unavailable at {self.url}: {self.detail}"
 
 
+class DeliveryNotStarted(StoreUnavailable):
+    """A delivered job could not start: Redis did not answer its delivery's start, tried for a few seconds. Nothing
+    of the job ran; its message goes back to the broker for the next delivery (`worker/tasks.py`)."""
+
+
 class ArtifactStoreError(AnimastorError):
     """The artifact store refused an upload or cannot be reached (wrong credentials, a missing bucket, the
     endpoint down). Unlike a `StoreUnavailable` blip it fails the job with the store's message: giving the

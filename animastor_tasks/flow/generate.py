@@ -43,6 +43,7 @@ from animastor_tasks.flow.job import (
     checked_media,
     guarded_progress,
     load_generator,
+    start_delivery,
     when_reachable,
 )
 from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
@@ -66,9 +67,7 @@ def run_job(
     # The queued lease this dispatch took must still be ours; held, it becomes the running job's lease (TTL,
     # renewed every TTL/3) in the same atomic step that ends the undelivered marker, so a worker that dies
     # after it leaves a job whose lease lapses (domain/liveness.py).
-    held, owned, cancelled, dispatched_at = ports.leases.start_delivery(
-        job.lease_pair, job.dispatch_id, worker, spec.lease_ttl
-    )
+    held, owned, cancelled, dispatched_at = start_delivery(ports, job, worker, spec.lease_ttl)
     if not held or not owned:
         later.job_started()
     if not held:

@@ -16,11 +16,12 @@ from animastor_tasks.domain.job_rules import RUN_TIME_SHARE
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair, Pair
-from animastor_tasks.errors import ArtifactStoreError, ConfigError, GeneratorError, StoreUnavailable
+from animastor_tasks.errors import ArtifactStoreError, ConfigError, DeliveryNotStarted, GeneratorError, StoreUnavailable
 from animastor_tasks.ports import GenerationRequest, Generator, Media, Ports
 
 log = logging.getLogger("animastor.generate")
 T = TypeVar("T")
+DELIVERY_START_WAITS = (0.25, 0.5, 1.0)  # seconds between the tries of a delivery's start while Redis is unreachable
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,24 @@ class Watcher(threading.Thread):
 
 # A verdict waits for its store to come back, not for a backend to recover: it asks again soon and often.
 COMMIT_RETRY_FIRST, COMMIT_RETRY_MAX = 0.25, 2.0
+
+
+def start_delivery(ports: Ports, job: Job, worker: str, ttl: int) -> tuple[bool, bool, bool, float | None]:
+    """`Leases.start_delivery`, tried again for a few seconds while Redis cannot be reached (a start whose answer was
+    lost is taken again by the same holder: lua/start_delivery.lua). Still unreachable: `DeliveryNotStarted`.
+    *Why:* raised at once, the task failed and its message was acked, gone; its pair held its queued lease and the
+    lane counted it running until reconcile took it over (30 s), and on RabbitMQ a Redis blip of a second or two
+    emptied the queue of its whole backlog that way."""
+    for wait in DELIVERY_START_WAITS:
+        try:
+            return ports.leases.start_delivery(job.lease_pair, job.dispatch_id, worker, ttl)
+        except StoreUnavailable as err:
+            log.warning("[GENERATE] %s start not recorded (%s); again in %.2fs", job.describe(), err.detail, wait)
+            time.sleep(wait)
+    try:
+        return ports.leases.start_delivery(job.lease_pair, job.dispatch_id, worker, ttl)
+    except StoreUnavailable as err:
+        raise DeliveryNotStarted(err.store, err.url, err.detail) from err
 
 
 def when_reachable(

@@ -32,10 +32,11 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task
+from celery.exceptions import Reject
 
 from animastor_tasks.domain.liveness import delivery_holder
 from animastor_tasks.domain.registry import StageSpec
-from animastor_tasks.errors import InvalidCommand
+from animastor_tasks.errors import DeliveryNotStarted, InvalidCommand
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, refill, validate
 from animastor_tasks.flow import reconcile as reconcile_flow
@@ -174,7 +175,10 @@ def _register_generate(spec: StageSpec) -> None:
             return run_job(job_ports, job, worker=worker, progress=progress, later=later)
 
         job = Job(book_id, chapter_id, scene_id, stage, dispatch_id, int(fencing_token))
-        return chain.run_chain(self, ports(), spec.queue, job, run)
+        try:
+            return chain.run_chain(self, ports(), spec.queue, job, run)
+        except DeliveryNotStarted as err:  # nothing ran: the message back to the broker, not acked and gone
+            raise Reject(str(err), requeue=True) from err
 
 
 for _spec in settings.stages:

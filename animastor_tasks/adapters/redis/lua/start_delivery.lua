@@ -16,7 +16,10 @@ local dispatched_at = redis.call('HGET', KEYS[5], 'dispatched_at')
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
     return {0, 0, cancelled, dispatched_at}
 end
-if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4]) then
+-- The marker this holder took already is its own still: a start whose answer was lost (Redis answered, the reply
+-- did not arrive), tried again by the same process, goes on as the first try would have.
+if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4]) or redis.call('GET', KEYS[2]) == ARGV[3] then
+    redis.call('EXPIRE', KEYS[2], ARGV[4])
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     redis.call('SET', KEYS[6], ARGV[1] .. '\n' .. KEYS[1], 'EX', ARGV[5])
     redis.call('SADD', KEYS[7], ARGV[3])
