@@ -89,16 +89,19 @@ def build_config(settings: Settings) -> dict[str, Any]:
             "socket_keepalive": True,
         },
         "result_backend_transport_options": {"retry_policy": {"max_retries": 2}},
+        # No `expires`: Celery writes it by beat's clock and the worker judges it by its own, so a control host 10 s
+        # ahead of beat's dropped every tick. Ticks piled up while no control worker ran cost one lock attempt each:
+        # the first runs, the others find its singleton lock held (`liveness.PERIODIC_LOCK_SHARE`).
         "beat_schedule": {
             "animastor-tick": {
                 "task": "animastor.tick",
                 "schedule": timedelta(seconds=settings.tick_seconds),
-                "options": {"queue": CONTROL_QUEUE, "expires": settings.tick_seconds * 2},
+                "options": {"queue": CONTROL_QUEUE},
             },
             "animastor-reconcile": {
                 "task": "animastor.reconcile",
                 "schedule": timedelta(seconds=settings.reconcile_seconds),
-                "options": {"queue": CONTROL_QUEUE, "expires": settings.reconcile_seconds * 2},
+                "options": {"queue": CONTROL_QUEUE},
             },
         },
         "beat_max_loop_interval": min(5.0, settings.tick_seconds),
