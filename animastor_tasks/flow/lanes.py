@@ -97,12 +97,26 @@ def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = Non
 
 
 def send_due_passes(ports: Ports, *also: str) -> list[str]:
-    """The gate passes of the books due now (the due index), several per task, and of `also`."""
-    books = ports.book_state.take_due(ports.clock())
+    """The gate passes of the books due now (the due index), several per task, and of `also`. The books of a batch
+    the broker refuses, and of those after it, are due again. *Why:* taken off the index first, they waited for
+    reconcile's round to reach them (30 s, or several rounds), pairs the same tick had taken over among them."""
+    now = ports.clock()
+    books = ports.book_state.take_due(now)
     books += [b for b in also if b not in books]
     for first in range(0, len(books), BATCH_BOOKS):
-        ports.publisher.enqueue_gates(books[first : first + BATCH_BOOKS])
+        try:
+            ports.publisher.enqueue_gates(books[first : first + BATCH_BOOKS])
+        except Exception:
+            _due_again(ports, books[first:], now)
+            raise
     return books
+
+
+def _due_again(ports: Ports, books: Sequence[str], when: float) -> None:
+    try:
+        ports.book_state.set_due_all(books, when)
+    except StoreUnavailable as err:  # Redis too: reconcile's round finds them
+        log.warning("[DISPATCH] %d due book(s) not put back on the due index: %s", len(books), err)
 
 
 def breaker_closed(ports: Ports, queue: str, *also: str) -> None:

@@ -10,7 +10,10 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, lanes
 from animastor_tasks.flow import reconcile as reconcile_flow
@@ -86,6 +89,36 @@ def test_the_tick_sends_the_due_books_in_batches(rt) -> None:
     time.sleep(1.1)
     assert sorted(tick(rt)) == books[1:]  # b000 runs; every other book waits for the lane
     assert control_messages(rt) == 2  # 54 books: one task of 50 and one of 4
+
+
+def test_due_books_whose_passes_the_broker_refuses_are_due_again(rt, monkeypatch) -> None:
+    """The tick took the due books off the index, then its publish failed (the broker restarted mid-tick): nothing
+    put them back, and they waited for reconcile's round to reach them, 30 s or several rounds."""
+    lane(rt, lane_limit=1)
+    short_capacity_window(rt)
+    books = [f"b{i:03d}" for i in range(lanes.BATCH_BOOKS + 5)]
+    for book in books:
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    time.sleep(1.1)
+    sent: list[list[str]] = []
+    real = rt.ports.publisher.enqueue_gates
+
+    def refused_second(book_ids: list[str]) -> None:
+        if sent:
+            raise StoreUnavailable("broker", rt.settings.broker_url, "connection reset")
+        sent.append(list(book_ids))
+        real(book_ids)
+
+    monkeypatch.setattr(rt.ports.publisher, "enqueue_gates", refused_second)
+    with pytest.raises(StoreUnavailable):
+        tick(rt)
+    unsent = set(books[1:]) - set(sent[0])
+    assert len(unsent) == 4
+    due = {str(b) for b in rt.redis.client.zrange(rt.redis.keys.due(), 0, -1)}
+    assert unsent <= due and not due & set(sent[0])
+    monkeypatch.undo()
+    assert sorted(tick(rt)) == sorted(unsent)  # the next tick sends them
 
 
 class ClaimCounter:

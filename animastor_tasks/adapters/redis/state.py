@@ -156,6 +156,11 @@ class BookStateStore(CancelFlagStore):
         a stale snapshot never puts back a book that something made due sooner meanwhile."""
         self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.due(), {book: when}, lt=True))
 
+    def set_due_all(self, books: Sequence[str], when: float) -> None:
+        """`set_due` of each of `books`, in one round trip."""
+        if books:
+            self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.due(), dict.fromkeys(books, when), lt=True))
+
     def clear_due(self, book: str, seen: float) -> None:
         """No pass until something happens: the book off the due index, if its entry is still `seen`
         (`lua/due_clear.lua`)."""
