@@ -236,6 +236,7 @@ class Presence(Protocol):
     def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]: ...
     def last_beats(self, nodes: Sequence[str]) -> dict[str, float]: ...  # node -> its last heartbeat, if on record
     def departed_ago(self, queues: Sequence[str]) -> dict[str, float]: ...  # queue -> since its consumer's clean stop
+    def held(self, queues: Sequence[str]) -> set[str]: ...  # those a live worker beats for with no consumer on them
 
 
 class Counters(Protocol):

@@ -26,13 +26,21 @@ LOST_HAND_OVER_TICKS = 2  # a handed book's refill not back within this many tic
 def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
     """Those of `queues` (none of them consumed) whose last worker stopped cleanly less than
     `silent_worker_seconds` ago: a restart, whose successor is given that long to consume before the stage's
-    commands are BLOCKED. *Why:* a deployment that replaces a stage's only worker (`docker compose up`)
-    leaves its queue without a consumer for the seconds the new one takes to start, and the tick BLOCKED
-    every command with work in flight there, for good. A StoreUnavailable is the caller's."""
+    commands are BLOCKED; or longer ago (at most a job's hard time limit more) while another worker still drains
+    its jobs (it holds its queues, `Presence.held`): a rollout whose successors start once it is done. *Why:* a
+    deployment that replaces a stage's only worker (`docker compose up`) leaves its queue without a consumer for
+    the seconds the new one takes to start, and the tick BLOCKED every command with work in flight there, for
+    good; and compose starts a host's new containers only once all its old ones have stopped, so an idle worker's
+    stage was BLOCKED 30 s into its neighbour's drain of a long job. A StoreUnavailable is the caller's."""
     if not queues:
         return set()
     grace = ports.settings.silent_worker_seconds
-    return {queue for queue, ago in ports.presence.departed_ago(queues).items() if ago < grace}
+    departed = ports.presence.departed_ago(queues)
+    awaited = {queue for queue, ago in departed.items() if ago < grace}
+    longer = {queue for queue, ago in departed.items() if grace <= ago < grace + ports.settings.job_time_limit}
+    if longer and ports.presence.held([spec.queue for spec in ports.settings.registry.stages]):
+        awaited |= longer
+    return awaited
 
 
 def gone_for_good(ports: Ports, queues: Sequence[str]) -> set[str]:

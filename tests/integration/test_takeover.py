@@ -254,6 +254,28 @@ def test_a_stage_whose_last_worker_stopped_cleanly_is_blocked_once_none_came_in_
     assert (command.status, command.reason) == ("blocked", "no_worker:audio")
 
 
+def test_a_stage_whose_worker_stopped_waits_for_its_successor_while_another_worker_drains(
+    rt: Wiring, tmp_path: Path
+) -> None:
+    """`docker compose up` on a GPU host stops its old containers, then starts the new ones once all have stopped:
+    an idle audio worker stopped at once while the image worker drained a long job, and 30 s later the tick BLOCKED
+    the audio commands with work in flight, for good, their successor still waiting for the drain."""
+    one_job(rt, tmp_path, lease_ttl=60)
+    rt.presence.heartbeat("test-worker@local", (), 0, gone=["gpu.audio"])
+    left = rt.redis.server_time() - rt.settings.silent_worker_seconds - 1  # its grace is over
+    rt.redis.client.zadd(rt.redis.keys.departures(), {"gpu.audio": left})
+    rt.presence.heartbeat("image@draining", ["gpu.image"], 60, holding=True)  # a warm shutdown, its job running
+    tick(rt)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+    (command,) = rt.ports.commands.commands(book="b")
+    assert command.status == "active"
+    rt.presence.heartbeat("image@draining", (), 0, gone=["gpu.image"])  # drained; no successor comes for audio
+    tick(rt)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "dirty"
+    (command,) = rt.ports.commands.commands(book="b")
+    assert (command.status, command.reason) == ("blocked", "no_worker:audio")
+
+
 def test_a_clean_stop_beside_a_live_worker_does_not_delay_blocking_once_that_one_dies(
     rt: Wiring, tmp_path: Path
 ) -> None:

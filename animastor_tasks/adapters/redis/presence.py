@@ -109,11 +109,11 @@ class PresenceStore:
             broker_counts = amqp_consumer_counts(self.amqp_url, beating)
             # *Why held queues keep their count:* a warm shutdown cancels the consumer before its job is done, and
             # the broker's zero BLOCKED the commands of a stage whose only worker a rollout replaced, for good.
-            held = self._held([q for q in beating if not broker_counts.get(q, 0)])
+            held = self.held([q for q in beating if not broker_counts.get(q, 0)])
             counts.update({q: min(counts[q], broker_counts.get(q, 0)) for q in beating if q not in held})
         return counts
 
-    def _held(self, queues: Sequence[str]) -> set[str]:
+    def held(self, queues: Sequence[str]) -> set[str]:
         """Those of `queues` that a live worker holds without a consumer (`heartbeat`'s `holding`)."""
         if not queues:
             return set()
