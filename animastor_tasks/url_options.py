@@ -54,6 +54,9 @@ REDIS_PY: dict[str, Rule] = {  # what redis-py's pool and connections take from 
     "health_check_interval": WHOLE,
     "max_connections": WHOLE,
     "retry_on_timeout": FLAG,
+    # redis-py's exception class names, comma-separated (it reads the names themselves)
+    "retry_on_error": (lambda value: all(n.strip().isidentifier() for n in value.strip("[]").split(",")), "names"),
+    "legacy_responses": FLAG,
     "protocol": _one_of("2", "3"),
     "client_name": TEXT,
     "username": TEXT,

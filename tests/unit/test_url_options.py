@@ -16,6 +16,8 @@ SAMPLES = {  # one value of each option that the checks accept
     "health_check_interval": "10",
     "max_connections": "20",
     "retry_on_timeout": "true",
+    "retry_on_error": "ConnectionError,TimeoutError",
+    "legacy_responses": "true",
     "protocol": "3",
     "client_name": "animastor",
     "username": "u",
@@ -67,3 +69,13 @@ def test_every_option_let_through_is_one_kombu_reads(base: str, rules: dict[str,
 
     for option in rules:
         kombu.Connection(f"{base}?{option}={SAMPLES[option]}")
+
+
+@pytest.mark.parametrize("option", ["retry_on_error=TimeoutError", "legacy_responses=true"])
+def test_an_option_the_runtime_read_before_the_check_is_still_taken(option: str) -> None:
+    """The check refused options redis-py reads from a URL (and the result store too), which had worked: a
+    deployment upgraded with one in its ANIMASTOR_REDIS_URL would not have started."""
+    from animastor_tasks.config import Settings
+
+    settings = Settings.from_env({"ANIMASTOR_REDIS_URL": f"redis://127.0.0.1:6379/0?{option}"})
+    assert option in settings.redis_url
