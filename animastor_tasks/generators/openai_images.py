@@ -21,7 +21,7 @@ from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.media import PNG_SIGNATURE, check_known_media
 from animastor_tasks.generators.openai_common import OCTET_STREAM, OpenAIGenerator, media_type_of, string_param
-from animastor_tasks.generators.transport import json_error
+from animastor_tasks.generators.server_words import json_error
 
 SIZE_PATTERN = re.compile(r"[1-9][0-9]{0,4}x[1-9][0-9]{0,4}|auto")
 _MAGIC: tuple[tuple[str, Callable[[bytes], bool]], ...] = (

@@ -14,13 +14,11 @@ worker's backoff.
 
 from __future__ import annotations
 
-import email.utils
 import json
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -29,6 +27,7 @@ import urllib3
 
 from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, redact_url
 from animastor_tasks.generators import GenerationRequest, number_param
+from animastor_tasks.generators.server_words import json_error, retry_after_seconds
 from animastor_tasks.generators.watchdog import Watchdog, watched_session
 
 log = logging.getLogger(__name__)
@@ -108,39 +107,6 @@ def check_endpoint(stage: str, generator: str, endpoint: str | None) -> str:
     return endpoint
 
 
-def json_error(payload: object) -> str | None:
-    """The message of a JSON error body: `{"error": "..."}`, OpenAI's `{"error": {"message": ...}}` or FastAPI's
-    `{"detail": "..."}`; None for JSON of another shape."""
-    if not isinstance(payload, dict):
-        return None
-    error = payload.get("error")
-    if isinstance(error, dict):
-        error = error.get("message")
-    if not isinstance(error, str):
-        error = payload.get("detail")
-    return error if isinstance(error, str) else None
-
-
-def retry_after_seconds(value: str | None) -> float | None:
-    """Seconds a `Retry-After` header asks for (delta-seconds or HTTP-date); None if absent or unreadable."""
-    if not value or not value.strip():
-        return None
-    text = value.strip()
-    try:
-        seconds = float(text)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(text)
-        except (TypeError, ValueError, OverflowError):  # a year past datetime's
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = (when - datetime.now(UTC)).total_seconds()
-    if seconds != seconds:  # NaN
-        return None
-    return max(0.0, seconds)
-
-
 class Transport:
     """POSTs to one URL for one stage; every failure is a GeneratorError saying whether to retry."""
 
@@ -208,7 +174,10 @@ class Transport:
                 timeout=(limits.connect_timeout, limits.read_timeout),
                 allow_redirects=False,
                 stream=True,
+                hooks={"response": _unfollowed},
             )
+        except _Redirect as redirect:
+            return redirect.response  # its body unread: `_check_status` refuses it from its headers
         except requests.exceptions.RequestException:
             raise  # some are ValueErrors too (InvalidURL): the caller's to judge
         except ValueError as err:
@@ -384,6 +353,21 @@ class Transport:
     def check_stop(self, should_stop: Callable[[], bool], request: GenerationRequest) -> None:
         if should_stop():
             raise _stopped(request)
+
+
+class _Redirect(Exception):  # an answer to hand back, not an error
+    def __init__(self, response: requests.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _unfollowed(response: requests.Response, *args: Any, **kwargs: Any) -> requests.Response:
+    """A redirect is handed back before requests reads it. *Why:* requests reads the whole body of a redirect it
+    does not follow (to free the connection), into memory and with no `max_bytes`: a server answering 302 with a
+    body of gigabytes held the job for its `total_timeout` and could kill the worker for its memory."""
+    if response.is_redirect:
+        raise _Redirect(response)
+    return response
 
 
 def _stopped(request: GenerationRequest) -> GenerationStopped:

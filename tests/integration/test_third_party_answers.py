@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import base64
 import struct
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -161,3 +164,31 @@ def test_media_under_the_other_names_of_its_type_is_media(serve: Serve) -> None:
     url = serve(answering(200, "application/json", _png_b64(lambda _: base64.b64encode(jpeg).decode())))
     image = _generate(replace(_spec(url, "image", "openai-images", model="img"), media_type="image/jpg"))
     assert image.data == jpeg and image.media_type == "image/jpg"
+
+
+def test_a_redirect_is_refused_without_reading_its_body(serve: Serve) -> None:  # noqa: F811
+    """requests reads the whole body of a redirect it does not follow, into memory and past `max_bytes`: a server
+    answering 302 with gigabytes held the job for its `total_timeout` (then failed it as a timeout, not as the
+    redirect it was) and could kill the worker for its memory."""
+    sent = [0]
+    done = threading.Event()
+
+    def huge_redirect(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(302)
+        handler.send_header("Location", "http://elsewhere.example/v1")
+        handler.send_header("Content-Length", str(1 << 30))
+        handler.end_headers()
+        chunk = b"x" * 65536
+        try:
+            while sent[0] < 1 << 30 and not done.is_set():
+                handler.wfile.write(chunk)
+                sent[0] += len(chunk)
+        finally:
+            done.set()
+
+    started = time.monotonic()
+    err = _refusal(lambda url: _spec(url, max_bytes=1 << 20, total_timeout=5), huge_redirect, serve)
+    took = time.monotonic() - started
+    done.set()
+    assert err.misconfigured and "redirect" in str(err) and "elsewhere.example" in str(err), err
+    assert took < 2.0 and sent[0] < 64 << 20, (took, sent[0])

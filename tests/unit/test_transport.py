@@ -9,7 +9,8 @@ import pytest
 
 from animastor_tasks.errors import ConfigError
 from animastor_tasks.generators.openai_common import route_url
-from animastor_tasks.generators.transport import Limits, retry_after_seconds
+from animastor_tasks.generators.server_words import retry_after_seconds
+from animastor_tasks.generators.transport import Limits
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,40 @@
+"""What an inference server says besides its media, read the same by every generator: when to come back
+(`Retry-After`, seconds or an HTTP date) and the message of a JSON error body."""
+
+from __future__ import annotations
+
+import email.utils
+from datetime import UTC, datetime
+
+
+def json_error(payload: object) -> str | None:
+    """The message of a JSON error body: `{"error": "..."}`, OpenAI's `{"error": {"message": ...}}` or FastAPI's
+    `{"detail": "..."}`; None for JSON of another shape."""
+    if not isinstance(payload, dict):
+        return None
+    error = payload.get("error")
+    if isinstance(error, dict):
+        error = error.get("message")
+    if not isinstance(error, str):
+        error = payload.get("detail")
+    return error if isinstance(error, str) else None
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Seconds a `Retry-After` header asks for (delta-seconds or HTTP-date); None if absent or unreadable."""
+    if not value or not value.strip():
+        return None
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, OverflowError):  # a year past datetime's
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    if seconds != seconds:  # NaN
+        return None
+    return max(0.0, seconds)
