@@ -162,9 +162,7 @@ class Transport:
     def _send(
         self, session: requests.Session, body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits
     ) -> requests.Response:
-        """The POST, its redirects never followed. requests reads a redirect's Location even then, and refuses a
-        malformed one (`http://[gpu-box/v1`) with a bare ValueError: it was counted as a generator bug, and each
-        pair failed with a traceback."""
+        """The POST, its redirects never followed (nor read: `_unfollowed`)."""
         try:
             return session.post(
                 self.url,
@@ -178,14 +176,6 @@ class Transport:
             )
         except _Redirect as redirect:
             return redirect.response  # its body unread: `_check_status` refuses it from its headers
-        except requests.exceptions.RequestException:
-            raise  # some are ValueErrors too (InvalidURL): the caller's to judge
-        except ValueError as err:
-            raise GeneratorError(
-                f"stage {self.stage!r}: inference endpoint answered a redirect to a Location that cannot be read"
-                f" ({self.clean(str(err))}); redirects are refused, configure the final URL as the endpoint",
-                misconfigured=True,
-            ) from None
 
     def _retry_wait(self, response: requests.Response, attempt: int, limits: Limits) -> float | None:
         """Seconds to wait before trying again, when the server asked for it and attempts remain."""
@@ -240,7 +230,14 @@ class Transport:
             )
         if 300 <= status < 400:
             location = response.headers.get("Location", "")
-            host = urlsplit(urljoin(self.url, location)).hostname if location else None
+            try:
+                host = urlsplit(urljoin(self.url, location)).hostname if location else None
+            except ValueError as err:  # `http://[gpu-box/v1`: a bare ValueError was a generator bug, a traceback
+                raise GeneratorError(
+                    f"stage {self.stage!r}: inference endpoint answered a redirect to a Location that cannot be read"
+                    f" ({self.clean(str(err))}); redirects are refused, configure the final URL as the endpoint",
+                    misconfigured=True,
+                ) from None
             raise GeneratorError(
                 f"stage {self.stage!r}: inference endpoint answered {status} redirecting to host "
                 f"{host or 'unknown'!r}; redirects are refused, configure the final URL as the endpoint",
