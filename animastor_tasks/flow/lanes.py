@@ -154,13 +154,18 @@ def hand_on_stranded(ports: Ports) -> list[str]:
         log.warning("[DISPATCH] lanes not counted for stranded slots this tick: %s", err)
         return []
     for queue in stranded:
-        log.warning(
-            "[DISPATCH] %d free slot(s) of %s stood beside waiting books since the last tick", free[queue], queue
-        )
         try:
-            hand_over(ports, queue, free[queue])
+            books = hand_over(ports, queue, free[queue])
         except Exception as err:  # Redis or the broker: the tick's due passes still go; reconcile counts again
             log.warning("[DISPATCH] free slots of %s not handed on: %s", queue, err)
+            continue
+        if books:  # none while the lane's breaker is open: its books wait for the breaker, not for a lost refill
+            log.warning(
+                "[DISPATCH] %d free slot(s) of %s stood beside waiting books since the last tick; handed to %d",
+                free[queue],
+                queue,
+                len(books),
+            )
     return stranded
 
 

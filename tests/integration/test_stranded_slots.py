@@ -49,6 +49,22 @@ def test_a_slot_freed_without_its_refill_goes_to_the_waiting_book_on_the_next_ti
     assert running(rt, "a", "w") == {"a": 1, "w": 1}
 
 
+def test_books_waiting_for_an_open_breaker_are_no_stranded_slot_alarm(rt, caplog) -> None:
+    """The books a breaker refused wait on the lane's list beside its free slots: each other tick warned that free
+    slots stood beside waiting books (a lost refill, for an operator), for as long as the breaker stayed open."""
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    use_settings(rt, replace(rt.settings, tick_seconds=0.2))
+    rt.redis.client.hset(rt.redis.keys.breaker("gpu.audio"), mapping={"open_until": rt.redis.server_time() + 60})
+    rt.catalog.import_book(make_book("w", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])
+    assert list(waiting(rt)) == ["w"] and running(rt, "w") == {}
+    for _ in range(3):
+        gate.tick(rt.ports)
+        time.sleep(0.3)
+    assert "stood beside waiting books" not in caplog.text
+    assert list(waiting(rt)) == ["w"]
+
+
 def test_a_tick_hands_nothing_on_for_a_lane_that_was_full_or_had_nobody_waiting_before(rt) -> None:
     """Slots are free for a moment on a busy lane at every tick; only one seen so on two ticks running is handed."""
     lane(rt, lane_limit=2, book_quota=2, window=2)
