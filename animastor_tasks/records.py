@@ -136,6 +136,9 @@ class Snapshot:
     presence_unsure_since: float = float("-inf")  # data lost or back from an outage: no consumer proves nothing yet
     # Per queue asked for: the head of its waiting list, book -> the priority rank it waits at, first first.
     waiters: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Per queue asked for: the books handed a slot of it moments ago whose refills have not claimed it yet, book ->
+    # the priority rank they were handed it at (off the waiting list meanwhile).
+    handed: dict[str, dict[str, int]] = field(default_factory=dict)
     first_deferral_end: float | None = None  # when the book's earliest live deferral ends (None: none live)
     due_at: float | None = None  # when the due index asks for the book's next pass (None: it does not)
 

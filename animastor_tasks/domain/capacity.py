@@ -27,14 +27,21 @@ from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import Outcome, Priority, priority_rank
 
 NORMAL_RANK = priority_rank(Priority.NORMAL)
+# How long a book handed a slot keeps it from less urgent passes before its refill claims it: a refill on its way
+# takes milliseconds; one not back by then was likely lost (the tick puts its book back on the list), and held for
+# longer its slot would idle meanwhile.
+HANDED_HOLD_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
 class Waiter:
-    """Another book waiting for a slot of a lane: the priority rank it waits at, and its generating pairs."""
+    """Another book waiting for a slot of a lane: the priority rank it waits at, and its generating pairs.
+    `handed`: handed a slot already, its refill on its way (it holds a slot from less urgent pairs, and binds no
+    fair share: a hand-over to several books shares the slots out itself)."""
 
     rank: int
     generating: Sequence[Pair]
+    handed: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,8 @@ def contested(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) ->
     slot back for it would only leave a GPU idle."""
     if counts.waiting is None:
         return True
-    return any(w.rank <= rank and below_share(w.generating, stage, spec) for w in counts.waiting.get(stage, ()))
+    waiting = counts.waiting.get(stage, ())
+    return any(not w.handed and w.rank <= rank and below_share(w.generating, stage, spec) for w in waiting)
 
 
 def outranking(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) -> int:

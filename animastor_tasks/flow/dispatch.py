@@ -222,9 +222,16 @@ def _claim_and_publish(
         stage: {b: rank for b, rank in snap.waiters.get(queue, {}).items() if b != book}
         for stage, queue in queue_of.items()
     }
+    # Books handed a slot moments ago, their refills on their way (off the list meanwhile): a more urgent one's
+    # slot is not this pass's. *Why:* a bulk pass run before an interactive book's refill took the slot it was
+    # handed, and the reader's scene waited a whole bulk job more.
+    handed = {
+        stage: {b: rank for b, rank in snap.handed.get(queue, {}).items() if b != book and b not in waiters[stage]}
+        for stage, queue in queue_of.items()
+    }
     claims: list[Claim] = []
     try:
-        with ports.assets.claiming(book, queue_of, waiters) as session:
+        with ports.assets.claiming(book, queue_of, waiters, handed) as session:
             # A pair a concurrent pass of the book claimed since this one read it would take a slot of the choice
             # and then fail the claim's compare-and-set: under the book lock its own generating pairs say which.
             taken_meanwhile = set(session.counts.book_generating)

@@ -98,3 +98,25 @@ def test_an_interactive_pair_at_its_book_cap_does_not_put_the_books_bulk_pairs_f
     assert states(rt, "b")[("ch1", "s2", "audio")] == "pending"  # refused by the cap
     # Its bulk pair waits at bulk priority (the slot went to the normal book), not at its cap-refused scene's.
     assert waiting(rt)["b"] >= wait_score(priority_rank(Priority.BULK), 0.0)
+
+
+def test_a_reader_handed_a_slot_keeps_it_from_a_bulk_pass_made_before_its_refill_ran(one_slot, monkeypatch) -> None:
+    """A hand-over takes the book off the waiting list and sends its refill: a bulk book's pass run before that
+    refill (its regenerate, on the other control process) saw a free slot and nobody waiting, and took it; the
+    reader's scene was refused `lane_full` and waited a whole bulk job more."""
+    from animastor_tasks.flow import lanes, refill
+
+    from .test_elastic_share import finish_one, run_control, running
+
+    rt = one_slot
+    for book, scenes in (("first", 1), ("reader", 1), ("bulk", 2)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate_flow.regenerate(rt.ports, "first", ["audio"])  # takes the only slot
+    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], priority="interactive")  # waits for the lane
+    with monkeypatch.context() as lost:  # its own refill runs nowhere: the hand-over below is the slot's
+        lost.setattr(refill, "free_slot", lambda *_a, **_k: None)
+        finish_one(rt, "first")
+    assert lanes.hand_over(rt.ports, "gpu.audio", 1) == ["reader"]  # its refill waits on the control queue
+    regenerate_flow.regenerate(rt.ports, "bulk", ["audio"], priority="bulk")  # a pass before that refill
+    run_control(rt)
+    assert running(rt, "reader", "bulk") == {"reader": 1}

@@ -113,19 +113,23 @@ class AssetStore(GateReads):
 
     @contextmanager
     def claiming(
-        self, book: str, lanes: Mapping[str, str], waiters: Mapping[str, Mapping[str, int]] | None = None
+        self,
+        book: str,
+        lanes: Mapping[str, str],
+        waiters: Mapping[str, Mapping[str, int]] | None = None,
+        handed: Mapping[str, Mapping[str, int]] | None = None,
     ) -> Iterator[ClaimTransaction]:
         """Open a claim: the lanes of `lanes` (stage -> queue) and the book locked, capacity counted.
 
         `waiters` (stage -> other books waiting for its lane -> the priority rank each waits at): their
         generating pairs are read in the same statement, so the fair share knows whether they are still
-        below theirs; None: unknown.
+        below theirs; None: unknown. `handed` (the same shape): books handed a slot whose refills are on their way.
         The caller chooses from the counts (`domain.capacity`), claims, and writes its leases
         and deferrals before the block ends: a completion takes the same locks before it frees
         capacity, so a deferral can never land after the completion that should clear it.
         """
         stages = sorted(lanes)
-        others = sorted({b for books in (waiters or {}).values() for b in books} - {book})
+        others = sorted({b for books in (*(waiters or {}).values(), *(handed or {}).values()) for b in books} - {book})
         with self.db.transaction() as conn, conn.pipeline():
             # Pipeline mode: BEGIN, the locks and the counts reach the server in one round trip.
             # The claim's commit does not wait for its WAL flush (about 1 ms here, on every dispatch's path): a job
@@ -155,6 +159,7 @@ class AssetStore(GateReads):
                 if waiters is None
                 else {
                     stage: [Waiter(rank, running.get(b, [])) for b, rank in books.items() if b != book]
+                    + [Waiter(r, running.get(b, []), handed=True) for b, r in (handed or {}).get(stage, {}).items()]
                     for stage, books in waiters.items()
                 },
             )

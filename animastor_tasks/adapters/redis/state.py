@@ -14,12 +14,30 @@ import redis
 
 from animastor_tasks.adapters.redis.cancel_flags import STOP_FLAG, CancelFlagStore
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
+from animastor_tasks.domain.capacity import HANDED_HOLD_SECONDS
 from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member, parse_pair_member, parse_scene_member, scene_member
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.ports import Snapshot
 
 WAITERS_READ = 16  # books read at the head of each queue's waiting list (the fair share looks at them)
+
+
+QUEUE_REPLIES = 4  # a snapshot's replies per queue: live heartbeats, a breaker on record, the list's head, hand-overs
+
+
+def _held_for(handed: dict[Any, Any], now: float) -> dict[str, int]:
+    """Of a lane's hand-over records (book -> '<when> <wait score>'), the books handed a slot within
+    `HANDED_HOLD_SECONDS` of `now` (the Redis server's clock, as the records'), with the rank they were handed it at."""
+    held: dict[str, int] = {}
+    for book, record in handed.items():
+        when, _, score = str(record).partition(" ")
+        try:
+            if now - float(when) <= HANDED_HOLD_SECONDS:
+                held[str(book)] = int(float(score) // RANK_SCALE)
+        except ValueError:  # a record of another shape holds nothing
+            continue
+    return held
 
 
 class BookStateStore(CancelFlagStore):
@@ -65,6 +83,7 @@ class BookStateStore(CancelFlagStore):
         for n, book in enumerate(books):
             cancel, due_at, force, active, *deferred = per_book[n * width : (n + 1) * width]
             found[book] = self._snapshot(
+                now,
                 queues,
                 per_queue,
                 cancel,
@@ -106,7 +125,7 @@ class BookStateStore(CancelFlagStore):
         )
         deferred = [set(ends) for ends in live_ends]
         live = [end for ends in live_ends for end in ends.values()]
-        return self._snapshot(queues, per_queue, cancel, due_at, forced, set(), deferred, live)
+        return self._snapshot(now, queues, per_queue, cancel, due_at, forced, set(), deferred, live)
 
     def _read_queues(self, pipe: Any, queues: Sequence[str], now: float, waiters: int) -> None:
         keys = self.conn.keys
@@ -116,15 +135,17 @@ class BookStateStore(CancelFlagStore):
             pipe.zcount(keys.consumers(queue), f"({now}", "+inf")
             pipe.exists(keys.breaker(queue))
             pipe.zrange(keys.lane_waiters(queue), 0, max(waiters, 1) - 1, withscores=True)
+            pipe.hgetall(keys.lane_handed(queue))
 
     def _split_replies(self, replies: list[Any], queues: Sequence[str], now: float) -> tuple[list[Any], list[Any]]:
         """Notes the dataset token; the queues' replies, then the books'."""
         _, epoch, *rest = replies
         self._seen_epoch(epoch, now)
-        return rest[: 3 * len(queues)], rest[3 * len(queues) :]
+        return rest[: QUEUE_REPLIES * len(queues)], rest[QUEUE_REPLIES * len(queues) :]
 
     def _snapshot(
         self,
+        now: float,
         queues: Sequence[str],
         per_queue: list[Any],
         cancel: Any,
@@ -139,13 +160,15 @@ class BookStateStore(CancelFlagStore):
             force=force,
             deferred=dict(zip(DEFER_BUCKETS, deferred, strict=True)),
             active=active,
-            consumers={q: int(per_queue[3 * i]) for i, q in enumerate(queues)},
-            breaker_clean={q: not per_queue[3 * i + 1] for i, q in enumerate(queues)},
+            consumers={q: int(per_queue[QUEUE_REPLIES * i]) for i, q in enumerate(queues)},
+            breaker_clean={q: not per_queue[QUEUE_REPLIES * i + 1] for i, q in enumerate(queues)},
             data_lost_at=self._data_lost_at,
             presence_unsure_since=self._lost_or_recovered_at(),
             waiters={
-                q: {str(b): int(score // RANK_SCALE) for b, score in per_queue[3 * i + 2]} for i, q in enumerate(queues)
+                q: {str(b): int(score // RANK_SCALE) for b, score in per_queue[QUEUE_REPLIES * i + 2]}
+                for i, q in enumerate(queues)
             },
+            handed={q: _held_for(per_queue[QUEUE_REPLIES * i + 3], now) for i, q in enumerate(queues)},
             first_deferral_end=min(deferral_ends, default=None),
             due_at=None if due_at is None else float(due_at),
         )
