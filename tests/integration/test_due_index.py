@@ -79,7 +79,9 @@ def test_a_pass_lost_on_the_way_is_asked_for_again_by_reconcile(rt) -> None:
     assert "lost" in tick(rt)
 
 
-def test_the_tick_sends_the_due_books_in_batches(rt) -> None:
+def due_books_of_a_full_lane(rt: Wiring) -> list[str]:
+    """54 books of one scene on a lane of one slot: b000 runs, the others are due again once their capacity
+    deferrals (1 s) have run out."""
     lane(rt, lane_limit=1)
     short_capacity_window(rt)
     books = [f"b{i:03d}" for i in range(lanes.BATCH_BOOKS + 5)]
@@ -87,6 +89,11 @@ def test_the_tick_sends_the_due_books_in_batches(rt) -> None:
         rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
         regenerate_flow.regenerate(rt.ports, book, ["audio"])
     time.sleep(1.1)
+    return books
+
+
+def test_the_tick_sends_the_due_books_in_batches(rt) -> None:
+    books = due_books_of_a_full_lane(rt)
     assert sorted(tick(rt)) == books[1:]  # b000 runs; every other book waits for the lane
     assert control_messages(rt) == 2  # 54 books: one task of 50 and one of 4
 
@@ -94,13 +101,7 @@ def test_the_tick_sends_the_due_books_in_batches(rt) -> None:
 def test_due_books_whose_passes_the_broker_refuses_are_due_again(rt, monkeypatch) -> None:
     """The tick took the due books off the index, then its publish failed (the broker restarted mid-tick): nothing
     put them back, and they waited for reconcile's round to reach them, 30 s or several rounds."""
-    lane(rt, lane_limit=1)
-    short_capacity_window(rt)
-    books = [f"b{i:03d}" for i in range(lanes.BATCH_BOOKS + 5)]
-    for book in books:
-        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
-        regenerate_flow.regenerate(rt.ports, book, ["audio"])
-    time.sleep(1.1)
+    books = due_books_of_a_full_lane(rt)
     sent: list[list[str]] = []
     real = rt.ports.publisher.enqueue_gates
 
