@@ -183,17 +183,25 @@ def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True
     `dispatch_work=False`: reconcile's passes, which release and judge but dispatch nothing."""
     full = page.lanes_without_room(ports) if dispatch_work else set()
     reports: list[PassReport] = []
+    failed: list[str] = []
     for first in range(0, len(books), READ_AHEAD_BOOKS):
         group = books[first : first + READ_AHEAD_BOOKS]
         with collector.paused():
             read = _read_facts(ports, group)
         for book in group:
             try:
-                reports.append(
-                    gate_pass(ports, book, dispatch_work=dispatch_work, full_lanes=full, known=read.get(book))
-                )
+                report = gate_pass(ports, book, dispatch_work=dispatch_work, full_lanes=full, known=read.get(book))
             except StoreUnavailable as err:  # one book's store error must not cost the others their pass
                 log.warning("[COMMAND-GATE] book=%r pass failed: %s", book, err)
+                failed.append(book)
+                continue
+            reports.append(report)
+            if report.error is not None:
+                failed.append(book)
+    if failed:
+        # Taken off the due index to be passed here: the next tick passes them again. *Why:* they waited for
+        # reconcile's round (30 s, or several), pairs a takeover had just made pending among them, slots idle.
+        lanes.due_again(ports, failed, ports.clock())
     if full:
         lanes.hand_on_freed(ports, full)
     return reports

@@ -111,7 +111,15 @@ def _refused(
             _quietly("mark due", ports.book_state.set_due, job.book_id, ports.clock())  # its pass releases the pair
     elif denial is Denial.STALE_TOKEN:
         delivered.release = True
+        return _stale(ports, job, result)
     return _reject(ports, job, denial, result)
+
+
+def _stale(ports: Ports, job: Job, result: dict[str, Any]) -> dict[str, Any]:
+    """The pair is no longer this job's (claimed anew; or its claim lost in a Postgres crash, a write's answer lost):
+    its book's pass decides, now. *Why:* off the due index and the list, a pair left `pending` waited for reconcile."""
+    _quietly("mark due", ports.book_state.set_due, job.book_id, ports.clock())
+    return _reject(ports, job, Denial.STALE_TOKEN, result)
 
 
 def _start(ports: Ports, job: Job, cancel_flag: bool) -> tuple[Denial | None, JobRow | None, str | None]:
@@ -341,7 +349,7 @@ def _unsuccessful(
             log.warning("[GENERATE] %s cannot give the pair back now (%s); reconcile will", job.describe(), err)
             return {**done, "outcome": JobOutcome.GIVEN_BACK}
         if not back:
-            return _reject(ports, job, Denial.STALE_TOKEN, result)
+            return _stale(ports, job, result)
         _quietly("count", ports.counters.add, {f"job:given_back:{job.stage}": 1})
         log.warning(
             "[GENERATE] %s given back to pending (%s) after %d attempt(s): %s", job.describe(), why, attempts, error
@@ -349,7 +357,7 @@ def _unsuccessful(
         _quietly("free capacity", _free_capacity, ports, job, spec)
         return {**done, "outcome": JobOutcome.GIVEN_BACK}
     if not when_reachable(job, spec, watcher, partial(ports.jobs.fail_job, *job.owned, error, spec.queue)):
-        return _reject(ports, job, Denial.STALE_TOKEN, result)
+        return _stale(ports, job, result)
     _quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1})
     log.error("[GENERATE] %s failed after %d attempt(s): %s", job.describe(), attempts, error)
     _quietly("free capacity", _free_capacity, ports, job, spec)
@@ -363,7 +371,7 @@ def _give_up(ports: Ports, job: Job, spec: StageSpec, reason: str, result: dict[
     finally:
         _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
     if not failed:
-        return _reject(ports, job, Denial.STALE_TOKEN, result)
+        return _stale(ports, job, result)
     _quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1, f"job:worker_lost:{job.stage}": 1})
     log.error("[GENERATE] %s failed without GPU work: %s", job.describe(), reason)
     _quietly("free capacity", _free_capacity, ports, job, spec)

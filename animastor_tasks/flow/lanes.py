@@ -115,12 +115,13 @@ def send_due_passes(ports: Ports, *also: str) -> list[str]:
         try:
             ports.publisher.enqueue_gates(books[first : first + BATCH_BOOKS])
         except Exception:
-            _due_again(ports, books[first:], now)
+            due_again(ports, books[first:], now)
             raise
     return books
 
 
-def _due_again(ports: Ports, books: Sequence[str], when: float) -> None:
+def due_again(ports: Ports, books: Sequence[str], when: float) -> None:
+    """`books`, taken off the due index for passes that did not happen, are due again by `when`."""
     try:
         ports.book_state.set_due_all(books, when)
     except StoreUnavailable as err:  # Redis too: reconcile's round finds them

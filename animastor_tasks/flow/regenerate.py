@@ -110,6 +110,10 @@ def regenerate(
     _first_dispatch(ports, book, snap, pairs)
     # The statuses alone (the pass may have settled a command): a command's progress joins every one of its targets.
     statuses = ports.commands.command_statuses([cid for cid, _ in per_stage.values()])
+    lost = sorted(cid for cid, _ in per_stage.values() if cid not in statuses)
+    if lost:  # unflushed as Postgres crashed: a KeyError was a bug, and a client resending on this lost them
+        detail = f"commands {', '.join(lost)} were lost after their write: send the request again"
+        raise StoreUnavailable("postgres", ports.settings.database_url, detail)
     described = [
         {"command_id": cid, "stage": stage, "targets": [list(t) for t in scenes], "status": statuses[cid]}
         for stage, (cid, scenes) in sorted(per_stage.items())

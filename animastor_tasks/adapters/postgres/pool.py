@@ -30,12 +30,21 @@ ANALYZE_FROM_ROWS = 500
 ANALYZE_LOCK_WAIT_MS = 500
 
 
+_STORE_ERRORS = (
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    PoolTimeout,
+    psycopg.errors.ReadOnlySqlTransaction,
+    # The server's own timeouts end the session, as a restart does (they are InternalErrors, not OperationalErrors).
+    psycopg.errors.IdleInTransactionSessionTimeout,
+    psycopg.errors.TransactionTimeout,
+)
+
+
 def _is_store_error(err: BaseException) -> bool:
     """The store, not the statement: it cannot be reached, or it takes no writes (a standby, a primary being
     demoted in a failover, which the URL may still reach: a write there was a traceback)."""
-    return isinstance(
-        err, psycopg.OperationalError | psycopg.InterfaceError | PoolTimeout | psycopg.errors.ReadOnlySqlTransaction
-    )
+    return isinstance(err, _STORE_ERRORS)
 
 
 # A table or column this release reads is missing: the database is not migrated (yet: mid-upgrade, a new release
