@@ -59,6 +59,8 @@ REDIS_PY: dict[str, Rule] = {  # what redis-py's pool and connections take from 
     "legacy_responses": FLAG,
     "protocol": _one_of("2", "3"),
     "client_name": TEXT,
+    "lib_name": TEXT,
+    "lib_version": TEXT,
     "username": TEXT,
     "password": TEXT,
     "encoding": (_known(codecs.lookup), "a Python codec"),

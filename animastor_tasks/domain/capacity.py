@@ -84,11 +84,16 @@ def contested(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) ->
     return any(not w.handed and w.rank <= rank and below_share(w.generating, stage, spec) for w in waiting)
 
 
-def outranking(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) -> int:
+def outranking(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec, *, handed: bool = True) -> int:
     """How many more urgent books below their shares wait for the lane: as many free slots are theirs, not a pair
-    of `rank`'s (one each: a book that can use more is handed more as the slots go round)."""
+    of `rank`'s (one each: a book that can use more is handed more as the slots go round). `handed`: the books
+    handed a slot count too (not for a claim of slots of its own: theirs are the lane's others)."""
     waiting = counts.waiting or {}
-    return sum(1 for w in waiting.get(stage, ()) if w.rank < rank and below_share(w.generating, stage, spec))
+    return sum(
+        1
+        for w in waiting.get(stage, ())
+        if (handed or not w.handed) and w.rank < rank and below_share(w.generating, stage, spec)
+    )
 
 
 def choose(
@@ -110,13 +115,16 @@ def choose(
     lane = Counter({stage: int(n) for stage, n in counts.lane.items()})
     quota: Counter[str] = Counter(stage for _, _, stage in counts.book_generating)
     window = {(chapter, scene) for chapter, scene, _ in counts.book_generating}
+    slots = dict(room or {})
     waits = {
-        (stage, rank): (contested(stage, rank, counts, spec), outranking(stage, rank, counts, spec))
+        (stage, rank): (
+            contested(stage, rank, counts, spec),
+            outranking(stage, rank, counts, spec, handed=stage not in slots),
+        )
         for stage, spec in specs.items()
         for rank in range(len(Priority))
     }
     left = dict(permits)
-    slots = dict(room or {})
     choice = CapacityChoice()
     for pair, dispatch_id in wanted:
         chapter, scene, stage = pair

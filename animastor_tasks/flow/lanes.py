@@ -38,9 +38,18 @@ def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
     departed = ports.presence.departed_ago(queues)
     awaited = {queue for queue, ago in departed.items() if ago < grace}
     longer = {queue for queue, ago in departed.items() if grace <= ago < grace + ports.settings.job_time_limit}
-    if longer and ports.presence.held([spec.queue for spec in ports.settings.registry.stages]):
+    if longer and _rollout_under_way(ports, grace):
         awaited |= longer
     return awaited
+
+
+def _rollout_under_way(ports: Ports, grace: float) -> bool:
+    """A worker drains its jobs (it holds its queues), or one stopped cleanly less than `grace` ago: the successors
+    of a compose project start once its last old container has stopped, that drain's end."""
+    everyone = [spec.queue for spec in ports.settings.registry.stages]
+    if ports.presence.held(everyone):
+        return True
+    return any(ago < grace for ago in ports.presence.departed_ago(everyone).values())
 
 
 def gone_for_good(ports: Ports, queues: Sequence[str]) -> set[str]:
@@ -128,12 +137,17 @@ def due_again(ports: Ports, books: Sequence[str], when: float) -> None:
         log.warning("[DISPATCH] %d due book(s) not put back on the due index: %s", len(books), err)
 
 
-def breaker_closed(ports: Ports, queue: str, *also: str) -> None:
+def breaker_closed(ports: Ports, queue: str, *also: str, hand_on: bool = True) -> None:
     """A success closed the lane's open breaker: its free slots go to the books waiting for it, most urgent first
     (those whose pairs waited for the breaker among them), and the books due now get their passes at once. *Why:*
     the job or test publish that closed it used one slot, and the lane's other free slots stood idle until the next
-    tick (up to 5 s), or two ticks for the books waiting with capacity deferrals (a due pass looks past those)."""
-    hand_on_freed(ports, {queue})
+    tick (up to 5 s), or two ticks for the books waiting with capacity deferrals (a due pass looks past those).
+    `hand_on` False: the caller, a pass, hands the lane's free slots on itself (twice, each went to two books)."""
+    if hand_on:
+        try:
+            hand_on_freed(ports, {queue})
+        except Exception as err:  # Redis or the broker: the stranded check hands them on; the caller goes on
+            log.warning("[DISPATCH] breaker of %s closed; its free slots not handed on: %s", queue, err)
     try:
         books = send_due_passes(ports, *also)
     except Exception as err:  # Redis or the broker: the next tick sends them; the caller's job or pass goes on

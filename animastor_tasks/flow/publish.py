@@ -60,7 +60,8 @@ def publish_claims(
         for stage in {c.stage for c in claims if c not in failed}:
             queue = specs[stage].queue
             if not breaker_clean.get(queue, False) and _record(ports, queue, True) == "recovered":
-                lanes.breaker_closed(ports, queue, book)  # its pairs behind the test permit go now too
+                # Its pairs behind the test permit go now too; the pass hands the lane's spare slots on itself.
+                lanes.breaker_closed(ports, queue, book, hand_on=False)
     return published, failed
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from animastor_tasks.domain.deferral import wait_score
+from animastor_tasks.domain.vocabulary import Priority, priority_rank
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import lanes
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -141,3 +144,35 @@ def test_a_breaker_that_closes_hands_its_free_slots_to_the_books_waiting_for_the
     lanes.breaker_closed(rt.ports, queue)
     run_control(rt)
     assert running(rt, "waiter") == {"waiter": 2}
+
+
+def test_a_test_publish_that_closes_the_breaker_hands_each_free_slot_once(rt) -> None:
+    """The closing publish's own pass hands its spare slots on; the breaker's closing handed the same free slots
+    again, each to a second book, which found the lane full and went to the head of its priority."""
+    queue = "gpu.audio"
+    lane(rt, lane_limit=4, book_quota=4, window=4)
+    use_settings(rt, replace(rt.settings, breaker_threshold=1, breaker_cooldown_seconds=0.01))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=4))
+    for i, waiter in enumerate(("w1", "w2", "w3", "w4")):  # bulk books: b's normal pairs go before them
+        rt.ports.deferrals.wait_for_lane(queue, waiter, wait_score(priority_rank(Priority.BULK), 100.0 + i))
+    rt.ports.breaker.breaker_record(queue, False, 1, 0.01)
+    time.sleep(0.05)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # half-open: its one test publish closes the breaker
+    assert rt.breaker.breaker_state(queue) == "closed"
+    assert _waiting(rt, queue) == ["w4"]  # three free slots, three books handed one each
+
+
+def test_a_breaker_whose_free_slots_cannot_be_handed_on_still_sends_the_due_passes(rt, monkeypatch) -> None:
+    """Handing the slots on is an extra of the job whose success closed the breaker: a broker refusing the refill
+    message raised out of the job's end."""
+    queue = "gpu.audio"
+    lane(rt, lane_limit=2)
+    rt.ports.deferrals.wait_for_lane(queue, "w", 100.0)
+    rt.ports.book_state.set_due("d", 0.0)
+
+    def refused(*_a: object, **_k: object) -> None:
+        raise StoreUnavailable("broker", rt.settings.broker_url, "connection refused")
+
+    monkeypatch.setattr(rt.ports.publisher, "enqueue_refill", refused)
+    lanes.breaker_closed(rt.ports, queue)
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "d") is None  # its pass was sent

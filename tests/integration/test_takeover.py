@@ -269,7 +269,11 @@ def test_a_stage_whose_worker_stopped_waits_for_its_successor_while_another_work
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
     (command,) = rt.ports.commands.commands(book="b")
     assert command.status == "active"
-    rt.presence.heartbeat("image@draining", (), 0, gone=["gpu.image"])  # drained; no successor comes for audio
+    rt.presence.heartbeat("image@draining", (), 0, gone=["gpu.image"])  # drained: compose starts the successors now
+    tick(rt)
+    assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+    old = rt.redis.server_time() - rt.settings.silent_worker_seconds - 1  # none came within the grace of that stop
+    rt.redis.client.zadd(rt.redis.keys.departures(), {"gpu.image": old})
     tick(rt)
     assert states(rt, "b")[("ch1", "s1", "audio")] == "dirty"
     (command,) = rt.ports.commands.commands(book="b")

@@ -131,3 +131,16 @@ def test_a_book_handed_a_slot_holds_it_from_less_urgent_pairs_and_binds_no_share
     assert choose(pairs, reader, limits, {}, ranks=bulk).refused == {Outcome.LANE_FULL: [p for p, _ in pairs]}
     fellow = replace(reader, lane={"audio": 0}, waiting={"audio": [Waiter(BULK, [], True)]})
     assert [pair for pair, _ in choose(pairs, fellow, limits, {}, ranks=bulk).chosen] == [p for p, _ in pairs]
+
+
+def test_a_claim_of_its_own_slot_is_not_held_back_for_a_book_handed_another() -> None:
+    """A refill fills the slot it was handed (`room`); a more urgent book handed another slot has that one, among
+    the lane's others. Counted against the room as well, the refill was refused, passed its slot on, and the next
+    less urgent waiter was refused the same way until the handed book's refill reported back."""
+    limits = spec(AUDIO, lane_limit=4, book_quota=4, window=10)
+    pairs = wanted(("c", "s1", "audio"))
+    counts = CapacityCounts(lane={"audio": 2}, book_generating=[], waiting={"audio": [Waiter(INTERACTIVE, [], True)]})
+    ranks = {("c", "s1", "audio"): BULK}
+    assert [pair for pair, _ in choose(pairs, counts, limits, {}, {"audio": 1}, ranks).chosen] == [("c", "s1", "audio")]
+    listed = replace(counts, waiting={"audio": [Waiter(INTERACTIVE, [])]})  # on the list: its slot is this one
+    assert choose(pairs, listed, limits, {}, {"audio": 1}, ranks).refused == {Outcome.LANE_FULL: [("c", "s1", "audio")]}

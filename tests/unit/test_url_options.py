@@ -20,6 +20,8 @@ SAMPLES = {  # one value of each option that the checks accept
     "legacy_responses": "true",
     "protocol": "3",
     "client_name": "animastor",
+    "lib_name": "animastor",
+    "lib_version": "1",
     "username": "u",
     "password": "p",
     "encoding": "latin-1",
