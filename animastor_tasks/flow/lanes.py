@@ -35,21 +35,16 @@ def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
     if not queues:
         return set()
     grace = ports.settings.silent_worker_seconds
-    departed = ports.presence.departed_ago(queues)
-    awaited = {queue for queue, ago in departed.items() if ago < grace}
-    longer = {queue for queue, ago in departed.items() if grace <= ago < grace + ports.settings.job_time_limit}
-    if longer and _rollout_under_way(ports, grace):
+    everyone = sorted({spec.queue for spec in ports.settings.registry.stages} | set(queues))
+    departed = ports.presence.departed_ago(everyone)  # one read: these queues' stops and every other one's
+    mine = {queue: departed[queue] for queue in queues if queue in departed}
+    awaited = {queue for queue, ago in mine.items() if ago < grace}
+    longer = {queue for queue, ago in mine.items() if grace <= ago < grace + ports.settings.job_time_limit}
+    # A rollout under way: a worker stopped cleanly less than `grace` ago (a drain just ended: a compose project's
+    # successors start once its last old container has stopped), or one drains its jobs still (it holds its queues).
+    if longer and (any(ago < grace for ago in departed.values()) or ports.presence.held(everyone)):
         awaited |= longer
     return awaited
-
-
-def _rollout_under_way(ports: Ports, grace: float) -> bool:
-    """A worker drains its jobs (it holds its queues), or one stopped cleanly less than `grace` ago: the successors
-    of a compose project start once its last old container has stopped, that drain's end."""
-    everyone = [spec.queue for spec in ports.settings.registry.stages]
-    if ports.presence.held(everyone):
-        return True
-    return any(ago < grace for ago in ports.presence.departed_ago(everyone).values())
 
 
 def gone_for_good(ports: Ports, queues: Sequence[str]) -> set[str]:

@@ -26,7 +26,7 @@ WAITERS_READ = 16  # books read at the head of each queue's waiting list (the fa
 QUEUE_REPLIES = 4  # a snapshot's replies per queue: live heartbeats, a breaker on record, the list's head, hand-overs
 
 
-def _held_for(handed: dict[Any, Any], now: float) -> dict[str, int]:
+def _handed_lately(handed: dict[Any, Any], now: float) -> dict[str, int]:
     """Of a lane's hand-over records (book -> '<when> <wait score>'), the books handed a slot within
     `HANDED_HOLD_SECONDS` of `now` (the Redis server's clock, as the records'), with the rank they were handed it at."""
     held: dict[str, int] = {}
@@ -168,7 +168,7 @@ class BookStateStore(CancelFlagStore):
                 q: {str(b): int(score // RANK_SCALE) for b, score in per_queue[QUEUE_REPLIES * i + 2]}
                 for i, q in enumerate(queues)
             },
-            handed={q: _held_for(per_queue[QUEUE_REPLIES * i + 3], now) for i, q in enumerate(queues)},
+            handed={q: _handed_lately(per_queue[QUEUE_REPLIES * i + 3], now) for i, q in enumerate(queues)},
             first_deferral_end=min(deferral_ends, default=None),
             due_at=None if due_at is None else float(due_at),
         )
