@@ -89,15 +89,17 @@ class DeliveryNotStarted(StoreUnavailable):
 
 
 class ArtifactStoreError(AnimastorError):
-    """The artifact store refused an upload or cannot be reached (wrong credentials, a missing bucket, the
-    endpoint down). Unlike a `StoreUnavailable` blip it fails the job with the store's message: giving the
-    pair back would only rerun the GPU work into the same wall. `unreachable`: the store did not answer, or
-    answered that it cannot serve now (a 5xx, SlowDown): the job, its output in hand, asks again for a while."""
+    """The artifact store refused an upload or cannot be reached (wrong credentials, a missing bucket, a full
+    disk, the endpoint down): no verdict on the scene, so the pair goes back and the queue's breaker counts it.
+    `unreachable`: the store did not answer, or answered that it cannot serve now (a 5xx, SlowDown): the job, its
+    output in hand, asks again for a while. `timed_out`: the job's soft time limit ended the upload, as it ends a
+    generator that hangs: counted as a backend failure."""
 
-    def __init__(self, store: str, detail: str, *, unreachable: bool = False) -> None:
+    def __init__(self, store: str, detail: str, *, unreachable: bool = False, timed_out: bool = False) -> None:
         self.store = redact_url(store)
         self.detail = detail
         self.unreachable = unreachable
+        self.timed_out = timed_out
         super().__init__(self.store, detail)
 
     def __str__(self) -> str:
