@@ -73,7 +73,7 @@ def _apply(db: Database, conn: psycopg.Connection, version: int, name: str, sql:
                 conn.execute(sql.encode())
                 conn.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", (version, name))
             return
-        except psycopg.errors.LockNotAvailable:
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):  # a try cut short: none of it
             if time.monotonic() >= deadline:
                 raise StoreUnavailable(
                     "postgres",

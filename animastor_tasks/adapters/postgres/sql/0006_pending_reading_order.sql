@@ -2,6 +2,11 @@
 -- reading order through an index that holds nothing but pending pairs: the read stops after the few
 -- pairs the free slots can take, whatever the size of the book. Walking the scenes instead read every
 -- pending pair of the book first (5 ms per refill at 1,000 pending pairs, 222 ms at 50,000).
+-- Every lock this migration needs, first: the trigger on `scenes` asked for its lock only after the backfill,
+-- so a transaction writing scenes made each try hold `asset_states` exclusively through the whole backfill
+-- before it gave up (migrations.py), and every job start and commit waited behind it again and again.
+LOCK TABLE scenes IN SHARE ROW EXCLUSIVE MODE;
+LOCK TABLE asset_states IN ACCESS EXCLUSIVE MODE;
 ALTER TABLE asset_states ADD COLUMN position integer;
 UPDATE asset_states a SET position = s.position
     FROM scenes s WHERE s.book_id = a.book_id AND s.chapter_id = a.chapter_id AND s.scene_id = a.scene_id;
