@@ -162,7 +162,7 @@ def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ..
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError as err:
-        raise ConfigError(f"{name}={redact_url(value)!r} is not a valid URL: {err}") from err
+        raise ConfigError(f"{name}={redact_url(value)!r} is not a valid URL: {_unreadable(value, err)}") from err
     if parts.scheme not in schemes:
         raise ConfigError(f"{name}={redact_url(value)!r} must use one of the schemes {', '.join(schemes)}")
     if parts.scheme not in ("unix", "redis+socket") and not parts.hostname and "host=" not in parts.query:
@@ -172,6 +172,17 @@ def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ..
     if name == "ANIMASTOR_REDIS_URL":
         check_redis_options(name, value)
     return value
+
+
+def _unreadable(value: str, err: ValueError) -> str:
+    """Why the URL parser refused `value`. *Why not its words:* with a login in the URL they quote it, a password
+    cut where an unencoded `#`, `?` or `/` ended the authority early (`Port could not be cast ... 'Xy3'`)."""
+    if "@" not in value:
+        return str(err)
+    return (
+        "its login cannot be read (the parser's words are not shown, they may quote the password): a password's"
+        " '/', '?', '#', '@', ':', '%' and blanks must be percent-encoded (%2F %3F %23 %40 %3A %25 %20)"
+    )
 
 
 def _check_redis_url(name: str, value: str, path: str) -> None:
@@ -247,10 +258,10 @@ def _artifact_store(env: Mapping[str, str]) -> dict[str, Any]:
         parts = urlsplit(raw)
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError as err:
-        raise ConfigError(f"{name}={redact_url(raw)!r} is not a valid URL: {err}") from err
+        raise ConfigError(f"{name}={redact_url(raw)!r} is not a valid URL: {_unreadable(raw, err)}") from err
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/") or parts.query or parts.fragment:
-            raise ConfigError(f"{name}={raw!r} must be file:///absolute/directory")
+            raise ConfigError(f"{name}={redact_url(raw)!r} must be file:///absolute/directory")
         return {"artifact_root": Path(unquote(parts.path))}
     if parts.scheme == "s3":
         split_s3_url(raw)  # raises ConfigError naming what is wrong
@@ -292,13 +303,19 @@ def _registry(env: Mapping[str, str]) -> MediaRegistry:
     try:
         table = json.loads(raw, object_pairs_hook=_once_each)
     except json.JSONDecodeError as err:
-        raise ConfigError(f"ANIMASTOR_STAGES={raw!r} is not valid JSON: {err}") from err
+        raise ConfigError(_shown_table(f"ANIMASTOR_STAGES={raw!r} is not valid JSON: {err}")) from err
     except ValueError as err:
-        raise ConfigError(f"ANIMASTOR_STAGES={raw!r}: {err}") from err
+        raise ConfigError(_shown_table(f"ANIMASTOR_STAGES={raw!r}: {err}")) from err
     try:
         return registry_from_table(table)
     except ValueError as err:
-        raise ConfigError(f"ANIMASTOR_STAGES={raw!r}: {err}") from err
+        raise ConfigError(_shown_table(f"ANIMASTOR_STAGES={raw!r}: {err}")) from err
+
+
+def _shown_table(message: str) -> str:
+    """A refusal of the stage table with the logins and tokens of its endpoints hidden, JSON's `\\/` read as `/`
+    (`http:\\/\\/u:pw@gpu` is a URL too)."""
+    return redact_url(message.replace("\\\\/", "/").replace("\\/", "/"))
 
 
 def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -20,12 +20,25 @@ from __future__ import annotations
 
 import re
 
-_PASSWORD_IN_URL = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@/\s]*)@", re.I)
+# A URL's login: the password runs to the LAST `@` before a blank, since `@`, `/`, `?` and `#` typed unencoded in a
+# password (a base64 one has `/`) end the authority early for a parser, whose split would leave the rest shown.
+_LOGIN_IN_URL = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>\S*)@", re.I)
+# A query parameter (of a URL, or of a path quoted alone, as urllib3 does): its value up to the next one.
+_QUERY_PARAM = re.compile(r"(?P<lead>[?&](?P<name>[A-Za-z0-9_.-]+)=)(?P<value>[^&\s'\"]*)")
+# A parameter whose value is a secret: a name, or one of its `_`/`-`/`.` words, ending so (`password`, libpq's
+# `sslpassword`, redis-py's `ssl_password`, `api_key`, `access_token`, S3's `X-Amz-Signature`, Azure's `sig`).
+_SECRET_WORDS = ("password", "passwd", "pwd", "passphrase", "secret", "token", "key", "signature", "sig", "auth")
 
 
-def redact_url(url: str) -> str:
-    """Hide the password of a URL so it can be printed or logged."""
-    return _PASSWORD_IN_URL.sub(lambda m: f"{m['scheme']}{m['user']}:***@", url)
+def redact_url(text: str) -> str:
+    """Hide the passwords of the URLs in `text`, and the values of their secret-like query parameters, so it can be
+    printed or logged. When in doubt it hides more: a password must never be shown, a host may be."""
+    text = _LOGIN_IN_URL.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    return _QUERY_PARAM.sub(lambda m: f"{m['lead']}***" if _is_secret(m["name"]) and m["value"] else m[0], text)
+
+
+def _is_secret(name: str) -> bool:
+    return any(word.rstrip("s").endswith((*_SECRET_WORDS, "credential")) for word in re.split(r"[_.-]", name.lower()))
 
 
 class AnimastorError(Exception):
