@@ -6,8 +6,9 @@
   the pair fails with `worker_lost: N starts` and no GPU work is done for that start.
 - **Errors.** An error raised while a job runs is either a verdict on the scene (the generator failed)
   or a store that was briefly unreachable, which is not the scene's fault: the pair is given back.
-  An artifact store that refuses the output (credentials, bucket) or cannot be reached fails the pair
-  with the store's message: rerunning the GPU work would hit the same store.
+  An artifact store that refuses the output (credentials, a bucket gone, a full disk) or stays unreachable
+  gives the pair back too, and counts against the queue's breaker: every pair of the lane hits the same
+  store, so its failures open the breaker and the lane waits instead of failing scene after scene.
 - **Run failures and the breaker.** A backend-side failure (retryable, retries spent) counts against
   the queue's circuit breaker and a success clears it; a backend failure recorded while the breaker is
   (or just became) open gives the pair back to `pending` instead of failing it, and so does a rate limit.
@@ -43,7 +44,7 @@ class ErrorKind(StrEnum):
     MISCONFIGURED = "misconfigured"  # the stage's setup or its server refuses every request: no retry, the breaker
     SCENE = "scene"  # the generator refused this scene (not retryable): a verdict, the pair fails
     STORE = "store"  # Postgres, Redis or the broker was briefly unreachable: not the scene's fault
-    ARTIFACT = "artifact"  # the artifact store refused the output or is unreachable: the pair fails with its message
+    ARTIFACT = "artifact"  # the artifact store refused the output or is unreachable: given back, the breaker counts it
     BUG = "bug"  # anything else a generator raised: fail the pair once rather than loop on it
 
 
@@ -53,8 +54,8 @@ def classify_error(err: BaseException) -> ErrorKind:
     error counts as a store error too."""
     if isinstance(err, GenerationStopped):
         return ErrorKind.STOPPED
-    if isinstance(err, ArtifactStoreError):
-        return ErrorKind.ARTIFACT
+    if isinstance(err, ArtifactStoreError):  # an upload the time limit ended: a hung backend, as a generator's
+        return ErrorKind.BACKEND if err.timed_out else ErrorKind.ARTIFACT
     if isinstance(err, GeneratorError):
         if err.misconfigured:
             return ErrorKind.MISCONFIGURED
@@ -85,7 +86,10 @@ def another_attempt_fits(elapsed: float, delay: float, last_attempt: float, soft
 
 # Failures that say the stage's backend is wrong, not the scene: they count against the queue's breaker. *Why
 # the misconfigured too:* a rotated API key (401) or a route gone (404) failed every pair of the lane at full speed.
-_BLAMES_THE_BACKEND = frozenset({ErrorKind.BACKEND, ErrorKind.MISCONFIGURED, ErrorKind.RATE_LIMITED})
+# The artifact store is the last step of every job of the lane: one that refuses them all is the backend's wall.
+_BLAMES_THE_BACKEND = frozenset(
+    {ErrorKind.BACKEND, ErrorKind.MISCONFIGURED, ErrorKind.RATE_LIMITED, ErrorKind.ARTIFACT}
+)
 RETRIED = frozenset({ErrorKind.BACKEND, ErrorKind.RATE_LIMITED})  # the kinds another attempt of the job may cure
 
 
@@ -103,9 +107,10 @@ def verdict(kind: ErrorKind, breaker_state: str | None = None) -> Verdict:
     as the scene's own), and gives it back once the breaker is open: the backend is down or set up wrong, the
     scene is not to blame. A rate limit (429) is the backend's word that it refuses whoever asks: the pair goes back
     whatever the breaker says. *Why:* failed while the breaker stayed closed, a rate limit longer than a job's
-    retries failed that many healthy scenes for good (a lane of 8 jobs meeting it at once: 4 of them).
+    retries failed that many healthy scenes for good (a lane of 8 jobs meeting it at once: 4 of them). An artifact
+    store that refuses the output likewise: failed, a full disk or rotated S3 keys failed every scene that finished.
     """
-    if kind in (ErrorKind.STORE, ErrorKind.RATE_LIMITED):
+    if kind in (ErrorKind.STORE, ErrorKind.RATE_LIMITED, ErrorKind.ARTIFACT):
         return Verdict.GIVE_BACK
     if kind in _BLAMES_THE_BACKEND and breaker_state == "open":
         return Verdict.GIVE_BACK
@@ -113,8 +118,8 @@ def verdict(kind: ErrorKind, breaker_state: str | None = None) -> Verdict:
 
 
 def breaker_feed(kind: ErrorKind | None) -> bool | None:
-    """What a finished run records on its queue's breaker: True (success, closes it) for a run that
-    produced media (`kind` None), False (a failure) for a backend failure or a misconfigured one, nothing
+    """What a finished run records on its queue's breaker: True (success, closes it) for a run whose media is
+    stored (`kind` None), False (a failure) for a backend failure, a misconfigured one or a store refusing, nothing
     (None) otherwise: a scene refused, a stop, a bug or a store error says nothing about the backend."""
     if kind is None:
         return True

@@ -200,17 +200,17 @@ def _run_owned(
         if media is None:
             with later.writing_verdict(job):
                 return _unsuccessful(ports, job, spec, watcher, kind or ErrorKind.BUG, error, attempts, result)
-        recovered = _record_breaker(ports, spec.queue, breaker_feed(None)) == "recovered"
         try:  # a store that does not answer is asked again for a while, the output in hand (`when_reachable`)
             upload = partial(ports.artifacts.put, media.data, media.media_type)
             artifact = when_reachable(job, spec, watcher, upload, within_share=True, what="output")
-        except ArtifactStoreError as err:  # credentials, bucket, endpoint: fail with the store's words
+        except ArtifactStoreError as err:  # keys, bucket, a full disk, the endpoint; a success is counted once stored
             if watcher.should_stop():
                 return _stopped(ports, job, watcher, result)
             with later.writing_verdict(job):
                 return _unsuccessful(
-                    ports, job, spec, watcher, ErrorKind.ARTIFACT, storable(str(err)), attempts, result
+                    ports, job, spec, watcher, classify_error(err), storable(str(err)), attempts, result
                 )
+        recovered = _record_breaker(ports, spec.queue, breaker_feed(None)) == "recovered"
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         artifact["input_hash"] = row.input_hash
         commit = partial(ports.jobs.commit_job, *job.owned, artifact, spec.queue)
@@ -341,7 +341,7 @@ def _unsuccessful(
     state = _record_breaker(ports, spec.queue, breaker_feed(kind))
     done = {**result, "error": error, "attempts": attempts}
     if verdict(kind, state) is Verdict.GIVE_BACK:
-        why = {ErrorKind.STORE: "store error", ErrorKind.RATE_LIMITED: "rate limited"}.get(kind, f"breaker {state}")
+        why = f"breaker {state}" if kind in (ErrorKind.BACKEND, ErrorKind.MISCONFIGURED) else kind.replace("_", " ")
         try:
             back = when_reachable(job, spec, watcher, partial(ports.jobs.give_back, *job.owned, error, spec.queue))
         except StoreUnavailable as err:

@@ -5,9 +5,9 @@ as Celery's own `SoftTimeLimitExceeded`. The flows import no Celery, so unnamed 
 bug: the pair failed and the queue's breaker heard nothing, however many pairs a hung backend timed out.
 Raised from a generator, it becomes a retryable `GeneratorError`: a backend failure, which feeds the breaker
 (no retry is tried, as none fits in the job's time any more: `domain.job_rules.another_attempt_fits`).
-Raised from the artifact store (an upload that hangs), it becomes the store's `ArtifactStoreError`: the pair fails
-saying which store did not answer. Unanswered, the task ended in Celery's exception with the pair `generating`, and
-each takeover's run counted as a start lost to a dead worker.
+Raised from the artifact store (an upload that hangs), it becomes the store's `ArtifactStoreError`, marked
+`timed_out`: a backend failure too, saying which store did not answer. Unanswered, the task ended in Celery's
+exception with the pair `generating`, and each takeover's run counted as a start lost to a dead worker.
 Once the generator has returned, the limit has done its work: while the job writes its verdict (which waits out a
 Postgres outage) it is held back (`soft_limit_held`), and the hard limit still ends a job that hangs there.
 """
@@ -76,7 +76,9 @@ class TimeLimitedArtifacts:
             return self.inner.put(data, media_type)
         except SoftTimeLimitExceeded as err:
             raise ArtifactStoreError(
-                self.inner.url, f"no answer within the job's soft time limit ({self.soft_time_limit:g} s)"
+                self.inner.url,
+                f"no answer within the job's soft time limit ({self.soft_time_limit:g} s)",
+                timed_out=True,
             ) from err
 
 

@@ -302,11 +302,12 @@ def test_a_real_gpu_worker_commits_to_the_bucket(rt: Wiring, s3_env: S3Server, t
 # -- a bad store ---------------------------------------------------------------------------------------------
 
 
-def short_waits(rt: Wiring, *, soft_time_limit: int) -> Wiring:
+def short_waits(rt: Wiring, *, soft_time_limit: int, **settings: Any) -> Wiring:
     """The jobs' soft time limit made short: a job waits for a store that does not answer until 90% of it has
-    passed since it started. The store as wired."""
+    passed since it started. The store as wired; `settings`, any others changed with it."""
     store = rt.ports.artifacts
-    use_settings(rt, replace(rt.settings, job_soft_time_limit=soft_time_limit, job_time_limit=soft_time_limit + 1))
+    limits = {"job_soft_time_limit": soft_time_limit, "job_time_limit": soft_time_limit + 1}
+    use_settings(rt, replace(rt.settings, **limits, **settings))
     rt.ports = replace(rt.ports, artifacts=store)
     return rt
 
@@ -356,32 +357,49 @@ BAD_STORES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_STORES))
-def test_a_bad_store_fails_the_job_with_its_message_and_nothing_is_ready(
+def test_a_bad_store_gives_the_pairs_back_and_opens_the_breaker(
     rt: Wiring, s3_env: S3Server, monkeypatch: pytest.MonkeyPatch, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A store every upload hits alike (rotated keys, a bucket gone, an endpoint down past the job's share) failed
+    every pair that finished meanwhile, for good, and the lane's breaker stayed closed: a whole library's scenes
+    failed in a few minutes of GPU work. The scene is not to blame: the pair goes back, the breaker counts it."""
     change, said = BAD_STORES[case]
     for name, value in change.items():
         monkeypatch.setenv(name, value.format(port=free_port()))
-    rt = short_waits(rewire(), soft_time_limit=2)  # an endpoint that does not answer is asked again for a while
+    # An endpoint that does not answer is asked again for a while; two failures open the breaker.
+    rt = short_waits(rewire(), soft_time_limit=2, breaker_threshold=2, breaker_cooldown_seconds=600)
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    results = drain(rt, "b")  # a pair given back instead would be run again until drain gives up
+    results = drain(rt, "b")  # ends once the open breaker dispatches nothing more
     assert ("not written" in caplog.text) == (case == "endpoint_down")  # asked again only while it does not answer
-    assert [r["outcome"] for r in results] == ["failed", "failed"]
+    assert [r["outcome"] for r in results] == ["given_back", "given_back"], results
     assert all(said in r["error"] and r["error"].startswith("artifact store s3://") for r in results)
     audio = {pair: state for pair, state in states(rt, "b").items() if pair[2] == "audio"}
-    assert set(audio.values()) == {"failed"}
+    assert set(audio.values()) == {"pending"}
     assert artifact_rows(rt, "b") == []
+    assert rt.ports.breaker.breaker_state("gpu.audio") == "open"
     with rt.db.transaction() as conn:
-        errors = [e for (e,) in conn.execute("SELECT error FROM asset_states WHERE book_id = 'b' AND stage = 'audio'")]
-    assert len(errors) == 2 and all(said in e for e in errors)
-    status = json.loads(cli("status", "b", "--json").stdout)
-    check("status", status)
-    assert all(
-        s["stages"]["audio"] == {"state": "failed", "artifact": None, "artifact_uri": None} for s in status["scenes"]
-    )
+        reasons = [r for (r,) in conn.execute("SELECT detail ->> 'reason' FROM events WHERE kind = 'job.given_back'")]
+    assert len(reasons) == 2 and all(said in r for r in reasons), reasons
+    [audio_command] = [c for c in rt.ports.commands.commands(book="b") if c.stage == "audio"]
+    assert audio_command.status == "active"
     print(f"{case}: {results[0]['error']}")
+
+
+def test_a_full_or_unwritable_artifact_directory_gives_the_pair_back(rt: Wiring, tmp_path: Path) -> None:
+    """A local store that cannot take the file (a full disk, a read-only mount; here its root is a file) failed
+    the pair for good, after its GPU work, and every pair of the lane after it."""
+    (tmp_path / "not-a-directory").write_bytes(b"")
+    use_settings(rt, replace(rt.settings, artifact_root=tmp_path / "not-a-directory", breaker_threshold=1))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    results = drain(rt, "b")
+    assert [r["outcome"] for r in results] == ["given_back"], results
+    assert "artifact store file://" in results[0]["error"], results
+    assert {state for pair, state in states(rt, "b").items() if pair[2] == "audio"} == {"pending"}
+    assert rt.ports.breaker.breaker_state("gpu.audio") == "open"
 
 
 def test_the_temporary_files_killed_writers_left_are_swept_and_live_ones_kept(tmp_path: Path) -> None:

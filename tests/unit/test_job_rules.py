@@ -16,7 +16,14 @@ from animastor_tasks.domain.job_rules import (
     verdict,
     worker_lost_reason,
 )
-from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, InvalidTransition, StoreUnavailable
+from animastor_tasks.errors import (
+    ArtifactStoreError,
+    ConfigError,
+    GenerationStopped,
+    GeneratorError,
+    InvalidTransition,
+    StoreUnavailable,
+)
 
 
 def test_a_start_that_finds_the_previous_one_open_counts_one_lost_start() -> None:
@@ -74,6 +81,11 @@ STORE = StoreUnavailable("redis", "redis://:pw@127.0.0.1:6379/0", "Error 111 con
         (GenerationStopped(), ErrorKind.STOPPED, False),
         # A rate limit (429) refuses whoever asks: it failed a healthy scene while the breaker stayed closed.
         (GeneratorError("inference endpoint answered 429", rate_limited=True), ErrorKind.RATE_LIMITED, False),
+        # An artifact store that refuses every upload (keys rotated, a full disk) failed every scene that finished.
+        (ArtifactStoreError("s3://b", "SignatureDoesNotMatch"), ErrorKind.ARTIFACT, False),
+        (ArtifactStoreError("s3://b", "EndpointConnectionError", unreachable=True), ErrorKind.ARTIFACT, False),
+        # An upload the job's time limit ended: a hung backend, like a generator's timeout.
+        (ArtifactStoreError("s3://b", "no answer within the soft time limit", timed_out=True), ErrorKind.BACKEND, True),
     ],
 )
 def test_which_errors_fail_a_pair_and_which_give_it_back(err: Exception, kind: ErrorKind, fails: bool) -> None:
@@ -99,6 +111,7 @@ def test_what_a_run_feeds_the_breaker() -> None:
     assert breaker_feed(ErrorKind.BACKEND) is False
     assert breaker_feed(ErrorKind.MISCONFIGURED) is False
     assert breaker_feed(ErrorKind.RATE_LIMITED) is False  # the lane's rate: its breaker pauses the whole lane
+    assert breaker_feed(ErrorKind.ARTIFACT) is False  # every job of the lane ends at the same store
     for kind in (ErrorKind.SCENE, ErrorKind.BUG, ErrorKind.STORE, ErrorKind.STOPPED):
         assert breaker_feed(kind) is None
 
