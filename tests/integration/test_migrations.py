@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from animastor_tasks.adapters.postgres import migrations
-from animastor_tasks.adapters.postgres.migrations import migrate, migration_files
+from animastor_tasks.adapters.postgres.migrations import MigrationFailed, migrate, migration_files
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.dev.probes import database_name, drop_database, ensure_database, with_database
 from animastor_tasks.errors import StoreUnavailable
@@ -90,7 +90,9 @@ def test_a_failing_migration_keeps_those_before_it_and_the_next_run_goes_on(
     db = Database(before_0006)
     try:
         monkeypatch.setattr(migrations, "migration_files", lambda: broken)
-        with pytest.raises(psycopg.errors.UndefinedFunction):
+        with pytest.raises(
+            MigrationFailed, match=r"0008_ended_commands\.sql failed at line 1: function no_such_function"
+        ):
             migrate(db)
         assert _applied(before_0006) == [v for v, _, _ in real if v < 8]
         monkeypatch.setattr(migrations, "migration_files", lambda: real)

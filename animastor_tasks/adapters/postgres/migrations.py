@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from importlib import resources
+from importlib.resources.abc import Traversable
 
 import psycopg
 
-from animastor_tasks.adapters.postgres.pool import Database
-from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.adapters.postgres.pool import Database, _is_store_error
+from animastor_tasks.errors import AnimastorError, StoreUnavailable
 
 log = logging.getLogger("animastor.postgres")
 
@@ -19,15 +21,33 @@ ATTEMPT_LOCK_TIMEOUT_MS = 1000  # one try's wait for a lock: what the traffic qu
 _PAUSE_BETWEEN_ATTEMPTS_S = 0.5  # the queued traffic runs meanwhile
 
 
+class MigrationFailed(AnimastorError):
+    """A migration that cannot be applied as shipped: its own SQL failed, or two files share a version. Not the
+    store being unavailable (exit 3, "try again"): running `db migrate` again fails the same way."""
+
+
+def _folder() -> Traversable:
+    return resources.files("animastor_tasks.adapters.postgres") / "sql"
+
+
 def migration_files() -> list[tuple[int, str, str]]:
-    """(version, name, sql) for every migration shipped with the package, in order."""
-    folder = resources.files("animastor_tasks.adapters.postgres") / "sql"
+    """(version, name, sql) for every migration shipped with the package, in order.
+
+    Two files of one version are refused: only the version is recorded, so the second was skipped for ever once
+    the first was in (a file left behind by an install copied over an older one, a merge of two branches)."""
     found = []
-    for entry in folder.iterdir():
+    for entry in _folder().iterdir():
         name = entry.name
         if name.endswith(".sql") and name[:4].isdigit():
             found.append((int(name[:4]), name, entry.read_text(encoding="utf-8")))
-    return sorted(found)
+    found.sort()
+    for (version, first, _), (other, second, _) in itertools.pairwise(found):
+        if version == other:
+            raise MigrationFailed(
+                f"migrations {first} and {second} share version {version:04d}: only one of them would ever be"
+                f" applied. Remove the stray file from {_folder()} (or renumber one) before migrating"
+            )
+    return found
 
 
 def migrate(db: Database, lock_wait: float = LOCK_WAIT_SECONDS) -> list[str]:
@@ -84,6 +104,32 @@ def _apply(db: Database, conn: psycopg.Connection, version: int, name: str, sql:
                 ) from None
             log.warning("[DB] migration %s waits for a table lock another transaction holds; trying again", name)
             time.sleep(_PAUSE_BETWEEN_ATTEMPTS_S)
+        except psycopg.Error as err:
+            if _is_store_error(err):
+                raise  # the pool says Postgres is unavailable
+            # Raised past the pool, which took a missing table or column for a database behind this release and
+            # said to run `db migrate`: the very command that failed.
+            raise MigrationFailed(
+                f"migration {name} failed{_where(sql, err)}: {_server_says(err)}. Nothing of it was applied (those"
+                " before it were); fix the cause, then run `animastor-tasks db migrate` again"
+            ) from err
+
+
+def _where(sql: str, err: psycopg.Error) -> str:
+    position = err.diag.statement_position
+    return f" at line {sql[: int(position) - 1].count(chr(10)) + 1}" if position and position.isdigit() else ""
+
+
+def _server_says(err: psycopg.Error) -> str:
+    diag = err.diag
+    said = diag.message_primary or (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if diag.sqlstate:
+        said += f" (SQLSTATE {diag.sqlstate})"
+    if diag.message_detail:
+        said += f"; detail: {diag.message_detail}"
+    if diag.message_hint:
+        said += f"; hint: {diag.message_hint}"
+    return said
 
 
 def _open_transactions(conn: psycopg.Connection) -> str:
