@@ -34,10 +34,11 @@ def redact_url(text: str) -> str:
     """Hide the passwords of the URLs in `text`, and the values of their secret-like query parameters, so it can be
     printed or logged. When in doubt it hides more: a password must never be shown, a host may be."""
     text = _LOGIN_IN_URL.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
-    return _QUERY_PARAM.sub(lambda m: f"{m['lead']}***" if _is_secret(m["name"]) and m["value"] else m[0], text)
+    return _QUERY_PARAM.sub(lambda m: f"{m['lead']}***" if is_secret_param(m["name"]) and m["value"] else m[0], text)
 
 
-def _is_secret(name: str) -> bool:
+def is_secret_param(name: str) -> bool:
+    """Whether a query parameter of this name holds a secret (`redact_url` hides its value)."""
     return any(word.rstrip("s").endswith((*_SECRET_WORDS, "credential")) for word in re.split(r"[_.-]", name.lower()))
 
 

@@ -1,5 +1,5 @@
 """What an inference server says besides its media, read the same by every generator: when to come back
-(`Retry-After`, seconds or an HTTP date) and the message of a JSON error body."""
+(`Retry-After`, seconds or an HTTP date), the message of a JSON error body, and its words made safe to print."""
 
 from __future__ import annotations
 
@@ -38,3 +38,10 @@ def retry_after_seconds(value: str | None) -> float | None:
     if seconds != seconds:  # NaN
         return None
     return max(0.0, seconds)
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable written as Python writes it in a string (`\\n`, `\\x1b`,
+    `\\u2028`). *Why:* a server's words go into logs and onto terminals: a line break in them forged a log line of
+    its own (`[GENERATE] ... ready`), an escape sequence rewrote the operator's terminal."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)

@@ -7,9 +7,9 @@ and so is the whole answer (`total_timeout`: a server trickling bytes resets the
 with each); a stop or that deadline cuts the connection wherever the request waits
 (`watchdog.py`); the body is read as it arrives (a huge body is cut off); 5xx/408/429 are
 retryable and other 4xx are not, and an error carries the server's own message with the API
-key scrubbed out. When a server says when to come back (`Retry-After`), the generator can
-wait that long itself, capped, and an error it gives up with carries the hint on to the
-worker's backoff.
+key and the endpoint's query tokens scrubbed out and its line breaks and control characters
+escaped. When a server says when to come back (`Retry-After`), the generator can wait that
+long itself, capped, and an error it gives up with carries the hint on to the worker's backoff.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import unquote, unquote_plus, urljoin, urlsplit
 
 import requests
 import urllib3
 
-from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, redact_url
+from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, is_secret_param, redact_url
 from animastor_tasks.generators import GenerationRequest, number_param
-from animastor_tasks.generators.server_words import json_error, retry_after_seconds
+from animastor_tasks.generators.server_words import json_error, printable, retry_after_seconds
 from animastor_tasks.generators.watchdog import Watchdog, watched_session
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class Transport:
         self.stage = stage
         self.url = url
         self.shown_url = redact_url(url)
-        self._secret = secret
+        self._secrets = sorted({secret, *_query_secrets(url)} - {""}, key=len, reverse=True)
 
     def post(
         self,
@@ -341,15 +341,28 @@ class Transport:
         )
 
     def clean(self, message: str) -> str:
-        """Shorten a message and make sure the API key cannot leak through it (even if echoed back)."""
-        if self._secret:
-            message = message.replace(self._secret, "***").replace(json.dumps(self._secret)[1:-1], "***")
-        message = redact_url(message)
+        """Shorten a message, make sure the API key and the endpoint's query tokens cannot leak through it (even if
+        echoed back), and write its line breaks and control characters as escapes (`printable`)."""
+        for secret in self._secrets:
+            message = message.replace(secret, "***").replace(json.dumps(secret)[1:-1], "***")
+        message = printable(redact_url(message))
         return message if len(message) <= _MESSAGE_LIMIT else message[:_MESSAGE_LIMIT] + "..."
 
     def check_stop(self, should_stop: Callable[[], bool], request: GenerationRequest) -> None:
         if should_stop():
             raise _stopped(request)
+
+
+def _query_secrets(url: str) -> set[str]:
+    """The values of the endpoint's secret-like query parameters (`?api_key=...`), as written and decoded: a server
+    or urllib3 may quote them back, named or not. Shorter than 4 characters, no token (and scrubbed, it would mangle
+    every message)."""
+    found: set[str] = set()
+    for pair in urlsplit(url).query.split("&"):
+        name, _, value = pair.partition("=")
+        if is_secret_param(unquote_plus(name)):
+            found |= {v for v in (value, unquote(value), unquote_plus(value)) if len(v) >= 4}
+    return found
 
 
 class _Redirect(Exception):  # an answer to hand back, not an error
