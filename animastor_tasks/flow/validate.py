@@ -6,6 +6,7 @@ A bad value raises `InvalidCommand` naming the field and showing the value.
 from __future__ import annotations
 
 import re
+import unicodedata
 import uuid
 
 from animastor_tasks.domain.book import check_storable, show_value, validate_id
@@ -90,6 +91,9 @@ def priority(value: object) -> Priority:
 
 
 MAX_REASON_CHARS = 1_000
+# What a reason may not hold, as an id may not: controls (Cc: C0, DEL, C1), line and paragraph separators, bidi
+# controls and BOM. *Why:* `commands` and `status` print it on an operator's terminal, which runs its escapes.
+_NOT_IN_REASON = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
 
 
 def reason(value: object) -> str | None:
@@ -100,6 +104,11 @@ def reason(value: object) -> str | None:
     if not isinstance(value, str):
         raise InvalidCommand(f"reason: must be a string or null, got {show_value(value)}")
     check_storable("reason", value, error=InvalidCommand)
+    found = _NOT_IN_REASON.search(value)
+    if found is not None:
+        ch = found.group()
+        name = unicodedata.name(ch, f"(category {unicodedata.category(ch)})")
+        raise InvalidCommand(f"reason: must not contain U+{ord(ch):04X} {name} at index {found.start()}")
     if len(value) > MAX_REASON_CHARS:  # copied onto each command it ends, and shown in every status
         raise InvalidCommand(f"reason: must be at most {MAX_REASON_CHARS} characters (has {len(value)})")
     return value
