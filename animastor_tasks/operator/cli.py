@@ -130,8 +130,8 @@ def db() -> None:
 @click.option(
     "--lock-wait",
     type=LOCK_WAIT,
-    help="Seconds a migration tries for its table locks (a second at a time) before it gives up with exit 3"
-    " [default: 60].",
+    help="Seconds db migrate waits for the migration lock (another migrate's), and each migration tries for its"
+    " table locks (a second at a time), before it gives up with exit 3 [default: 60].",
 )
 def db_migrate(lock_wait: float | None) -> None:
     """Apply pending migrations (idempotent)."""

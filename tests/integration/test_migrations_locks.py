@@ -5,6 +5,9 @@ Databases of their own, migrated up to a release before the migration under test
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from animastor_tasks.adapters.postgres import migrations
 from animastor_tasks.adapters.postgres.migrations import migrate
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.errors import StoreUnavailable
@@ -20,6 +24,11 @@ from animastor_tasks.errors import StoreUnavailable
 from .test_migrations import _applied, _database
 
 PAIRS = 400_000  # enough that 0006's backfill takes clearly longer than a lock try (1 s)
+
+
+@pytest.fixture
+def before_0006(settings: Any) -> Iterator[str]:
+    yield from _database(settings, "mig0006locks", 6)
 
 
 @pytest.fixture
@@ -97,3 +106,34 @@ def test_0006_waiting_for_scenes_does_not_hold_asset_states_through_its_backfill
     assert "scene-writer-left-open" in str(err), str(err)
     assert slowest < 1.5, f"a read of asset_states waited {slowest:.2f}s (the backfill takes {backfill:.2f}s)"
     assert 6 not in _applied(url)
+
+
+def test_db_migrate_behind_another_holding_the_migration_lock_exits_3_within_its_lock_wait(
+    before_0006: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The migration lock (a session advisory lock) was waited for without bound and without a word, before any
+    lock timeout was set: behind a migrate stuck on something else, or a session that kept the lock, `db migrate`
+    hung silently."""
+    holder = psycopg.connect(before_0006, autocommit=True, application_name="stuck-migrate")
+    holder.execute("SELECT pg_advisory_lock(%s)", (migrations._MIGRATIONS_LOCK_ID,))
+    monkeypatch.setenv("ANIMASTOR_DATABASE_URL", before_0006)
+    try:
+        started = time.monotonic()
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "animastor_tasks.operator.cli", "db", "migrate", "--lock-wait", "1"],
+                capture_output=True,
+                text=True,
+                timeout=15,
+                env=os.environ.copy(),
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail("db migrate still waits for the migration lock after 15 s")
+        took = time.monotonic() - started
+    finally:
+        holder.close()
+    assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr
+    assert "stuck-migrate" in done.stderr and "1s" in done.stderr, done.stderr
+    assert "waiting for the migration lock, held by" in done.stderr, done.stderr
+    assert took < 12, took
+    assert 6 not in _applied(before_0006)

@@ -57,11 +57,12 @@ def migrate(db: Database, lock_wait: float = LOCK_WAIT_SECONDS) -> list[str]:
     starts (one transaction for all held 0006's lock on `asset_states` through every later one). A
     session advisory lock, held across them, makes a second migrate wait and then find nothing to do.
     A migration tries for its table locks a second at a time for up to `lock_wait` seconds, then gives up
-    (`StoreUnavailable`, naming the open transactions), having applied nothing of itself.
+    (`StoreUnavailable`, naming the open transactions), having applied nothing of itself; a migrate waits as
+    long for the advisory lock, then gives up naming the session that holds it.
     """
     applied: list[str] = []
     with db.read() as conn:
-        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATIONS_LOCK_ID,))
+        _take_migration_lock(db, conn, lock_wait)
         try:
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS schema_migrations ("
@@ -78,6 +79,49 @@ def migrate(db: Database, lock_wait: float = LOCK_WAIT_SECONDS) -> list[str]:
             if not conn.broken:
                 conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATIONS_LOCK_ID,))
     return applied
+
+
+def _take_migration_lock(db: Database, conn: psycopg.Connection, lock_wait: float) -> None:
+    """The advisory lock, tried until `lock_wait` has passed. *Why:* `pg_advisory_lock` waited without bound and
+    without a word (no lock timeout is set yet): behind a migrate stuck on something else, or a session that took
+    the lock and stayed, `db migrate` hung silently."""
+    deadline = time.monotonic() + lock_wait
+    said = False
+    while not _try_migration_lock(conn):
+        if time.monotonic() >= deadline:
+            raise StoreUnavailable(
+                "postgres",
+                db.url,
+                f"another session held the migration lock (advisory lock {_MIGRATIONS_LOCK_ID}) all the {lock_wait:g}s"
+                f" this migrate waited;"
+                f" nothing was applied. Held by: {_lock_holders(conn)}. Wait for that migrate to end (or end the"
+                " session), then run `animastor-tasks db migrate` again",
+            )
+        if not said:
+            log.warning("[DB] waiting for the migration lock, held by %s", _lock_holders(conn))
+            said = True
+        time.sleep(_PAUSE_BETWEEN_ATTEMPTS_S)
+
+
+def _try_migration_lock(conn: psycopg.Connection) -> bool:
+    row = conn.execute("SELECT pg_try_advisory_lock(%s)", (_MIGRATIONS_LOCK_ID,)).fetchone()
+    return bool(row and row[0])
+
+
+def _lock_holders(conn: psycopg.Connection) -> str:
+    rows = conn.execute(
+        "SELECT a.pid, coalesce(nullif(a.application_name, ''), a.usename::text, '?'), coalesce(a.state, '?'),"
+        " round(extract(epoch FROM now() - a.backend_start))::int, left(coalesce(a.query, ''), 80)"
+        " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'advisory' AND l.granted AND l.database = (SELECT oid FROM pg_database"
+        " WHERE datname = current_database()) AND l.classid = 0 AND l.objid = %s AND l.objsubid = 1",
+        (_MIGRATIONS_LOCK_ID,),
+    ).fetchall()
+    if not rows:
+        return "nobody now"
+    return "; ".join(
+        f"pid {pid} ({app}, {state}, connected {age}s ago: {query!r})" for pid, app, state, age, query in rows
+    )
 
 
 def _apply(db: Database, conn: psycopg.Connection, version: int, name: str, sql: str, lock_wait: float) -> None:
