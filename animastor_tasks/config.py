@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, parse_qsl, unquote, urlencode, urlsplit
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit
 
 from animastor_tasks.domain.deferral import DeferralWindows
 from animastor_tasks.domain.registry import MediaRegistry, StageSpec, registry_from_table
@@ -332,10 +332,13 @@ def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _broker_url(env: Mapping[str, str], redis_url: str) -> str:
     """ANIMASTOR_BROKER_URL; by default the coordination Redis, spelled as kombu reads a socket and without the
     redis-py options kombu's Connection takes none of (they are the runtime's own client's). *Why:* with
-    `?socket_timeout=5`, every process that sent a task died in kombu with a TypeError traceback."""
+    `?socket_timeout=5`, every process that sent a task died in kombu with a TypeError traceback. The login
+    redis-py reads in the query (`?password=`) goes into the authority, where kombu reads it: it was dropped, and
+    the broker connected without the password."""
     if not env.get("ANIMASTOR_BROKER_URL", "").strip():
         base, _, query = result_backend_url(redis_url).partition("?")
         kept = urlencode([(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if _kombu_reads(k)], safe="/")
+        base = _with_login(base, redis_url)
         return f"{base}?{kept}" if kept else base
     url = _url(env, "ANIMASTOR_BROKER_URL", redis_url, ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp"))
     check_broker_options("ANIMASTOR_BROKER_URL", url)
@@ -348,12 +351,26 @@ def _kombu_reads(option: str) -> bool:
 
 
 def result_backend_url(redis_url: str) -> str:
-    """Celery's spelling of a Redis URL: a redis-py `unix://` socket becomes `redis+socket://`."""
+    """Celery's spelling of a Redis URL: a redis-py `unix://` socket becomes `redis+socket://`, with its login."""
     parts = urlsplit(redis_url)
     if parts.scheme != "unix":
         return redis_url
     db = parse_qs(parts.query).get("db", ["0"])[0]
-    return f"redis+socket://{parts.path}?virtual_host={db}"
+    return f"{_with_login(f'redis+socket://{parts.path}', redis_url)}?virtual_host={db}"
+
+
+def _with_login(base: str, redis_url: str) -> str:
+    """`base` (a URL without query) with the login redis-py reads from `redis_url`: its authority's, else its query's
+    `username` and `password` (the authority wins, as in redis-py), percent-encoded into the authority."""
+    parts = urlsplit(redis_url)
+    query = dict(parse_qsl(parts.query))
+    user = unquote(parts.username or "") or query.get("username", "")
+    password = unquote(parts.password or "") or query.get("password", "")
+    if not user and not password:
+        return base
+    login = quote(user, safe="") + (f":{quote(password, safe='')}" if password else "")
+    target = urlsplit(base)
+    return f"{target.scheme}://{login}@{target.netloc.rpartition('@')[2]}{target.path}"
 
 
 def redis_py_url(url: str) -> str:
