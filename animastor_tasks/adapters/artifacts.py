@@ -9,7 +9,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from animastor_tasks.config import Settings, split_s3_url
 from animastor_tasks.domain.media_types import (
@@ -23,6 +23,9 @@ from animastor_tasks.domain.media_types import (
 )
 from animastor_tasks.errors import ArtifactStoreError
 from animastor_tasks.ports import ArtifactStore
+
+if TYPE_CHECKING:
+    from animastor_tasks.adapters.s3_artifacts import S3ArtifactStore
 
 # The media types the generators make or the media checks know; any other is `.bin`.
 EXTENSIONS = {
@@ -85,6 +88,18 @@ class LocalArtifactStore:
         uri = path.as_uri()
         return {"sha256": digest, "size": len(data), "media_type": media_type, "path": str(path), "uri": uri}
 
+    def probe(self) -> None:
+        """Write, rename and remove a small file where uploads are written: a root this process cannot write (not
+        a directory, a read-only mount, a full disk) answers now, not after a job's GPU work."""
+        temporary = self.root.expanduser().resolve() / ".tmp"
+        try:
+            temporary.mkdir(parents=True, exist_ok=True)
+            probe = temporary / f"probe-{secrets.token_hex(8)}"
+            _write_durably(probe, b"probe", temporary)
+            probe.unlink()
+        except OSError as err:
+            raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
+
 
 def _sweep(temporary: Path, before: float) -> None:
     """Remove the temporary files last written before `before` (best effort: another process may sweep too)."""
@@ -119,6 +134,17 @@ def _write_durably(path: Path, data: bytes, temporary: Path) -> None:
 
 def artifact_store(settings: Settings) -> ArtifactStore:
     """The store `settings` name: the S3 bucket of `artifact_url` when set, else the directory `artifact_root`."""
+    return _store(settings)
+
+
+def probe_artifact_store(settings: Settings) -> None:
+    """Whether the store `settings` name takes an upload now (`ArtifactStoreError` if not), for a GPU worker's
+    start: a host with a wrong bucket, wrong keys or a directory it cannot write started healthy, then did the
+    GPU work of every job it took for nothing."""
+    _store(settings).probe()
+
+
+def _store(settings: Settings) -> LocalArtifactStore | S3ArtifactStore:
     if settings.artifact_url:
         from animastor_tasks.adapters.s3_artifacts import S3ArtifactStore  # boto3 only where S3 is used
 

@@ -61,10 +61,20 @@ class S3ArtifactStore:
     def put(self, data: bytes, media_type: str) -> dict[str, Any]:
         """Upload the bytes under their sha256 unless an object of that size is there already."""
         digest = hashlib.sha256(data).hexdigest()
+        key = self._upload(data, media_type, digest, unless_held=True)
+        uri = f"s3://{self.bucket}/{key}"
+        return {"sha256": digest, "size": len(data), "media_type": media_type, "path": key, "uri": uri}
+
+    def probe(self) -> None:
+        """Upload the empty artifact (its own content address: stored once, harmless) even when it is there: what
+        the store answers a PUT, for a GPU worker's start (a HEAD answers a refusal without its reason)."""
+        self._upload(b"", "application/octet-stream", hashlib.sha256(b"").hexdigest(), unless_held=False)
+
+    def _upload(self, data: bytes, media_type: str, digest: str, *, unless_held: bool) -> str:
         key = self.key(digest, media_type)
         client = self.client
         try:
-            if not self._holds(client, key, len(data)):
+            if not (unless_held and self._holds(client, key, len(data))):
                 client.put_object(
                     Bucket=self.bucket, Key=key, Body=data, ContentType=media_type, Metadata={"sha256": digest}
                 )
@@ -73,8 +83,7 @@ class S3ArtifactStore:
         except BotoCoreError as err:
             unreachable = isinstance(err, (EndpointUnreachable, HTTPClientError))  # refused, cut off, timed out
             raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}", unreachable=unreachable) from err
-        uri = f"s3://{self.bucket}/{key}"
-        return {"sha256": digest, "size": len(data), "media_type": media_type, "path": key, "uri": uri}
+        return key
 
     def _holds(self, client: S3Client, key: str, size: int) -> bool:
         """Whether the object is there with `size` bytes. A HEAD answer carries no message, so any refusal

@@ -16,7 +16,7 @@ from celery import Celery, signals
 from animastor_tasks.adapters.redis import counters
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.registry import CONTROL_QUEUE
-from animastor_tasks.errors import ConfigError, redact_url
+from animastor_tasks.errors import ArtifactStoreError, ConfigError, redact_url
 from animastor_tasks.worker import chain, lost, tracing, warm
 from animastor_tasks.worker.logs import LogSetup
 from animastor_tasks.worker.presence import PresenceStep
@@ -92,6 +92,8 @@ def refuse_unknown_queues(sender: str, instance: Any, conf: Any, options: dict[s
         )
         raise SystemExit(2)
     refuse_generators_not_built(wanted)
+    if wanted & set(settings.registry.queues()):
+        refuse_an_artifact_store_that_refuses()
 
 
 def refuse_generators_not_built(queues: set[str]) -> None:
@@ -111,6 +113,22 @@ def refuse_generators_not_built(queues: set[str]) -> None:
     if problems:
         sys.stderr.write(f"animastor-tasks: refusing to start: {'; '.join(problems)}\n")
         raise SystemExit(2)
+
+
+def refuse_an_artifact_store_that_refuses() -> None:
+    """A GPU worker stores one small artifact before it starts. A store that refuses it (wrong keys, a bucket
+    gone, a directory it cannot write) stops it with exit 2; one that does not answer now may come back, and its
+    jobs wait for it: the worker starts, saying so."""
+    from animastor_tasks.adapters.artifacts import probe_artifact_store
+
+    try:
+        probe_artifact_store(settings)
+    except ArtifactStoreError as err:
+        if err.unreachable:
+            sys.stderr.write(f"animastor-tasks: {err}: not reachable now; starting all the same\n")
+            return
+        sys.stderr.write(f"animastor-tasks: refusing to start: {err}\n")
+        raise SystemExit(2) from err
 
 
 @signals.celeryd_after_setup.connect

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -416,3 +418,40 @@ def test_the_temporary_files_killed_writers_left_are_swept_and_live_ones_kept(tm
     assert not stale.exists() and live.exists()
     assert Path(stored["path"]).read_bytes() == b"RIFF-audio"
     assert [p.name for p in Path(stored["path"]).parent.iterdir()] == [Path(stored["path"]).name]
+
+
+def gpu_worker_start(env: dict[str, str], cwd: Path, seconds: float) -> subprocess.CompletedProcess[str] | str:
+    """A GPU worker of the audio stage started with `env` (no Redis or Postgres listening: the store check runs
+    before either is needed): its end, or its stderr so far when it is still running after `seconds`."""
+    full = {
+        **os.environ,
+        "ANIMASTOR_LOCAL_DIR": str(cwd / "none"),
+        "ANIMASTOR_REDIS_URL": "redis://127.0.0.1:1/0",
+        "ANIMASTOR_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/none",
+        **env,
+    }
+    full.pop("ANIMASTOR_BROKER_URL", None)
+    argv = [sys.executable, "-m", "animastor_tasks.operator.cli", "worker", "--stage", "audio", "-P", "solo"]
+    try:
+        return subprocess.run(argv, env=full, capture_output=True, text=True, timeout=seconds, cwd=cwd)
+    except subprocess.TimeoutExpired as err:
+        return err.stderr.decode() if isinstance(err.stderr, bytes) else str(err.stderr)
+
+
+def test_a_gpu_worker_whose_artifact_store_refuses_uploads_refuses_to_start(s3: S3Server, tmp_path: Path) -> None:
+    """A host with a wrong bucket, wrong keys or an artifact directory it cannot write started healthy and gave
+    back every pair it ran, after the GPU work (before that, failed every one for good)."""
+    (tmp_path / "a-file").write_bytes(b"")
+    cases = {
+        "artifact root not a directory": ({"ANIMASTOR_ARTIFACT_ROOT": str(tmp_path / "a-file")}, "Not a directory"),
+        "bucket missing": ({**s3.env("books"), "ANIMASTOR_ARTIFACT_URL": "s3://no-such-bucket/x"}, "NoSuchBucket"),
+        "wrong keys": ({**s3.env("books"), "AWS_SECRET_ACCESS_KEY": "not-it"}, "SignatureDoesNotMatch"),
+    }
+    for case, (env, said) in cases.items():
+        done = gpu_worker_start(env, tmp_path, 30)
+        assert not isinstance(done, str), f"{case}: the worker started: {done[-500:]}"
+        assert done.returncode == 2 and "refusing to start" in done.stderr and said in done.stderr, (case, done.stderr)
+    # A store that does not answer now may come back: the worker starts, saying so.
+    down = {**s3.env("books"), "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"}
+    running = gpu_worker_start(down, tmp_path, 12)
+    assert isinstance(running, str) and "artifact store s3://" in running and "not reachable" in running, running
