@@ -124,7 +124,8 @@ def _gate_pass(
         now=now,
     )
     released = set(report.released)
-    busy = {i.pair[:2] for i in rows.in_flight if not released or i.pair not in released}
+    # A stage BLOCKED in this pass released every pair of it in flight: counted busy, the book stayed active for good.
+    busy = {i.pair[:2] for i in rows.in_flight if i.pair not in released and i.stage not in result.blocked}
     idle = snap.active - busy
     if idle:
         ports.book_state.deactivate(book, idle)

@@ -62,9 +62,11 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
     began = ports.clock() + HANDED_CLOCK_SLACK
     try:
         read = candidates.dispatch_candidates(ports, report, book, lane, slots_of, slots)
-        if read is None or (lane is None and read == 0):
-            # The book is gone, or its own job ended with nothing of it pending: the full pass is cheap
-            # then, and it is the one that deactivates finished scenes and takes the book off the indexes.
+        if read is None or (read == 0 and (lane is None or _nothing_pending(ports, book))):
+            # The book is gone, or its own job ended with nothing of it pending (or it was handed a slot with
+            # nothing left to claim): the full pass is cheap then, and it is the one that deactivates finished
+            # scenes and takes the book off the indexes. *Why* the second: such a book never had a full pass,
+            # and stayed in the active index for good.
             full = gate.gate_pass(ports, book)
             report.outcomes.update(full.outcomes)
             report.dispatched.extend(full.dispatched)
@@ -132,6 +134,11 @@ def free_slot(
     waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
     if waiters:
         _refill_for(ports, waiters[0], queue, queue, here)  # `book` itself when it outranks the waiters
+        if waiters[0] != book and _nothing_pending(ports, book):
+            # The slot went to another book and this one has nothing left pending: its full pass takes it off the
+            # active index now (its own refill, with nobody waiting, does that below). *Why:* it only waited for a
+            # slot it had no use for, whose refill ran no full pass, and the book stayed active for good.
+            _leave_indexes(ports, book)
     else:
         _refill_for(ports, book, None, queue, here)
     if breaker_closed:
@@ -146,3 +153,22 @@ def _refill_for(ports: Ports, book: str, lane: str | None, freed: str, here: boo
         except Exception as err:  # the control worker tries again; the job itself is done
             log.warning("[COMMAND-GATE] book=%r refill after a job failed here, sent on: %s", book, err)
     ports.publisher.enqueue_refill(book, lane, freed=freed if lane is None else None, slots=None if lane is None else 1)
+
+
+def _nothing_pending(ports: Ports, book: str) -> bool:
+    """Whether the book has no pending pair an active command targets (one candidate read); unreadable: no."""
+    try:
+        rows = ports.assets.gate_candidates(book, ports.settings.registry.names(), 1)
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] book=%r pending pairs unreadable, taken as some: %s", book, err)
+        return False
+    return rows is not None and not rows.in_flight
+
+
+def _leave_indexes(ports: Ports, book: str) -> None:
+    """The full pass of a book with nothing pending: it deactivates its finished scenes and drops the book (cheap:
+    it reads only the pairs still running). Failed, the book's next job end or reconcile's pass does it."""
+    try:
+        gate.gate_pass(ports, book)
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] book=%r left in the active index: %s", book, err)

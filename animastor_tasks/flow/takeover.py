@@ -244,3 +244,9 @@ def block_consumerless(ports: Ports, generating: Sequence[GeneratingRow], report
     for spec in unconsumed:
         if spec.queue in gone:
             report["blocked"] += len(lanes.block_lane(ports, spec, sorted(by_stage[spec.name])))
+            # Their passes (due now: this tick's) take the books whose pairs all went off the active index. *Why:*
+            # nothing else passed them, no work left for reconcile to visit, and they stayed active for good.
+            try:
+                ports.book_state.set_due_all(sorted(by_stage[spec.name]), ports.clock())
+            except StoreUnavailable as err:  # reconcile's rebuild and its next pass over the books do it later
+                log.warning("[TAKEOVER] blocked books of %s not made due: %s", spec.queue, err)

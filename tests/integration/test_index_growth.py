@@ -1,0 +1,86 @@
+"""What a farm keeps in Redis must end with the work it stands for: a finished or BLOCKED book leaves the
+active index (`P:active-books`, `P:active:B`), whatever else the lanes are busy with.
+
+Real Postgres, Redis and broker; jobs run in-process (`run_job`), control work through the real tasks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from animastor_tasks.flow import gate
+from animastor_tasks.flow import reconcile as reconcile_flow
+from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import advertise, make_book, states
+from .test_elastic_share import finish_one, lane, run_control, running, waiting
+from .test_generate import with_stage
+
+
+def tick(rt: Wiring) -> None:
+    rt.redis.client.delete(rt.redis.keys.lock("tick"))
+    gate.tick(rt.ports)
+    run_control(rt)
+
+
+def audio(rt: Wiring, book: str) -> set[str]:
+    return {state for (_, _, stage), state in states(rt, book).items() if stage == "audio"}
+
+
+def assert_gone(rt: Wiring, book: str) -> None:
+    assert book not in rt.ports.book_state.active_books()
+    assert rt.redis.client.exists(rt.redis.keys.active_scenes(book)) == 0
+
+
+def test_a_book_whose_last_job_ends_while_another_waits_leaves_the_active_index(rt: Wiring) -> None:
+    """Old code: the slot went to the waiter, the finished book onto the waiting list, and no full pass ran."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    rt.catalog.import_book(make_book("done", chapters=1, scenes=1))
+    rt.catalog.import_book(make_book("other", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "done", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "other", ["audio"])  # refused lane_full: it waits
+    assert running(rt, "done", "other") == {"done": 1}
+    finish_one(rt, "done")
+    run_control(rt)
+    assert running(rt, "done", "other") == {"other": 1}
+    assert set(states(rt, "done").values()) == {"ready"}
+    assert_gone(rt, "done")
+    assert "other" in rt.ports.book_state.active_books()  # its second scene still waits
+    finish_one(rt, "other")  # the slot it waited for goes to `done`, which has no use for it: back to `other`
+    assert "done" not in waiting(rt) and running(rt, "done", "other") == {"other": 1}
+    finish_one(rt, "other")
+    run_control(rt)
+    assert set(states(rt, "other").values()) == {"ready"}
+    assert_gone(rt, "other")
+
+
+def test_a_book_blocked_at_its_dispatch_leaves_the_active_index(rt: Wiring, tmp_path: Path) -> None:
+    """Old code: the blocked pairs counted as busy, and the book stayed active with nothing in flight."""
+    spec = replace(rt.settings.registry.get("audio"), params={"steps": 1, "step_seconds": 0})
+    with_stage(rt, spec, tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # no worker ever advertised the queue
+    assert audio(rt, "b") == {"dirty"}
+    assert {c.status for c in rt.ports.commands.commands(book="b")} == {"blocked"}
+    tick(rt)
+    reconcile_flow.reconcile(rt.ports, force=True)
+    assert_gone(rt, "b")
+
+
+def test_a_book_blocked_by_the_tick_leaves_the_active_index(rt: Wiring, tmp_path: Path) -> None:
+    """Old code: block_consumerless released the pairs and touched no index; no pass came after."""
+    spec = replace(rt.settings.registry.get("audio"), lease_ttl=60, params={"steps": 1, "step_seconds": 0})
+    with_stage(rt, spec, tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert audio(rt, "b") == {"generating"}
+    rt.presence.heartbeat("test-worker@local", (), 0, gone=["gpu.audio"])  # its warm shutdown, long ago
+    left = rt.redis.server_time() - rt.settings.silent_worker_seconds - 1
+    rt.redis.client.zadd(rt.redis.keys.departures(), {"gpu.audio": left})
+    tick(rt)
+    reconcile_flow.reconcile(rt.ports, force=True)
+    assert audio(rt, "b") == {"dirty"}
+    assert {c.status for c in rt.ports.commands.commands(book="b")} == {"blocked"}
+    assert_gone(rt, "b")
