@@ -8,6 +8,7 @@ Every botocore error leaves as `ArtifactStoreError` carrying the store's own mes
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import threading
 from http.client import HTTPException
@@ -27,7 +28,16 @@ if TYPE_CHECKING:
 
 # Short connect timeout: an endpoint that is down or cut off fails the job in seconds, not minutes;
 # "standard" retries (3 attempts, AWS_MAX_ATTEMPTS to change) ride out a brief 5xx or a dropped connection.
-_CONFIG = Config(connect_timeout=5, read_timeout=60, retries={"mode": "standard"})
+# Checksums only where an operation requires one: by default boto3 sends a PUT over https as `aws-chunked` with a
+# trailing checksum, which S3-compatible servers have refused or stored encoded; the upload carries a Content-MD5,
+# which every S3 checks, instead.
+_CONFIG = Config(
+    connect_timeout=5,
+    read_timeout=60,
+    retries={"mode": "standard"},
+    request_checksum_calculation="when_required",
+    response_checksum_validation="when_required",
+)
 
 
 class S3ArtifactStore:
@@ -76,7 +86,12 @@ class S3ArtifactStore:
         try:
             if not (unless_held and self._holds(client, key, len(data))):
                 client.put_object(
-                    Bucket=self.bucket, Key=key, Body=data, ContentType=media_type, Metadata={"sha256": digest}
+                    Bucket=self.bucket,
+                    Key=key,
+                    Body=data,
+                    ContentType=media_type,
+                    ContentMD5=base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode(),
+                    Metadata={"sha256": digest},
                 )
         except ClientError as err:
             raise ArtifactStoreError(self.url, str(err), unreachable=_cannot_serve_now(err)) from err
