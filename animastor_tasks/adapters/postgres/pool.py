@@ -10,14 +10,17 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Self
+from urllib.parse import unquote
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg import pq
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -88,12 +91,50 @@ def close_open_pools() -> None:
         db.close()
 
 
+# A socket directory nothing listens in: libpq judges a URL's options, then fails to connect, off the network.
+_NOWHERE = "/nonexistent/animastor-url-check"
+# Not judged there: where to connect and as whom (the check's own), and what reads files (a service, a passfile).
+_WHERE_AND_WHO = {"host", "hostaddr", "port", "dbname", "user", "password", "passfile", "service", "servicefile"}
+_PASSWORDS = re.compile(r"://[^:/@\s]*:([^@/\s]*)@|password\s*=\s*('(?:[^'\\]|\\.)*'|[^&\s]*)", re.I)
+
+
+def _check_url(url: str) -> None:
+    """ANIMASTOR_DATABASE_URL's option names and values as libpq takes them. *Why:* a misspelt option
+    (`?connect_timout=5`) or a value libpq refuses (`?sslmode=bogus`) failed every connection, reported as
+    Postgres unavailable (exit 3) after the pool's whole timeout: a setting to fix (exit 2)."""
+    try:
+        options = conninfo_to_dict(url)
+    except psycopg.ProgrammingError as err:
+        raise ConfigError(_refused(url, str(err))) from None
+    judged = {k: v for k, v in options.items() if k not in _WHERE_AND_WHO and v is not None}
+    if judged.get("gssencmode") == "require":
+        del judged["gssencmode"]  # refused over a local socket, the check's own
+    if (port := options.get("port")) and "," not in str(port):
+        judged["port"] = port  # one port only: libpq matches a list of them to the hosts
+    conn = pq.PGconn.connect_start(make_conninfo("", host=_NOWHERE, password="-", **judged).encode())
+    try:
+        said = conn.error_message.decode(errors="replace").strip()
+    finally:
+        conn.finish()
+    if _NOWHERE not in said:  # refused before it tried to connect
+        raise ConfigError(_refused(url, said.splitlines()[0] if said else "libpq refuses its options"))
+
+
+def _refused(url: str, said: str) -> str:
+    """The driver's words, left out where they repeat the password (psycopg quotes a bad percent-encoding)."""
+    said = said.strip()
+    for match in _PASSWORDS.finditer(url):
+        secret = (match.group(1) or match.group(2) or "").strip("'")
+        if secret and (secret in said or unquote(secret) in said):
+            said = (
+                "refused; the driver's message is left out, as it repeats the password (a `%` in one is written `%25`)"
+            )
+    return f"ANIMASTOR_DATABASE_URL={redact_url(url)!r}: {said}"
+
+
 class Database:
     def __init__(self, url: str, *, max_size: int = 8, timeout: float = 5.0) -> None:
-        try:  # an option libpq does not know (`?connect_timout=5`) is a setting to fix, not Postgres down
-            conninfo_to_dict(url)
-        except psycopg.ProgrammingError as err:
-            raise ConfigError(f"ANIMASTOR_DATABASE_URL={redact_url(url)!r}: {str(err).strip()}") from None
+        _check_url(url)
         self.url = url
         self._max_size = max_size
         self._timeout = timeout
