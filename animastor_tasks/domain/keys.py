@@ -25,8 +25,10 @@ widens to another book).
 | ``P:lease:B:C:S:STAGE``                       | string | queued: as long as ``P:queued:ID``; from  |
 |                                               |        | the job's start the stage's lease TTL,    |
 |                                               |        | renewed by the job (domain/liveness.py)   |
-| ``P:dispatch:ID``                             | hash   | as long as ``P:queued:ID`` (read at the   |
-|                                               |        | job's start); dispatch metadata           |
+| ``P:dispatch:ID``                             | hash   | dispatch metadata, read at the job's      |
+|                                               |        | start; deleted as its end frees the slot  |
+|                                               |        | (lane_take.lua reads its rank last), else |
+|                                               |        | 4 queued lease TTLs (revoked, taken over) |
 | ``P:running:ID``                              | string | lease TTL while a delivery of ID runs     |
 | ``P:queued:ID`` (value: dispatch time)        | string | from dispatch to its first delivery       |
 |                                               |        | (at most 24 h; see domain/liveness.py)    |

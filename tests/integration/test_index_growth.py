@@ -15,7 +15,7 @@ from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, make_book, states
 from .test_elastic_share import finish_one, lane, run_control, running, waiting
-from .test_generate import with_stage
+from .test_generate import dispatched_jobs, with_stage
 
 
 def tick(rt: Wiring) -> None:
@@ -84,3 +84,19 @@ def test_a_book_blocked_by_the_tick_leaves_the_active_index(rt: Wiring, tmp_path
     assert audio(rt, "b") == {"dirty"}
     assert {c.status for c in rt.ports.commands.commands(book="b")} == {"blocked"}
     assert_gone(rt, "b")
+
+
+def test_a_jobs_dispatch_metadata_goes_with_its_end(rt: Wiring) -> None:
+    """Old code: `P:dispatch:ID` lived 4 days after its job ended (max(4 x the queued lease's day, 24 h))."""
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    rt.catalog.import_book(make_book("w", chapters=1, scenes=1))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    (first, second) = dispatched_jobs(rt, "b")
+    assert rt.redis.client.ttl(rt.redis.keys.dispatch(first.dispatch_id)) > 0
+    finish_one(rt, "b")  # nobody waits: the book's own refill
+    assert rt.redis.client.ttl(rt.redis.keys.dispatch(first.dispatch_id)) == -2
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])  # refused lane_full: it waits
+    finish_one(rt, "b")  # the slot goes to `w`, `b` queued behind it at its job's rank
+    assert rt.redis.client.ttl(rt.redis.keys.dispatch(second.dispatch_id)) == -2
+    assert running(rt, "b", "w") == {"w": 1}
