@@ -70,3 +70,13 @@ def test_exec_start_is_a_command_the_cli_takes(path: Path) -> None:
     assert parsed.get("celery_args", ()) == (), parsed
     if "stage" in parsed:
         assert parsed["hostname"] in ("control@gpu-host-1", f"{parsed['stage']}@gpu-host-1"), parsed
+
+
+@pytest.mark.parametrize("path", UNITS, ids=lambda p: p.name)
+def test_a_setting_to_fix_is_not_restarted_for_ever(path: Path) -> None:
+    """`Restart=on-failure` restarted a process that exited 2 (a setting to fix: a bad URL, an unknown stage)
+    every 5 s for ever, its one line of why lost among the restarts; exit 3 (a store down) is still restarted."""
+    unit = _unit(path)
+    assert unit["Restart"] == "on-failure"
+    assert "2" in unit.get("RestartPreventExitStatus", "").split(), unit.get("RestartPreventExitStatus")
+    assert "3" not in unit.get("RestartPreventExitStatus", "").split()
