@@ -35,7 +35,9 @@ print('\n'.join(p['project']['dependencies'] + p['build-system']['requires']))" 
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
-COPY README.md celeryconfig.py ./
+# flowerconfig.py: Flower's settings and auth rule (basic auth required), read wherever `celery -A animastor_tasks
+# flower` runs (FLOWER_CONF below); without it Flower came up with no auth on every interface.
+COPY README.md celeryconfig.py flowerconfig.py ./
 COPY animastor_tasks ./animastor_tasks
 RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info
 
@@ -45,6 +47,7 @@ RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/animastor --cr
     && chown -R animastor:animastor /var/lib/animastor
 USER animastor
 
-ENV ANIMASTOR_ARTIFACT_ROOT=/var/lib/animastor/artifacts
+ENV ANIMASTOR_ARTIFACT_ROOT=/var/lib/animastor/artifacts \
+    FLOWER_CONF=/app/flowerconfig.py
 
 CMD ["animastor-tasks", "--help"]

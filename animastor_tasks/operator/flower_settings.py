@@ -1,7 +1,8 @@
 """Flower's settings for animastor-tasks, read from the ANIMASTOR_FLOWER_* environment; also Flower's `--conf` file.
 
 `animastor-tasks flower` starts Flower with this very file as its configuration, so an installed package
-(a wheel, a container) needs no file from the source tree; the repository's `flowerconfig.py` is a shim
+(a wheel, a container) needs no file from the source tree; so does `celery -A animastor_tasks flower` run from
+any directory (`guard_flower_command`, called as the app loads); the repository's `flowerconfig.py` is a shim
 over it for `celery -A animastor_tasks flower --conf=flowerconfig.py`.
 
 Why a config file and not flags: Flower shows who runs what on which GPU and can revoke tasks and shut
@@ -122,6 +123,24 @@ def options_or_exit(env: _Mapping[str, str], argv: _Sequence[str] | None = None)
 def conf_path() -> str:
     """This file, for Flower's `--conf`."""
     return _os.path.abspath(__file__)
+
+
+def guard_flower_command() -> None:
+    """When Celery's command line loads the app for its `flower` command (`celery -A animastor_tasks flower`): the
+    refusal above (stderr, exit status 2) and this file as Flower's `--conf` unless the command line names one
+    (a `FLOWER_CONF` in the environment too). Called by the app as it is loaded; a no-op under any other command.
+    *Why:* Flower reads `./flowerconfig.py` only when the directory it runs in has one and silently runs without
+    it: from any other directory (an installed package, a container) it came up with no auth on every interface."""
+    import click  # imported here: Flower executes this file as its configuration
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or ctx.invoked_subcommand != "flower":
+        return
+    options_or_exit(_os.environ)
+    import flower.options  # noqa: F401 - defines Flower's options, `conf` among them
+    from tornado.options import options as _tornado_options
+
+    _tornado_options.conf = conf_path()  # Flower reads its command line's `--conf` (or FLOWER_CONF) after this
 
 
 if "__name__" not in globals():
