@@ -243,7 +243,10 @@ def checked_media(generator: Generator, answer: object) -> Media:
     once, saying what came back). *Why:* a plugin's text or None raised past the job's verdict, at the hash or the
     upload, and the pair stayed `generating` until its lost starts failed it as `worker_lost`. A memoryview is
     copied to bytes: its length counts items, not bytes (a wrong size kept, the artifact written again on every
-    run), and one not contiguous raised past the verdict at the hash."""
+    run), and one not contiguous raised past the verdict at the hash. The type must be one a header can carry
+    (`type/subtype`, printable ASCII): S3's client raised a bare ValueError past the verdict at the upload."""
+    if isinstance(answer, Media) and isinstance(answer.media_type, str) and not _header_worthy(answer.media_type):
+        raise TypeError(f"generator {generator.name!r} returned the media type {answer.media_type!r}, not type/subtype")
     if isinstance(answer, Media) and isinstance(answer.data, memoryview) and isinstance(answer.media_type, str):
         return replace(answer, data=bytes(answer.data))
     if isinstance(answer, Media) and isinstance(answer.data, bytes | bytearray) and isinstance(answer.media_type, str):
@@ -252,6 +255,10 @@ def checked_media(generator: Generator, answer: object) -> Media:
     if isinstance(answer, Media):
         shape = f"Media({type(answer.data).__name__}, {type(answer.media_type).__name__})"
     raise TypeError(f"generator {generator.name!r} returned {shape}, not Media(bytes, str)")
+
+
+def _header_worthy(media_type: str) -> bool:
+    return media_type.isascii() and media_type.isprintable() and "/" in media_type.split(";")[0]
 
 
 def load_generator(ports: Ports, spec: StageSpec, job: Job) -> Generator:

@@ -434,8 +434,18 @@ class _Returning:
 
 @pytest.mark.parametrize(
     "answer",
-    [None, b"RIFF", Media("RIFF-as-text", "audio/wav"), Media(b"RIFF", None), Media(bytearray(b"RIFF"), "audio/wav")],  # type: ignore[arg-type]
-    ids=["none", "bare-bytes", "text-data", "no-type", "bytearray"],
+    [
+        None,
+        b"RIFF",
+        Media("RIFF-as-text", "audio/wav"),  # type: ignore[arg-type]
+        Media(b"RIFF", None),  # type: ignore[arg-type]
+        Media(bytearray(b"RIFF"), "audio/wav"),
+        # A type no HTTP header can carry: S3's client raised a bare ValueError past the verdict at the upload.
+        Media(b"RIFF", "audio/wav\r\nX-Injected: 1"),
+        Media(b"RIFF", "audio/wäv"),
+        Media(b"RIFF", "wav"),
+    ],
+    ids=["none", "bare-bytes", "text-data", "no-type", "bytearray", "line-break-in-type", "not-ascii", "no-subtype"],
 )
 def test_a_plugin_that_returns_no_media_fails_its_pair_once_saying_what_it_returned(rt, tmp_path, answer) -> None:
     """A plugin whose `generate` returned text as its data (or no Media at all) raised a TypeError past the
