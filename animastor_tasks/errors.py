@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import re
 
-# A URL's login: the password runs to the LAST `@` before a blank, since `@`, `/`, `?` and `#` typed unencoded in a
-# password (a base64 one has `/`) end the authority early for a parser, whose split would leave the rest shown.
-_LOGIN_IN_URL = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>\S*)@", re.I)
+_BLANKS = re.compile(r"(\s+)")
 # A query parameter (of a URL, or of a path quoted alone, as urllib3 does): its value up to the next one.
 _QUERY_PARAM = re.compile(r"(?P<lead>[?&](?P<name>[A-Za-z0-9_.-]+)=)(?P<value>[^&\s'\"]*)")
 # A parameter whose value is a secret: a name, or one of its `_`/`-`/`.` words, ending so (`password`, libpq's
@@ -33,8 +31,22 @@ _SECRET_WORDS = ("password", "passwd", "pwd", "passphrase", "secret", "token", "
 def redact_url(text: str) -> str:
     """Hide the passwords of the URLs in `text`, and the values of their secret-like query parameters, so it can be
     printed or logged. When in doubt it hides more: a password must never be shown, a host may be."""
-    text = _LOGIN_IN_URL.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    text = "".join(_hide_login(word) for word in _BLANKS.split(text))
     return _QUERY_PARAM.sub(lambda m: f"{m['lead']}***" if is_secret_param(m["name"]) and m["value"] else m[0], text)
+
+
+def _hide_login(word: str) -> str:
+    """`word` (no blank) with the password of its first URL login hidden: from the `:` after the user to the LAST
+    `@` of the word, since `@`, `/`, `?` and `#` typed unencoded in a password (a base64 one has `/`) end the
+    authority early for a parser, whose split would leave the rest shown. By hand, not a regex: one with a
+    backtracking scheme took seconds on a server's 64 KB error body without a blank."""
+    at = word.rfind("@")
+    for found in re.finditer("://", word[:at] if at > 0 else ""):
+        start = found.end()
+        colon = word.find(":", start, at)
+        if found.start() > 0 and colon != -1 and not any(ch in word[start:colon] for ch in "/@"):
+            return f"{word[:colon]}:***{word[at:]}"
+    return word
 
 
 def is_secret_param(name: str) -> bool:
