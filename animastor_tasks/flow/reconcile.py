@@ -78,7 +78,8 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
 
 
 def _rebuild_redis(ports: Ports, books: list[str], indexed: list[str], report: dict[str, Any]) -> None:
-    """Cancel flags of every book with work (a row each); the active index of `indexed`."""
+    """Cancel flags of the tombstoned books a job could still run for (`Commands.tombstoned_books`: with work, or
+    stopped lately); the active index of `indexed`."""
     tombstoned = ports.commands.tombstoned_books()
     ports.book_state.set_cancel_flags(tombstoned)
     if tombstoned:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -100,3 +101,26 @@ def test_a_jobs_dispatch_metadata_goes_with_its_end(rt: Wiring) -> None:
     finish_one(rt, "b")  # the slot goes to `w`, `b` queued behind it at its job's rank
     assert rt.redis.client.ttl(rt.redis.keys.dispatch(second.dispatch_id)) == -2
     assert running(rt, "b", "w") == {"w": 1}
+
+
+def test_reconcile_sets_no_flag_for_old_tombstones_of_books_without_work(rt: Wiring) -> None:
+    """Old code: every tombstone ever had its flag written again (SET NX), every 30 s, forever."""
+    for book in ("s1", "s2", "s3", "busy"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+        cancel_flow.cancel(rt.ports, book)
+    with rt.db.transaction() as conn:  # the Stop Alls of long ago, and a pair of `busy` in flight behind its tombstone
+        conn.execute("UPDATE cancel_tombstones SET cancelled_at = now() - interval '3 days'")
+        conn.execute("UPDATE asset_states SET state = 'pending' WHERE book_id = 'busy' AND stage = 'audio'")
+    rt.redis.client.delete(*(rt.redis.keys.cancel_flag(b) for b in ("s1", "s2", "s3", "busy")))
+    reconcile_flow.reconcile(rt.ports, force=True)
+    assert not any(rt.ports.book_state.cancel_flag_set(b) for b in ("s1", "s2", "s3"))
+    assert rt.ports.book_state.cancel_flag_set("busy")  # a job of it could still be dispatched: the flag stands
+
+
+def test_reconcile_restores_the_flag_of_a_recent_stop_all(rt: Wiring) -> None:
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    cancel_flow.cancel(rt.ports, "b")
+    rt.redis.client.delete(rt.redis.keys.cancel_flag("b"))  # lost with Redis's data
+    reconcile_flow.reconcile(rt.ports, force=True)
+    assert rt.ports.book_state.cancel_flag_set("b")
+

@@ -16,21 +16,20 @@ import psycopg
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database
 from animastor_tasks.adapters.postgres.released import release_targets
+from animastor_tasks.domain import liveness
 from animastor_tasks.domain.keys import book_lock
 from animastor_tasks.domain.targets import Take, states_taking
 from animastor_tasks.domain.types import Pair, SceneKey
-from animastor_tasks.domain.vocabulary import (
-    CANCELLABLE,
-    IN_FLIGHT,
-    AssetState,
-    CommandStatus,
-    Priority,
-    values,
-)
+from animastor_tasks.domain.vocabulary import CANCELLABLE, IN_FLIGHT, AssetState, CommandStatus, Priority, values
 from animastor_tasks.errors import DuplicateCommand, InvalidCommand
 from animastor_tasks.ports import CommandRow, NewCommands
 
 ACTIVE = str(CommandStatus.ACTIVE)
+_FLAG_KEPT = (  # the tombstoned books whose cancel flag reconcile keeps (`tombstoned_books`)
+    "SELECT book_id FROM cancel_tombstones t WHERE cancelled_at > now() - make_interval(secs => %s)"
+    f" OR EXISTS (SELECT FROM commands WHERE book_id = t.book_id AND status = {literals.ACTIVE}) OR EXISTS"
+    f" (SELECT FROM asset_states WHERE book_id = t.book_id AND state IN {literals.IN_FLIGHT_STATES})"
+)
 
 
 class CommandStore:
@@ -305,8 +304,10 @@ class CommandStore:
         return [((c, s, st), float(left)) for c, s, st, force, left in rows if force and left > 0]
 
     def tombstoned_books(self) -> list[str]:
+        """Those a job could still run or be dispatched for, whose flags reconcile keeps: with work, or stopped within
+        a queued message's life. *Why:* every tombstone ever had its flag written again every 30 s, for good."""
         with self.db.read() as conn:
-            return [r[0] for r in conn.execute("SELECT book_id FROM cancel_tombstones")]
+            return [r[0] for r in conn.execute(_FLAG_KEPT, (liveness.UNDELIVERED_MARKER_SECONDS,))]
 
     def is_tombstoned(self, book: str) -> bool:
         with self.db.read() as conn:
