@@ -123,4 +123,3 @@ def test_reconcile_restores_the_flag_of_a_recent_stop_all(rt: Wiring) -> None:
     rt.redis.client.delete(rt.redis.keys.cancel_flag("b"))  # lost with Redis's data
     reconcile_flow.reconcile(rt.ports, force=True)
     assert rt.ports.book_state.cancel_flag_set("b")
-
