@@ -76,6 +76,10 @@ AUTHORIZING: frozenset[CommandStatus] = frozenset(CommandStatus) - NO_LONGER_ACT
 CANCELLABLE: frozenset[CommandStatus] = frozenset({CommandStatus.ACTIVE, CommandStatus.BLOCKED})
 # Commands over for good: nothing they say can change any more, so past a retention they may be pruned.
 ENDED: frozenset[CommandStatus] = NO_LONGER_ACTIVE - CANCELLABLE
+# Commands a retention prunes once they have not changed for that long: the ended ones, and BLOCKED ones, which
+# authorize nothing and are never retried (a Stop All may only relabel one `cancelled`). Kept, every BLOCKED episode
+# held its commands and their requests' others, targets and all, for good.
+PRUNABLE: frozenset[CommandStatus] = ENDED | {CommandStatus.BLOCKED}
 
 
 def no_worker_reason(stage: str) -> str:

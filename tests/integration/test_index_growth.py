@@ -5,6 +5,7 @@ Real Postgres, Redis and broker; jobs run in-process (`run_job`), control work t
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -123,3 +124,30 @@ def test_reconcile_restores_the_flag_of_a_recent_stop_all(rt: Wiring) -> None:
     rt.redis.client.delete(rt.redis.keys.cancel_flag("b"))  # lost with Redis's data
     reconcile_flow.reconcile(rt.ports, force=True)
     assert rt.ports.book_state.cancel_flag_set("b")
+
+
+def test_blocked_commands_past_the_retention_are_pruned(rt: Wiring) -> None:
+    """Old code: a BLOCKED command never counted as ended, and pinned its whole request (its targets) for good."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio", "gpu.image")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio", "image"], command_id=str(uuid.uuid4()))
+    for stage in ("audio", "image"):
+        rt.ports.commands.block_stage("b", stage, f"no_worker:{stage}")
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE commands SET updated_at = now() - interval '10 days' WHERE book_id = 'b'")
+    assert {c.status for c in rt.ports.commands.commands(book="b")} == {"blocked"}
+    assert rt.ports.commands.prune_commands(1, 50_000) == 2
+    assert rt.ports.commands.commands(book="b") == []
+    with rt.db.read() as conn:
+        assert conn.execute("SELECT count(*) FROM command_targets WHERE book_id = 'b'").fetchone()[0] == 0
+
+
+def test_a_recently_blocked_command_pins_its_request(rt: Wiring) -> None:
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio", "gpu.image")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio", "image"], command_id=str(uuid.uuid4()))
+    for stage in ("audio", "image"):
+        rt.ports.commands.block_stage("b", stage, f"no_worker:{stage}")
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE commands SET updated_at = now() - interval '10 days' WHERE stage = 'audio'")
+    assert rt.ports.commands.prune_commands(1, 50_000) == 0

@@ -16,7 +16,7 @@ import psycopg
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database
 from animastor_tasks.adapters.postgres.released import release_targets
-from animastor_tasks.domain import liveness
+from animastor_tasks.domain import liveness, vocabulary
 from animastor_tasks.domain.keys import book_lock
 from animastor_tasks.domain.targets import Take, states_taking
 from animastor_tasks.domain.types import Pair, SceneKey
@@ -25,6 +25,7 @@ from animastor_tasks.errors import DuplicateCommand, InvalidCommand
 from animastor_tasks.ports import CommandRow, NewCommands
 
 ACTIVE = str(CommandStatus.ACTIVE)
+_PRUNABLE, _BLOCKED = literals.sql_list(vocabulary.PRUNABLE), literals.sql_text(CommandStatus.BLOCKED)
 _FLAG_KEPT = (  # the tombstoned books whose cancel flag reconcile keeps (`tombstoned_books`)
     "SELECT book_id FROM cancel_tombstones t WHERE cancelled_at > now() - make_interval(secs => %s)"
     f" OR EXISTS (SELECT FROM commands WHERE book_id = t.book_id AND status = {literals.ACTIVE}) OR EXISTS"
@@ -326,21 +327,21 @@ class CommandStore:
         return {book: int(n) for book, n in rows}
 
     def prune_commands(self, retention_days: float, targets: int) -> int:
-        """Delete the requests whose every command ended longer than `retention_days` ago, oldest first, with their
-        commands and targets: as many as fit in `targets` target rows (one request at least), so that a backlog of
-        whole-book commands is pruned a slice per call. A command over for good says nothing a gate, a commit or a
-        release reads; past the retention a resend of its `command_id` makes new commands. A request goes whole:
-        with some of its commands pruned, a resend found the others only, and answered that the stages of those
-        pruned had their layer off. How many commands were deleted."""
-        ended, cutoff = literals.ENDED_STATUSES, "now() - make_interval(secs => %(keep)s)"
-        with self.db.transaction() as conn:
+        """Delete the requests whose every command is over (`PRUNABLE`) and unchanged for `retention_days`, oldest
+        first, with their commands and targets: as many as fit in `targets` target rows (one request at least), a
+        backlog of whole-book commands a slice per call. Past the retention a resend of a `command_id` makes new
+        commands. A request goes whole: with some of its commands pruned, a resend found the others only, and
+        answered that the stages of those pruned had their layer off. How many commands were deleted."""
+        ended, over, cutoff = literals.ENDED_STATUSES, _PRUNABLE, "now() - make_interval(secs => %(keep)s)"
+        with self.db.transaction() as conn:  # the ended read by migration 0008's index, the BLOCKED (few) by a scan
             return conn.execute(
                 "DELETE FROM commands WHERE request_id IN (SELECT request_id FROM"
                 " (SELECT request_id, sum(coalesce(target_count, 1)) OVER (ORDER BY updated_at, command_id)"
-                "  - coalesce(target_count, 1) AS older FROM commands c"
-                f"  WHERE status IN {ended} AND updated_at < {cutoff}"
-                "  AND NOT EXISTS (SELECT 1 FROM commands o WHERE o.request_id = c.request_id"
-                f"   AND (o.status NOT IN {ended} OR o.updated_at >= {cutoff}))"
+                f"  - coalesce(target_count, 1) AS older FROM (SELECT * FROM commands WHERE status IN {ended}"
+                f"  AND updated_at < {cutoff} UNION ALL SELECT * FROM commands WHERE status = {_BLOCKED}"
+                f"  AND updated_at < {cutoff}) c"
+                "  WHERE NOT EXISTS (SELECT 1 FROM commands o WHERE o.request_id = c.request_id"
+                f"   AND (o.status NOT IN {over} OR o.updated_at >= {cutoff}))"
                 "  ORDER BY updated_at, command_id LIMIT %(targets)s) p WHERE older < %(targets)s)",
                 {"keep": retention_days * 86400, "targets": targets},
             ).rowcount
