@@ -57,9 +57,9 @@ def flower_config_path() -> Path:
     """Flower's `--conf` file: the settings installed with the package (no source checkout needed)."""
     import importlib.util
 
-    spec = importlib.util.find_spec("animastor_tasks.operator.flower_settings")
+    spec = importlib.util.find_spec("animastor_tasks.worker.flower_settings")
     if spec is None or spec.origin is None:
-        raise DemoError("animastor_tasks.operator.flower_settings is not installed")
+        raise DemoError("animastor_tasks.worker.flower_settings is not installed")
     return Path(spec.origin)
 
 

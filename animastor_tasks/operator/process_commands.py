@@ -172,7 +172,7 @@ def flower(flower_args: tuple[str, ...]) -> None:
     it (`--address`, `--port`, `--basic_auth`, `--auth`, `--unix_socket`, and `--conf`, however many dashes
     lead them): refused, they come from the environment.
     """
-    from animastor_tasks.operator import flower_settings
+    from animastor_tasks.worker import flower_settings
 
     try:
         flower_settings.flower_options(os.environ)

@@ -152,7 +152,7 @@ def test_the_installed_commands_answer_from_outside_the_tree(installed: Installe
         "python",
         "-c",
         "import animastor_tasks, celeryconfig, importlib.resources as r; "
-        "from animastor_tasks.operator import flower_settings as f; "
+        "from animastor_tasks.worker import flower_settings as f; "
         "print(animastor_tasks.__file__); print(celeryconfig.__file__); print(f.conf_path()); "
         "print(r.files('animastor_tasks').joinpath('py.typed').is_file())",
     )

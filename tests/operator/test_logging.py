@@ -20,8 +20,7 @@ import pytest
 from animastor_tasks.dev.celery_commands import celery_argv
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ConfigError
-from animastor_tasks.operator import flower_settings
-from animastor_tasks.worker import logs
+from animastor_tasks.worker import flower_settings, logs
 from tests.support.stack import Stack
 
 from . import make_book, operator_env
