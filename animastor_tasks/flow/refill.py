@@ -134,15 +134,15 @@ def free_slot(
     waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
     if waiters:
         _refill_for(ports, waiters[0], queue, queue, here)  # `book` itself when it outranks the waiters
-        if waiters[0] != book and _nothing_pending(ports, book):
-            # The slot went to another book and this one has nothing left pending: its full pass takes it off the
-            # active index now (its own refill, with nobody waiting, does that below). *Why:* it only waited for a
-            # slot it had no use for, whose refill ran no full pass, and the book stayed active for good.
-            _leave_indexes(ports, book)
     else:
         _refill_for(ports, book, None, queue, here)
     if breaker_closed:
         lanes.breaker_closed(ports, queue)
+    if waiters and waiters[0] != book and _nothing_pending(ports, book):
+        # The slot went to another book and this one has nothing left pending: its full pass takes it off the active
+        # index now (its own refill, with nobody waiting, does that itself). *Why:* it only waited for a slot it had
+        # no use for, whose refill ran no full pass, and the book stayed active for good.
+        _leave_indexes(ports, book)
 
 
 def _refill_for(ports: Ports, book: str, lane: str | None, freed: str, here: bool) -> None:
@@ -170,5 +170,5 @@ def _leave_indexes(ports: Ports, book: str) -> None:
     it reads only the pairs still running). Failed, the book's next job end or reconcile's pass does it."""
     try:
         gate.gate_pass(ports, book)
-    except StoreUnavailable as err:
+    except Exception as err:  # the job's slot is handed on already; a failed clean-up must not fail the job's end
         log.warning("[COMMAND-GATE] book=%r left in the active index: %s", book, err)
