@@ -219,7 +219,7 @@ def _run_owned(
         if not committed:
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)
-        _quietly("free capacity", _free_capacity, ports, job, spec, True, recovered)  # a free slot waits for nothing
+        _quietly("free capacity", _free_capacity, ports, job, spec, later, recovered)  # a free slot waits for nothing
     finally:
         watcher.done.set()
         delivered.release = True
@@ -267,9 +267,9 @@ class _Delivered:
             leases.end_delivery(job.dispatch_id)
 
 
-def _free_capacity(ports: Ports, job: Job, spec: StageSpec, ready: bool = False, recovered: bool = False) -> None:
-    """The job's slot is free, now: the book that waited longest for the lane gets it (`refill.free_slot`)."""
-    refill.free_slot(ports, job.book_id, spec.queue, job.dispatch_id, here=ready, breaker_closed=recovered)
+def _free_capacity(ports: Ports, job: Job, spec: StageSpec, later: Later | None = None, closed: bool = False) -> None:
+    """The job's slot is free, now: the waiter ranking first gets it (`refill.free_slot`). `later`: it ended ready."""
+    refill.free_slot(ports, job.book_id, spec.queue, job.dispatch_id, breaker_closed=closed, after=later)
 
 
 def _generate_with_retries(

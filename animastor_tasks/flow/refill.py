@@ -9,6 +9,8 @@ pending pairs of the freed lane, and a slot it has no use for goes on to the nex
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import candidates, gate, lanes
@@ -113,7 +115,14 @@ def _keep_place(ports: Ports, book: str, lane: str) -> None:
 
 
 def free_slot(
-    ports: Ports, book: str, queue: str, dispatch_id: str, *, here: bool = False, breaker_closed: bool = False
+    ports: Ports,
+    book: str,
+    queue: str,
+    dispatch_id: str,
+    *,
+    here: bool = False,
+    breaker_closed: bool = False,
+    after: Callable[[Callable[[], None]], None] | None = None,
 ) -> None:
     """A job of `book` ended and its slot is free, now: the book that waited longest for the lane gets it
     and `book` queues behind the waiters at the priority its job was dispatched with (both in one atomic
@@ -127,7 +136,11 @@ def free_slot(
     ending elsewhere, each refilled by its own process. A refill that fails here is sent to the control
     worker. Otherwise (a job that failed or gave its pair back) it is sent at once: a pair given back
     is not re-run in a tight loop. `breaker_closed`: the job's success closed the lane's open breaker, and the
-    books that waited for it are passed at once (`lanes.breaker_closed`)."""
+    books that waited for it are passed at once (`lanes.breaker_closed`). `after`: where the clean-up of a book
+    whose slot went to another goes (the job's bookkeeping held back until its process's next job has started,
+    `job.Later`; given, it implies `here`): its read waits for nothing on the way to that start; by default it
+    runs at once."""
+    here = here or after is not None
     # Nobody waiting: the book's pairs deferred for capacity may go (the same atomic step clears them), of every
     # stage: the scene window is shared by the book's stages, so a finished audio job can free the slot an image
     # pair was deferred for (window_full).
@@ -138,11 +151,15 @@ def free_slot(
         _refill_for(ports, book, None, queue, here)
     if breaker_closed:
         lanes.breaker_closed(ports, queue)
-    if waiters and waiters[0] != book and _nothing_pending(ports, book):
-        # The slot went to another book and this one has nothing left pending: its full pass takes it off the active
-        # index now (its own refill, with nobody waiting, does that itself). *Why:* it only waited for a slot it had
-        # no use for, whose refill ran no full pass, and the book stayed active for good.
-        _leave_indexes(ports, book)
+    if waiters and waiters[0] != book:
+        # The slot went to another book: one with nothing left pending leaves the active index (its own refill, with
+        # nobody waiting, does that itself). *Why:* it only waited for a slot it had no use for, whose refill ran no
+        # full pass, and the book stayed active for good.
+        (after or _at_once)(partial(_leave_if_finished, ports, book))
+
+
+def _at_once(step: Callable[[], None]) -> None:
+    step()
 
 
 def _refill_for(ports: Ports, book: str, lane: str | None, freed: str, here: bool) -> None:
@@ -165,10 +182,11 @@ def _nothing_pending(ports: Ports, book: str) -> bool:
     return rows is not None and not rows.in_flight
 
 
-def _leave_indexes(ports: Ports, book: str) -> None:
-    """The full pass of a book with nothing pending: it deactivates its finished scenes and drops the book (cheap:
+def _leave_if_finished(ports: Ports, book: str) -> None:
+    """A book with nothing pending gets its full pass: it deactivates the finished scenes and drops the book (cheap:
     it reads only the pairs still running). Failed, the book's next job end or reconcile's pass does it."""
     try:
-        gate.gate_pass(ports, book)
+        if _nothing_pending(ports, book):
+            gate.gate_pass(ports, book)
     except Exception as err:  # the job's slot is handed on already; a failed clean-up must not fail the job's end
         log.warning("[COMMAND-GATE] book=%r left in the active index: %s", book, err)

@@ -6,13 +6,16 @@ Real Postgres, Redis and broker; jobs run in-process (`run_job`), control work t
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.generate import Later, run_job
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, make_book, states
@@ -151,3 +154,45 @@ def test_a_recently_blocked_command_pins_its_request(rt: Wiring) -> None:
     with rt.db.transaction() as conn:
         conn.execute("UPDATE commands SET updated_at = now() - interval '10 days' WHERE stage = 'audio'")
     assert rt.ports.commands.prune_commands(1, 50_000) == 0
+
+
+class _HeldBack(Later):
+    """A worker's bookkeeping held back until its next job has started (worker/chain.py): kept, not run."""
+
+    def __init__(self) -> None:
+        self.steps: list[Callable[[], object]] = []
+
+    def __call__(self, step: Callable[[], object]) -> None:
+        self.steps.append(step)
+
+
+class _CandidateReads:
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.books = inner, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def gate_candidates(self, book: str, *args: Any, **kwargs: Any) -> Any:
+        self.books.append(book)
+        return self.inner.gate_candidates(book, *args, **kwargs)
+
+
+def test_the_clean_up_of_a_book_that_handed_its_slot_on_waits_for_the_next_job_s_start(rt: Wiring) -> None:
+    """The finished book's candidate read (and its full pass) ran before the job returned, so before the job its
+    process keeps for the freed slot could start: a Postgres read more between a GPU's two jobs on a busy lane."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    rt.catalog.import_book(make_book("done", chapters=1, scenes=1))
+    rt.catalog.import_book(make_book("other", chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "done", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "other", ["audio"])  # refused lane_full: it waits
+    [job] = dispatched_jobs(rt, "done")
+    reads, held = _CandidateReads(rt.ports.assets), _HeldBack()
+    rt.ports = replace(rt.ports, assets=reads)
+    assert run_job(rt.ports, job, worker="test@local", later=held)["outcome"] == "ready"
+    assert "done" not in reads.books and "done" in rt.ports.book_state.active_books()
+    for step in held.steps:
+        step()
+    run_control(rt)
+    assert "done" in reads.books
+    assert_gone(rt, "done")
