@@ -8,12 +8,16 @@ Results are typed with `animastor_tasks.contract` (the schemas under docs/schema
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import uuid
 from typing import Any, Literal, cast, overload
+from urllib.parse import urlsplit
 
 import redis
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
+from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 
 from animastor_tasks.config import Settings, result_backend_url
@@ -31,70 +35,98 @@ from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import AnimastorError, InvalidCommand, StoreUnavailable
 
 _REMOTE_INVALID = ("InvalidCommand", "InvalidInput", "InvalidBook")
+#: The name the client's Redis connections give themselves (`CLIENT LIST`), the broker's and the result store's.
+CLIENT_NAME = "animastor-client"
+
+
+class RegenerateEnqueued(Enqueued):
+    """What `regenerate(..., wait=False)` returns: the task id and the command id it was sent with, which a
+    retry must pass back (`command_id=`) to be a resend rather than a second command."""
+
+    command_id: str
 
 
 class Client:
+    """Safe to share across a fork (gunicorn --preload): a child that uses it makes connections of its own."""
+
     def __init__(self, settings: Settings | None = None, *, timeout: float = 30.0) -> None:
         self.settings = settings or Settings.from_env()
         self.timeout = timeout
-        self.app = Celery(
+        self._pid = os.getpid()
+        self.app = self._make_app()
+
+    def _make_app(self) -> Celery:
+        app = Celery(
             "animastor_client", broker=self.settings.broker_url, backend=result_backend_url(self.settings.redis_url)
         )
-        self.app.conf.update(
-            task_serializer="json",
-            accept_content=["json"],
-            result_serializer="json",
-            result_accept_content=["json"],
-            broker_connection_timeout=3,
-            broker_connection_retry=False,
-            broker_connection_max_retries=0,
-            broker_transport_options={"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5},
-            # The result store is subscribed to before the publish: it must fail fast too (Celery's default
-            # retries for ~20 s, then raises a bare RuntimeError).
-            result_backend_transport_options={
-                "retry_policy": {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
-            },
-        )
+        app.conf.update(_app_conf(self.settings.broker_url, self.timeout))
+        return app
 
-    def _call(self, name: str, kwargs: RegenerateKwargs | CancelKwargs | GateKwargs, wait: bool) -> Any:
+    def _own_app(self) -> Celery:
+        """This process's app: after a fork the parent's sockets are shared with it, and an answer one process
+        reads from the shared subscription is lost to the other. The child drops them unclosed (closing would
+        speak on the parent's connections) and connects anew."""
+        if os.getpid() != self._pid:
+            self._pid = os.getpid()
+            self.app = self._make_app()
+        return self.app
+
+    def _call(
+        self, name: str, kwargs: RegenerateKwargs | CancelKwargs | GateKwargs, wait: bool, command_id: str | None = None
+    ) -> Any:
+        try:  # refused here: kombu's EncodeError would reach the caller raw
+            json.dumps(kwargs, allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise InvalidCommand(f"{name}: its arguments must be JSON: {err}") from None
+        app = self._own_app()
         try:
-            result = self.app.send_task(
+            result = app.send_task(
                 name,
                 kwargs=dict(kwargs),
                 queue=CONTROL_QUEUE,
                 retry=True,
                 retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
             )
-        except (OperationalError, OSError) as err:
-            raise StoreUnavailable("broker", self.settings.broker_url, str(err) or type(err).__name__) from err
-        except (redis.RedisError, RuntimeError) as err:
-            raise self._result_store_down(err) from err
+        except (OperationalError, OSError, redis.RedisError) as err:
+            # A write that timed out may have reached the broker: the task may run.
+            detail = f"{str(err) or type(err).__name__}{_resend(command_id)}"
+            raise StoreUnavailable("broker", self.settings.broker_url, detail) from err
+        except RuntimeError as err:
+            raise self._result_store_down(err, command_id=command_id) from err
         if not wait:
-            return Enqueued(task_id=result.id)
+            _let_go(app, result, answered=False)  # the caller polls it by its id
+            if command_id is None:
+                return Enqueued(task_id=result.id)
+            return RegenerateEnqueued(task_id=result.id, command_id=command_id)
+        answered = False
         try:
-            return result.get(timeout=self.timeout)
+            answer = result.get(timeout=self.timeout)
+            answered = True
+            return answer
         except CeleryTimeout as err:
             try:  # no answer may mean the result store went away meanwhile (Celery waits out its timeout then)
                 result.ready()
             except (redis.RedisError, RuntimeError) as lost:
-                raise self._result_store_down(lost, sent=result.id) from err
+                raise self._result_store_down(lost, sent=result.id, command_id=command_id) from err
             raise AnimastorError(
                 f"{name}: no answer within {self.timeout:.0f}s; is a control worker consuming {CONTROL_QUEUE}? "
-                f"(task id {result.id}: unless a worker took it, it stays queued and runs when one starts)"
+                f"(task id {result.id}: unless a worker took it, it stays queued and runs when one starts"
+                f"{_resend(command_id)})"
             ) from err
         except (redis.RedisError, RuntimeError) as err:
             # The result store went down while the answer was awaited: the task was sent, and may have run.
-            raise self._result_store_down(err, sent=result.id) from err
+            raise self._result_store_down(err, sent=result.id, command_id=command_id) from err
         except Exception as err:
+            answered = True  # the task's own error, read from its result
             if type(err).__name__ in _REMOTE_INVALID:
                 raise InvalidCommand(str(err)) from err
             raise
         finally:
-            # The store may be down: the answer, or the error above, is what counts.
-            with contextlib.suppress(redis.RedisError, RuntimeError):
-                result.forget() if result.ready() else None
+            _let_go(app, result, answered=answered)
 
-    def _result_store_down(self, err: redis.RedisError | RuntimeError, sent: str | None = None) -> Exception:
+    def _result_store_down(
+        self, err: redis.RedisError | RuntimeError, sent: str | None = None, command_id: str | None = None
+    ) -> Exception:
         """The Redis result store could not be reached (a RuntimeError raised from a connection error after
         Celery's reconnect attempts). With one Redis for both, that is the broker being down. Any other
         RuntimeError is returned as it is."""
@@ -104,7 +136,7 @@ class Client:
         same = self.settings.redis_url == self.settings.broker_url
         store, url = ("broker", self.settings.broker_url) if same else ("redis", self.settings.redis_url)
         after = f" after task {sent} was sent (it may still run)" if sent else ""
-        return StoreUnavailable(store, url, f"result store unreachable{after}: {cause}")
+        return StoreUnavailable(store, url, f"result store unreachable{after}: {cause}{_resend(command_id)}")
 
     @overload
     def regenerate(
@@ -129,7 +161,7 @@ class Client:
         force: bool = ...,
         priority: PriorityName | str | None = ...,
         wait: Literal[False],
-    ) -> Enqueued: ...
+    ) -> RegenerateEnqueued: ...
     def regenerate(
         self,
         book_id: str,
@@ -140,20 +172,24 @@ class Client:
         force: bool = True,
         priority: PriorityName | str | None = None,
         wait: bool = True,
-    ) -> RegenerateResult | Enqueued:
+    ) -> RegenerateResult | RegenerateEnqueued:
         """One command per stage; `command_id` makes a resend a no-op (one is made if omitted).
 
-        `priority` stays a plain string too: the control worker validates it (InvalidCommand)."""
+        The id sent is in the `wait=False` answer and in the message of an error after which the command may
+        still run (no answer in time, a store lost mid-call): a retry must pass it back, or it is a second command
+        (with force, one that stops the first one's jobs). `priority` stays a plain string too: the control worker
+        validates it (InvalidCommand)."""
+        sent_id = str(uuid.uuid4()) if command_id is None else command_id  # "" is the worker's to refuse
         kwargs: RegenerateKwargs = {
             "book_id": book_id,
             "stages": _as_list(stages),
             "scenes": scenes if not isinstance(scenes, list | tuple) else [_as_list(s) for s in scenes],
-            "command_id": str(uuid.uuid4()) if command_id is None else command_id,  # "" is the worker's to refuse
+            "command_id": sent_id,
             "force": force,
         }
         if priority is not None:  # sent only when asked for, so older control workers still accept the call
             kwargs["priority"] = cast(PriorityName, priority)
-        return cast(RegenerateResult | Enqueued, self._call("animastor.regenerate", kwargs, wait))
+        return cast(RegenerateResult | RegenerateEnqueued, self._call("animastor.regenerate", kwargs, wait, sent_id))
 
     @overload
     def cancel(self, book_id: str, reason: str | None = ..., *, wait: Literal[True] = ...) -> CancelResult: ...
@@ -175,7 +211,69 @@ class Client:
         return cast(GateResult | Enqueued, self._call("animastor.gate", kwargs, wait))
 
     def close(self) -> None:
-        self.app.close()
+        """Closes the result store's connections, which `app.close()` leaves open (one more per client)."""
+        app = self._own_app()
+        backend = app._local.__dict__.get("backend")  # made on first use, per thread: never made here to close it
+        try:
+            if backend is not None:
+                with contextlib.suppress(redis.RedisError, RuntimeError, OSError):
+                    backend.result_consumer.stop()
+                backend.client.connection_pool.disconnect()
+        finally:
+            # The broker's connections are kombu's, pooled per URL for every client of this process (reused, not
+            # leaked): closing them would break the others.
+            app.close()
+
+
+def _app_conf(broker_url: str, timeout: float) -> dict[str, Any]:
+    """Every wait bounded by the caller's timeout: kombu's Redis transport sets no socket timeout of its own
+    (`broker_connection_timeout` is not read by it) and Celery's result store waits 120 s per read, so a silent
+    or stopped Redis held a call for minutes. A call makes at most two tries of each, hence half the timeout."""
+    each = max(0.5, timeout / 2)
+    if urlsplit(broker_url).scheme.startswith("redis"):
+        transport: dict[str, Any] = {"socket_timeout": each, "socket_connect_timeout": each, "client_name": CLIENT_NAME}
+    else:  # AMQP: a silent broker is noticed by a read or write timing out, a lost publish by its confirm
+        transport = {"read_timeout": each, "write_timeout": each, "confirm_publish": True}
+    return {
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "result_serializer": "json",
+        "result_accept_content": ["json"],
+        "broker_connection_timeout": min(3.0, each),
+        "broker_connection_retry": False,
+        "broker_connection_max_retries": 0,
+        "broker_transport_options": {
+            "max_retries": 1,
+            "interval_start": 0,
+            "interval_step": 0.2,
+            "interval_max": 0.5,
+            **transport,
+        },
+        "redis_socket_timeout": each,
+        "redis_socket_connect_timeout": each,
+        "redis_client_name": CLIENT_NAME,
+        # The result store is subscribed to before the publish: it must fail fast too (Celery's default
+        # retries for ~20 s, then raises a bare RuntimeError).
+        "result_backend_transport_options": {
+            "retry_policy": {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
+        },
+    }
+
+
+def _resend(command_id: str | None) -> str:
+    """What an error after which the command may still run says about retrying it."""
+    return f"; to ask again, resend with command_id={command_id}, not a new one" if command_id is not None else ""
+
+
+def _let_go(app: Celery, result: AsyncResult, *, answered: bool) -> None:
+    """Stop waiting for `result`: its subscription and its place among the backend's pending results stayed until
+    the task finished (for ever, for one never run). An answer read is deleted; one not read expires in the store.
+    The store may be down: the answer, or the error raised, is what counts."""
+    with contextlib.suppress(redis.RedisError, RuntimeError, OSError):
+        if answered:
+            result.forget()
+        app.backend.remove_pending_result(result)
+        app.backend.result_consumer.cancel_for(result.id)
 
 
 def _as_list(value: Any) -> Any:

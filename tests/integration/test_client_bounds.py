@@ -1,0 +1,184 @@
+"""The client's waits are bounded by its own timeout, and what it sent stays findable: a silent broker, a retry
+after no answer, a fork, arguments JSON cannot carry, the connections of timed-out and closed clients."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from animastor_tasks.client import Client
+from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.errors import AnimastorError, InvalidCommand, StoreUnavailable
+from tests.integration.helpers import make_book, queued_messages
+from tests.support import wait_for
+from tests.support.cluster import Cluster
+
+ID = "6f1c2b9e-4c1e-4d0b-9a55-0c3e2f7b8a10"
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[int]:
+    """A port that accepts connections and never answers (a hung Redis, a black-holed proxy)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(2)
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+def test_a_broker_that_accepts_and_never_answers_is_a_store_error_within_the_timeout(settings, silent_listener) -> None:
+    """Old code: no socket timeout on the broker's connection, the call blocked for minutes."""
+    client = Client(replace(settings, broker_url=f"redis://127.0.0.1:{silent_listener}/0"), timeout=5)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailable) as info:
+            client.regenerate("b1", ["audio"], wait=False)
+    finally:
+        client.close()
+    assert info.value.store == "broker"
+    assert time.monotonic() - started < 10
+
+
+def test_a_result_store_that_never_answers_is_a_store_error_within_the_timeout(rt, settings, silent_listener) -> None:
+    """Old code: Celery's result store waits 120 s per read (then reconnects and waits again)."""
+    client = Client(replace(settings, redis_url=f"redis://127.0.0.1:{silent_listener}/0"), timeout=4)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailable, match="result store unreachable") as info:
+            client.regenerate("b1", ["audio"], command_id=ID)
+    finally:
+        client.close()
+    assert time.monotonic() - started < 15
+    assert f"resend with command_id={ID}" in str(info.value)
+
+
+@pytest.fixture
+def control(rt, tmp_path) -> Iterator[Cluster]:
+    """Book b1 imported, and a way to start a real control worker (stopped after the test)."""
+    rt.catalog.import_book(make_book("b1"))
+    cluster = Cluster(tmp_path, {}, rt.presence)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_a_call_without_an_answer_names_its_command_id_and_a_resend_with_it_is_one_command(
+    rt, settings, control
+) -> None:
+    """Old code: the id the client made was in no outcome, so the natural retry made a second command."""
+    client = Client(settings, timeout=1)
+    try:
+        with pytest.raises(AnimastorError, match="no answer within 1s") as info:
+            client.regenerate("b1", ["audio"])
+        found = re.search(r"resend with command_id=([0-9a-f-]{36})", str(info.value))
+        assert found, str(info.value)
+        queued = client.regenerate("b1", ["image"], wait=False)
+        assert set(queued) == {"task_id", "command_id"}
+        control.control()
+        client.timeout = 30
+        answer = client.regenerate("b1", ["audio"], command_id=found.group(1))
+    finally:
+        client.close()
+    assert [c["command_id"] for c in answer["commands"]] == [found.group(1)]
+    wait_for(lambda: queued_messages(rt, CONTROL_QUEUE) == 0, 20, "the control queue drained")
+    wait_for(lambda: len(rt.ports.commands.commands()) == 2, 20, "the image command")
+    time.sleep(0.5)
+    by_stage = sorted((c.stage, c.command_id) for c in rt.ports.commands.commands())
+    assert by_stage == [("audio", found.group(1)), ("image", queued["command_id"])]
+
+
+def test_a_client_made_before_a_fork_answers_every_call_in_the_children(rt, settings, control) -> None:
+    """Old code: the children shared the parent's result subscription, and 9-10 of 30 answers were lost in each."""
+    control.control()
+    client = Client(settings, timeout=10)
+    client.cancel("b1")  # the parent's connections and subscription exist before the fork
+    children = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports by its exit status
+            lost = 0
+            for _ in range(10):
+                try:
+                    client.regenerate("b1", ["audio"])
+                except BaseException:
+                    lost += 1
+            os._exit(lost)
+        children.append(pid)
+    lost = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    client.cancel("b1")  # and the parent still answers
+    client.close()
+    assert lost == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("call", "args"),
+    [("regenerate", ("b1", {"audio"})), ("cancel", ("b1", object())), ("gate", ("b1", float("nan")))],
+)
+def test_an_argument_json_cannot_carry_is_an_invalid_command_and_nothing_is_sent(rt, settings, call, args) -> None:
+    """Old code: kombu's EncodeError (or a NaN, which is not JSON) reached the caller raw."""
+    client = Client(settings)
+    try:
+        with pytest.raises(InvalidCommand, match="must be JSON"):
+            getattr(client, call)(*args, wait=False)
+    finally:
+        client.close()
+    assert queued_messages(rt, CONTROL_QUEUE) == 0
+
+
+def _connections(rt) -> int:
+    """Redis connections on the test's database (the test's own are the same before and after)."""
+    db = rt.redis.client.connection_pool.connection_kwargs.get("db", 0)
+    return sum(1 for c in rt.redis.client.client_list() if int(c["db"]) == db and c["cmd"] != "client|list")
+
+
+def test_closed_clients_leave_no_connection_open(rt, settings) -> None:
+    """Old code: `close()` left the result store's connections open (12 after 30 cycles). The broker's (two) are
+    kombu's, kept per URL for every client of the process: reused, not added to."""
+    before = _connections(rt)
+    for _ in range(20):
+        client = Client(settings)
+        client.regenerate("b1", ["audio"], wait=False)
+        client.close()
+    assert _connections(rt) - before <= 2
+
+
+def test_a_timed_out_call_leaves_no_pending_result_or_subscription(rt, settings) -> None:
+    """Old code: each timed-out call's result object and subscription stayed until its task finished."""
+    client = Client(settings, timeout=0.3)
+    try:
+        for _ in range(3):
+            with pytest.raises(AnimastorError, match="no answer"):
+                client.cancel("b1")
+        client.gate("b1", wait=False)
+        backend = client.app.backend
+        assert backend._pending_results.concrete == {}
+        assert not backend.result_consumer.subscribed_to
+    finally:
+        client.close()
