@@ -147,12 +147,13 @@ def worker(
 
 @click.command(context_settings={"ignore_unknown_options": True})
 @_loglevel_option
-@click.option("--schedule", "-s", default=None, help="Beat's schedule file (default: ./celerybeat-schedule).")
+@click.option("--schedule", "-s", default=None, help="Accepted for compatibility, unused: beat keeps no schedule file.")
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 def beat(loglevel: str | None, schedule: str | None, celery_args: tuple[str, ...]) -> None:
     """Start beat: the tick every ANIMASTOR_TICK_SECONDS, reconcile every ANIMASTOR_RECONCILE_SECONDS.
 
     Other options go to `celery beat` as they are. A second beat is harmless (dispatch is compare-and-set).
+    Its scheduler (`worker/beat_schedule.py`) writes no file, so it runs from any directory, read-only ones too.
     """
     from animastor_tasks.worker.logs import format_from_env
 

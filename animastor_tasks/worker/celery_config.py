@@ -105,4 +105,6 @@ def build_config(settings: Settings) -> dict[str, Any]:
             },
         },
         "beat_max_loop_interval": min(5.0, settings.tick_seconds),
+        # Survives a wall clock stepped back, and keeps no schedule file (`-s` is accepted, unused).
+        "beat_scheduler": "animastor_tasks.worker.beat_schedule:Scheduler",
     }
