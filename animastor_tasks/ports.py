@@ -285,6 +285,9 @@ class ArtifactStore(Protocol):
     def put(self, data: bytes, media_type: str) -> dict[str, Any]:
         """Store content-addressed bytes once; the record (sha256, size, media_type, path, uri) a commit keeps."""
 
+    def probe(self) -> None:
+        """Store something small, whatever is there (`ArtifactStoreError` if the store will not take it)."""
+
 
 @runtime_checkable
 class Generator(Protocol):

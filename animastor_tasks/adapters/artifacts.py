@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -137,11 +138,30 @@ def artifact_store(settings: Settings) -> ArtifactStore:
     return _store(settings)
 
 
-def probe_artifact_store(settings: Settings) -> None:
+def probe_artifact_store(settings: Settings, within: float) -> None:
     """Whether the store `settings` name takes an upload now (`ArtifactStoreError` if not), for a GPU worker's
     start: a host with a wrong bucket, wrong keys or a directory it cannot write started healthy, then did the
-    GPU work of every job it took for nothing."""
-    _store(settings).probe()
+    GPU work of every job it took for nothing. An answer not given `within` seconds counts as unreachable (an
+    endpoint that takes the connection and never answers held the worker's start for minutes of S3 retries)."""
+    store = _store(settings)
+    answer: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            store.probe()
+        except BaseException as err:  # handed to the caller
+            answer.append(err)
+        else:
+            answer.append(None)
+
+    threading.Thread(target=probe, name="artifact-store-probe", daemon=True).start()
+    deadline = time.monotonic() + within
+    while not answer and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not answer:
+        raise ArtifactStoreError(store.url, f"no answer within {within:g} s", unreachable=True)
+    if answer[0] is not None:
+        raise answer[0]
 
 
 def _store(settings: Settings) -> LocalArtifactStore | S3ArtifactStore:

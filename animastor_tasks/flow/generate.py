@@ -43,6 +43,7 @@ from animastor_tasks.flow.job import (
     checked_media,
     guarded_progress,
     load_generator,
+    refusal_kind,
     start_delivery,
     when_reachable,
 )
@@ -206,10 +207,9 @@ def _run_owned(
         except ArtifactStoreError as err:  # keys, bucket, a full disk, the endpoint; a success is counted once stored
             if watcher.should_stop():
                 return _stopped(ports, job, watcher, result)
+            kind = refusal_kind(ports, err)  # before the soft limit is held back: it may end a probe that hangs
             with later.writing_verdict(job):
-                return _unsuccessful(
-                    ports, job, spec, watcher, classify_error(err), storable(str(err)), attempts, result
-                )
+                return _unsuccessful(ports, job, spec, watcher, kind, storable(str(err)), attempts, result)
         recovered = _record_breaker(ports, spec.queue, breaker_feed(None)) == "recovered"
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         artifact["input_hash"] = row.input_hash

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from animastor_tasks.domain.deferral import compute_backoff
-from animastor_tasks.domain.job_rules import RUN_TIME_SHARE
+from animastor_tasks.domain.job_rules import RUN_TIME_SHARE, ErrorKind, classify_error
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair, Pair
@@ -200,6 +200,23 @@ def when_reachable(
             log.warning("[GENERATE] %s %s not written (%s); again in %.1fs", job.describe(), what, err, delay)
             if watcher.stop.wait(delay):
                 raise
+
+
+def refusal_kind(ports: Ports, err: ArtifactStoreError) -> ErrorKind:
+    """What the store's refusal of a job's output says: the store's (`artifact`: the pair goes back, the breaker
+    counts it) only when the store also refuses a small upload now (`probe`); one that takes it refused this
+    output alone (too big for a nearly full disk or a proxy's body limit), a verdict on the scene: it fails once.
+    *Why:* given back on every refusal, such a pair ran its GPU work again without end, the lane's other stored
+    outputs keeping its breaker closed."""
+    kind = classify_error(err)
+    if kind is not ErrorKind.ARTIFACT:
+        return kind
+    try:
+        ports.artifacts.probe()
+    except Exception as probed:  # refused or unreachable as well, or worse: the store's
+        log.warning("[GENERATE] artifact store %s refuses a small upload too: %s", err.store, probed)
+        return ErrorKind.ARTIFACT
+    return ErrorKind.SCENE
 
 
 def guarded_progress(progress: Callable[[float], None], job: Job) -> Callable[[float], None]:

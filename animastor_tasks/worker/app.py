@@ -116,6 +116,9 @@ def refuse_generators_not_built(queues: set[str]) -> None:
         raise SystemExit(2)
 
 
+STORE_PROBE_SECONDS = 10.0  # a store's refusal comes in well under it; past it, the store is taken as down for now
+
+
 def refuse_an_artifact_store_that_refuses() -> None:
     """A GPU worker stores one small artifact before it starts. A store that refuses it (wrong keys, a bucket
     gone, a directory it cannot write) stops it with exit 2; one that does not answer now may come back, and its
@@ -123,7 +126,7 @@ def refuse_an_artifact_store_that_refuses() -> None:
     from animastor_tasks.adapters.artifacts import probe_artifact_store
 
     try:
-        probe_artifact_store(settings)
+        probe_artifact_store(settings, within=STORE_PROBE_SECONDS)
     except ArtifactStoreError as err:
         if err.unreachable:
             sys.stderr.write(f"animastor-tasks: {err}: not reachable now; starting all the same\n")

@@ -75,11 +75,17 @@ class TimeLimitedArtifacts:
         try:
             return self.inner.put(data, media_type)
         except SoftTimeLimitExceeded as err:
-            raise ArtifactStoreError(
-                self.inner.url,
-                f"no answer within the job's soft time limit ({self.soft_time_limit:g} s)",
-                timed_out=True,
-            ) from err
+            raise self._timed_out() from err
+
+    def probe(self) -> None:
+        try:
+            self.inner.probe()
+        except SoftTimeLimitExceeded as err:
+            raise self._timed_out() from err
+
+    def _timed_out(self) -> ArtifactStoreError:
+        what = f"no answer within the job's soft time limit ({self.soft_time_limit:g} s)"
+        return ArtifactStoreError(self.inner.url, what, timed_out=True)
 
 
 @contextmanager

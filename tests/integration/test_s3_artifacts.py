@@ -31,6 +31,7 @@ from animastor_tasks.worker.time_limit import TimeLimitedArtifacts
 from animastor_tasks.worker.wiring import Wiring
 from tests.support import missing, wait_for
 from tests.support.cluster import Cluster
+from tests.support.silent_server import silent_server
 
 from .helpers import advertise, cli, make_book, states, use_settings
 from .test_generate import drain
@@ -455,3 +456,39 @@ def test_a_gpu_worker_whose_artifact_store_refuses_uploads_refuses_to_start(s3: 
     down = {**s3.env("books"), "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"}
     running = gpu_worker_start(down, tmp_path, 12)
     assert isinstance(running, str) and "artifact store s3://" in running and "not reachable" in running, running
+    with silent_server() as port:  # takes the connection, never answers: S3's retries took minutes
+        silent = {**s3.env("books"), "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}"}
+        running = gpu_worker_start(silent, tmp_path, 20)
+    assert isinstance(running, str) and "no answer within 10 s: not reachable now" in running, running
+
+
+class _RefusingBigOutputs:
+    """The run's real store, refusing any output over `limit` bytes as a nearly full disk or a proxy's body limit
+    would (413, EntityTooLarge, ENOSPC), and taking the rest."""
+
+    def __init__(self, inner: Any, limit: int) -> None:
+        self.inner, self.limit = inner, limit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def put(self, data: bytes, media_type: str) -> dict[str, Any]:
+        if len(data) > self.limit:
+            raise ArtifactStoreError(self.inner.url, "OSError: [Errno 28] No space left on device")
+        stored: dict[str, Any] = self.inner.put(data, media_type)
+        return stored
+
+
+def test_a_store_that_refuses_one_output_but_takes_others_fails_that_pair_once(rt: Wiring) -> None:
+    """Given back on every refusal, a pair whose output alone the store refused ran its GPU work again without
+    end: the other jobs' stored outputs kept the breaker closed, and the give-back closed the pair's start."""
+    use_settings(rt, replace(rt.settings, breaker_threshold=2))
+    rt.ports = replace(rt.ports, artifacts=_RefusingBigOutputs(rt.ports.artifacts, limit=64))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    results = drain(rt, "b")
+    assert [r["outcome"] for r in results] == ["failed"], results
+    assert "No space left on device" in results[0]["error"]
+    assert {state for pair, state in states(rt, "b").items() if pair[2] == "audio"} == {"failed"}
+    assert rt.ports.breaker.breaker_state("gpu.audio") == "closed"
