@@ -71,13 +71,14 @@ class AnimastorCollector(Collector):
         up = {"redis": 1.0, "postgres": 1.0}  # "broker" is added when the queue depths were asked
         try:
             fields = {_text(k): _text(v) for k, v in rt.counters.read().items()}
+            now = rt.ports.clock()  # the Redis server's clock, which wrote the observations' times
         except Exception as err:  # the exporter reports a store outage instead of failing the scrape
             log.warning("[METRICS] counters unreadable: %s", err)
-            fields, up["redis"] = {}, 0.0
+            fields, up["redis"], now = {}, 0.0, 0.0
         if up["redis"]:
             stages = rt.settings.registry.names()
             yield from _counter_families(fields, stages)
-            yield from _histogram_families(fields, stages)
+            yield from _histogram_families(fields, stages, now)
             try:
                 yield from _queue_families(rt, up)
             except Exception as err:
@@ -158,10 +159,16 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
     yield from (dispatch, fence, blocked, jobs, lost, revoke)
 
 
-def _histogram_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator[Metric]:
+def _histogram_families(fields: dict[str, str], stages: Iterable[str], now: float) -> Iterator[Metric]:
     last = GaugeMetricFamily(
         "animastor_last_observation_timestamp_seconds",
         "Unix time of the latest observation of each timed flow (a stale tick: beat or the control worker is down).",
+        labels=["name"],
+    )
+    age = GaugeMetricFamily(
+        "animastor_last_observation_age_seconds",
+        "Seconds since the latest observation of each timed flow, by the clock that stamped it (Redis's): what the"
+        " stale-tick alert reads, whatever the Prometheus host's clock says.",
         labels=["name"],
     )
     for name, doc in HISTOGRAMS.items():
@@ -171,12 +178,14 @@ def _histogram_families(fields: dict[str, str], stages: Iterable[str]) -> Iterat
         stamp = fields.get(histogram_field(name, "last"))
         if stamp is not None:
             last.add_metric([name], _number(stamp))
+            age.add_metric([name], max(0.0, now - _number(stamp)))
     for name, doc in STAGE_HISTOGRAMS.items():
         family = HistogramMetricFamily(f"animastor_{name}", doc, labels=["stage"])
         for stage in stages:
             family.add_metric([stage], *_buckets(fields, f"{name}:{stage}"))
         yield family
     yield last
+    yield age
 
 
 def _buckets(fields: dict[str, str], name: str) -> tuple[list[tuple[str, float]], float]:

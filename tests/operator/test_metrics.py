@@ -56,6 +56,7 @@ def test_observations_become_a_cumulative_histogram(rt: Wiring) -> None:
     assert value(samples, "animastor_tick_seconds_count") == 0
     assert value(samples, "animastor_reconcile_seconds_count") == 0
     assert value(samples, "animastor_last_observation_timestamp_seconds", name="gate_pass_seconds") > 0
+    assert 0 <= value(samples, "animastor_last_observation_age_seconds", name="gate_pass_seconds") < 60
     assert value(samples, "animastor_store_up", store="redis") == 1
 
 
