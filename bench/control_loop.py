@@ -104,6 +104,7 @@ class ControlLoop:
         inline = refill.free_slot
 
         def sent_on(ports: Any, book: str, queue: str, dispatch_id: str, *, here: bool = False, **rest: Any) -> None:
+            rest.pop("after", None)  # a job's held-back clean-up stands for `here`: run at once instead
             inline(ports, book, queue, dispatch_id, here=False, **rest)
 
         refill.free_slot = sent_on
