@@ -120,7 +120,10 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
         "animastor_dispatch_outcomes", "Dispatch attempts by outcome (see the outcome taxonomy).", labels=["outcome"]
     )
     fence = CounterMetricFamily(
-        "animastor_fence_rejections", "GPU jobs refused at start or commit because their fencing token was stale."
+        "animastor_fence_rejections",
+        "GPU jobs refused at start or commit: a stale fencing token (superseded, taken over), or the pair's authority"
+        " gone by its start (Stop All, its layer off, no active command). The same count as"
+        " animastor_dispatch_outcomes_total{outcome='fence_rejected'}.",
     )
     blocked = CounterMetricFamily(
         "animastor_blocked_commands", "Commands BLOCKED because no worker consumed their stage.", labels=["stage"]
