@@ -90,14 +90,17 @@ class LocalArtifactStore:
         return {"sha256": digest, "size": len(data), "media_type": media_type, "path": str(path), "uri": uri}
 
     def probe(self) -> None:
-        """Write, rename and remove a small file where uploads are written: a root this process cannot write (not
-        a directory, a read-only mount, a full disk) answers now, not after a job's GPU work."""
-        temporary = self.root.expanduser().resolve() / ".tmp"
+        """Store the empty artifact (its own content address: harmless, kept) the way every output is stored,
+        written in `.tmp` and renamed into its content folder, even when it is there: a root this process cannot
+        write (not a directory, a read-only mount, a full disk, a `.tmp` on another filesystem) answers now, not
+        after a job's GPU work."""
+        root = self.root.expanduser().resolve()
+        path = root / artifact_name(hashlib.sha256(b"").hexdigest(), "application/octet-stream")
         try:
-            temporary.mkdir(parents=True, exist_ok=True)
-            probe = temporary / f"probe-{secrets.token_hex(8)}"
-            _write_durably(probe, b"probe", temporary)
-            probe.unlink()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = root / ".tmp"
+            temporary.mkdir(exist_ok=True)
+            _write_durably(path, b"", temporary)
         except OSError as err:
             raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
 

@@ -209,7 +209,7 @@ def refusal_kind(ports: Ports, err: ArtifactStoreError) -> ErrorKind:
     *Why:* given back on every refusal, such a pair ran its GPU work again without end, the lane's other stored
     outputs keeping its breaker closed."""
     kind = classify_error(err)
-    if kind is not ErrorKind.ARTIFACT:
+    if kind is not ErrorKind.ARTIFACT or err.unreachable:  # down, throttling, 5xx: the store's, whatever comes next
         return kind
     try:
         ports.artifacts.probe()

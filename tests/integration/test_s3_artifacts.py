@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from animastor_tasks.dev.s3_server import INSTALL_HINT, S3Server, rclone_executa
 from animastor_tasks.errors import ArtifactStoreError, ConfigError
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import status as status_flow
+from animastor_tasks.flow.generate import run_job
 from animastor_tasks.worker import wiring
 from animastor_tasks.worker.time_limit import TimeLimitedArtifacts
 from animastor_tasks.worker.wiring import Wiring
@@ -34,7 +36,7 @@ from tests.support.cluster import Cluster
 from tests.support.silent_server import silent_server
 
 from .helpers import advertise, cli, make_book, states, use_settings
-from .test_generate import drain
+from .test_generate import dispatched_jobs, drain
 from .test_schemas import check
 
 AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
@@ -492,3 +494,52 @@ def test_a_store_that_refuses_one_output_but_takes_others_fails_that_pair_once(r
     assert "No space left on device" in results[0]["error"]
     assert {state for pair, state in states(rt, "b").items() if pair[2] == "audio"} == {"failed"}
     assert rt.ports.breaker.breaker_state("gpu.audio") == "closed"
+
+
+EMPTY = hashlib.sha256(b"").hexdigest()
+
+
+class _Throttling:
+    """The run's real store, answering every upload SlowDown (its retries spent), yet taking the small probe."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def put(self, data: bytes, media_type: str) -> dict[str, Any]:
+        raise ArtifactStoreError("s3://books", "SlowDown: reduce your request rate", unreachable=True)
+
+
+def test_a_store_that_stays_throttled_gives_the_pair_back_even_if_it_takes_the_probe(rt: Wiring) -> None:
+    """The probe after an unreachable store's last refusal got through (the outage over, or throttling letting one
+    request by), and the pair failed for good as if the store had refused its output alone."""
+    rt = short_waits(rt, soft_time_limit=2)
+    rt.ports = replace(rt.ports, artifacts=_Throttling(rt.ports.artifacts))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    [job] = dispatched_jobs(rt, "b")
+    result = run_job(rt.ports, job, worker="test")
+    assert result["outcome"] == "given_back" and "SlowDown" in result["error"], result
+
+
+def test_the_local_probe_stores_as_an_output_is_stored(tmp_path: Path) -> None:
+    """A `.tmp` on another filesystem than the content folders passed the probe (written and renamed inside `.tmp`)
+    while every output's rename into its folder failed (EXDEV): the worker started healthy and failed every scene."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    root, elsewhere = tmp_path / "artifacts", shm / f"animastor-test-{os.getpid()}-{time.monotonic_ns()}"
+    root.mkdir()
+    elsewhere.mkdir()
+    try:
+        (root / ".tmp").symlink_to(elsewhere)
+        with pytest.raises(ArtifactStoreError, match="cross-device"):
+            LocalArtifactStore(root).probe()
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+    LocalArtifactStore(tmp_path / "fine").probe()  # a root on one filesystem takes it (and keeps the empty artifact)
+    fine = tmp_path / "fine"
+    assert [p.relative_to(fine).as_posix() for p in fine.rglob("*") if p.is_file()] == [artifact_name(EMPTY, "x/y")]
