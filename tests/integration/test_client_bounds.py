@@ -21,6 +21,7 @@ from animastor_tasks.errors import AnimastorError, InvalidCommand, StoreUnavaila
 from tests.integration.helpers import make_book, queued_messages
 from tests.support import wait_for
 from tests.support.cluster import Cluster
+from tests.support.silent_server import silent_server
 from tests.support.tcp_proxy import TcpProxy
 
 ID = "6f1c2b9e-4c1e-4d0b-9a55-0c3e2f7b8a10"
@@ -29,30 +30,8 @@ ID = "6f1c2b9e-4c1e-4d0b-9a55-0c3e2f7b8a10"
 @pytest.fixture
 def silent_listener() -> Iterator[int]:
     """A port that accepts connections and never answers (a hung Redis, a black-holed proxy)."""
-    server = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield server.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join(2)
-        for conn in held:
-            conn.close()
-        server.close()
+    with silent_server() as port:
+        yield port
 
 
 def test_a_broker_that_accepts_and_never_answers_is_a_store_error_within_the_timeout(settings, silent_listener) -> None:

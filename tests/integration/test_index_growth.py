@@ -129,15 +129,21 @@ def test_reconcile_restores_the_flag_of_a_recent_stop_all(rt: Wiring) -> None:
     assert rt.ports.book_state.cancel_flag_set("b")
 
 
-def test_blocked_commands_past_the_retention_are_pruned(rt: Wiring) -> None:
-    """Old code: a BLOCKED command never counted as ended, and pinned its whole request (its targets) for good."""
+def blocked_request(rt: Wiring, aged: str) -> None:
+    """One request of audio and image for book `b`, both BLOCKED; the commands `aged` selects last changed 10 days
+    ago."""
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     advertise(rt, "gpu.audio", "gpu.image")
     regenerate_flow.regenerate(rt.ports, "b", ["audio", "image"], command_id=str(uuid.uuid4()))
     for stage in ("audio", "image"):
         rt.ports.commands.block_stage("b", stage, f"no_worker:{stage}")
     with rt.db.transaction() as conn:
-        conn.execute("UPDATE commands SET updated_at = now() - interval '10 days' WHERE book_id = 'b'")
+        conn.execute(f"UPDATE commands SET updated_at = now() - interval '10 days' WHERE {aged}")
+
+
+def test_blocked_commands_past_the_retention_are_pruned(rt: Wiring) -> None:
+    """Old code: a BLOCKED command never counted as ended, and pinned its whole request (its targets) for good."""
+    blocked_request(rt, "book_id = 'b'")
     assert {c.status for c in rt.ports.commands.commands(book="b")} == {"blocked"}
     assert rt.ports.commands.prune_commands(1, 50_000) == 2
     assert rt.ports.commands.commands(book="b") == []
@@ -146,13 +152,7 @@ def test_blocked_commands_past_the_retention_are_pruned(rt: Wiring) -> None:
 
 
 def test_a_recently_blocked_command_pins_its_request(rt: Wiring) -> None:
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
-    advertise(rt, "gpu.audio", "gpu.image")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio", "image"], command_id=str(uuid.uuid4()))
-    for stage in ("audio", "image"):
-        rt.ports.commands.block_stage("b", stage, f"no_worker:{stage}")
-    with rt.db.transaction() as conn:
-        conn.execute("UPDATE commands SET updated_at = now() - interval '10 days' WHERE stage = 'audio'")
+    blocked_request(rt, "stage = 'audio'")
     assert rt.ports.commands.prune_commands(1, 50_000) == 0
 
 
