@@ -167,6 +167,22 @@ def before_0009(settings: Any) -> Iterator[str]:
     yield from _database(settings, "mig0009", 9)
 
 
+def migrating(url: str) -> tuple[threading.Thread, list[BaseException | list[str]]]:
+    """`migrate(lock_wait=3)` on `url` in a thread, not started yet, and where its answer or its error will be."""
+    outcome: list[BaseException | list[str]] = []
+
+    def run() -> None:
+        db = Database(url)
+        try:
+            outcome.append(migrate(db, lock_wait=3.0))
+        except BaseException as err:  # asserted by the caller
+            outcome.append(err)
+        finally:
+            db.close()
+
+    return threading.Thread(target=run), outcome
+
+
 def _hold_commands_open(url: str) -> psycopg.Connection:
     """A session idle in a transaction that read `commands` (0009 alters that table)."""
     holder = psycopg.connect(url, application_name="report-left-open")
@@ -180,18 +196,7 @@ def test_a_migration_behind_a_transaction_left_open_gives_up_naming_it_and_traff
     """A migration waited for its table's lock as long as a transaction stayed open, and every statement on that
     table queued behind it: the old code was still waiting after 8 s (for ever, until the session ended)."""
     holder = _hold_commands_open(before_0009)
-    outcome: list[BaseException | list[str]] = []
-
-    def run() -> None:
-        db = Database(before_0009)
-        try:
-            outcome.append(migrate(db, lock_wait=3.0))
-        except BaseException as err:  # asserted below
-            outcome.append(err)
-        finally:
-            db.close()
-
-    thread = threading.Thread(target=run)
+    thread, outcome = migrating(before_0009)
     try:
         thread.start()
         slowest = 0.0

@@ -8,7 +8,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,11 +16,9 @@ import psycopg
 import pytest
 
 from animastor_tasks.adapters.postgres import migrations
-from animastor_tasks.adapters.postgres.migrations import migrate
-from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.errors import StoreUnavailable
 
-from .test_migrations import _applied, _database
+from .test_migrations import _applied, _database, migrating
 
 PAIRS = 400_000  # enough that 0006's backfill takes clearly longer than a lock try (1 s)
 
@@ -75,18 +72,7 @@ def test_0006_waiting_for_scenes_does_not_hold_asset_states_through_its_backfill
     assert backfill > 1.5, f"the backfill took {backfill:.2f}s: too few rows to tell"
     holder = psycopg.connect(url, application_name="scene-writer-left-open")
     holder.execute("UPDATE scenes SET prompt = prompt WHERE false")
-    outcome: list[BaseException | list[str]] = []
-
-    def run() -> None:
-        db = Database(url)
-        try:
-            outcome.append(migrate(db, lock_wait=3.0))
-        except BaseException as err:  # asserted below
-            outcome.append(err)
-        finally:
-            db.close()
-
-    thread = threading.Thread(target=run)
+    thread, outcome = migrating(url)
     slowest = 0.0
     try:
         thread.start()
