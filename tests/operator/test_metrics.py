@@ -217,9 +217,11 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
             "command BLOCKED",
         )
 
-        def block_counted() -> Samples | None:
+        def block_counted() -> Samples | None:  # its command and its pairs' outcomes, counted apart, written apart
             samples = scrape(url)
-            return samples if value(samples, "animastor_blocked_commands_total", stage="image") else None
+            commands = value(samples, "animastor_blocked_commands_total", stage="image")
+            pairs = value(samples, "animastor_dispatch_outcomes_total", outcome="blocked")
+            return samples if commands and pairs else None
 
         blocked = wait_for(block_counted, 5, "the block counted")
     finally:
