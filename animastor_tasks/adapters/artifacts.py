@@ -73,19 +73,7 @@ class LocalArtifactStore:
         A file already there counts only with the right size (one cut short is written again), and a write
         that fails leaves no partial file behind: each failed job left one, and a full disk stayed full."""
         digest = hashlib.sha256(data).hexdigest()
-        root = self.root.expanduser().resolve()
-        path = root / artifact_name(digest, media_type)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if not path.exists() or path.stat().st_size != len(data):
-                temporary = root / ".tmp"
-                temporary.mkdir(exist_ok=True)
-                if not self._swept:
-                    _sweep(temporary, time.time() - STALE_TEMPORARY_SECONDS)
-                    self._swept = True
-                _write_durably(path, data, temporary)
-        except OSError as err:  # a full disk, a read-only mount: the job fails saying so
-            raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
+        path = self._write(artifact_name(digest, media_type), data, unless_held=True)
         uri = path.as_uri()
         return {"sha256": digest, "size": len(data), "media_type": media_type, "path": str(path), "uri": uri}
 
@@ -94,15 +82,24 @@ class LocalArtifactStore:
         written in `.tmp` and renamed into its content folder, even when it is there: a root this process cannot
         write (not a directory, a read-only mount, a full disk, a `.tmp` on another filesystem) answers now, not
         after a job's GPU work."""
+        self._write(artifact_name(hashlib.sha256(b"").hexdigest(), "application/octet-stream"), b"", unless_held=False)
+
+    def _write(self, name: str, data: bytes, *, unless_held: bool) -> Path:
+        """`unless_held`: a file already there with the right size is kept (one cut short is written again)."""
         root = self.root.expanduser().resolve()
-        path = root / artifact_name(hashlib.sha256(b"").hexdigest(), "application/octet-stream")
+        path = root / name
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = root / ".tmp"
-            temporary.mkdir(exist_ok=True)
-            _write_durably(path, b"", temporary)
-        except OSError as err:
+            if not unless_held or not path.exists() or path.stat().st_size != len(data):
+                temporary = root / ".tmp"
+                temporary.mkdir(exist_ok=True)
+                if not self._swept:
+                    _sweep(temporary, time.time() - STALE_TEMPORARY_SECONDS)
+                    self._swept = True
+                _write_durably(path, data, temporary)
+        except OSError as err:  # a full disk, a read-only mount: the job fails saying so
             raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
+        return path
 
 
 def _sweep(temporary: Path, before: float) -> None:
@@ -157,10 +154,9 @@ def probe_artifact_store(settings: Settings, within: float) -> None:
         else:
             answer.append(None)
 
-    threading.Thread(target=probe, name="artifact-store-probe", daemon=True).start()
-    deadline = time.monotonic() + within
-    while not answer and time.monotonic() < deadline:
-        time.sleep(0.05)
+    thread = threading.Thread(target=probe, name="artifact-store-probe", daemon=True)
+    thread.start()
+    thread.join(within)
     if not answer:
         raise ArtifactStoreError(store.url, f"no answer within {within:g} s", unreachable=True)
     if answer[0] is not None:
