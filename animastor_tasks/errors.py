@@ -23,14 +23,19 @@ import re
 _BLANKS = re.compile(r"(\s+)")
 # A query parameter (of a URL, or of a path quoted alone, as urllib3 does): its value up to the next one.
 _QUERY_PARAM = re.compile(r"(?P<lead>[?&](?P<name>[A-Za-z0-9_.-]+)=)(?P<value>[^&\s'\"]*)")
+# libpq's keyword form (`host=db password='a b'`): a password's value, quoted (with `\'` escapes) or up to a blank.
+_KEYWORD_PASSWORD = re.compile(
+    r"(?<![\w?&.-])(?P<lead>(?:ssl)?password\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s']\S*|'\S*)", re.I
+)
 # A parameter whose value is a secret: a name, or one of its `_`/`-`/`.` words, ending so (`password`, libpq's
 # `sslpassword`, redis-py's `ssl_password`, `api_key`, `access_token`, S3's `X-Amz-Signature`, Azure's `sig`).
 _SECRET_WORDS = ("password", "passwd", "pwd", "passphrase", "secret", "token", "key", "signature", "sig", "auth")
 
 
 def redact_url(text: str) -> str:
-    """Hide the passwords of the URLs in `text`, and the values of their secret-like query parameters, so it can be
-    printed or logged. When in doubt it hides more: a password must never be shown, a host may be."""
+    """Hide the passwords of the URLs in `text` (and of libpq's keyword form), and the values of their secret-like
+    query parameters, so it can be printed or logged. When in doubt it hides more: a password must never be shown, a host may be."""
+    text = _KEYWORD_PASSWORD.sub(lambda m: f"{m['lead']}***", text)
     text = "".join(_hide_login(word) for word in _BLANKS.split(text))
     return _QUERY_PARAM.sub(lambda m: f"{m['lead']}***" if is_secret_param(m["name"]) and m["value"] else m[0], text)
 

@@ -49,6 +49,8 @@ def test_redact_url_keeps_what_is_no_secret() -> None:
         "rediss://h:6379/0?ssl_keyfile=/k.pem&ssl_cert_reqs=none"
     )
     assert redact_url("redis://h:6379/0 and user@example") == "redis://h:6379/0 and user@example"
+    assert redact_url("host=db password='a b' port=5432") == "host=db password=*** port=5432"
+    assert redact_url("lane key=P:lane:audio token") == "lane key=P:lane:audio token"
 
 
 @pytest.mark.parametrize(
@@ -62,6 +64,9 @@ def test_redact_url_keeps_what_is_no_secret() -> None:
         {"ANIMASTOR_REDIS_URL": f"redis://127.0.0.1:6379/0?password={SECRET}&bogus=1"},
         {"ANIMASTOR_BROKER_URL": f"amqp://u:{SECRET}@rabbit//?ssl_password={SECRET}&bogus=1"},
         {"ANIMASTOR_DATABASE_URL": f"mysql://db/animastor?password={SECRET}"},
+        {"ANIMASTOR_DATABASE_URL": f"host=db password={SECRET} dbname=animastor"},  # libpq's keyword form
+        {"ANIMASTOR_DATABASE_URL": f"host=db password = '{SECRET} x' dbname=animastor"},
+        {"ANIMASTOR_DATABASE_URL": f"host=db sslpassword='a\\' {SECRET}' dbname=animastor"},
         {"ANIMASTOR_ARTIFACT_URL": f"file://u:{SECRET}@host/dir"},
         {"ANIMASTOR_ARTIFACT_URL": f"file:///dir?token={SECRET}"},
         {"ANIMASTOR_STAGES": json.dumps({"image": {"endpoint": f"http://u:{SECRET}@gpu/x", "limt": 1}})},
