@@ -74,6 +74,15 @@ class Client:
     def _call(
         self, name: str, kwargs: RegenerateKwargs | CancelKwargs | GateKwargs, wait: bool, command_id: str | None = None
     ) -> Any:
+        try:
+            return self._send(name, kwargs, wait, command_id)
+        except AnimastorError as err:
+            err.command_id = command_id
+            raise
+
+    def _send(
+        self, name: str, kwargs: RegenerateKwargs | CancelKwargs | GateKwargs, wait: bool, command_id: str | None
+    ) -> Any:
         try:  # refused here: kombu's EncodeError would reach the caller raw
             json.dumps(kwargs, allow_nan=False)
         except (TypeError, ValueError) as err:

@@ -34,7 +34,8 @@ _SECRET_WORDS = ("password", "passwd", "pwd", "passphrase", "secret", "token", "
 
 def redact_url(text: str) -> str:
     """Hide the passwords of the URLs in `text` (and of libpq's keyword form), and the values of their secret-like
-    query parameters, so it can be printed or logged. When in doubt it hides more: a password must never be shown, a host may be."""
+    query parameters, so it can be printed or logged. When in doubt it hides more: a password must never be
+    shown, a host may be."""
     text = _KEYWORD_PASSWORD.sub(lambda m: f"{m['lead']}***", text)
     text = "".join(_hide_login(word) for word in _BLANKS.split(text))
     return _QUERY_PARAM.sub(lambda m: f"{m['lead']}***" if is_secret_param(m["name"]) and m["value"] else m[0], text)
@@ -67,6 +68,10 @@ class AnimastorError(Exception):
     `type(*args)`. Built from the message alone, a `StoreUnavailable` could not be rebuilt, and the caller got
     a bare `Exception` (a traceback and exit code 1 where the CLI answers 3 with the store named).
     """
+
+    #: Set by the client on what a regenerate call raises: the command id a retry must resend (the command may
+    #: have been sent, and a new id would make it a second command).
+    command_id: str | None = None
 
 
 class ConfigError(AnimastorError):

@@ -92,6 +92,7 @@ def test_a_result_store_that_never_answers_is_a_store_error_within_the_timeout(r
         client.close()
     assert time.monotonic() - started < 15
     assert f"resend with command_id={ID}" in str(info.value)
+    assert info.value.command_id == ID
 
 
 @pytest.fixture
@@ -115,6 +116,7 @@ def test_a_call_without_an_answer_names_its_command_id_and_a_resend_with_it_is_o
             client.regenerate("b1", ["audio"])
         found = re.search(r"resend with command_id=([0-9a-f-]{36})", str(info.value))
         assert found, str(info.value)
+        assert info.value.command_id == found.group(1)  # a caller reads it without parsing the message
         queued = client.regenerate("b1", ["image"], wait=False)
         assert set(queued) == {"task_id", "command_id"}
         control.control()
