@@ -43,7 +43,7 @@ RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info
 
 # Never run workers as root (Celery warns, and a job would own the host's files).
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/animastor --create-home animastor \
-    && mkdir -p /var/lib/animastor/artifacts /var/lib/animastor/beat \
+    && mkdir -p /var/lib/animastor/artifacts \
     && chown -R animastor:animastor /var/lib/animastor
 USER animastor
 
