@@ -89,9 +89,11 @@ def synthesize_wav(
     return buffer.getvalue()
 
 
-# Data lengths a WAV writer puts down when it cannot seek back to write the real one. *Why 0x7FFFF000:* a TTS
-# server piping SoX's or espeak-ng's output had every scene of its lane failed as a WAV cut short.
-_UNKNOWN_DATA_LENGTHS = (0, 0x7FFFF000, 0xFFFFFFFF)
+# Data lengths a WAV writer puts down when it cannot seek back to write the real one: 0, or anything from about
+# 2 GiB up, a length no answer is (max_bytes defaults to 512 MiB). *Why a range:* writers each pick their own
+# (0xFFFFFFFF, 0xFFFFFFFF - 36, 0x7FFFFFFF; 0x7FFFF000 from SoX and espeak-ng writing to a pipe), and each one
+# not listed had every scene of its lane failed for good as a WAV cut short.
+_UNKNOWN_DATA_LENGTH_FROM = 0x7FFF0000
 
 
 def wav_duration_seconds(data: bytes) -> float:
@@ -99,10 +101,10 @@ def wav_duration_seconds(data: bytes) -> float:
 
     Read from the RIFF chunks rather than with `wave`, which knows integer PCM alone: a server writing 32-bit
     float or extensible-format WAV (torchaudio, scipy) had every pair of its stage failed as not a WAV file.
-    A data chunk of unknown length (0 or 0xFFFFFFFF, written by a streaming server; 0x7FFFF000, written by SoX and
-    espeak-ng to a pipe) runs to the end, which must end a sample frame (one cut exactly between two frames still
-    reads as whole). No samples at all (a TTS given only punctuation) or fewer bytes than the chunk declares (a body
-    cut short) is no audio.
+    A data chunk of unknown length (0, or a placeholder of 2 GiB or more: 0xFFFFFFFF and its like, written by a
+    streaming server; 0x7FFFF000, written by SoX and espeak-ng to a pipe) runs to the end, which must end a sample
+    frame (one cut exactly between two frames still reads as whole). No samples at all (a TTS given only
+    punctuation) or fewer bytes than the chunk declares (a body cut short) is no audio.
     """
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise ValueError("not a WAV file: no RIFF/WAVE header")
@@ -117,7 +119,7 @@ def wav_duration_seconds(data: bytes) -> float:
             if not rate or not block:
                 raise ValueError("not a WAV file: no usable fmt chunk before the data")
             available = len(data) - body
-            unknown = size in _UNKNOWN_DATA_LENGTHS
+            unknown = size == 0 or size >= _UNKNOWN_DATA_LENGTH_FROM
             if not unknown and size > available:
                 raise ValueError(f"WAV cut short: its data chunk declares {size} bytes, {available} are there")
             if unknown and available % block:

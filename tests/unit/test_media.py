@@ -176,7 +176,18 @@ def test_a_wav_of_any_sample_format_has_its_duration(wav: bytes, seconds: float)
     assert wav_duration_seconds(wav) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("unknown", [0, 0x7FFFF000, 0xFFFFFFFF])
+@pytest.mark.parametrize("placeholder", [0xFFFFFFFF - 36, 0xFFFFFFFF - 100, 0x7FFFFFFF, 0x80000000])
+def test_a_streamed_wav_whose_placeholder_length_no_body_could_hold_runs_to_its_end(placeholder: int) -> None:
+    """Streaming TTS servers write the header before they know the length, with placeholders of their own
+    (`0xFFFFFFFF - 36`, `0x7FFFFFFF`): read as true lengths, every whole answer was a WAV cut short, and the
+    stage failed each scene for good. A true length larger than the body is still a cut."""
+    assert wav_duration_seconds(_wav(1, 1, 24000, 16, 1.0, data_size=placeholder)) == pytest.approx(1.0)
+    whole = _wav(1, 1, 24000, 16, 1.0)
+    with pytest.raises(ValueError, match="cut short"):
+        wav_duration_seconds(whole[: len(whole) // 2])
+
+
+@pytest.mark.parametrize("unknown", [0, 0x7FFFF000, 0xFFFFFFFF, 0xFFFFFFFF - 36])
 def test_a_streamed_wav_cut_inside_a_sample_frame_is_cut_short(unknown: int) -> None:
     """A streaming server writes no data length; a body of such a WAV cut short (a connection closed cleanly halfway,
     no Content-Length) read as whole. Cut inside a frame it is known now; cut between two frames it still is not."""
