@@ -1,5 +1,6 @@
 """What an inference server says besides its media, read the same by every generator: when to come back
-(`Retry-After`, seconds or an HTTP date), the message of a JSON error body, and its words made safe to print."""
+(`Retry-After`, seconds or an HTTP date), the message of a JSON error body and the fields it refuses, and its words
+made safe to print."""
 
 from __future__ import annotations
 
@@ -18,6 +19,24 @@ def json_error(payload: object) -> str | None:
     if not isinstance(error, str):
         error = payload.get("detail")
     return error if isinstance(error, str) else None
+
+
+def refused_fields(payload: object) -> frozenset[str]:
+    """The request fields a JSON error body names as refused: OpenAI's `{"error": {"param": "voice"}}` (vLLM's
+    `param` at the top), FastAPI's `{"detail": [{"loc": ["body", "speed"], ...}]}` (the last name after the root:
+    a list's index is no name); none for another shape. Read defensively: the body is whatever the server sent."""
+    if not isinstance(payload, dict):
+        return frozenset()
+    error = payload.get("error")
+    params = (error.get("param") if isinstance(error, dict) else None, payload.get("param"))
+    found = {param for param in params if isinstance(param, str) and param}
+    detail = payload.get("detail")
+    for item in detail if isinstance(detail, list) else ():
+        where = item.get("loc") if isinstance(item, dict) else None
+        names = [part for part in where[1:] if isinstance(part, str)] if isinstance(where, list) else []
+        if names:
+            found.add(names[-1])
+    return frozenset(found)
 
 
 def retry_after_seconds(value: str | None) -> float | None:

@@ -27,7 +27,7 @@ import urllib3
 
 from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, is_secret_param, redact_url
 from animastor_tasks.generators import GenerationRequest, number_param
-from animastor_tasks.generators.server_words import json_error, printable, retry_after_seconds
+from animastor_tasks.generators.server_words import json_error, printable, refused_fields, retry_after_seconds
 from animastor_tasks.generators.watchdog import Watchdog, watched_session
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,10 @@ RETRYABLE_4XX = frozenset({408, 429})
 # Refusals of the endpoint itself, whatever the scene (a key, a route, a method, a proxy's credentials, the
 # body's or the answer's format, the protocol).
 MISCONFIGURED_4XX = frozenset({401, 403, 404, 405, 406, 407, 415, 426})
+# Refusals of the request's content: misconfigured when they name a field other than the scene's own (its text or
+# prompt, its ids), a stage setting such as `voice` or `speed` then. *Why:* a wrong voice failed every scene for good.
+FIELD_4XX = frozenset({400, 422})
+SCENE_FIELDS = frozenset({"input", "prompt", "book_id", "chapter_id", "scene_id"})
 # What a server's error page comes as: never media, even for a stage that stores whatever bytes it is sent.
 ERROR_PAGE_TYPES = frozenset({"application/json", "text/html"})
 # Params read by the transport itself (never sent to a server).
@@ -243,14 +247,14 @@ class Transport:
                 f"{host or 'unknown'!r}; redirects are refused, configure the final URL as the endpoint",
                 misconfigured=True,
             )
-        message = self.server_message(response)
+        message, _, fields = self._message_in(self._error_body_text(response))
         retryable = status >= 500 or status in RETRYABLE_4XX
         retry_after = retry_after_seconds(response.headers.get("Retry-After")) if retryable else None
         raise GeneratorError(
             f"stage {self.stage!r}: inference endpoint answered {status}: {message}",
             retryable=retryable,
             retry_after=retry_after,
-            misconfigured=status in MISCONFIGURED_4XX,
+            misconfigured=status in MISCONFIGURED_4XX or (status in FIELD_4XX and bool(fields - SCENE_FIELDS)),
             # A 503 that says when to come back is a server refusing whoever asks (a model loading, a queue full), as
             # a 429 is. *Why:* taken as the scene's fault, it failed scenes for good until the breaker opened.
             rate_limited=status == 429 or (status == 503 and retry_after is not None),
@@ -316,23 +320,23 @@ class Transport:
             pass  # the status alone still says what happened
         return raw[:_ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
 
-    def _message_in(self, text: str) -> tuple[str, bool]:
-        """(the message of an error body, whether it is one the server wrote as an error)."""
+    def _message_in(self, text: str) -> tuple[str, bool, frozenset[str]]:
+        """(the message of an error body, whether it is one the server wrote as an error, the fields it refuses)."""
         try:
             payload = json.loads(text)
         except ValueError:
-            return self.clean(text.strip()) or "(empty body)", False
+            return self.clean(text.strip()) or "(empty body)", False, frozenset()
         said = json_error(payload)
         # Another shape is quoted as JSON written again here: the key, if echoed, is spelled as `clean` looks for it,
         # not in the server's own escapes (`\u003c` for `<`, `\/` for `/`) that hid it.
         text = said if said is not None else json.dumps(payload, ensure_ascii=False)
-        return self.clean(text.strip()) or "(empty body)", said is not None
+        return self.clean(text.strip()) or "(empty body)", said is not None, refused_fields(payload)
 
     def json_instead(self, response: requests.Response, expected: str) -> GeneratorError:
         """The error for a 200 that answered JSON where `expected` media was asked for. An error under 200 (a model
         still loading) is the server's words and worth another attempt; other JSON is its answer to every scene.
         *Why:* every such answer was `misconfigured` without the server's words, the first scenes failed for good."""
-        message, is_error = self._message_in(self._error_body_text(response))
+        message, is_error, _ = self._message_in(self._error_body_text(response))
         if is_error:
             return GeneratorError(f"stage {self.stage!r}: inference endpoint answered 200 with an error: {message}")
         return GeneratorError(

@@ -192,3 +192,41 @@ def test_a_redirect_is_refused_without_reading_its_body(serve: Serve) -> None:  
     done.set()
     assert err.misconfigured and "redirect" in str(err) and "elsewhere.example" in str(err), err
     assert took < 2.0 and sent[0] < 64 << 20, (took, sent[0])
+
+
+@pytest.mark.parametrize(
+    ("generator", "status", "body", "misconfigured"),
+    [
+        # OpenAI's shape names the refused field in error.param; FastAPI's (most self-hosted servers) in detail's loc.
+        ("openai-speech", 400, b'{"error": {"message": "Invalid value for \'voice\'", "param": "voice"}}', True),
+        ("openai-speech", 422, b'{"detail": [{"loc": ["body", "speed"], "msg": "must be <= 4"}]}', True),
+        ("openai-images", 400, b'{"error": {"message": "bad size", "param": "size"}}', True),
+        ("openai-speech", 400, b'{"object": "error", "message": "no such voice", "param": "voice"}', True),  # vLLM
+        ("http", 422, b'{"detail": [{"loc": ["body", "params", "voice"], "msg": "unknown voice"}]}', True),
+        # The scene's own text refused (too long, unreadable): a verdict on the scene.
+        ("openai-speech", 400, b'{"error": {"message": "input too long", "param": "input"}}', False),
+        ("openai-speech", 422, b'{"detail": [{"loc": ["body", "input"], "msg": "too long"}]}', False),
+        ("openai-images", 400, b'{"error": {"message": "prompt refused", "param": "prompt"}}', False),
+        ("http", 422, b'{"detail": [{"loc": ["body", "input"], "msg": "too long"}]}', False),
+        # Naming nothing, or nothing readable: the scene's, as before.
+        ("openai-speech", 400, b'{"error": {"message": "no", "param": null}}', False),
+        ("http", 400, b'{"error": "bad request"}', False),
+        ("http", 422, b'{"detail": [1, null, {"loc": 5}, {"loc": [{}, 3]}, {"loc": "voice"}]}', False),
+        ("http", 400, b'{"detail": [{"loc": ["body"], "msg": "invalid"}]}', False),
+    ],
+)
+def test_a_refusal_naming_a_stage_setting_is_misconfigured_and_one_naming_the_input_is_the_scenes(
+    generator: str,
+    status: int,
+    body: bytes,
+    misconfigured: bool,
+    serve: Serve,  # noqa: F811
+) -> None:
+    """A wrong `voice` or a `speed` out of range was each scene's verdict: every pair of the lane failed for good,
+    at full speed, the breaker told nothing, and every book had to be commanded again."""
+    stage = "image" if generator == "openai-images" else "audio"
+    err = _refusal(
+        lambda url: _spec(url, stage, generator, model="m"), answering(status, "application/json", body), serve
+    )
+    assert (err.misconfigured, err.retryable) == (misconfigured, False), err
+    assert f"answered {status}" in str(err)
