@@ -3,7 +3,8 @@
 An answer without a Content-Length, ended by the server closing the connection, reads as whole to HTTP even when
 the connection dropped halfway; a WAV or a PNG tells that from its own lengths, and these formats are made of
 frames or pages that do too. Each check walks the file's frames and raises ValueError when the first is missing
-(an error text or another format under this type) or the last runs past the end of the data (a body cut short).
+(an error text or another format under this type), CutShort when the last runs past the end of the data (a body
+cut short).
 
 A body cut exactly at a frame boundary is a shorter whole stream to a walk. An MP3 whose first frame is a
 Xing/Info or VBRI header (what LAME and FFmpeg write to a file) declares its frame count there, so one cut
@@ -40,20 +41,26 @@ _TRAILERS = (b"TAG", b"APETAGEX", b"LYRICSBEGIN", b"ID3")
 _FREE_FORMAT = -1
 
 
+class CutShort(ValueError):
+    """A file whose own lengths or end marker say its body stops short: a dropped connection's doing (or a proxy's
+    that re-framed a cut answer), not the scene's, so worth another attempt. Each check here and in `flac` and
+    `media` raises it for a cut, and a plain ValueError for what is no file of its format at all."""
+
+
 def skip_id3v2(data: bytes, what: str) -> int:
     """Where the audio starts after any ID3v2 tags (several may follow one another); the tag's size is
     synchsafe (7 bits a byte) and a footer flag adds 10 bytes. A tag longer than the data is a body cut short."""
     at = 0
     while data.startswith(b"ID3", at):
         if len(data) - at < 10:
-            raise ValueError(f"{what} cut short: in its ID3v2 header")
+            raise CutShort(f"{what} cut short: in its ID3v2 header")
         major, flags, size_bytes = data[at + 3], data[at + 5], data[at + 6 : at + 10]
         if major == 0xFF or any(b & 0x80 for b in size_bytes):
             raise ValueError(f"not an {what} file: a broken ID3v2 header")
         end = at + 10 + ((size_bytes[0] << 21) | (size_bytes[1] << 14) | (size_bytes[2] << 7) | size_bytes[3])
         end += 10 if major >= 4 and flags & 0x10 else 0
         if end > len(data):
-            raise ValueError(f"{what} cut short: its ID3v2 tag declares {end - at} bytes, {len(data) - at} are there")
+            raise CutShort(f"{what} cut short: its ID3v2 tag declares {end - at} bytes, {len(data) - at} are there")
         at = end
     return at
 
@@ -64,17 +71,17 @@ def _trailer(data: bytes, at: int, what: str) -> bool:
     rest = len(data) - at
     tail = data[at:]
     if any(len(tail) < len(marker) and marker.startswith(tail) for marker in _TRAILERS):
-        raise ValueError(f"{what} cut short: {rest} bytes of a tag's marker after the last frame")
+        raise CutShort(f"{what} cut short: {rest} bytes of a tag's marker after the last frame")
     if data.startswith(b"TAG", at):
         if rest < _ID3V1_SIZE:
-            raise ValueError(f"{what} cut short: an ID3v1 tag of {rest} bytes, it has {_ID3V1_SIZE}")
+            raise CutShort(f"{what} cut short: an ID3v1 tag of {rest} bytes, it has {_ID3V1_SIZE}")
         return True
     if data.startswith(b"APETAGEX", at):
         if rest < _APE_SIZE:
-            raise ValueError(f"{what} cut short: an APEv2 header of {rest} bytes, it has {_APE_SIZE}")
+            raise CutShort(f"{what} cut short: an APEv2 header of {rest} bytes, it has {_APE_SIZE}")
         size, _, flags = struct.unpack_from("<III", data, at + 12)
         if flags & 0x20000000 and _APE_SIZE + size > rest:  # a header: `size` counts the items and the footer
-            raise ValueError(f"{what} cut short: its APEv2 tag declares {_APE_SIZE + size} bytes, {rest} are there")
+            raise CutShort(f"{what} cut short: its APEv2 tag declares {_APE_SIZE + size} bytes, {rest} are there")
         return True
     if data.startswith(b"LYRICSBEGIN", at):  # Lyrics3 carries no length before its end: accepted from here
         return True
@@ -117,16 +124,16 @@ def check_mpeg_audio(data: bytes) -> None:
     length = _mpeg_frame_length(first) if len(first) == 4 else None
     if length is None:
         if at and at == len(data):
-            raise ValueError("MP3 cut short: no audio after its ID3v2 tag")
+            raise CutShort("MP3 cut short: no audio after its ID3v2 tag")
         if len(first) < 4 and first[:1] == b"\xff":
-            raise ValueError(f"MP3 cut short: {len(first)} bytes of its first frame header")
+            raise CutShort(f"MP3 cut short: {len(first)} bytes of its first frame header")
         raise ValueError("not an MP3 file: no MPEG audio frame header at its start")
     declared = _declared_frames(data[at : at + length]) if length > 0 else None
     walked = _walk_mpeg_frames(data, at)
     # LAME and FFmpeg count the frames after the header frame; one frame of slack, so a writer that counts the
     # header frame too is never refused whole.
     if declared is not None and walked is not None and walked < declared[1]:
-        raise ValueError(
+        raise CutShort(
             f"MP3 cut short: its {declared[0]} header declares {declared[1]} frames after it, {walked - 1} are there"
         )
 
@@ -139,7 +146,7 @@ def _walk_mpeg_frames(data: bytes, at: int) -> int | None:
         head = data[at : at + 4]
         if len(head) < 4:
             if head[0] == 0xFF and (len(head) == 1 or head[1] & 0xE0 == 0xE0):
-                raise ValueError(f"MP3 cut short: {len(head)} bytes of a frame header at byte {at}")
+                raise CutShort(f"MP3 cut short: {len(head)} bytes of a frame header at byte {at}")
             _trailer(data, at, "MP3")
             return frames  # a known tag, or a byte or two of padding
         length = _mpeg_frame_length(head)
@@ -149,9 +156,7 @@ def _walk_mpeg_frames(data: bytes, at: int) -> int | None:
         if length == _FREE_FORMAT:
             return None
         if at + length > len(data):
-            raise ValueError(
-                f"MP3 cut short: the frame at byte {at} declares {length} bytes, {len(data) - at} are there"
-            )
+            raise CutShort(f"MP3 cut short: the frame at byte {at} declares {length} bytes, {len(data) - at} are there")
         at += length
         frames += 1
     return frames
@@ -183,7 +188,7 @@ def check_adts(data: bytes) -> None:
     """
     at = skip_id3v2(data, "AAC")
     if at and at == len(data):
-        raise ValueError("AAC cut short: no audio after its ID3v2 tag")
+        raise CutShort("AAC cut short: no audio after its ID3v2 tag")
     if not data:
         raise ValueError("not an ADTS AAC file: it is empty")
     start = at
@@ -195,7 +200,7 @@ def check_adts(data: bytes) -> None:
             _trailer(data, at, "AAC")
             return  # a known tag, or bytes that are no frame: see the module's docstring
         if at + length > len(data):
-            raise ValueError(
+            raise CutShort(
                 f"AAC cut short: the ADTS frame at byte {at} declares {length} bytes, {len(data) - at} are there"
             )
         at += length
@@ -209,7 +214,7 @@ def _adts_frame_length(data: bytes, at: int) -> int | None:
     syncs = head[:1] == b"\xff" and (len(head) == 1 or head[1] & 0xF6 == 0xF0)
     if len(head) < 7:
         if syncs:
-            raise ValueError(f"AAC cut short: {len(head)} bytes of an ADTS frame header at byte {at}")
+            raise CutShort(f"AAC cut short: {len(head)} bytes of an ADTS frame header at byte {at}")
         return None
     length = ((head[3] & 3) << 11) | (head[4] << 3) | (head[5] >> 5)
     header = 7 if head[1] & 1 else 9  # protection_absent = 0: a 16-bit CRC follows the header
@@ -242,7 +247,7 @@ def check_ogg(data: bytes) -> None:
     the pages end the walk, as for MP3.
     """
     if data and b"OggS".startswith(data):
-        raise ValueError(f"Ogg cut short: {len(data)} bytes of its first page's capture pattern")
+        raise CutShort(f"Ogg cut short: {len(data)} bytes of its first page's capture pattern")
     if not data.startswith(b"OggS"):
         raise ValueError("not an Ogg file: no OggS page at its start")
     at = 0
@@ -250,18 +255,18 @@ def check_ogg(data: bytes) -> None:
     while at < len(data):
         if not data.startswith(b"OggS", at):
             if b"OggS".startswith(data[at:]):
-                raise ValueError(f"Ogg cut short: {len(data) - at} bytes of a page's capture pattern")
+                raise CutShort(f"Ogg cut short: {len(data) - at} bytes of a page's capture pattern")
             break
         if len(data) - at < 27:
-            raise ValueError(f"Ogg cut short: {len(data) - at} bytes of the page header at byte {at}")
+            raise CutShort(f"Ogg cut short: {len(data) - at} bytes of the page header at byte {at}")
         version, flags, serial, crc, segments = struct.unpack_from("<BB8xI4xIB", data, at + 4)
         if version != 0:
             raise ValueError(f"not an Ogg file: the page at byte {at} has stream structure version {version}")
         if at + 27 + segments > len(data):
-            raise ValueError(f"Ogg cut short: in the segment table of the page at byte {at}")
+            raise CutShort(f"Ogg cut short: in the segment table of the page at byte {at}")
         end = at + 27 + segments + sum(data[at + 27 : at + 27 + segments])
         if end > len(data):
-            raise ValueError(
+            raise CutShort(
                 f"Ogg cut short: the page at byte {at} declares {end - at} bytes, {len(data) - at} are there"
             )
         page = data[at:end]
@@ -273,7 +278,7 @@ def check_ogg(data: bytes) -> None:
             open_streams.add(serial)
         at = end
     if open_streams:
-        raise ValueError(
+        raise CutShort(
             f"Ogg cut short: {len(open_streams)} logical stream(s) with no end-of-stream page (the last page of "
             f"{at} bytes of pages is not one)"
         )

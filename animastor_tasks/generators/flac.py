@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 
-from animastor_tasks.generators.audio_frames import skip_id3v2
+from animastor_tasks.generators.audio_frames import CutShort, skip_id3v2
 
 _STREAMINFO_SIZE = 34
 _ID3V1_SIZE = 128
@@ -61,16 +61,16 @@ def check_flac(data: bytes) -> None:
     at = skip_id3v2(data, "FLAC")
     if not data.startswith(b"fLaC", at):
         if b"fLaC".startswith(data[at:]) and len(data) > at:
-            raise ValueError(f"FLAC cut short: {len(data) - at} bytes of its fLaC marker")
+            raise CutShort(f"FLAC cut short: {len(data) - at} bytes of its fLaC marker")
         raise ValueError("not a FLAC file: no fLaC marker at its start")
     at += 4
     max_block, total, at = _metadata(data, at)
     if _frame_header(data, at, len(data), max_block) is None:
         rest = data[at : at + 2]
         if at == len(data):
-            raise ValueError("FLAC cut short: no audio frame after its metadata")
+            raise CutShort("FLAC cut short: no audio frame after its metadata")
         if len(data) - at < _LONGEST_HEADER and rest[0] == 0xFF and (len(rest) == 1 or rest[1] & 0xFE == 0xF8):
-            raise ValueError(f"FLAC cut short: {len(data) - at} bytes of its first frame")
+            raise CutShort(f"FLAC cut short: {len(data) - at} bytes of its first frame")
         raise ValueError(f"not a FLAC file: no frame header after its metadata (byte {at})")
     end = len(data)
     last = _last_frame(data, at, end, max_block)
@@ -78,9 +78,9 @@ def check_flac(data: bytes) -> None:
         end -= _ID3V1_SIZE
         last = _last_frame(data, at, end, max_block)
     if last is None:
-        raise ValueError("FLAC cut short: no whole frame ends where the data does (its last frame fails its CRC)")
+        raise CutShort("FLAC cut short: no whole frame ends where the data does (its last frame fails its CRC)")
     if total and last < total:
-        raise ValueError(f"FLAC cut short: its frames end at sample {last}, its STREAMINFO declares {total}")
+        raise CutShort(f"FLAC cut short: its frames end at sample {last}, its STREAMINFO declares {total}")
 
 
 def _metadata(data: bytes, at: int) -> tuple[int, int, int]:
@@ -89,19 +89,19 @@ def _metadata(data: bytes, at: int) -> tuple[int, int, int]:
     first = True
     while True:
         if len(data) - at < 4:
-            raise ValueError(f"FLAC cut short: in the metadata block header at byte {at}")
+            raise CutShort(f"FLAC cut short: in the metadata block header at byte {at}")
         kind, size = data[at] & 0x7F, int.from_bytes(data[at + 1 : at + 4], "big")
         last = data[at] & 0x80
         if first:
             if kind != 0 or size != _STREAMINFO_SIZE:
                 raise ValueError("not a FLAC file: its first metadata block is no STREAMINFO")
             if len(data) - at - 4 < size:
-                raise ValueError("FLAC cut short: in its STREAMINFO block")
+                raise CutShort("FLAC cut short: in its STREAMINFO block")
             max_block = struct.unpack_from(">H", data, at + 6)[0]
             total = int.from_bytes(data[at + 17 : at + 22], "big") & 0xFFFFFFFFF  # the low 36 of 40 bits
             first = False
         if at + 4 + size > len(data):
-            raise ValueError(f"FLAC cut short: the metadata block at byte {at} declares {size + 4} bytes")
+            raise CutShort(f"FLAC cut short: the metadata block at byte {at} declares {size + 4} bytes")
         at += 4 + size
         if last:
             return max_block, total, at

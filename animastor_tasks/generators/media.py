@@ -27,7 +27,7 @@ from animastor_tasks.domain.media_types import (
     WAV_TYPES,
     base_type,
 )
-from animastor_tasks.generators.audio_frames import check_adts, check_mpeg_audio, check_ogg
+from animastor_tasks.generators.audio_frames import CutShort, check_adts, check_mpeg_audio, check_ogg
 from animastor_tasks.generators.flac import check_flac
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -121,14 +121,16 @@ def wav_duration_seconds(data: bytes) -> float:
             available = len(data) - body
             unknown = size == 0 or size >= _UNKNOWN_DATA_LENGTH_FROM
             if not unknown and size > available:
-                raise ValueError(f"WAV cut short: its data chunk declares {size} bytes, {available} are there")
+                raise CutShort(f"WAV cut short: its data chunk declares {size} bytes, {available} are there")
             if unknown and available % block:
-                raise ValueError(f"WAV cut short: its data of unknown length ends inside a {block}-byte sample frame")
+                raise CutShort(f"WAV cut short: its data of unknown length ends inside a {block}-byte sample frame")
             frames = (available if unknown else size) // block
             if not frames:
                 raise ValueError("WAV holds no samples")
             return frames / rate
         at = body + size + (size & 1)  # chunks are padded to an even size
+    if at != len(data):  # the last chunk runs past the end: the body stops inside the header
+        raise CutShort(f"WAV cut short: {len(data)} bytes, its chunks before the data run on past them")
     raise ValueError("not a WAV file: no data chunk")
 
 
@@ -136,7 +138,7 @@ def check_known_media(media_type: str, data: bytes) -> None:
     """ValueError when `data` is not a file of the format `media_type` names, for the formats read here: a
     server's error text or a file still being written, sent under the right type, is not a result, and neither
     is a body cut short that HTTP cannot tell from a whole one (an answer without a length, ended by closing the
-    connection, whose connection dropped).
+    connection, whose connection dropped): CutShort, that one, the connection's doing rather than the scene's.
 
     Known: WAV, PNG, JPEG, WebP, FLAC (in `flac`) and (in `audio_frames`) MP3, ADTS AAC and Ogg (Opus, Vorbis).
     An AAC, an MP3 without a Xing/Info or VBRI frame count, or a WAV of unknown data length (streamed), cut
@@ -167,7 +169,7 @@ def check_jpeg(data: bytes) -> None:
     if not data.startswith(b"\xff\xd8\xff"):
         raise ValueError("not a JPEG file: no start-of-image marker")
     if not data.rstrip(b"\x00").endswith(b"\xff\xd9"):
-        raise ValueError("JPEG cut short: it does not end with the end-of-image marker")
+        raise CutShort("JPEG cut short: it does not end with the end-of-image marker")
 
 
 def check_webp(data: bytes) -> None:
@@ -176,7 +178,7 @@ def check_webp(data: bytes) -> None:
         raise ValueError("not a WebP file: no RIFF/WEBP header")
     declared = struct.unpack_from("<I", data, 4)[0] + 8
     if declared > len(data):
-        raise ValueError(f"WebP cut short: its RIFF header declares {declared} bytes, {len(data)} are there")
+        raise CutShort(f"WebP cut short: its RIFF header declares {declared} bytes, {len(data)} are there")
 
 
 def _chunk(kind: bytes, payload: bytes) -> bytes:
@@ -235,12 +237,12 @@ def png_size(data: bytes) -> tuple[int, int]:
     header = b""
     while pos < len(data):
         if pos + 12 > len(data):
-            raise ValueError("truncated PNG chunk")
+            raise CutShort("truncated PNG chunk")
         (length,) = struct.unpack(">I", data[pos : pos + 4])
         kind = data[pos + 4 : pos + 8]
         payload = data[pos + 8 : pos + 8 + length]
         if len(payload) != length or pos + 12 + length > len(data):
-            raise ValueError(f"truncated PNG chunk {kind!r}")
+            raise CutShort(f"truncated PNG chunk {kind!r}")
         (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
         if crc != zlib.crc32(kind + payload):
             raise ValueError(f"bad CRC in PNG chunk {kind!r}")
@@ -252,8 +254,10 @@ def png_size(data: bytes) -> tuple[int, int]:
         pos += 12 + length
     if not kinds or kinds[0] != b"IHDR" or len(header) != 13:
         raise ValueError("PNG does not start with a valid IHDR chunk")
-    if kinds[-1] != b"IEND" or not idat:
-        raise ValueError("PNG has no image data or no IEND chunk")
+    if kinds[-1] != b"IEND":
+        raise CutShort("PNG cut short: no IEND chunk after its last one")
+    if not idat:
+        raise ValueError("PNG has no image data")
     width, height, depth, colour, _compression, _filter, interlace = struct.unpack(">IIBBBBB", header)
     if width * height > MAX_CHECKED_PIXELS:
         raise ValueError(f"PNG of {width}x{height} is larger than {MAX_CHECKED_PIXELS} pixels")

@@ -19,7 +19,7 @@ import requests
 from animastor_tasks.domain.media_types import JPEG_TYPES
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
-from animastor_tasks.generators.media import PNG_SIGNATURE, check_known_media
+from animastor_tasks.generators.media import PNG_SIGNATURE, CutShort, check_known_media
 from animastor_tasks.generators.openai_common import OCTET_STREAM, OpenAIGenerator, media_type_of, string_param
 from animastor_tasks.generators.server_words import json_error
 
@@ -75,7 +75,9 @@ class OpenAIImagesGenerator(OpenAIGenerator):
         """The image inside `{"data": [{"b64_json": ...}]}`, checked against the stage's media type."""
         try:
             payload = json.loads(raw)
-        except ValueError:
+        except ValueError as err:
+            if _cut_short(err):  # a body without a length whose connection dropped: not the server's setup
+                raise self._fail(f"answered JSON cut short ({err})", cut=True) from None
             raise self._fail("answered a body that is not JSON", misconfigured=True) from None
         said = json_error(payload)
         if said:  # an error under 200 (a model still loading): the server's words, and worth another attempt
@@ -108,8 +110,15 @@ class OpenAIImagesGenerator(OpenAIGenerator):
         try:
             check_known_media(found, data)
         except ValueError as err:
-            raise self._fail(f"returned a broken image ({err})") from None
+            raise self._fail(f"returned a broken image ({err})", cut=isinstance(err, CutShort)) from None
         return Media(data, self.spec.media_type if want != OCTET_STREAM else found)
+
+
+def _cut_short(err: ValueError) -> bool:
+    """Whether JSON failed to parse only because it stops: inside a string, or where more was due at its end."""
+    if not isinstance(err, json.JSONDecodeError):
+        return False
+    return err.msg.startswith("Unterminated string") or err.pos >= len(err.doc.rstrip())
 
 
 def decode_base64(text: str) -> bytes:

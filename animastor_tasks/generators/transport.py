@@ -131,7 +131,7 @@ class Transport:
     ) -> tuple[str, bytes]:
         """(media type from `check_type`, body bytes) of a 200; the caller checks stop before the first send."""
         attempt = 0
-        media_type, data = "", b""
+        media_type, data, sized = "", b"", False
         while True:
             wait: float | None = None
             with Watchdog(should_stop, time.monotonic() + limits.total_timeout) as watchdog:
@@ -142,6 +142,7 @@ class Transport:
                             self._check_status(response)
                             media_type = check_type(response)
                             data = self._read_body(response, limits, should_stop, request)
+                            sized = "Content-Length" in response.headers
                 except requests.exceptions.RequestException as err:
                     # Connection refused, DNS failure, connect/read timeout, connection reset mid-body.
                     self._check_cut(watchdog, limits, request)
@@ -159,8 +160,10 @@ class Transport:
             attempt += 1
             self._sleep(wait, should_stop, request)
         self.check_stop(should_stop, request)
-        if not data:
-            raise GeneratorError(f"stage {self.stage!r}: inference endpoint returned an empty body", retryable=False)
+        if not data:  # with a length, the server's answer to the scene; without, a server dead after its headers
+            raise GeneratorError(
+                f"stage {self.stage!r}: inference endpoint returned an empty body", retryable=not sized
+            )
         return media_type, data
 
     def _send(

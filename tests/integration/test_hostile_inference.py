@@ -280,12 +280,13 @@ def test_a_close_delimited_image_whose_connection_dropped_is_not_a_result(
     serve: Callable[[Answer], str], media_type: str, whole: bytes
 ) -> None:
     """Without a length, a body cut short by a dropped connection reads as a whole one: the stage stored half an
-    image and marked the pair ready. The whole one is taken; the cut one fails the attempt."""
+    image and marked the pair ready. The whole one is taken; the cut one fails the attempt, worth another one."""
     spec = replace(_spec(serve(_close_delimited(media_type, whole)), "image"), media_type=media_type)
     assert _generate(spec).data == whole
     spec = replace(spec, endpoint=serve(_close_delimited(media_type, whole[: len(whole) // 2])) + "/v1/generate/image")
-    with pytest.raises(GeneratorError, match="cut short"):
+    with pytest.raises(GeneratorError, match="cut short") as info:
         _generate(spec)
+    assert info.value.retryable and not info.value.misconfigured, info.value
 
 
 @pytest.mark.parametrize("generator", ["openai-speech", "http"])
@@ -296,7 +297,8 @@ def test_close_delimited_audio_whose_connection_dropped_is_not_a_result(
     serve: Callable[[Answer], str], generator: str, media_type: str, whole: bytes
 ) -> None:
     """MP3 (OpenAI's default response_format), AAC and Ogg answers were taken as they came: one whose connection
-    dropped halfway was stored as the scene's audio. The whole one is taken; the cut one fails the attempt."""
+    dropped halfway was stored as the scene's audio. The whole one is taken; the cut one fails the attempt. A
+    dropped connection is the backend's, not the scene's: taken as the scene's verdict, it failed the pair for good."""
     params = {"model": "tts"} if generator == "openai-speech" else {}
 
     def spec_for(body: bytes) -> StageSpec:
@@ -307,7 +309,47 @@ def test_close_delimited_audio_whose_connection_dropped_is_not_a_result(
     assert _generate(spec_for(whole), key=SECRET).data == whole
     with pytest.raises(GeneratorError, match="cut short") as info:
         _generate(spec_for(whole[: len(whole) // 2]), key=SECRET)
-    assert not info.value.retryable
+    assert info.value.retryable and not info.value.misconfigured, info.value
+
+
+@pytest.mark.parametrize("generator", ["openai-speech", "http"])
+def test_a_close_delimited_wav_whose_connection_dropped_is_worth_another_attempt(
+    serve: Callable[[Answer], str], generator: str
+) -> None:
+    """A server OOM-killed halfway through a body without a length: the WAV's own length tells the cut, which was
+    taken as the scene's verdict (the pair failed for good) where the same request may well succeed again."""
+    whole = synthesize_wav("one two three four")
+    params = {"model": "tts"} if generator == "openai-speech" else {}
+    for body in (whole[: len(whole) // 2], whole[:30]):  # in the samples, in the header
+        with pytest.raises(GeneratorError, match="cut short") as info:
+            _generate(_spec(serve(_close_delimited("audio/wav", body)), generator=generator, **params), key=SECRET)
+        assert info.value.retryable and not info.value.misconfigured, info.value
+
+
+def test_an_empty_body_is_the_scenes_only_when_its_length_says_so(serve: Callable[[Answer], str]) -> None:
+    """Headers, then a closed connection (a server that died right after them): the empty body was the scene's
+    verdict, failed for good. A `Content-Length: 0` is the server's own answer to the scene, and stays so."""
+    with pytest.raises(GeneratorError, match="empty body") as info:
+        _generate(_spec(serve(_close_delimited("audio/wav", b""))))
+    assert info.value.retryable and not info.value.misconfigured, info.value
+    with pytest.raises(GeneratorError, match="empty body") as info:
+        _generate(_spec(serve(answering(200, "audio/wav", b""))))
+    assert not info.value.retryable and not info.value.misconfigured, info.value
+
+
+def test_an_images_answer_cut_short_is_worth_another_attempt_and_one_of_no_json_is_not(
+    serve: Callable[[Answer], str],
+) -> None:
+    """JSON cut by a dropped connection (no length) was taken as a server that does not answer JSON: misconfigured,
+    the pair failed for good and the breaker counted a setting where the connection was at fault."""
+    whole = b'{"data": [{"b64_json": "%s"}]}' % base64.b64encode(render_png("a tower"))
+    for cut in (whole[:40], whole[:-3], whole[:9]):
+        url = serve(_close_delimited("application/json", cut))
+        with pytest.raises(GeneratorError) as info:
+            _generate(_spec(url, "image", "openai-images", model="img"), key=SECRET)
+        assert info.value.retryable and not info.value.misconfigured and "cut short" in str(info.value), info.value
+    not_json = _images(b"<html>Sign in</html>", serve)
+    assert not_json.misconfigured and not not_json.retryable, not_json
 
 
 def test_a_header_only_wav_from_an_openai_server_is_not_a_result(serve: Callable[[Answer], str]) -> None:

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from animastor_tasks.generators.media import (
+    CutShort,
     check_known_media,
     png_size,
     render_png,
@@ -259,7 +260,7 @@ WEBP = b"RIFF" + struct.pack("<I", 4 + 8 + 40) + b"WEBP" + b"VP8L" + struct.pack
 def test_an_image_cut_short_is_refused_and_a_whole_one_passes(media_type: str, whole: bytes, cut: int) -> None:
     check_known_media(media_type, whole)
     check_known_media(media_type, whole + (b"\x00\x00" if media_type == "image/jpeg" else b""))  # padding
-    with pytest.raises(ValueError, match=r"cut short|truncated"):
+    with pytest.raises(CutShort, match=r"cut short|truncated"):  # the connection's, not the scene's
         check_known_media(media_type, whole[:-cut])
 
 
@@ -276,10 +277,11 @@ def test_an_image_cut_short_is_refused_and_a_whole_one_passes(media_type: str, w
 def test_compressed_audio_cut_short_is_refused_and_a_whole_one_passes(media_type: str, whole: bytes, cut: int) -> None:
     """MP3, AAC and Ogg answers were taken as they came: one cut short by a dropped connection was stored."""
     check_known_media(media_type, whole)
-    with pytest.raises(ValueError, match="cut short"):
+    with pytest.raises(CutShort, match="cut short"):
         check_known_media(media_type, whole[:-cut])
-    with pytest.raises(ValueError, match="not a"):
+    with pytest.raises(ValueError, match="not a") as info:
         check_known_media(media_type, b'{"error": "CUDA out of memory"}')
+    assert not isinstance(info.value, CutShort)
 
 
 def test_pcm_is_not_checked() -> None:
