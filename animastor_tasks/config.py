@@ -230,6 +230,11 @@ def _api_key(env: Mapping[str, str]) -> str:
     value = env.get("ANIMASTOR_INFERENCE_API_KEY", "").strip()
     if any(not ch.isprintable() for ch in value):
         raise ConfigError("ANIMASTOR_INFERENCE_API_KEY holds a control character (the key is not shown)")
+    if not value.isascii():  # a `…` pasted in: every job's header failed to encode, a bug failing the whole lane
+        raise ConfigError(
+            "ANIMASTOR_INFERENCE_API_KEY holds a character outside ASCII (a typographic quote or an ellipsis pasted"
+            " in?): HTTP headers carry nothing else reliably; the key is not shown"
+        )
     return value
 
 

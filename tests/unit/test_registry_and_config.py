@@ -182,6 +182,16 @@ def test_an_api_key_loses_the_newline_a_secret_file_gave_it() -> None:
     assert "sk-a" not in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["sk-abc\u2026def", "sk-\u201cabc\u201d", "sk-abcé"])
+def test_an_api_key_outside_ascii_is_refused_at_start_without_being_shown(key: str) -> None:
+    """A key pasted with a `…` or a typographic quote could not be sent (HTTP headers are Latin-1): every job raised
+    a bare UnicodeEncodeError, a generator bug, and every pair of the lane failed at full speed, the breaker told
+    nothing. Outside ASCII (Latin-1 too: no server's key holds an `é`), the worker refuses to start."""
+    with pytest.raises(ConfigError, match="ANIMASTOR_INFERENCE_API_KEY") as info:
+        Settings.from_env({"ANIMASTOR_INFERENCE_API_KEY": key})
+    assert "abc" not in str(info.value)
+
+
 def test_a_unix_socket_redis_url_is_the_brokers_too_in_celerys_spelling() -> None:
     """Without ANIMASTOR_BROKER_URL the broker is the coordination Redis: a `unix://` URL, which kombu does not
     read, was refused as a broker scheme, so a Redis on a socket needed its URL written twice, two ways."""
