@@ -101,7 +101,7 @@ class Verdict(StrEnum):
 def verdict(kind: ErrorKind, breaker_state: str | None = None) -> Verdict:
     """What a job that gave up with `kind` does to its pair.
 
-    `breaker_state` is what recording a backend failure on the queue's breaker answered ('open' or
+    `breaker_state` is what recording a backend failure on the queue's breaker answered ('open', 'reopened' or
     'closed'; None when it could not be recorded). A store error never fails a pair. A backend failure (or a
     misconfigured one) fails it while the breaker stays closed (a failure shorter than the threshold is taken
     as the scene's own), and gives it back once the breaker is open: the backend is down or set up wrong, the
@@ -112,9 +112,19 @@ def verdict(kind: ErrorKind, breaker_state: str | None = None) -> Verdict:
     """
     if kind in (ErrorKind.STORE, ErrorKind.RATE_LIMITED, ErrorKind.ARTIFACT):
         return Verdict.GIVE_BACK
-    if kind in _BLAMES_THE_BACKEND and breaker_state == "open":
+    if kind in _BLAMES_THE_BACKEND and breaker_state in ("open", "reopened"):
         return Verdict.GIVE_BACK
     return Verdict.FAIL
+
+
+def retest_deferral(kind: ErrorKind, breaker_state: str | None, *, cooldown: float) -> float | None:
+    """How long a pair given back by a failure that found the breaker open already waits (None: not at all): past
+    the next half-open test, a cool-down away, which then goes to another pair. *Why:* the half-open test is the
+    first pending pair in reading order, and a scene whose text the server always fails on (a 500, a timeout) was
+    that test at every cool-down, reopening the breaker each time: its book's healthy scenes never ran again."""
+    if kind in (ErrorKind.BACKEND, ErrorKind.MISCONFIGURED) and breaker_state == "reopened":
+        return 2 * cooldown
+    return None
 
 
 def breaker_feed(kind: ErrorKind | None) -> bool | None:

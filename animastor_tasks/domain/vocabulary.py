@@ -103,6 +103,7 @@ def priority_rank(priority: Priority | str) -> int:
 class DeferralBucket(StrEnum):
     CAPACITY = "capacity"  # a slot may free up soon: retry within a minute
     IDEMPOTENT = "idempotent"  # done or running already: wait the long window
+    BACKEND = "backend"  # failed as its backend's test while the breaker was open: another pair is tested next
     # No fence bucket: a fence rejection concerns a stale dispatch, not its pair, which has moved on
     # already (a newer dispatch, or released); deferring the pair would hold back its current work.
 

@@ -59,17 +59,7 @@ def dispatch_pending(
     slot without a claim transaction (see `_wait_without_claim`). `slots_of`: the lane of the `slots` free
     slots this pass fills, which claims that many pairs of it at most (see `refill.free_slot`, `hand_over`)."""
     result = DispatchResult()
-    deferred_pairs = set().union(*snap.deferred.values())
-    if handed_lane is not None:
-        # Handed a free slot of this lane: its pairs waiting for capacity there may go now, unless deferred for
-        # another reason as well. Their deferrals stay written (why they waited) until a claim clears them.
-        registry = ports.settings.registry
-        other = set().union(*(pairs for bucket, pairs in snap.deferred.items() if bucket != DeferralBucket.CAPACITY))
-        deferred_pairs -= {
-            p
-            for p in snap.deferred.get(DeferralBucket.CAPACITY, set()) - other
-            if p[2] in registry and registry.get(p[2]).queue == handed_lane
-        }
+    deferred_pairs = _still_deferred(ports, snap, handed_lane)
     todo = [item for item in pending if item.pair not in deferred_pairs]
     if len(todo) < len(pending):
         result.outcomes[Outcome.DEFERRED] += len(pending) - len(todo)
@@ -152,6 +142,26 @@ def dispatch_pending(
         ports.breaker.breaker_release(specs[stage].queue)
     count_outcomes(ports, result.outcomes)
     return result
+
+
+def _still_deferred(ports: Ports, snap: Snapshot, handed_lane: str | None) -> set[Pair]:
+    """The pairs this pass skips: deferred for a reason that still holds. Handed a free slot of a lane, its pairs
+    waiting for capacity there may go now; once a lane's breaker holds no failure, the pairs kept from being its
+    half-open test may run (and, failing, fail once like any other). Deferrals stay written until a claim clears
+    them."""
+    registry = ports.settings.registry
+
+    def lane(pair: Pair) -> str | None:
+        return registry.get(pair[2]).queue if pair[2] in registry else None
+
+    kept: set[Pair] = set()
+    for bucket, pairs in snap.deferred.items():
+        if bucket == DeferralBucket.CAPACITY and handed_lane is not None:
+            pairs = {p for p in pairs if lane(p) != handed_lane}
+        elif bucket == DeferralBucket.BACKEND:
+            pairs = {p for p in pairs if not snap.breaker_clean.get(lane(p) or "", False)}
+        kept |= pairs
+    return kept
 
 
 def _settle_idempotent(

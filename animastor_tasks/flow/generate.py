@@ -28,12 +28,13 @@ from animastor_tasks.domain.job_rules import (
     breaker_feed,
     classify_error,
     lost_starts,
+    retest_deferral,
     verdict,
     worker_lost_reason,
 )
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
-from animastor_tasks.domain.vocabulary import JobOutcome, Outcome
+from animastor_tasks.domain.vocabulary import DeferralBucket, JobOutcome, Outcome
 from animastor_tasks.errors import ArtifactStoreError, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import refill
 from animastor_tasks.flow.job import (
@@ -43,6 +44,7 @@ from animastor_tasks.flow.job import (
     checked_media,
     guarded_progress,
     load_generator,
+    record_breaker,
     refusal_kind,
     start_delivery,
     when_reachable,
@@ -210,7 +212,7 @@ def _run_owned(
             kind = refusal_kind(ports, err)  # before the soft limit is held back: it may end a probe that hangs
             with later.writing_verdict(job):
                 return _unsuccessful(ports, job, spec, watcher, kind, storable(str(err)), attempts, result)
-        recovered = _record_breaker(ports, spec.queue, breaker_feed(None)) == "recovered"
+        recovered = record_breaker(ports, spec.queue, breaker_feed(None)) == "recovered"
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         artifact["input_hash"] = row.input_hash
         commit = partial(ports.jobs.commit_job, *job.owned, artifact, spec.queue)
@@ -338,7 +340,7 @@ def _unsuccessful(
     """The run produced nothing: a backend failure feeds the queue's breaker, then `domain.job_rules.verdict`
     says whether the pair fails or goes back to `pending` (a store blip, the backend down); either is written
     through a Postgres failover (`when_reachable`)."""
-    state = _record_breaker(ports, spec.queue, breaker_feed(kind))
+    state = record_breaker(ports, spec.queue, breaker_feed(kind))
     done = {**result, "error": error, "attempts": attempts}
     if verdict(kind, state) is Verdict.GIVE_BACK:
         why = f"breaker {state}" if kind in (ErrorKind.BACKEND, ErrorKind.MISCONFIGURED) else kind.replace("_", " ")
@@ -350,6 +352,10 @@ def _unsuccessful(
             return {**done, "outcome": JobOutcome.GIVEN_BACK}
         if not back:
             return _stale(ports, job, result)
+        if (wait := retest_deferral(kind, state, cooldown=ports.settings.breaker_cooldown_seconds)) is not None:
+            _quietly(
+                "defer", ports.deferrals.defer, job.book_id, DeferralBucket.BACKEND, [job.pair], wait, ports.clock()
+            )
         _quietly("count", ports.counters.add, {f"job:given_back:{job.stage}": 1})
         log.warning(
             "[GENERATE] %s given back to pending (%s) after %d attempt(s): %s", job.describe(), why, attempts, error
@@ -376,19 +382,6 @@ def _give_up(ports: Ports, job: Job, spec: StageSpec, reason: str, result: dict[
     log.error("[GENERATE] %s failed without GPU work: %s", job.describe(), reason)
     _quietly("free capacity", _free_capacity, ports, job, spec)
     return {**result, "outcome": JobOutcome.FAILED, "error": reason, "attempts": 0}
-
-
-def _record_breaker(ports: Ports, queue: str, ok: bool | None) -> str | None:
-    """Feed the queue's breaker with a run's result (None: nothing to record); its state after, or None."""
-    if ok is None:
-        return None
-    try:
-        return ports.breaker.breaker_record(
-            queue, ok, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds, run=True
-        )
-    except StoreUnavailable as err:
-        log.warning("[GENERATE] breaker of %s not updated: %s", queue, err)
-        return None
 
 
 def _quietly(what: str, fn: Callable[..., object], *args: Any) -> None:

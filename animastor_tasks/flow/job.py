@@ -294,3 +294,16 @@ def load_generator(ports: Ports, spec: StageSpec, job: Job) -> Generator:
         log.exception("[GENERATE] %s generator %r could not be loaded", job.describe(), spec.generator)
         why = f"generator {spec.generator!r} could not be loaded: {type(err).__name__}: {err}"
         return _Unavailable(GeneratorError(why, misconfigured=isinstance(err, ImportError)))
+
+
+def record_breaker(ports: Ports, queue: str, ok: bool | None) -> str | None:
+    """Feed the queue's breaker with a run's result (None: nothing to record); its state after, or None."""
+    if ok is None:
+        return None
+    try:
+        return ports.breaker.breaker_record(
+            queue, ok, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds, run=True
+        )
+    except StoreUnavailable as err:
+        log.warning("[GENERATE] breaker of %s not updated: %s", queue, err)
+        return None

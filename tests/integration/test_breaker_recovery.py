@@ -11,13 +11,16 @@ from dataclasses import replace
 
 from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.domain.vocabulary import Priority, priority_rank
-from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.errors import GeneratorError, StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import lanes
+from animastor_tasks.flow import gate, lanes
 from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow.generate import run_job
 
-from .helpers import make_book, states, use_settings
+from .helpers import advertise, make_book, states, use_settings
 from .test_elastic_share import finish_one, lane, run_control, running
+from .test_generate import dispatched_jobs, with_stage
+from .test_job_troubles import _Scripted, _use_generator
 
 
 def test_a_breaker_closed_by_a_job_that_ran_well_sends_the_passes_that_waited_for_it_at_once(rt) -> None:
@@ -176,3 +179,38 @@ def test_a_breaker_whose_free_slots_cannot_be_handed_on_still_sends_the_due_pass
     monkeypatch.setattr(rt.ports.publisher, "enqueue_refill", refused)
     lanes.breaker_closed(rt.ports, queue)
     assert rt.redis.client.zscore(rt.redis.keys.due(), "d") is None  # its pass was sent
+
+
+def test_a_scene_the_backend_always_fails_is_not_the_half_open_test_for_ever(rt, tmp_path) -> None:
+    """A scene whose text makes the server answer 500 every time, given back as the breaker opened, was the first
+    pending pair in reading order at every half-open test: it failed, reopened the breaker and went back, cool-down
+    after cool-down, and the book's healthy scenes never ran (0 ready after 6 cool-downs)."""
+    spec = replace(rt.settings.registry.get("audio"), book_cap=4)
+    cooldown = 0.5
+    settings = {"breaker_threshold": 2, "breaker_cooldown_seconds": cooldown, "generate_max_retries": 1}
+    with_stage(rt, spec, tmp_path, retry_backoff_base=0.01, retry_backoff_max=0.02, **settings)
+    outage = [True]
+
+    def answer(request, _progress) -> None:
+        if outage[0] or request.scene_id == "s1":
+            raise GeneratorError("stage 'audio': inference endpoint answered 500: Internal Server Error")
+
+    _use_generator(rt, _Scripted(answer))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    # The server restarts while the book's four jobs run; they end last first: s4 fails (the breaker still closed),
+    # s3 opens it and goes back, s2 and s1 go back with it open.
+    for job in reversed(dispatched_jobs(rt, "b")):
+        run_job(rt.ports, job, worker="t")
+    outage[0] = False  # back, but s1's text still makes it fail
+    for _ in range(8):
+        time.sleep(cooldown + 0.1)
+        rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))  # the passes a tick would make meanwhile
+        gate.gate_pass(rt.ports, "b")
+        for job in dispatched_jobs(rt, "b"):
+            run_job(rt.ports, job, worker="t")
+        if not {"pending", "generating"} & set(states(rt, "b").values()):  # image: dirty, never commanded
+            break
+    got = {scene: state for (_, scene, stage), state in states(rt, "b").items() if stage == "audio"}
+    assert got == {"s1": "failed", "s2": "ready", "s3": "ready", "s4": "failed", "s5": "ready", "s6": "ready"}

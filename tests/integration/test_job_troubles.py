@@ -349,7 +349,9 @@ def test_a_dead_inference_server_opens_the_breaker_and_the_pairs_wait_pending(rt
     assert outcomes == ["failed", "given_back", "given_back", "given_back"], outcomes
     opened_after = time.monotonic() - began
     report = gate.gate_pass(rt.ports, "b")
-    assert report.outcomes.get("breaker_open") == 5 and not dispatched_jobs(rt, "b")
+    # The two whose failures found it open already wait out the next test too: it goes to another pair.
+    assert report.outcomes.get("breaker_open") == 3 and report.outcomes.get("deferred_capacity") == 2
+    assert not dispatched_jobs(rt, "b")
     assert Counter(s for (_, _, stage), s in states(rt, "b").items() if stage == "audio") == {"pending": 5, "failed": 1}
     [command] = rt.ports.commands.commands(book="b")
     assert command.status == "active"

@@ -13,6 +13,7 @@ from animastor_tasks.domain.job_rules import (
     breaker_feed,
     classify_error,
     lost_starts,
+    retest_deferral,
     verdict,
     worker_lost_reason,
 )
@@ -104,6 +105,19 @@ def test_a_backend_failure_gives_the_pair_back_once_the_breaker_is_open() -> Non
     assert verdict(ErrorKind.SCENE, "open") is Verdict.FAIL
     assert verdict(ErrorKind.BUG, "open") is Verdict.FAIL
     assert verdict(ErrorKind.STORE, "closed") is Verdict.GIVE_BACK
+
+
+def test_a_pair_that_failed_on_a_breaker_already_open_waits_out_the_next_test() -> None:
+    """The half-open test (or a straggler of the outage) failed: the next test, a cool-down away, is another pair's.
+    A failure that opened the breaker, a failure with it closed, and other kinds wait for nothing."""
+    assert verdict(ErrorKind.BACKEND, "reopened") is Verdict.GIVE_BACK
+    assert retest_deferral(ErrorKind.BACKEND, "reopened", cooldown=30) == 60
+    assert retest_deferral(ErrorKind.MISCONFIGURED, "reopened", cooldown=30) == 60
+    assert retest_deferral(ErrorKind.BACKEND, "open", cooldown=30) is None
+    assert retest_deferral(ErrorKind.BACKEND, "closed", cooldown=30) is None
+    assert retest_deferral(ErrorKind.BACKEND, None, cooldown=30) is None
+    assert retest_deferral(ErrorKind.RATE_LIMITED, "reopened", cooldown=30) is None
+    assert retest_deferral(ErrorKind.STORE, "reopened", cooldown=30) is None
 
 
 def test_what_a_run_feeds_the_breaker() -> None:
