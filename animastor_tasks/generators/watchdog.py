@@ -5,13 +5,15 @@ answer yet) or one trickling its headers left a stopped job, and its GPU slot, w
 timeout. So each connection a session opens is handed to the watchdog of the request running in
 that thread, and the watchdog shuts it down when the job is told to stop or the whole answer's
 deadline passes: the blocked read returns at once, and a server that drops the work of a closed
-connection (most inference servers do) frees its GPU too.
+connection (most inference servers do) frees its GPU too. A socket is handed over before it connects, so a
+connect in progress is cut too; name resolution is not (the system's resolver cannot be interrupted).
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +24,8 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.exceptions import ConnectTimeoutError, LocationParseError, NameResolutionError, NewConnectionError
+from urllib3.util.connection import allowed_gai_family
 
 POLL_SECONDS = 0.05  # how soon a stop or the deadline cuts the connection
 _running = threading.local()  # the watchdog of the request this thread is sending, if any
@@ -85,14 +89,49 @@ def _adopted(sock: socket.socket) -> socket.socket:
     return sock
 
 
+def _connected(conn: HTTPConnection) -> socket.socket:
+    """urllib3's `_new_conn` (its `create_connection`, its errors), each socket tried handed to the watchdog
+    before it connects. *Why:* adopted once connected, a stop or the deadline waited out `connect_timeout` (up to
+    600 s), once per address, against a host that drops SYNs."""
+    host = conn._dns_host.strip("[]")  # the host to connect to: the proxy's, when there is one
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise LocationParseError(f"'{host}', label empty or too long") from None
+    try:
+        addresses = socket.getaddrinfo(host, conn.port, allowed_gai_family(), socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise NameResolutionError(conn.host, conn, err) from err
+    error: OSError = OSError("getaddrinfo returns an empty list")
+    for family, kind, proto, _, address in addresses:
+        sock = _adopted(socket.socket(family, kind, proto))
+        try:
+            for option in conn.socket_options or ():
+                sock.setsockopt(*option)
+            sock.settimeout(conn.timeout if isinstance(conn.timeout, int | float) else socket.getdefaulttimeout())
+            if conn.source_address:
+                sock.bind(conn.source_address)
+            sock.connect(address)
+        except OSError as err:
+            sock.close()
+            error = err
+        else:
+            sys.audit("http.client.connect", conn, conn.host, conn.port)
+            return sock
+    if isinstance(error, TimeoutError):
+        message = f"Connection to {conn.host} timed out. (connect timeout={conn.timeout})"
+        raise ConnectTimeoutError(conn, message) from error
+    raise NewConnectionError(conn, f"Failed to establish a new connection: {error}") from error
+
+
 class _WatchedHTTPConnection(HTTPConnection):
     def _new_conn(self) -> socket.socket:
-        return _adopted(super()._new_conn())
+        return _connected(self)
 
 
 class _WatchedHTTPSConnection(HTTPSConnection):
     def _new_conn(self) -> socket.socket:  # the TCP socket, while the TLS handshake runs on it
-        return _adopted(super()._new_conn())
+        return _connected(self)
 
     def connect(self) -> None:
         """And the TLS socket that takes the TCP one over (the TCP socket object is detached by then: cut, it

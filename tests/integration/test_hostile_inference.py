@@ -170,6 +170,40 @@ def test_a_trickle_past_the_whole_answers_deadline_is_a_retryable_error(serve: C
     assert time.monotonic() - started < 3.0
 
 
+@pytest.fixture
+def unanswered_connects() -> Iterator[str]:
+    """The URL of a listener whose accept queue is full: the kernel drops further SYNs, so a connect to it waits
+    as one to a host that drops them does (a firewall, a GPU box gone from the network)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        fillers = [socket.socket() for _ in range(4)]
+        for filler in fillers:
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(listener.getsockname())
+        time.sleep(0.2)
+        try:
+            yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+        finally:
+            for filler in fillers:
+                filler.close()
+
+
+def test_a_connect_in_progress_is_cut_by_a_stop_and_by_the_whole_answers_deadline(unanswered_connects: str) -> None:
+    """The watchdog took the socket only once it had connected: a stopped job (and its GPU slot) waited out
+    `connect_timeout`, once per address its host resolves to, before it saw the stop; so did `total_timeout`."""
+    started = time.monotonic()
+    with pytest.raises(GenerationStopped):
+        _generate(_spec(unanswered_connects, connect_timeout=8), stop=lambda: time.monotonic() > started + 0.3)
+    assert time.monotonic() - started < 1.5
+    started = time.monotonic()
+    with pytest.raises(GeneratorError) as info:
+        _generate(_spec(unanswered_connects, connect_timeout=8, total_timeout=0.5))
+    assert info.value.retryable and "total_timeout" in str(info.value), info.value
+    assert time.monotonic() - started < 1.5
+
+
 def _server(request: pytest.FixtureRequest, scheme: str) -> Callable[[Answer], str]:
     return request.getfixturevalue("serve_tls" if scheme == "https" else "serve")
 
