@@ -103,6 +103,7 @@ def redis_py_options(scheme: str) -> dict[str, Rule]:
 def check_redis_options(name: str, url: str) -> None:
     """The options of a URL the runtime's own redis-py client (and the result store) reads."""
     _check(name, url, redis_py_options(urlsplit(url).scheme), "redis-py")
+    _check_certificate_named(name, url)
 
 
 def check_broker_options(name: str, url: str) -> None:
@@ -111,6 +112,18 @@ def check_broker_options(name: str, url: str) -> None:
     amqp = scheme in ("amqp", "amqps", "pyamqp")
     rules, transport = (KOMBU_AMQP, "AMQP") if amqp else (KOMBU_SOCKET if "socket" in scheme else KOMBU_TLS, "Redis")
     _check(name, url, rules, f"kombu's {transport} transport")
+    _check_certificate_named(name, url)
+
+
+def _check_certificate_named(name: str, url: str) -> None:
+    """A `rediss://` URL says how the server's certificate is checked. *Why:* without it Celery's result store
+    raised a bare ValueError at each worker's start and each client call (exit 1), and kombu's broker checked no
+    certificate (a man in the middle read the password)."""
+    if urlsplit(url).scheme == "rediss" and not dict(parse_qsl(urlsplit(url).query)).get("ssl_cert_reqs"):
+        raise ConfigError(
+            f"{name}={redact_url(url)!r}: a rediss:// URL must say how the server's certificate is checked:"
+            " add ?ssl_cert_reqs=required (with ssl_ca_certs=/path/ca.pem for a private CA)"
+        )
 
 
 def _check(name: str, url: str, rules: dict[str, Rule], client: str) -> None:
