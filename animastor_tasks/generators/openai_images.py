@@ -75,6 +75,8 @@ class OpenAIImagesGenerator(OpenAIGenerator):
         """The image inside `{"data": [{"b64_json": ...}]}`, checked against the stage's media type."""
         try:
             payload = json.loads(raw)
+        except RecursionError:  # nested past the parser's depth: no answer of the shape asked for
+            raise self._fail("answered JSON nested too deep to read", misconfigured=True) from None
         except ValueError as err:
             if _cut_short(err):  # a body without a length whose connection dropped: not the server's setup
                 raise self._fail(f"answered JSON cut short ({err})", cut=True) from None

@@ -52,6 +52,7 @@ _ERROR_BODY_LIMIT = 64 * 1024
 _SLEEP_SLICE = 0.05  # a stop request is noticed within this long while waiting out a Retry-After
 # Request errors that another attempt cannot fix, whatever the scene: the endpoint, a header or the proxy is wrong.
 _PERMANENT_REQUEST_ERRORS = (
+    urllib3.exceptions.LocationParseError,  # a host no connection can be opened to (`gpu..box`), as urllib3 says it
     requests.exceptions.InvalidURL,
     requests.exceptions.InvalidHeader,
     requests.exceptions.InvalidSchema,
@@ -143,7 +144,7 @@ class Transport:
                             media_type = check_type(response)
                             data = self._read_body(response, limits, should_stop, request)
                             sized = "Content-Length" in response.headers
-                except requests.exceptions.RequestException as err:
+                except (requests.exceptions.RequestException, urllib3.exceptions.LocationParseError) as err:
                     # Connection refused, DNS failure, connect/read timeout, connection reset mid-body.
                     self._check_cut(watchdog, limits, request)
                     raise GeneratorError(
@@ -327,7 +328,7 @@ class Transport:
         """(the message of an error body, whether it is one the server wrote as an error, the fields it refuses)."""
         try:
             payload = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's depth: read as the text it is
             return self.clean(text.strip()) or "(empty body)", False, frozenset()
         said = json_error(payload)
         # Another shape is quoted as JSON written again here: the key, if echoed, is spelled as `clean` looks for it,

@@ -529,6 +529,28 @@ def test_an_endpoint_no_request_can_reach_is_misconfigured_not_a_verdict_on_each
     assert caught.value.misconfigured and not caught.value.retryable, caught.value
 
 
+def test_an_endpoint_whose_host_has_an_empty_label_is_misconfigured_not_a_bug() -> None:
+    """`gpu..box` passed the endpoint check and urllib3's LocationParseError (a ValueError) escaped the transport:
+    a generator bug on every job, each pair of the lane failed for good, the breaker told nothing."""
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec("http://gpu..box:9/x"))
+    assert caught.value.misconfigured and not caught.value.retryable, caught.value
+
+
+@pytest.mark.parametrize(
+    ("status", "stage", "generator"), [(400, "audio", "http"), (200, "audio", "http"), (200, "image", "openai-images")]
+)
+def test_a_json_body_nested_past_the_parsers_depth_is_the_servers_answer_not_a_bug(
+    serve: Callable[[Answer], str], status: int, stage: str, generator: str
+) -> None:
+    """`json.loads` raises RecursionError on 5,000 nested brackets (well inside the 64 KiB read of an error body):
+    it escaped the transport as a generator bug, and the breaker heard nothing of the server's answer."""
+    url = serve(answering(status, "application/json", b"[" * 5000))
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(url, stage, generator, model="m"), key=SECRET)
+    assert "inference endpoint" in str(caught.value), caught.value
+
+
 def test_an_endpoint_with_a_login_in_its_url_is_refused_as_a_setting() -> None:
     """The login was never sent (the request's only credential is the worker's key): every scene answered 401."""
     with pytest.raises(ConfigError, match="carries a login") as caught:
