@@ -78,23 +78,31 @@ def note_shutdown(sender: Any = None, **_: Any) -> None:
 
 @signals.celeryd_init.connect
 def refuse_unknown_queues(sender: str, instance: Any, conf: Any, options: dict[str, Any], **_: Any) -> None:
-    """A worker consumes only queues the media registry (or the control plane) knows.
+    """A worker consumes only queues the media registry (or the control plane) knows, and gets the start checks of
+    each it will consume: without `-Q` that is every queue of `task_queues` but `-X`'s (a bare `celery worker`
+    took GPU jobs unchecked, and failed each `misconfigured` when its generator was not installed).
 
     Runs before Celery selects the queues, so the operator gets our message and exit code 2.
     """
     known = {CONTROL_QUEUE, *settings.registry.queues()}
-    raw = options.get("queues") or []
-    wanted = {q.strip() for item in ([raw] if isinstance(raw, str) else raw) for q in str(item).split(",") if q.strip()}
-    unknown = sorted(wanted - known)
+    named = _queue_names(options.get("queues"))
+    unknown = sorted(named - known)
     if unknown:
         sys.stderr.write(
             f"animastor-tasks: refusing to consume unknown queue(s) {', '.join(unknown)}; "
             f"known queues: {', '.join(sorted(known))} (stages come from ANIMASTOR_STAGES)\n"
         )
         raise SystemExit(2)
-    refuse_generators_not_built(wanted)
-    if wanted & set(settings.registry.queues()):
+    consumed = (named or known) - _queue_names(options.get("exclude_queues"))
+    refuse_generators_not_built(consumed)
+    if consumed & set(settings.registry.queues()):
         refuse_an_artifact_store_that_refuses()
+
+
+def _queue_names(raw: Any) -> set[str]:
+    """The queues of a `-Q`/`-X` option: Celery passes a list, a comma-separated string, or nothing."""
+    items = [raw] if isinstance(raw, str) else raw or []
+    return {q.strip() for item in items for q in str(item).split(",") if q.strip()}
 
 
 def refuse_generators_not_built(queues: set[str]) -> None:
