@@ -191,6 +191,9 @@ def _check_redis_url(name: str, value: str, path: str) -> None:
     database = path.lstrip("/")
     if path.count("/") > 1 or (database and not database.isdigit()):
         raise ConfigError(f"{name}={redact_url(value)!r}: the path must be a database number, as in /0")
+    queried = dict(parse_qsl(urlsplit(value).query)).get("db", "")  # redis-py reads it over the path, kombu never
+    if database and queried.isdigit() and int(queried) != int(database):
+        raise ConfigError(f"{name}={redact_url(value)!r}: its path and ?db= name different databases; give one")
 
 
 def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float, maximum: float = math.inf) -> float:
@@ -339,9 +342,12 @@ def _broker_url(env: Mapping[str, str], redis_url: str) -> str:
     redis-py options kombu's Connection takes none of (they are the runtime's own client's). *Why:* with
     `?socket_timeout=5`, every process that sent a task died in kombu with a TypeError traceback. The login
     redis-py reads in the query (`?password=`) goes into the authority, where kombu reads it: it was dropped, and
-    the broker connected without the password."""
+    the broker connected without the password. Its `?db=` goes into the path, kombu's only place for it: the
+    queues were in db 0, shared with whatever else is there."""
     if not env.get("ANIMASTOR_BROKER_URL", "").strip():
         base, _, query = result_backend_url(redis_url).partition("?")
+        if db := dict(parse_qsl(query)).get("db"):  # a `unix://` URL's is its `virtual_host` already
+            base = urlsplit(base)._replace(path=f"/{db}").geturl()
         kept = urlencode([(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if _kombu_reads(k)], safe="/")
         base = _with_login(base, redis_url)
         return f"{base}?{kept}" if kept else base
