@@ -130,10 +130,11 @@ def without_retakes(ports: Ports, lapsed: list[GeneratingRow]) -> list[Generatin
 
 def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
     """`generating -> pending` where the gate still authorizes the pair, else `-> dirty` (compare-and-set on
-    the token, so a pair that moved on meanwhile is left alone). Each slot so freed goes to the book that has
-    waited longest for its lane, as a finished job's does: the books waiting for a full lane waited for
-    their capacity deferral instead (a minute) while a dead worker's slot stood free. A forced re-run's slot
-    stays with its book (`_rerun_first`)."""
+    the token, so a pair that moved on meanwhile is left alone). The slots so freed are handed on as a finished
+    job's are: the books waiting for a full lane waited for their capacity deferral instead (a minute) while a
+    dead worker's slot stood free. A pair sent back to `pending` first puts its book on the lane's waiting list
+    at its priority (`_wait_again`), so a more urgent one keeps its slot; a forced re-run's keeps it at any
+    priority (its book at the head of its priority)."""
     pairs_by_book: dict[str, list[Pair]] = defaultdict(list)
     for g in dead:
         pairs_by_book[g.book].append(g.pair)
@@ -168,8 +169,9 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
                 freed[registry.get(g.stage).queue] += 1
             if target == AssetState.PENDING:
                 _due_now(ports, g.book)
-                if g.dispatch_id in reruns and (g.book, g.pair) in ranks and g.stage in registry:
-                    _rerun_first(ports, g.book, registry.get(g.stage).queue, ranks[(g.book, g.pair)])
+                if (g.book, g.pair) in ranks and g.stage in registry:
+                    since = 0.0 if g.dispatch_id in reruns else ports.clock()
+                    _wait_again(ports, g.book, registry.get(g.stage).queue, ranks[(g.book, g.pair)], since)
             log.warning(
                 "[RECONCILE] book=%r chapter=%r scene=%r stage=%s token=%d lease gone: generating -> %s",
                 g.book,
@@ -203,15 +205,18 @@ def _forced_reruns(ports: Ports, dead: Sequence[GeneratingRow]) -> set[str]:
         return set()
 
 
-def _rerun_first(ports: Ports, book: str, queue: str, rank: int) -> None:
-    """A forced re-run keeps the slot its fenced-off job held (design §7.1): its book goes to the head of its priority
-    on the lane's waiting list, so the slot handed on goes to it unless a more urgent book waits. *Why:* handed to
-    the head of the list, the slot went to another book, and the reader who asked to redo a scene waited behind
-    every book waiting for the lane. Lost with Redis, the re-run waits its turn."""
+def _wait_again(ports: Ports, book: str, queue: str, rank: int, since: float) -> None:
+    """The book of a pair sent back to `pending` waits for the lane at the pair's priority (a place it holds already
+    stands if earlier) before the freed slot is handed on, so the slot goes to it when it outranks the head of the
+    list, and behind the books that waited longer at its own priority (as at a job's end, `lua/lane_take.lua`).
+    *Why:* handed to the head of a list the book was not on, a reader's interactive scene waited a whole job
+    behind normal or bulk work. `since` 0: a forced re-run keeps the slot its fenced-off job held (design §7.1), at
+    the head of its priority: the reader who asked to redo a scene waited behind every book waiting for the lane.
+    Lost with Redis, the book waits its turn (its due pass puts it on the list)."""
     try:
-        ports.deferrals.wait_for_lane(queue, book, wait_score(rank, 0.0))
+        ports.deferrals.wait_for_lane(queue, book, wait_score(rank, since))
     except StoreUnavailable as err:
-        log.warning("[TAKEOVER] book=%r forced re-run not put first on %s: %s", book, queue, err)
+        log.warning("[TAKEOVER] book=%r not put back on the waiting list of %s: %s", book, queue, err)
 
 
 def _due_now(ports: Ports, book: str) -> None:

@@ -53,6 +53,15 @@ def test_a_unit_runs_as_its_own_user_in_its_state_directory(path: Path) -> None:
     assert unit.get("StateDirectory") == "animastor" and unit.get("WorkingDirectory") == "/var/lib/animastor"
 
 
+@pytest.mark.parametrize("path", [u for u in UNITS if "beat" not in u.name], ids=lambda p: p.name)
+def test_a_pool_child_the_kernel_kills_for_memory_stops_no_worker(path: Path) -> None:
+    """systemd's default OOMPolicy (stop) stops the whole unit when the kernel's OOM killer kills one of its
+    processes: a pool child killed with its job (which the worker runs again at once) took the worker and every
+    other GPU of the host into a warm shutdown, idle until the slowest job ended. The main process killed so still
+    ends the unit, and `Restart=on-failure` starts it again."""
+    assert _unit(path).get("OOMPolicy") == "continue"
+
+
 def test_a_gpu_worker_is_given_longer_than_a_job_may_run() -> None:
     gpu = _unit(next(u for u in UNITS if u.name.startswith("animastor-gpu-worker")))
     assert _seconds(gpu["TimeoutStopSec"]) > Settings().job_time_limit
