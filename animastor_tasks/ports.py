@@ -137,6 +137,7 @@ class Jobs(Protocol):
 
 class Journal(Protocol):
     def prune_journal(self, retention_days: float, max_rows: int) -> int: ...
+    def prune_artifacts(self, retention_days: float, after: int, rows: int) -> tuple[int, int]: ...  # (pruned, next)
 
 
 # -- Redis: coordination, rebuildable from Postgres ---------------------------------------

@@ -27,6 +27,8 @@ RECOUNT_PAUSE_SECONDS = 0.5
 PAGE = 10_000  # scenes of a book's active index rebuilt at once
 BOOKMARK = "reconcile"  # where the round of passes goes on
 PRUNED_TARGETS_PER_PASS = 50_000  # command targets one pass deletes at most (a whole-book command's: all of them)
+ARTIFACT_ROWS_PER_PASS = 20_000  # artifact rows one pass looks at, from where the last one stopped
+ARTIFACTS_BOOKMARK = "artifacts"  # the artifact row the pruning goes on after
 
 
 def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict[str, Any]:
@@ -42,6 +44,7 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
         "released": 0,
         "pruned_events": 0,
         "pruned_commands": 0,
+        "pruned_artifacts": 0,
     }
     work = ports.commands.books_with_work()
     # No bookmark: Redis lost its data (or this is the first pass), so every book's active index is rebuilt now.
@@ -68,6 +71,7 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
         report["pruned_commands"] = ports.commands.prune_commands(
             ports.settings.command_retention_days, PRUNED_TARGETS_PER_PASS
         )
+    report["pruned_artifacts"] = _prune_artifacts(ports)
     ports.locks.set_bookmark(BOOKMARK, following)
     report.update(passed_books=len(books), books_with_work=len(work), round_done=not following)
     if not whole:  # the beat's passes: a whole-farm one (`animastor-tasks reconcile`) would skew their percentiles
@@ -75,6 +79,19 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     if any(report[k] for k in ("expired", "blocked", "released")):
         log.info("[RECONCILE] %s", report)
     return report
+
+
+def _prune_artifacts(ports: Ports) -> int:
+    """Artifact rows no pair points to any more, kept as long as the journal (0: no age limit, kept for ever)."""
+    settings = ports.settings
+    if settings.journal_retention_days <= 0:
+        return 0
+    # At least a visibility timeout: a commit sent again (its answer lost) is told it landed by its dispatch's row.
+    days = max(settings.journal_retention_days, settings.visibility_timeout / 86400)
+    after = int(ports.locks.bookmark(ARTIFACTS_BOOKMARK) or 0)  # lost with Redis's data: a round starts over
+    pruned, after = ports.journal.prune_artifacts(days, after, ARTIFACT_ROWS_PER_PASS)
+    ports.locks.set_bookmark(ARTIFACTS_BOOKMARK, str(after))
+    return pruned
 
 
 def _rebuild_redis(ports: Ports, books: list[str], indexed: list[str], report: dict[str, Any]) -> None:

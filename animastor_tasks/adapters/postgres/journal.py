@@ -1,4 +1,5 @@
-"""The bounded event journal: one row per state change worth auditing, pruned by reconcile.
+"""The bounded event journal: one row per state change worth auditing, pruned by reconcile, as are the artifact
+rows no pair points to any more.
 
 Every repository writes its events through `record`, inside its own transaction, so an
 event exists exactly when the change it describes was committed.
@@ -58,3 +59,24 @@ class Journal:
                 "DELETE FROM events WHERE id <= (SELECT max(id) - %s FROM events)", (max_rows,)
             ).rowcount
         return removed
+
+    def prune_artifacts(self, retention_days: float, after: int, rows: int) -> tuple[int, int]:
+        """Look at the `rows` artifact rows after id `after`, oldest first, and delete those older than the retention
+        whose sha256 is not their pair's `artifact_sha256` (replaced, or their scene removed): the files stay.
+        Bounded in rows looked at, not deleted: the kept rows (each pair's current artifact) lie among the oldest,
+        and a pass from the oldest read them all again before the first to delete. (rows deleted, the id the next
+        pass goes on after: 0 once the slice reached a row inside the retention, or the end: a round starts over)."""
+        with self.db.transaction() as conn:
+            row = conn.execute(
+                "WITH looked AS (SELECT id, created_at < now() - make_interval(secs => %(keep)s) AS old"
+                "  FROM artifacts WHERE id > %(after)s ORDER BY id LIMIT %(rows)s),"
+                " gone AS (DELETE FROM artifacts r USING looked l WHERE r.id = l.id AND l.old"
+                "  AND NOT EXISTS (SELECT 1 FROM asset_states a WHERE a.book_id = r.book_id"
+                "   AND a.chapter_id = r.chapter_id AND a.scene_id = r.scene_id AND a.stage = r.stage"
+                "   AND a.artifact_sha256 = r.sha256) RETURNING r.id)"
+                " SELECT (SELECT count(*) FROM gone), count(*), coalesce(bool_and(old), false), max(id) FROM looked",
+                {"keep": retention_days * 86400, "after": after, "rows": rows},
+            ).fetchone()
+        assert row is not None  # an aggregate: always one row
+        pruned, looked, all_old, last = row
+        return int(pruned), int(last) if looked == rows and all_old else 0
