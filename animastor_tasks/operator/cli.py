@@ -268,9 +268,9 @@ def regenerate(
         )
     except (InvalidInput, ConfigError):
         raise  # refused: nothing was written
-    except AnimastorError:
-        # No answer (the message may be queued, or have run): a retry with a new id would make a second command,
-        # and with force stop the first one's jobs. The same id is a resend, never a second command.
+    except (AnimastorError, KeyboardInterrupt):
+        # No answer, or Ctrl-C while waiting (the message may be queued, or have run): a retry with a new id would
+        # make a second command, and with force stop the first one's jobs. The same id is a resend, never a second.
         click.echo(f"note: to ask again, resend with --command-id {request_id} (a resend is never a second command)",
                    err=True)  # fmt: skip
         raise
@@ -384,7 +384,8 @@ def reconcile_cmd(as_json: bool) -> None:
     """Run one reconcile pass over every book with work now (it never creates work)."""
     from animastor_tasks.flow import reconcile
 
-    _emit(reconcile.reconcile(_wired().ports, force=True, whole=True), as_json, lambda d: click.echo(d))
+    report = reconcile.reconcile(_wired().ports, force=True, whole=True)
+    _emit(report, as_json, lambda d: click.echo("\n".join(f"{k.replace('_', ' ')}: {v}" for k, v in d.items())))
 
 
 for _command in process_commands.COMMANDS:
