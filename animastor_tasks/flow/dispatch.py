@@ -267,15 +267,20 @@ def _claim_and_publish(
                         _wait_for_lane(ports, book, queue_of[stage], rank, now, served=True)
                         continue
                     # Handed a slot that another pass took first: back to the head of its priority, not the end.
-                    # Refused by its own share, it waits behind the books that waited longer.
-                    first = queue_of[stage] == handed_lane and stage in lane_full
+                    # Refused by its own share, or by a more urgent book's hold on a slot the lane still has (a slot
+                    # handed twice), it waits behind the books that waited longer. *Why the last:* at the head, it
+                    # was the next one handed the slot it could not take, and two such books bounced it between them.
+                    taken_by_another = specs[stage].lane_limit <= session.counts.lane.get(stage, 0)
+                    first = queue_of[stage] == handed_lane and stage in lane_full and taken_by_another
                     _wait_for_lane(ports, book, queue_of[stage], rank, 0.0 if first else now)
                 ports.leases.take_leases(
                     [publish.claim_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims]
                 )
                 ports.deferrals.clear_deferrals(book, [c.pair for c in claims])  # they wait no longer
+            # A slot handed moments ago is its refill's to claim, not spare (`lanes.hand_on_freed`).
             spare = {
-                spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] for s, spec in specs.items()
+                spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] - len(handed[s])
+                for s, spec in specs.items()
             }
     except Exception:
         # The claim did not commit (Postgres refused the COMMIT, or the lease write failed after Redis took it):

@@ -198,14 +198,25 @@ def _restore_lost_hand_overs(ports: Ports) -> None:
 def hand_on_freed(ports: Ports, full: set[str]) -> None:
     """Count these lanes (seen full, or every lane in reconcile) again, now that the books have joined their
     waiting lists: a slot freed meanwhile (its job's end may have looked at a list before they joined) is handed
-    on now."""
+    on now. A slot handed moments ago is not (`_handed_slots`)."""
     try:
         free = _free_slots(ports, full)
+        held = _handed_slots(ports, free) if free else {}
     except StoreUnavailable as err:  # the passes are done: a slot freed meanwhile waits for the next job's end
         log.warning("[COMMAND-GATE] lanes %s not counted again: %s", sorted(full), err)
         return
     for queue, slots in free.items():
-        hand_over(ports, queue, slots)
+        hand_over(ports, queue, slots - held.get(queue, 0))
+
+
+def _handed_slots(ports: Ports, queues: Collection[str]) -> dict[str, int]:
+    """Per lane, the slots handed less than `capacity.HANDED_HOLD_SECONDS` ago to books whose refills have not
+    reported back (off the waiting list still): each such refill claims its slot, which a count of the lanes sees
+    as free. *Why:* handed again, it went to a less urgent book whose refill the hold refused, and that book handed
+    it on in turn: refills bounced it between books hundreds of times a second. Past the hold a lost refill's slot
+    counts as free again, as before. Read with the lanes' part of a snapshot (of no book: one round trip)."""
+    snap = ports.book_state.pair_snapshot("", (), ports.clock(), sorted(queues))
+    return {q: sum(1 for b in books if b not in snap.waiters.get(q, {})) for q, books in snap.handed.items()}
 
 
 def _free_slots(ports: Ports, queues: Collection[str] | None = None) -> dict[str, int]:
