@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from functools import partial
 from typing import Any
 
 from celery import Celery, signals
@@ -46,9 +47,8 @@ signals.worker_shutdown.connect(tracing.on_shutdown)
 signals.worker_process_shutdown.connect(counters.flush_all)
 signals.worker_shutdown.connect(counters.flush_all)
 # Jobs a process runs for its own freed slot (worker/chain.py): announced when the worker announces tasks, none
-# started once it shuts down.
+# started once it shuts down (`shutting_down`).
 signals.worker_init.connect(chain.remember_task_events)
-signals.worker_shutting_down.connect(chain.stop_keeping)
 
 
 @signals.worker_init.connect
@@ -69,11 +69,19 @@ def let_go_of_previous_run(sender: Any = None, **_: Any) -> None:
         lost.let_go_of_previous_run(settings, sender.hostname)
 
 
-@signals.worker_shutting_down.connect
-def note_shutdown(sender: Any = None, **_: Any) -> None:
-    """A job this worker runs and a rollout then kills is not counted as worker-lost at its next start (lost.py)."""
-    if isinstance(sender, str) and sender:
-        lost.note_shutdown(settings, sender)
+@signals.worker_ready.connect
+def hook_shutdown(sender: Any = None, **_: Any) -> None:
+    """Each shutdown signal, warm or cold, runs `shutting_down` before Celery's own handler (lost.py says why)."""
+    node = getattr(sender, "hostname", None)
+    if isinstance(node, str) and node:
+        lost.first_on_shutdown_signals(partial(shutting_down, node))
+
+
+def shutting_down(node: str) -> None:
+    """No process of this worker starts a job of its own any more (chain.py), and a job it runs that a rollout or a
+    cold shutdown then kills is not counted as worker-lost at its next start (lost.py)."""
+    chain.stop_keeping()
+    lost.note_shutdown(settings, node)
 
 
 @signals.celeryd_init.connect

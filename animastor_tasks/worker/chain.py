@@ -64,8 +64,8 @@ def remember_task_events(sender: Any = None, **_: Any) -> None:
     _Events.on = bool(getattr(sender, "task_events", False))
 
 
-def stop_keeping(**_: Any) -> None:
-    """`worker_shutting_down`: no process of this worker starts another job of its own."""
+def stop_keeping() -> None:
+    """The worker was told to shut down (`app.shutting_down`): no process of it starts another job of its own."""
     _shutting_down[0] = 1
 
 

@@ -24,9 +24,11 @@ leases are dropped and the tick takes the pairs over, rather than the lane's slo
 lapse. A heartbeat of the name still live is watched for one beat first: a name that beats again is another
 live worker's, whose jobs are left alone. One that never comes back is let go by the tick (flow/takeover.py).
 
-A worker told to shut down (SIGTERM: a rollout, before it kills) notes the starts of the jobs it runs as ended by
-the operator should they never end (`note_shutdown`): the next start of each does not count a lost one. A scene
-chased from worker to worker by a rolling restart failed `worker_lost` otherwise, as one that kills every process.
+A worker told to shut down (SIGTERM: a rollout, before it kills; SIGQUIT: a cold shutdown, which kills at once)
+notes the starts of the jobs it runs as ended by the operator should they never end (`note_shutdown`): the next
+start of each does not count a lost one. A scene chased from worker to worker by a rolling restart failed
+`worker_lost` otherwise, as one that kills every process. The note runs before Celery's own handler of the signal
+(`first_on_shutdown_signals`): a cold shutdown kills the jobs there, before it tells anyone it shuts down.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import Terminated, WorkerLostError
+from celery import platforms
 from celery.worker.request import Request
 
 from animastor_tasks.adapters.postgres import jobs
@@ -144,8 +148,9 @@ def let_go_of_previous_run(settings: Settings, node: str) -> None:
 
 
 def note_shutdown(settings: Settings, node: str) -> None:
-    """`worker_shutting_down`, in the main process: the open starts of the jobs `node`'s processes run are noted as
-    told to stop (a drained job ends its start as usual; one killed when the grace runs out is not worker-lost).
+    """Told to shut down, in the main process before Celery acts on it (`first_on_shutdown_signals`): the open starts
+    of the jobs `node`'s processes run are noted as told to stop (a drained job ends its start as usual; one killed
+    when the grace runs out, or by a cold shutdown, is not worker-lost).
     Bounded (a second for Redis, two for Postgres) and never raises: unnoted, a kill counts as before."""
     conn = _connection(settings)
     try:
@@ -157,6 +162,50 @@ def note_shutdown(settings: Settings, node: str) -> None:
         conn.close()
     if noted:
         log.info("[WORKER] %s shutting down: %d running job start(s) noted as stopped by the operator", node, noted)
+
+
+SHUTDOWN_SIGNALS = ("SIGTERM", "SIGQUIT", "SIGINT")  # warm, cold, and Ctrl-C (warm, then cold once again)
+
+
+def first_on_shutdown_signals(hook: Callable[[], None]) -> None:
+    """`worker_ready`, in the main process, once Celery has installed its signal handlers: `hook` runs before
+    Celery's handler of each shutdown signal. *Why:* a cold shutdown (SIGQUIT, `REMAP_SIGTERM=SIGQUIT`) kills
+    the running jobs in that handler and sends `worker_shutting_down` only afterwards, so a note made there came
+    too late and each killed job's next start counted a lost one. Handlers not Celery's worker's (a worker run
+    in a test's thread installs none) are left alone; the ones Celery installs later (a cold shutdown's second
+    signal) follow a signal whose hook has run."""
+    main = os.getpid()
+    for name in SHUTDOWN_SIGNALS:
+        handler = platforms.signals[name]
+        if callable(handler) and getattr(handler, "__module__", "") == "celery.apps.worker":
+            platforms.signals[name] = _hook_first(hook, handler, main)
+
+
+def _hook_first(hook: Callable[[], None], handler: Callable[..., Any], main: int) -> Callable[..., None]:
+    """`handler`, after `hook` in the process `main` (a pool child inherits a handler it does not reset). A signal
+    that arrives while the hook runs goes straight to `handler`, in place of the one the hook delays: Celery
+    handles each signal once, and an operator who signals again does not wait for a store."""
+    state = {"hooking": False, "handled": False}
+
+    def handle(*args: Any) -> None:
+        if os.getpid() != main:
+            handler(*args)
+            return
+        if state["hooking"]:
+            state["handled"] = True
+            handler(*args)
+            return
+        state["hooking"], state["handled"] = True, False
+        try:
+            hook()
+        except Exception:  # the shutdown goes on whatever the hook did
+            log.exception("[WORKER] shutdown hook failed")
+        finally:
+            state["hooking"] = False
+        if not state["handled"]:
+            handler(*args)
+
+    return handle
 
 
 def _count(conn: RedisConnection, freed: list[tuple[str, str, bool]]) -> None:

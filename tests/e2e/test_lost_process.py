@@ -162,6 +162,42 @@ def test_a_job_its_worker_was_told_to_stop_under_counts_no_lost_start(make_stack
     figure(f"GPU worker told to stop, then killed mid-job: no lost start counted, pair ready {took:.1f}s after")
 
 
+@pytest.mark.parametrize(
+    ("sig", "env"), [(signal.SIGQUIT, {}), (signal.SIGTERM, {"REMAP_SIGTERM": "SIGQUIT"})], ids=["SIGQUIT", "remapped"]
+)
+def test_a_job_a_cold_shutdown_kills_counts_no_lost_start(
+    make_stack: Any, figure: Any, sig: int, env: dict[str, str]
+) -> None:
+    """A cold shutdown (SIGQUIT, or SIGTERM under `REMAP_SIGTERM=SIGQUIT`) kills the running job
+    itself. Celery kills it in its signal handler, before it sends `worker_shutting_down`: the note came after the
+    kill, and the job's next start counted a lost one (at a limit of 1: `worker_lost: 1 starts`, the pair failed)."""
+    stack = make_stack(
+        stages=stage_table(audio=audio_stage(params=SLOW, lease_ttl=LEASE_TTL), image=image_stage()),
+        presence_ttl_seconds=10,
+        worker_lost_limit=1,
+    )
+    cluster = stack.cluster
+    gpu = cluster.gpu("audio", env=env, wait=False)
+    cluster.wait_ready(cluster.control(wait=False), gpu, cluster.beat(wait=False))
+    book = make_book("cold", chapters=1, scenes=1)
+    stack.rt.catalog.import_book(book)
+
+    stack.client.regenerate(book.book_id, ["audio"], wait=False)
+    wait_for(lambda: _started(stack, book.book_id, "s1") or None, 20, what="the job started")
+    time.sleep(0.5)  # inside its run
+    cluster.send_signal(gpu, sig, group=False)  # the operator's cold shutdown
+    at = time.monotonic()
+    gpu.popen.wait(timeout=30)
+    assert "Cold shutdown" in gpu.log(), gpu.tail()  # Celery's own, after ours
+    cluster.gpu("audio", wait=False)  # its successor
+    wait_for(lambda: _state(stack, book.book_id, "s1") in ("ready", "failed"), BOUND, what="the pair done")
+    starts = _started(stack, book.book_id, "s1")
+    assert _state(stack, book.book_id, "s1") == "ready", starts
+    assert len(starts) == 2 and starts[1]["detail"]["lost_starts"] == 0, starts
+    took = time.monotonic() - at
+    figure(f"GPU worker cold-shut-down mid-job: no lost start counted, pair ready {took:.1f}s after")
+
+
 def test_a_second_live_worker_under_the_same_name_leaves_the_first_ones_job_alone(make_stack, figure) -> None:
     stack, gpu = _stack(make_stack, params={"steps": 12, "step_seconds": 1.0})  # still running when the twin decides
     book = make_book("same-name", chapters=1, scenes=1)
