@@ -23,6 +23,7 @@ from animastor_tasks.records import (  # re-exported: the flows and adapters imp
     Claim,
     CommandContext,
     CommandRow,
+    Committed,
     GateRows,
     GeneratingRow,
     GenerationRequest,
@@ -124,9 +125,9 @@ class JobStart(Protocol):
 
 class Jobs(Protocol):
     def starting(self, book: str, pair: Pair) -> AbstractContextManager[JobStart]: ...
-    def commit_job(
+    def commit_job(  # None: its token was stale, nothing written
         self, book: str, pair: Pair, token: int, dispatch_id: str, artifact: dict[str, Any], lane: str
-    ) -> bool: ...
+    ) -> Committed | None: ...
     def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool: ...
     def give_back(self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str) -> bool: ...
     def end_start(self, book: str, pair: Pair, dispatch_id: str) -> None: ...
@@ -190,8 +191,14 @@ class Deferrals(Protocol):
     def clear_deferrals(self, book: str, pairs: Iterable[Pair]) -> None: ...
     def prune_deferrals(self, books: Iterable[str], now: float) -> None: ...
     def wait_for_lane(self, queue: str, book: str, score: float, *, served: bool = False) -> None: ...
-    def next_waiters(
-        self, queue: str, count: int, *, exclude: str | None = None, requeue_from: str | None = None
+    def next_waiters(  # `left`: what the commit of `requeue_from`'s job left its book (None: the job did not commit)
+        self,
+        queue: str,
+        count: int,
+        *,
+        exclude: str | None = None,
+        requeue_from: str | None = None,
+        left: Committed | None = None,
     ) -> list[str]: ...
     def stranded_lanes(self, free: Sequence[str], min_age: float) -> list[str]: ...  # free with waiters, for a while
     def hand_over_done(self, queue: str, book: str, began: float) -> None: ...  # its refill, begun then, is done
@@ -201,6 +208,7 @@ class Deferrals(Protocol):
     ) -> list[tuple[str, str]]: ...
     def open_hand_over(self, books: int) -> str: ...  # an id for slots handed to several books at once
     def close_hand_over(self, batch: str) -> bool: ...  # True: this was the last of the books
+    def leave_lanes(self, book: str, queues: Sequence[str]) -> None: ...  # off these lanes' waiting lists
 
 
 class Leases(Protocol):

@@ -85,6 +85,14 @@ class Claim:
 
 
 @dataclass(frozen=True)
+class Committed:
+    """A job's commit, in: what its book has left of the job's stage, read in the same transaction. `pending`: the
+    rank of its most urgent pending pair that an authorizing command targets (`priority_rank`); None: none."""
+
+    pending: int | None
+
+
+@dataclass(frozen=True)
 class GeneratingRow:
     book: str
     chapter: str

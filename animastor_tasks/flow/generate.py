@@ -49,7 +49,7 @@ from animastor_tasks.flow.job import (
     start_delivery,
     when_reachable,
 )
-from animastor_tasks.ports import GenerationRequest, Generator, JobRow, Media, Ports
+from animastor_tasks.ports import Committed, GenerationRequest, Generator, JobRow, Media, Ports
 
 log = logging.getLogger("animastor.generate")
 
@@ -221,7 +221,7 @@ def _run_owned(
         if not committed:
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)
-        _quietly("free capacity", _free_capacity, ports, job, spec, later, recovered)  # a free slot waits for nothing
+        _quietly("free capacity", _free_capacity, ports, job, spec, later, recovered, committed)  # waits for nothing
     finally:
         watcher.done.set()
         delivered.release = True
@@ -269,9 +269,16 @@ class _Delivered:
             leases.end_delivery(job.dispatch_id)
 
 
-def _free_capacity(ports: Ports, job: Job, spec: StageSpec, later: Later | None = None, closed: bool = False) -> None:
-    """The job's slot is free, now: the waiter ranking first gets it (`refill.free_slot`). `later`: it ended ready."""
-    refill.free_slot(ports, job.book_id, spec.queue, job.dispatch_id, breaker_closed=closed, after=later)
+def _free_capacity(
+    ports: Ports,
+    job: Job,
+    spec: StageSpec,
+    later: Later | None = None,
+    closed: bool = False,
+    left: Committed | None = None,
+) -> None:
+    """The job's slot is free, now (`refill.free_slot`). `later`, `left`: it ended ready, and what its commit left."""
+    refill.free_slot(ports, job.book_id, spec.queue, job.dispatch_id, breaker_closed=closed, after=later, left=left)
 
 
 def _generate_with_retries(

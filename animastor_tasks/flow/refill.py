@@ -9,13 +9,13 @@ pending pairs of the freed lane, and a slot it has no use for goes on to the nex
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import candidates, gate, lanes
 from animastor_tasks.flow.page import PassReport
-from animastor_tasks.ports import Ports
+from animastor_tasks.ports import Committed, Ports
 
 log = logging.getLogger("animastor.gate")
 # A hand-over record written up to this long after a refill began is the refill's own: the hand-over and the
@@ -64,7 +64,10 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
     began = ports.clock() + HANDED_CLOCK_SLACK
     try:
         read = candidates.dispatch_candidates(ports, report, book, lane, slots_of, slots)
-        if read is None or (read == 0 and (lane is None or _nothing_pending(ports, book))):
+        finished = read is None or (read == 0 and (lane is None or _nothing_pending(ports, book)))
+        if read == 0 and lane is not None:
+            _leave_lanes(ports, book, ports.settings.registry.queues() if finished else (lane,))
+        if finished:
             # The book is gone, or its own job ended with nothing of it pending (or it was handed a slot with
             # nothing left to claim): the full pass is cheap then, and it is the one that deactivates finished
             # scenes and takes the book off the indexes. *Why* the second: such a book never had a full pass,
@@ -100,6 +103,17 @@ def _hand_over_done(ports: Ports, book: str, lane: str, began: float) -> None:
         log.warning("[COMMAND-GATE] book=%r hand-over record of %s not taken away: %s", book, lane, err)
 
 
+def _leave_lanes(ports: Ports, book: str, queues: Sequence[str]) -> None:
+    """A handed book with nothing pending of a lane leaves its waiting list (every list, with nothing pending at all),
+    as a Stop All does. *Why:* a place kept for nothing (a failed job's book queued again at its dispatch's priority)
+    drew the next slot too, and bound the fair share of every book after it meanwhile. Best effort: left, the place
+    costs one more hand-over."""
+    try:
+        ports.deferrals.leave_lanes(book, queues)
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] book=%r left on the waiting lists of %s: %s", book, ", ".join(queues), err)
+
+
 def _keep_place(ports: Ports, book: str, lane: str) -> None:
     """A handed refill that could not read its book keeps its place at the head of the lane's waiting list, at the
     priority it was handed the slot with, due at once, rather than pass the slot on. *Why:* in a Postgres failover
@@ -123,12 +137,14 @@ def free_slot(
     here: bool = False,
     breaker_closed: bool = False,
     after: Callable[[Callable[[], None]], None] | None = None,
+    left: Committed | None = None,
 ) -> None:
     """A job of `book` ended and its slot is free, now: the book that waited longest for the lane gets it
     and `book` queues behind the waiters at the priority its job was dispatched with (both in one atomic
     step); with nobody waiting, the book's own pairs waiting for capacity go. A book whose job was more
     urgent than every waiter keeps the slot for its own next pair (a free slot goes to the most urgent
-    work waiting), and hands it on if it has none.
+    work waiting). `left`: what the job's commit left the book of the lane (`Jobs.commit_job`; None: the job
+    did not commit); with nothing pending, the book neither keeps the slot nor queues.
 
     `here` (a job that ended ready): the refill runs in the process whose job ended, so the slot waits
     for no control-queue hop, and it claims one pair of the lane at most: the slot this process freed
@@ -144,7 +160,7 @@ def free_slot(
     # Nobody waiting: the book's pairs deferred for capacity may go (the same atomic step clears them), of every
     # stage: the scene window is shared by the book's stages, so a finished audio job can free the slot an image
     # pair was deferred for (window_full).
-    waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id)
+    waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id, left=left)
     if waiters:
         _refill_for(ports, waiters[0], queue, queue, here)  # `book` itself when it outranks the waiters
     else:

@@ -15,14 +15,15 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
+from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS, HAS_FEW_TARGETS, TARGETS_BY_KEY, pair_row_of
 from animastor_tasks.adapters.postgres.pool import Database
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.book import storable
 from animastor_tasks.domain.keys import book_lock, lane_lock
 from animastor_tasks.domain.types import BookPair, Pair
-from animastor_tasks.domain.vocabulary import AssetState, transition
+from animastor_tasks.domain.vocabulary import AssetState, Priority, transition
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.ports import JobRow
+from animastor_tasks.ports import Committed, JobRow
 
 
 class StartTransaction:
@@ -89,9 +90,10 @@ class JobStore:
 
     def commit_job(
         self, book: str, pair: Pair, token: int, dispatch_id: str, artifact: dict[str, Any], lane: str
-    ) -> bool:
-        """`generating -> ready` + the artifact row, only if the token is still current; True too when this
-        dispatch's commit is already in (a commit sent again).
+    ) -> Committed | None:
+        """`generating -> ready` + the artifact row, only if the token is still current (None: stale); in too when
+        this dispatch's commit is already in (a commit sent again). With it, what the book has left pending of the
+        stage (`Committed`), which weighs the book for the slot its job freed (`refill.free_slot`).
 
         The pair keeps the hash of the input its media was made from (`artifact["input_hash"]`, read at the
         job's start), not the scene's hash now: a scene re-imported while its job ran stays stale (a regenerate
@@ -103,6 +105,9 @@ class JobStore:
             # and the settle read reach the server in one round trip, then COMMIT: two round trips under the
             # lane's and the book's locks, which every claim of the lane waits for (three before, nine before
             # that). A stale token matches no row: the transaction is rolled back and nothing of it stays.
+            # The row inserted returns what the book has left pending of the stage (no statement of its own):
+            # read before the update is seen, its pair counts as generating, and a command its commit settles
+            # has no target pending either.
             with conn.pipeline():
                 _lock_capacity(conn, lane, book)
                 committed = conn.execute(
@@ -114,20 +119,23 @@ class JobStore:
                     " INSERT INTO artifacts (sha256, size_bytes, media_type, book_id, chapter_id, scene_id, stage,"
                     " fencing_token, dispatch_id, generator, duration_ms, path, uri)"
                     " SELECT %(sha256)s, %(size)s, %(media_type)s, %(book)s, %(chapter)s, %(scene)s, %(stage)s,"
-                    " %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s, %(uri)s FROM done",
-                    {**owned, "ready": AssetState.READY, "uri": None, "input_hash": None, **artifact},
+                    f" %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s, %(uri)s FROM done"
+                    f" RETURNING {_PENDING_RANK}",
+                    {**owned, **_RANKS, "ready": AssetState.READY, "uri": None, "input_hash": None, **artifact},
                 )
                 detail = {"token": token, "sha256": artifact["sha256"]}
                 journal.record(conn, "job.ready", book, detail, pair=pair, dispatch_id=dispatch_id)
                 _end_start(conn, book, pair, None)
                 settle_commands(conn, book, pair)
-            if not committed.rowcount:
+            row = committed.fetchone()
+            if row is None:
                 conn.rollback()
                 # This very commit may have landed already, its answer lost with its connection (a retry after a
                 # failover, `flow.job.when_reachable`): the dispatch's artifact row says so.
-                landed = conn.execute("SELECT 1 FROM artifacts WHERE dispatch_id = %s", (dispatch_id,)).fetchone()
-                return landed is not None
-        return True
+                row = conn.execute(
+                    f"SELECT {_PENDING_RANK} FROM artifacts WHERE dispatch_id = %(dispatch_id)s", {**owned, **_RANKS}
+                ).fetchone()
+        return None if row is None else Committed(row[0])
 
     def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool:
         """`generating -> failed` with the error, only if the token is still current."""
@@ -180,6 +188,26 @@ class JobStore:
             ).fetchone()
         return row is not None
 
+
+# The rank of the book's most urgent pending pair of the stage that an authorizing command targets (NULL: none): the
+# pairs a refill's candidates are (`GateReads.gate_candidates`), so the two agree. Each command's search stops at the
+# first pending target it finds: a command of many targets looks among the first pending pairs of the stage in reading
+# order (the pending-only index of 0006; a whole-book command's are its own), then, as one of few does at once, among
+# its own targets in key order. Walking the book's pending pairs alone, a chapter's command whose last scenes ran read
+# every pending pair of a whole-book command beside it, at each commit, under the lane's lock.
+_PENDING_RANK = (
+    "(SELECT min(array_position(%(priorities)s::text[], c.priority)) - 1 FROM"
+    f" (SELECT c.command_id, c.priority, {HAS_FEW_TARGETS} AS few FROM commands c WHERE c.book_id = %(book)s"
+    f"  AND c.stage = %(stage)s AND c.status IN {literals.AUTHORIZING_STATUSES}) c WHERE CASE"
+    "  WHEN NOT c.few AND EXISTS (SELECT 1 FROM (SELECT chapter_id, scene_id FROM asset_states"
+    f"   WHERE book_id = %(book)s AND stage = %(stage)s AND state = {literals.PENDING} ORDER BY position"
+    f"   LIMIT {FEW_TARGETS}) a CROSS JOIN LATERAL (SELECT 1 FROM command_targets t"
+    "   WHERE t.command_id = c.command_id AND t.chapter_id = a.chapter_id AND t.scene_id = a.scene_id OFFSET 0) t)"
+    "  THEN true"
+    "  ELSE EXISTS (SELECT 1 FROM (SELECT * FROM command_targets t WHERE t.command_id = c.command_id"
+    f"   {TARGETS_BY_KEY.format('t')}) t {pair_row_of('t', 'state')} a WHERE a.state = {literals.PENDING}) END)"
+)
+_RANKS = {"priorities": [str(p) for p in Priority]}  # in rank order, for `array_position`
 
 # The pair is still this job's: generating under its token and dispatch id.
 _OWNED = (

@@ -14,6 +14,7 @@ from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import DeferralBucket, Priority, priority_rank
+from animastor_tasks.ports import Committed
 
 HAND_OVER_SECONDS = 600  # a hand-over whose last refill never came (a control worker killed) is forgotten
 
@@ -117,7 +118,13 @@ class DeferralStore:
         return [str(q) for q in found]
 
     def next_waiters(
-        self, queue: str, count: int, *, exclude: str | None = None, requeue_from: str | None = None
+        self,
+        queue: str,
+        count: int,
+        *,
+        exclude: str | None = None,
+        requeue_from: str | None = None,
+        left: Committed | None = None,
     ) -> list[str]:
         """Take up to `count` books that waited longest for `queue` (not `exclude`), off the waiting list,
         in one atomic call (two concurrent hand-overs never take the same book).
@@ -126,7 +133,9 @@ class DeferralStore:
         `exclude` (that job's book) queues behind the waiters at the priority its dispatch was made
         with (keeping its place if it waits already), so books take turns. When its priority (the one it
         waits at already, else its job's) is more urgent than the head's, `exclude` keeps the slot: the
-        answer is `[exclude]`, taken off the list.
+        answer is `[exclude]`, taken off the list. `left`: what the job's commit left its book of the lane
+        (None: the job did not commit); with nothing pending, the book is weighed at its place on the list
+        alone (off it, it neither keeps the slot nor queues).
         When nobody waits, the pairs of `exclude` deferred for capacity may try again on the slot its job
         freed: with `requeue_from`, that bucket is emptied in the same step. While the lane's breaker is open
         nobody is taken (and `exclude` only joins the list), half-open one book at most (its test permit's): each
@@ -140,6 +149,14 @@ class DeferralStore:
             self.conn.keys.lane_handed(queue),
         ]
         now = self.conn.server_time()  # the breaker's `open_until` is by the server's clock
-        args: list[str | float] = [count, exclude or "", now, RANK_SCALE, priority_rank(Priority.NORMAL)]
+        pending = "" if left is None else "none" if left.pending is None else left.pending
+        args: list[str | float] = [count, exclude or "", now, RANK_SCALE, priority_rank(Priority.NORMAL), pending]
         taken = self.conn.run(lambda: self._take(keys=keys, args=args))
         return [str(b) for b in taken]
+
+    def leave_lanes(self, book: str, queues: Sequence[str]) -> None:
+        """The book off these lanes' waiting lists: it has nothing pending there."""
+        if queues:
+            with self.conn.writes() as pipe:
+                for queue in queues:
+                    pipe.zrem(self.conn.keys.lane_waiters(queue), book)

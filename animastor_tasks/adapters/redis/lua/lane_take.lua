@@ -1,7 +1,10 @@
 -- Take the books at the head of a lane's waiting list, in one step, so two concurrent
 -- hand-overs never take the same book; optionally queue the book whose job freed the slot
 -- behind them, at its own priority: the one it waits at already when it is on the list (its
--- pairs the lane refused), else its finished job's (read from the dispatch's metadata).
+-- pairs the lane refused), else its finished job's (read from the dispatch's metadata). A book
+-- whose job's commit left nothing pending of the lane is weighed at its place on the list alone:
+-- off the list, it neither keeps the slot nor waits again (queued, it was handed the next slot,
+-- found nothing and passed it on through the control queue, the slot idle meanwhile).
 -- That book keeps the slot instead when that priority is more urgent than the head's: the
 -- answer is then that book alone, taken off the list as any book served is.
 -- KEYS[1] the lane's waiting list (zset: book -> wait score, lower first)
@@ -18,6 +21,8 @@
 -- ARGV[1] how many books to take
 -- ARGV[2] a book never to take ('' for none): the one that freed the slot
 -- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank, ARGV[5] the default rank
+-- ARGV[6] what the commit of the job that freed the slot left its book of the lane: 'none' for nothing pending (else
+--         the rank of its most urgent pending pair, or '' for a job that did not commit)
 -- returns the books taken, best first
 local count = tonumber(ARGV[1])
 local refused = false
@@ -38,7 +43,7 @@ if requeue then
     -- Waiting already, the book's place says what it waits for: a reader's interactive scene refused
     -- behind its own bulk jobs, or bulk work left after an interactive job.
     own = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]) or '')
-    if own == nil then
+    if own == nil and ARGV[6] ~= 'none' then
         local rank = tonumber(redis.call('HGET', KEYS[2], 'rank') or ARGV[5]) or tonumber(ARGV[5])
         own = rank * scale + tonumber(ARGV[3])
     end
@@ -66,14 +71,14 @@ if #taken > 0 or refused then
     if #taken > 0 then
         redis.call('ZREM', KEYS[1], unpack(taken))
     end
-    if requeue then
+    if own ~= nil then
         redis.call('ZADD', KEYS[1], 'NX', own, ARGV[2])
     end
 else
     if KEYS[3] ~= '' then
         redis.call('DEL', KEYS[3])
     end
-    if requeue then
+    if own ~= nil then
         -- Nobody else waits: the book is served, and off the list as any book served is; its next refusal puts
         -- it back at what it then waits for. Kept, its place stayed what an interactive scene once made it (a
         -- place only ever moves up), and its bulk scenes later went before a normal waiter.
