@@ -76,7 +76,8 @@ _GATE_ROWS_OF_PAIRS = _gate_rows_sql(
 )
 
 # A command of at most this many targets has them looked up by key (a refill's candidates, a settle's search
-# for one in flight); a bigger one is found through the book's pending or in-flight pairs, which an index holds.
+# for one in flight); a bigger one is found through the book's pending or in-flight pairs, which an index holds
+# (a settle looks at this many of them, then walks the command's own targets: `settle.py`).
 FEW_TARGETS = 100
 # A command's targets in key order: a walk of the primary key, whatever the statistics say. Taken just after a
 # whole-book command, they know one command holding every target, so any other command's were estimated at the
