@@ -12,7 +12,7 @@ from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.worker.wiring import Wiring
 
 
-@pytest.mark.parametrize("count", ["pairs_by_state", "command_status_counts", "lane_usage"])
+@pytest.mark.parametrize("count", ["pairs_by_state", "pairs_in_flight", "command_status_counts", "lane_usage"])
 def test_a_count_behind_a_table_lock_is_refused_within_its_bound(rt: Wiring, count: str) -> None:
     """A count queued behind a lock (a migration's ALTER TABLE holds one on asset_states) held the scrape past
     Prometheus' 10 s: every series went stale, `animastor_store_up` with them, and no store alert could fire."""

@@ -183,9 +183,11 @@ def test_scrapes_follow_real_work(exporter_stack: tuple[Stack, str]) -> None:
         def counted() -> Samples | None:  # each process writes its counts out within a second
             samples = scrape(url)
             ready = [value(samples, "animastor_jobs_total", event="ready", stage=s) for s in ("audio", "image")]
-            return samples if value(samples, "animastor_tick_seconds_count") > 0 and ready == [3, 3] else None
+            # The idle pairs are counted again once 200 times their last count's duration has passed (IdlePairs).
+            ready += [value(samples, "animastor_pairs", stage=s, state="ready") for s in ("audio", "image")]
+            return samples if value(samples, "animastor_tick_seconds_count") > 0 and ready == [3] * 4 else None
 
-        after = wait_for(counted, 15, "a beat tick and every job counted")
+        after = wait_for(counted, 30, "a beat tick, every job counted and the ready pairs counted again")
         assert value(after, "animastor_commands", status="completed") == 2
         for stage in ("audio", "image"):
             assert value(after, "animastor_jobs_total", event="started", stage=stage) == 3
