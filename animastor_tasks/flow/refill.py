@@ -140,11 +140,11 @@ def free_slot(
     left: Committed | None = None,
 ) -> None:
     """A job of `book` ended and its slot is free, now: the book that waited longest for the lane gets it
-    and `book` queues behind the waiters at the priority its job was dispatched with (both in one atomic
-    step); with nobody waiting, the book's own pairs waiting for capacity go. A book whose job was more
-    urgent than every waiter keeps the slot for its own next pair (a free slot goes to the most urgent
-    work waiting). `left`: what the job's commit left the book of the lane (`Jobs.commit_job`; None: the job
-    did not commit); with nothing pending, the book neither keeps the slot nor queues.
+    and `book` queues behind the waiters at its most urgent pending pair's priority (both in one atomic
+    step); with nobody waiting, the book's own pairs waiting for capacity go. A book whose pending pair is
+    more urgent than every waiter keeps the slot for it (a free slot goes to the most urgent work waiting).
+    `left`: what the job's commit left the book of the lane (`Jobs.commit_job`); with nothing pending the book
+    neither keeps the slot nor queues. A job that did not commit (None) is weighed at its dispatch's priority.
 
     `here` (a job that ended ready): the refill runs in the process whose job ended, so the slot waits
     for no control-queue hop, and it claims one pair of the lane at most: the slot this process freed

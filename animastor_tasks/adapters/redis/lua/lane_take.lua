@@ -1,10 +1,12 @@
 -- Take the books at the head of a lane's waiting list, in one step, so two concurrent
 -- hand-overs never take the same book; optionally queue the book whose job freed the slot
--- behind them, at its own priority: the one it waits at already when it is on the list (its
--- pairs the lane refused), else its finished job's (read from the dispatch's metadata). A book
--- whose job's commit left nothing pending of the lane is weighed at its place on the list alone:
+-- behind them, at its own priority: the more urgent of the one it waits at already when it is
+-- on the list (its pairs the lane refused) and that of its most urgent pair still pending (its
+-- job's commit read it: a reader's scene its book's cap refused waits on no list). A book whose
+-- job's commit left nothing pending of the lane is weighed at its place on the list alone:
 -- off the list, it neither keeps the slot nor waits again (queued, it was handed the next slot,
--- found nothing and passed it on through the control queue, the slot idle meanwhile).
+-- found nothing and passed it on through the control queue, the slot idle meanwhile). A job
+-- that did not commit (failed, given back) is weighed at its dispatch's priority instead.
 -- That book keeps the slot instead when that priority is more urgent than the head's: the
 -- answer is then that book alone, taken off the list as any book served is.
 -- KEYS[1] the lane's waiting list (zset: book -> wait score, lower first)
@@ -21,8 +23,8 @@
 -- ARGV[1] how many books to take
 -- ARGV[2] a book never to take ('' for none): the one that freed the slot
 -- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank, ARGV[5] the default rank
--- ARGV[6] what the commit of the job that freed the slot left its book of the lane: 'none' for nothing pending (else
---         the rank of its most urgent pending pair, or '' for a job that did not commit)
+-- ARGV[6] what the commit of the job that freed the slot left its book of the lane: the rank of its most urgent
+--         pending pair, 'none' for nothing pending, '' for a job that did not commit
 -- returns the books taken, best first
 local count = tonumber(ARGV[1])
 local refused = false
@@ -43,9 +45,17 @@ if requeue then
     -- Waiting already, the book's place says what it waits for: a reader's interactive scene refused
     -- behind its own bulk jobs, or bulk work left after an interactive job.
     own = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]) or '')
-    if own == nil and ARGV[6] ~= 'none' then
-        local rank = tonumber(redis.call('HGET', KEYS[2], 'rank') or ARGV[5]) or tonumber(ARGV[5])
-        own = rank * scale + tonumber(ARGV[3])
+    -- Its most urgent pending pair may wait on no list (a reader's scene its book's cap refused): the more urgent
+    -- of the two counts. A job that did not commit is weighed at its dispatch's priority, off the list.
+    local rank = tonumber(ARGV[6])
+    if rank == nil and ARGV[6] == '' and own == nil then
+        rank = tonumber(redis.call('HGET', KEYS[2], 'rank') or ARGV[5]) or tonumber(ARGV[5])
+    end
+    if rank ~= nil then
+        local pending = rank * scale + tonumber(ARGV[3])
+        if own == nil or pending < own then
+            own = pending
+        end
     end
 end
 if KEYS[2] ~= '' then
@@ -72,7 +82,7 @@ if #taken > 0 or refused then
         redis.call('ZREM', KEYS[1], unpack(taken))
     end
     if own ~= nil then
-        redis.call('ZADD', KEYS[1], 'NX', own, ARGV[2])
+        redis.call('ZADD', KEYS[1], 'LT', own, ARGV[2])
     end
 else
     if KEYS[3] ~= '' then
