@@ -84,6 +84,9 @@ def shutting_down(node: str) -> None:
     lost.note_shutdown(settings, node)
 
 
+lost.first_on_remote_shutdown(shutting_down)  # Flower's Shut Down, `celery control shutdown`: no signal to wrap
+
+
 @signals.celeryd_init.connect
 def refuse_unknown_queues(sender: str, instance: Any, conf: Any, options: dict[str, Any], **_: Any) -> None:
     """A worker consumes only queues the media registry (or the control plane) knows, and gets the start checks of

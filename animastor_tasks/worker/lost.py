@@ -28,7 +28,9 @@ A worker told to shut down (SIGTERM: a rollout, before it kills; SIGQUIT: a cold
 notes the starts of the jobs it runs as ended by the operator should they never end (`note_shutdown`): the next
 start of each does not count a lost one. A scene chased from worker to worker by a rolling restart failed
 `worker_lost` otherwise, as one that kills every process. The note runs before Celery's own handler of the signal
-(`first_on_shutdown_signals`): a cold shutdown kills the jobs there, before it tells anyone it shuts down.
+(`first_on_shutdown_signals`): a cold shutdown kills the jobs there, before it tells anyone it shuts down. A
+remote shutdown (Flower's Shut Down) sends no signal: the note runs before Celery's control command
+(`first_on_remote_shutdown`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import Terminated, WorkerLostError
 from celery import platforms
+from celery.worker import control
 from celery.worker.request import Request
 
 from animastor_tasks.adapters.postgres import jobs
@@ -179,6 +182,24 @@ def first_on_shutdown_signals(hook: Callable[[], None]) -> None:
         handler = platforms.signals[name]
         if callable(handler) and getattr(handler, "__module__", "") == "celery.apps.worker":
             platforms.signals[name] = _hook_first(hook, handler, main)
+
+
+def first_on_remote_shutdown(hook: Callable[[str], None]) -> None:
+    """The `shutdown` remote control command (Flower's Shut Down, `celery control shutdown`) runs `hook(node)` before
+    Celery's own. *Why:* Celery's raises `WorkerShutdown` from the control command: a warm shutdown with no signal
+    and no `worker_shutting_down`, so a job ending then kept its slot's next job and ran it (the drain a whole job
+    longer) and the running starts went unnoted. Celery offers no hook for it; a command of the same name
+    replaces its own (`control_command`), which this one calls."""
+    celerys = control.Panel.data["shutdown"]
+
+    @control.control_command(name="shutdown")
+    def shutdown(state: Any, **kwargs: Any) -> Any:
+        """Shutdown worker(s)."""
+        try:
+            hook(state.hostname)
+        except Exception:  # the shutdown goes on whatever the hook did
+            log.exception("[WORKER] shutdown hook failed")
+        return celerys(state, **kwargs)
 
 
 def _hook_first(hook: Callable[[], None], handler: Callable[..., Any], main: int) -> Callable[..., None]:

@@ -198,6 +198,31 @@ def test_a_job_a_cold_shutdown_kills_counts_no_lost_start(
     figure(f"GPU worker cold-shut-down mid-job: no lost start counted, pair ready {took:.1f}s after")
 
 
+def test_a_worker_shut_down_remotely_keeps_no_job_and_notes_its_running_one(make_stack: Any, figure: Any) -> None:
+    """Flower's Shut Down (`celery control shutdown`) is a warm shutdown Celery starts from its control command, with
+    no signal and no `worker_shutting_down`: the job ending next kept its slot's next job and ran it in the same task
+    (the drain one whole job longer, the host freed that much later), and its start was never noted."""
+    stack, gpu = _stack(make_stack, lane_limit=1, book_quota=1)  # one slot: s1's end claims s2 for this process
+    book = make_book("remote-stop", chapters=1, scenes=2)
+    stack.rt.catalog.import_book(book)
+    node = gpu.hostname
+    assert node
+
+    stack.client.regenerate(book.book_id, ["audio"], wait=False)
+    wait_for(lambda: _started(stack, book.book_id, "s1") or None, 20, what="the job started")
+    stack.client.app.control.shutdown(destination=[node])
+    noted = "SELECT 1 FROM job_starts WHERE book_id = %s AND scene_id = 's1' AND shutdown_at IS NOT NULL"
+    wait_for(lambda: stack.query(noted, (book.book_id,)), 10, interval=0.05, what="the start noted")
+    gpu.popen.wait(timeout=30)  # drained: s1 finishes, and no job after it
+    assert _state(stack, book.book_id, "s1") == "ready"
+    assert not _started(stack, book.book_id, "s2"), gpu.tail()  # published for another worker, not run here
+    successor = stack.cluster.gpu("audio", wait=False)
+    wait_for(lambda: _state(stack, book.book_id, "s2") == "ready", BOUND, what="s2 ready on the successor")
+    [second] = _started(stack, book.book_id, "s2")
+    assert f"dispatch={second['dispatch_id']} token=1 started on" in successor.log(), successor.tail()
+    figure("GPU worker shut down remotely mid-job: its start noted, its slot's next job left to the broker")
+
+
 def test_a_second_live_worker_under_the_same_name_leaves_the_first_ones_job_alone(make_stack, figure) -> None:
     stack, gpu = _stack(make_stack, params={"steps": 12, "step_seconds": 1.0})  # still running when the twin decides
     book = make_book("same-name", chapters=1, scenes=1)

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -95,3 +96,24 @@ def test_a_store_down_leaves_the_starts_unnoted_without_holding_the_shutdown(set
     at = time.monotonic()
     lost.note_shutdown(down, "gpu@host")  # never raises
     assert time.monotonic() - at < 10.0
+
+
+def test_a_remote_shutdown_stops_keeping_and_notes_before_the_worker_stops(monkeypatch: Any) -> None:
+    """Flower's Shut Down (`celery control shutdown`) raises `WorkerShutdown` from the control command: no signal
+    handler runs and no `worker_shutting_down` is sent, so a job ending then kept its slot's next job and ran it
+    in the same task (the drain one whole job longer), and a kill after the grace counted a lost start."""
+    from celery.exceptions import WorkerShutdown
+    from celery.worker import control
+
+    from animastor_tasks.worker import app, chain
+
+    noted: list[str] = []
+    monkeypatch.setattr(lost, "note_shutdown", lambda _settings, node: noted.append(node))
+    state = SimpleNamespace(hostname="gpu@host", app=app.app, consumer=None)
+    try:
+        with pytest.raises(WorkerShutdown):
+            control.Panel.data["shutdown"](state, msg="Got shutdown from remote")
+        assert not chain.keeping()
+    finally:
+        chain._shutting_down[0] = 0
+    assert noted == ["gpu@host"]
