@@ -240,8 +240,10 @@ def parse_scene_member(member: str) -> tuple[str, str]:
 
 
 # -- Postgres advisory-lock names ------------------------------------------------------
-# A claim takes its lanes (sorted), then its book; a completion takes its lane, then its book.
-# One order everywhere, so two transactions never wait on each other in a cycle.
+# The book first, then the lane(s), sorted: a claim, a completion; every other holder takes its one book's
+# lock alone. One order everywhere, and never two books, so two transactions never wait on each other in a cycle.
+# *Why the book first:* a commit that waited for its book (behind a whole-book regenerate or an import) held
+# its lane meanwhile, and every book's commits and claims on the lane waited for that one book's holder.
 
 
 def lane_lock(queue: str) -> str:
@@ -255,4 +257,4 @@ def book_lock(book: str) -> str:
 
 
 def claim_locks(queues: Iterable[str], book: str) -> list[str]:
-    return [*(lane_lock(q) for q in sorted(set(queues))), book_lock(book)]
+    return [book_lock(book), *(lane_lock(q) for q in sorted(set(queues)))]

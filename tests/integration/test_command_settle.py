@@ -126,8 +126,8 @@ def regenerate_while_a_commit_is_open(rt: Wiring, book: str, force: bool) -> tup
     pair = ("ch1", "s1", "audio")
     [first] = [job.dispatch_id for job in dispatched_jobs(rt, book)]
     with rt.db.transaction() as conn:
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext('lane:gpu.audio'))")
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('book:' || %s))", (book,))
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('lane:gpu.audio'))")
         conn.execute(
             "UPDATE asset_states a SET state = 'ready', artifact_sha256 = %s, input_hash = s.input_hashes ->> a.stage"
             " FROM scenes s WHERE a.book_id = %s AND a.chapter_id = 'ch1' AND a.scene_id = 's1'"

@@ -265,9 +265,9 @@ _BOOK_LOCKS = (  # this run's database only: other runs share the server
 
 
 def test_a_reimport_hashes_outside_the_book_lock_and_writes_only_the_scenes_that_changed(rt, monkeypatch) -> None:
-    """A job's commit or a claim waits for its book's lock holding its lane's lock: an import that hashed and
-    rewrote every scene under the book lock (7.6 s of hashing alone for 100,000 scenes) held every book of the
-    lane up that long."""
+    """A job's commit or a claim waits for its book's lock (holding its lane's lock, until they took the book's
+    first): an import that hashed and rewrote every scene under the book lock (7.6 s of hashing alone for 100,000
+    scenes) held the book's jobs up that long, and every book of the lane with them."""
     from animastor_tasks.adapters.postgres import catalog as catalog_module
     from animastor_tasks.domain.book import parse_book
 

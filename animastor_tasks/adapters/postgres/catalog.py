@@ -76,9 +76,9 @@ class Catalog:
 
     def import_book(self, book: Book) -> ImportSummary:
         """Create or update a book; only what changed is touched and nothing is queued. The scenes' input hashes
-        are computed before the book's lock, and an unchanged scene is not written: a job's commit or a claim of
-        the book waits for that lock holding its lane's, so every book of the lane waited through an import (the
-        hashing of 100,000 scenes alone: 7.6 s)."""
+        are computed before the book's lock, and an unchanged scene is not written: every commit and claim of the
+        book waits for that lock (they waited holding their lane's, and every book of the lane with them, until
+        they took the book's first), through an import (the hashing of 100,000 scenes alone: 7.6 s)."""
         stages = list(self.registry.names())
         hashes = {(s.chapter_id, s.scene_id): scene_hashes(self.registry, s.text, s.prompt) for s in book.scenes}
         with self.db.transaction() as conn:

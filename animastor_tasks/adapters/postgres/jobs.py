@@ -103,7 +103,7 @@ class JobStore:
         with self.db.transaction() as conn:
             # Pipeline mode: BEGIN, the locks, the update with its artifact row, the journal, the start's end
             # and the settle read reach the server in one round trip, then COMMIT: two round trips under the
-            # lane's and the book's locks, which every claim of the lane waits for (three before, nine before
+            # book's and the lane's locks, which every claim of the lane waits for (three before, nine before
             # that). A stale token matches no row: the transaction is rolled back and nothing of it stays.
             # The row inserted returns what the book has left pending of the stage (no statement of its own):
             # read before the update is seen, its pair counts as generating, and a command its commit settles
@@ -267,9 +267,10 @@ def _end_start(conn: psycopg.Connection[Any], book: str, pair: Pair, dispatch_id
 
 
 def _lock_capacity(conn: psycopg.Connection[Any], lane: str, book: str) -> None:
-    """A completion frees capacity under the locks a claim counts it under (lane, then book)."""
-    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lane_lock(lane),))
+    """A completion frees capacity under the locks a claim counts it under, in its order (`keys.claim_locks`: the
+    book, then the lane), so a commit waiting for its book holds no lane."""
     conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (book_lock(book),))
+    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lane_lock(lane),))
 
 
 def _storable(text: str, limit: int) -> str:
