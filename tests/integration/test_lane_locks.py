@@ -1,8 +1,12 @@
 """A lane's advisory lock is held only for the few milliseconds of a claim or a commit: never while its holder waits
-for a book's lock, so one book's long transaction (a whole-book regenerate, a re-import) holds up that book alone."""
+for a book's lock, so one book's long transaction (a whole-book regenerate, a re-import) holds up that book alone;
+and the wait for it is bounded, so a holder gone silent holds up nobody for good."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +15,8 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
+from animastor_tasks.adapters.postgres import pool
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
 
@@ -26,13 +32,13 @@ _WAITING = (  # advisory locks asked for and not granted, in this run's database
 
 @pytest.fixture
 def books(rt):  # type: ignore[no-untyped-def]
-    """Two books with audio jobs running on the same lane."""
+    """Three books with audio jobs running on the same lane."""
     advertise(rt, LANE)
-    for book in ("bx", "by"):
+    for book in ("bx", "by", "bz"):
         rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
         regenerate_flow.regenerate(rt.ports, book, ["audio"])
         assert dispatched_jobs(rt, book), book
-    return "bx", "by"
+    return "bx", "by", "bz"
 
 
 def commit(rt: Wiring, book: str) -> Callable[[], object]:
@@ -99,7 +105,7 @@ def test_a_commit_waiting_for_its_book_holds_no_lane(rt, books) -> None:
     """Book X's commit, waiting behind X's long book-lock holder, held the lane's lock meanwhile (lane, then book):
     every commit and claim of every other book on the lane waited for X's holder (1.2-2.1 s for a whole-book
     regenerate of 50,000 scenes)."""
-    x, y = books
+    x, y, _ = books
     url = rt.settings.database_url
     with book_lock_held(url, x):
         stuck = Timed.begin(commit(rt, x))
@@ -112,3 +118,80 @@ def test_a_commit_waiting_for_its_book_holds_no_lane(rt, books) -> None:
         assert stuck.is_alive(), "X's commit waits for X's holder"
     stuck.join(10)
     assert stuck.error is None and stuck.result is not None  # committed once the holder let go
+
+
+# A session that takes the lane's lock as a commit does (in a pipeline, which keeps the server's
+# idle_in_transaction_session_timeout from ever firing) and then stops answering before its COMMIT: SIGSTOP stands
+# in for a host lost or cut off, or a frozen container, which the server cannot tell from a slow client.
+_STALLED_HOLDER = """
+import os, signal, sys, psycopg
+with psycopg.connect(sys.argv[1]) as conn:
+    with conn.pipeline():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (sys.argv[2],))
+    print("locked", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+# A commit's locks taken by the runtime's own code (its bounds with them), its transaction limited to 2 s.
+_STALLED_COMMIT = """
+import os, signal, sys
+from animastor_tasks.adapters.postgres import jobs, pool
+pool.TRANSACTION_LIMIT_MS = 2000
+db = pool.Database(sys.argv[1])
+with db.transaction() as conn:
+    with conn.pipeline():
+        jobs._lock_capacity(conn, sys.argv[2], sys.argv[3])
+    print("locked", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+@contextmanager
+def stalled_holder(script: str, *args: str) -> Iterator[None]:
+    """`script` run with `args` until it says it holds its lock and stops itself; killed when the block ends."""
+    holder = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        yield
+    finally:
+        holder.send_signal(signal.SIGCONT)
+        holder.kill()
+        holder.wait(10)
+        if holder.stdout is not None:
+            holder.stdout.close()
+
+
+def test_a_holder_gone_silent_holds_up_the_lane_s_other_books_for_a_bounded_time(rt, books) -> None:
+    """A client silent mid-transaction while it holds a lane's lock: every claim and commit of the lane, from every
+    host, waited for it with no bound (until TCP keepalive gave up on a lost host, about 2 h 11 min by default; a
+    frozen container, never). Both control processes stuck in a claim stop the tick and Stop All for every book.
+    The wait is bounded (`pool.LOCK_WAIT_MS`): they end as the store unavailable, which their callers retry."""
+    _, y, z = books
+    url = rt.settings.database_url
+    bound = pool.LOCK_WAIT_MS / 1000 + 5.0  # each lock's wait: two books here, neither waiting for the other's
+    running = dispatched_jobs(rt, y)
+    with stalled_holder(_STALLED_HOLDER, url, f"lane:{LANE}"):
+        deadline = time.monotonic() + bound
+        waiters = [Timed.begin(commit(rt, y)), Timed.begin(claim(rt, z))]
+        for waiter in waiters:
+            waiter.join(max(0.0, deadline - time.monotonic()))
+        assert [w.is_alive() for w in waiters] == [False, False], f"still waiting for the lane after {bound} s"
+    assert [type(w.error) for w in waiters] == [StoreUnavailable, StoreUnavailable]
+    assert dispatched_jobs(rt, y) == running  # nothing of the commit stayed: the job still runs, its commit tried again
+    # The holder gone, the lane is free again: the commit that was refused goes in.
+    assert waiters[0].fn() is not None
+
+
+def test_a_silent_holder_s_transaction_ends_on_postgresql_17(rt, books) -> None:
+    """PostgreSQL 17 and later end the silent holder's transaction itself (`pool.TRANSACTION_LIMIT_MS`), and with it
+    its locks: the lane is free again for every book, not only refused to them for a while."""
+    x, y, _ = books
+    url = rt.settings.database_url
+    with rt.db.read() as conn:
+        if conn.info.server_version < 170000:
+            pytest.skip("transaction_timeout is PostgreSQL 17's")
+    with stalled_holder(_STALLED_COMMIT, url, LANE, x):
+        waiter = Timed.begin(claim(rt, y))
+        waiter.join(pool.LOCK_WAIT_MS / 1000 - 2)  # ended by the holder's limit (2 s), not its own wait's
+        assert not waiter.is_alive() and waiter.error is None, waiter.error

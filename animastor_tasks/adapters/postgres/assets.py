@@ -17,6 +17,7 @@ import psycopg
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.commands import lock_book
 from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns, rows_of_pairs
+from animastor_tasks.adapters.postgres.pool import bound_lock_waits
 from animastor_tasks.adapters.postgres.released import release_targets
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts, Waiter
@@ -136,6 +137,7 @@ class AssetStore(GateReads):
             # runs only past its start check, whose synchronous commit flushes the WAL written before it, the
             # claim's included; a claim a crash loses is refused at that check, its pair still pending.
             conn.execute("SET LOCAL synchronous_commit = off")
+            bound_lock_waits(conn)
             conn.execute(
                 "SELECT pg_advisory_xact_lock(hashtext(k)) FROM unnest(%s::text[]) WITH ORDINALITY AS l(k, n)"
                 " ORDER BY n",

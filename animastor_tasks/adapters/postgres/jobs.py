@@ -16,7 +16,7 @@ import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS, HAS_FEW_TARGETS, TARGETS_BY_KEY, pair_row_of
-from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.adapters.postgres.pool import Database, bound_lock_waits
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.book import storable
 from animastor_tasks.domain.keys import book_lock, lane_lock
@@ -69,7 +69,8 @@ class JobStore:
         """
         chapter, scene, stage = pair
         with self.db.transaction() as conn:
-            with conn.pipeline():  # BEGIN and the read in one round trip
+            with conn.pipeline():  # BEGIN, the bounds (of its wait for the row lock, of its hold) and the read
+                bound_lock_waits(conn)
                 found = conn.execute(
                     "SELECT a.state, a.fencing_token, a.dispatch_id, s.text, s.prompt,"
                     " EXISTS (SELECT 1 FROM cancel_tombstones t WHERE t.book_id = a.book_id),"
@@ -140,7 +141,8 @@ class JobStore:
     def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool:
         """`generating -> failed` with the error, only if the token is still current."""
         with self.db.transaction() as conn:
-            _lock_capacity(conn, lane, book)
+            with conn.pipeline():  # BEGIN, the bounds and the locks in one round trip
+                _lock_capacity(conn, lane, book)
             done = conn.execute(
                 f"UPDATE asset_states a SET state = %(failed)s, error = %(error)s, updated_at = now() WHERE {_OWNED}",
                 {
@@ -163,7 +165,8 @@ class JobStore:
         on the scene (a store blip, the backend down); the next gate pass decides again."""
         transition(AssetState.GENERATING, AssetState.PENDING)
         with self.db.transaction() as conn:
-            _lock_capacity(conn, lane, book)
+            with conn.pipeline():  # BEGIN, the bounds and the locks in one round trip
+                _lock_capacity(conn, lane, book)
             done = conn.execute(
                 f"UPDATE asset_states a SET state = %(pending)s, dispatch_id = NULL, updated_at = now() WHERE {_OWNED}",
                 {**_owned(book, pair, token, dispatch_id), "pending": AssetState.PENDING},
@@ -268,7 +271,8 @@ def _end_start(conn: psycopg.Connection[Any], book: str, pair: Pair, dispatch_id
 
 def _lock_capacity(conn: psycopg.Connection[Any], lane: str, book: str) -> None:
     """A completion frees capacity under the locks a claim counts it under, in its order (`keys.claim_locks`: the
-    book, then the lane), so a commit waiting for its book holds no lane."""
+    book, then the lane), so a commit waiting for its book holds no lane; its waits bounded (`bound_lock_waits`)."""
+    bound_lock_waits(conn)
     conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (book_lock(book),))
     conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lane_lock(lane),))
 

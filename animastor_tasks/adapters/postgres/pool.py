@@ -31,6 +31,13 @@ log = logging.getLogger("animastor.postgres")
 #: over the book's rows costs little (80 ms at 500 pairs, quadratic above).
 ANALYZE_FROM_ROWS = 500
 ANALYZE_LOCK_WAIT_MS = 500
+#: The longest a transaction that takes a lane's lock waits for any one lock (`bound_lock_waits`). A lane's lock is
+#: held 1-3 ms per claim or commit, and the longest a book's lock is held is a whole-book regenerate or import: about
+#: 2 s at 50,000 scenes, 3-4 s at 100,000.
+LOCK_WAIT_MS = 10_000
+#: PostgreSQL 17 and later: the longest such a transaction lasts at all, its lock waits and a claim's Redis round trip
+#: (5 s at most) included. Past it the server ends the session, and with it the locks a silent client held.
+TRANSACTION_LIMIT_MS = 60_000
 
 
 _STORE_ERRORS = (
@@ -38,6 +45,7 @@ _STORE_ERRORS = (
     psycopg.InterfaceError,
     PoolTimeout,
     psycopg.errors.ReadOnlySqlTransaction,
+    # psycopg.errors.LockNotAvailable (a lock_timeout, `bound_lock_waits`) is an OperationalError: a store error too.
     # The server's own timeouts end the session, as a restart does (they are InternalErrors, not OperationalErrors).
     psycopg.errors.IdleInTransactionSessionTimeout,
     psycopg.errors.TransactionTimeout,
@@ -130,6 +138,21 @@ def _refused(url: str, said: str) -> str:
                 "refused; the driver's message is left out, as it repeats the password (a `%` in one is written `%25`)"
             )
     return f"ANIMASTOR_DATABASE_URL={redact_url(url)!r}: {said}"
+
+
+def bound_lock_waits(conn: psycopg.Connection[Any]) -> None:
+    """The transaction's lock waits bounded (`LOCK_WAIT_MS`), and on PostgreSQL 17 and later its length
+    (`TRANSACTION_LIMIT_MS`): sent first in the transaction's pipeline, no round trip of their own. *Why:* a client
+    gone silent in the middle of a claim or a commit (a host lost or cut off, a frozen container) held its lane's
+    lock with no time bound, and every claim and commit of the lane, from every host, waited for it; both control
+    processes stuck in a claim, the tick and Stop All stopped for every book. The server's
+    idle_in_transaction_session_timeout never fires after a psycopg pipeline (its Flush after the Sync disarms it).
+    A wait cut short is `StoreUnavailable`: a claim is rolled back, a job's verdict written again (`when_reachable`).
+    Asked of PostgreSQL 15 or 16, `transaction_timeout` fails the transaction, so it is sent only to a newer server
+    (the version libpq read at connect)."""
+    conn.execute(f"SET LOCAL lock_timeout = {LOCK_WAIT_MS}")
+    if conn.info.server_version >= 170000:
+        conn.execute(f"SET LOCAL transaction_timeout = {TRANSACTION_LIMIT_MS}")
 
 
 class Database:
