@@ -103,6 +103,7 @@ def _connected(conn: HTTPConnection) -> socket.socket:
     except socket.gaierror as err:
         raise NameResolutionError(conn.host, conn, err) from err
     error: OSError = OSError("getaddrinfo returns an empty list")
+    watchdog: Watchdog | None = getattr(_running, "watchdog", None)
     for family, kind, proto, _, address in addresses:
         sock = _adopted(socket.socket(family, kind, proto))
         try:
@@ -111,6 +112,10 @@ def _connected(conn: HTTPConnection) -> socket.socket:
             sock.settimeout(conn.timeout if isinstance(conn.timeout, int | float) else socket.getdefaulttimeout())
             if conn.source_address:
                 sock.bind(conn.source_address)
+            if watchdog is not None and watchdog.why is not None:
+                # Cut already: a socket shut down before it connects still connects, and the host's next address
+                # waited out its whole connect_timeout (one per address: a name with AAAA and A records has two).
+                raise ConnectionAbortedError(f"request {watchdog.why}")
             sock.connect(address)
         except OSError as err:
             sock.close()

@@ -551,6 +551,37 @@ def test_a_json_body_nested_past_the_parsers_depth_is_the_servers_answer_not_a_b
     assert "inference endpoint" in str(caught.value), caught.value
 
 
+def test_a_stop_cuts_the_connect_of_a_host_with_two_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connect in progress was cut, then the name's next address was tried: its socket, shut down before it
+    connected, still connected, and the stopped job waited out that address's whole connect_timeout (4.3 s)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = [socket.socket() for _ in range(4)]  # the accept queue full: further SYNs are dropped
+    for filler in fillers:
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(listener.getsockname())
+    time.sleep(0.2)
+    port, real = listener.getsockname()[1], socket.getaddrinfo
+
+    def two_addresses(host: str, *args: Any, **kwargs: Any) -> Any:
+        found = real("127.0.0.1" if host == "gpu.example" else host, *args, **kwargs)
+        return found[:1] * 2 if host == "gpu.example" else found
+
+    monkeypatch.setattr(socket, "getaddrinfo", two_addresses)
+    started = time.monotonic()
+    try:
+        with pytest.raises(GenerationStopped):
+            _generate(
+                _spec(f"http://gpu.example:{port}", connect_timeout=4), stop=lambda: time.monotonic() > started + 0.3
+            )
+    finally:
+        for sock in (listener, *fillers):
+            sock.close()
+    assert time.monotonic() - started < 1.5
+
+
 def test_an_endpoint_with_a_login_in_its_url_is_refused_as_a_setting() -> None:
     """The login was never sent (the request's only credential is the worker's key): every scene answered 401."""
     with pytest.raises(ConfigError, match="carries a login") as caught:
