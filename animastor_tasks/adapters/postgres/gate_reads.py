@@ -30,51 +30,6 @@ _BOOK_ROW = _BOOK_COLUMNS + " = ANY(%(books)s)"
 _ONE_BOOK_ROW = _BOOK_COLUMNS + " = %(book)s"
 
 
-# The gate rows of books: each book's own row (`_BOOK_ROW`), then its in-flight pairs, unordered (a sort of
-# a big book's rows spills to disk; the pass orders the few it claims). Whether an active command targets a
-# pair (and the most urgent, oldest one) comes from joining the pairs to the targets themselves (an index on
-# the pair) and grouping after: joined to the targets of the book's commands grouped first, a plan made on
-# statistics that saw the book idle read that group once per pair (5.7 s per pass of a book of 5,000
-# pending pairs); a join to an indexed table is a hash join or a lookup per pair, never a rescan.
-# `of_books` (which books) restricts the joined scenes and targets too: the server does not carry a list of
-# books across a join, and a hash join of one small book's pairs hashed every scene and target of the farm
-# (33 ms per book of 1,000 pairs beside 99 others, 8 ms with the restriction).
-# A pair's place: its most urgent command's priority, and the oldest command of that priority (a refill's order).
-_URGENT = (
-    "min(ARRAY[array_position(%(priorities)s::text[], c.priority)::float8, extract(epoch FROM c.created_at)::float8])"
-)
-
-
-def _gate_rows_sql(of_books: str, pairs: str, book_row: str) -> str:
-    return (
-        "WITH flight AS (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token,"
-        "  s.position, a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
-        "  a.artifact_sha256 IS NOT NULL AS has_artifact, count(c.command_id) > 0 AS commanded,"
-        f"  coalesce(({_URGENT})[1]::int - 1, %(normal)s) AS rank, ({_URGENT})[2] AS since"
-        "  FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-        f"   AND s.scene_id = a.scene_id AND s.book_id {of_books}"
-        "  LEFT JOIN (command_targets t JOIN commands c ON c.command_id = t.command_id"
-        f"   AND c.status IN {literals.AUTHORIZING_STATUSES}) ON t.book_id = a.book_id AND t.book_id {of_books}"
-        "   AND t.chapter_id = a.chapter_id AND t.scene_id = a.scene_id AND t.stage = a.stage"
-        f"  WHERE a.book_id {of_books} AND {pairs} AND a.state IN {literals.IN_FLIGHT_STATES}"
-        "  GROUP BY a.book_id, a.chapter_id, a.scene_id, a.stage, s.book_id, s.chapter_id, s.scene_id)"
-        + book_row
-        + " UNION ALL SELECT * FROM flight"
-    )
-
-
-_GATE_ROWS = _gate_rows_sql("= ANY(%(books)s)", "true", _BOOK_ROW)
-# The same of one book (a pass of its own): the list of books left the server planning
-# the statement afresh on every run (0.6 ms of a regenerate's pass of a book with one pair in flight).
-_GATE_ROWS_OF_BOOK = _gate_rows_sql("= %(book)s", "true", _ONE_BOOK_ROW)
-# The same of a few pairs of one book, each looked up by its key (a takeover judges its dead jobs' pairs).
-_GATE_ROWS_OF_PAIRS = _gate_rows_sql(
-    "= %(book)s",
-    "(a.chapter_id, a.scene_id, a.stage) IN"
-    " (SELECT * FROM unnest(%(chapters)s::text[], %(scenes)s::text[], %(stages)s::text[]))",
-    _ONE_BOOK_ROW,
-)
-
 # A command of at most this many targets has them looked up by key (a refill's candidates, a settle's search
 # for one in flight); a bigger one is found through the book's pending or in-flight pairs, which an index holds
 # (a settle looks at this many of them, then walks the command's own targets: `settle.py`).
@@ -90,6 +45,71 @@ FEW_TARGETS_OF = (
 )
 # Whether the command `c` has few targets: its count, kept on its row (migration 0007; unknown counts as many).
 HAS_FEW_TARGETS = f"coalesce(c.target_count, {FEW_TARGETS + 1}) <= {FEW_TARGETS}"
+
+
+# The gate rows of books: each book's own row (`_BOOK_ROW`), then its in-flight pairs, a row each, unordered (a
+# sort of a big book's rows spills to disk; the pass orders the few it claims). Whether an active command targets a
+# pair, and its place, come from the books' active commands, not from every target the pair ever had: looked up on
+# the pair, kept history (a whole-book command keeps a target per scene) was read and dropped on every pass (34 ms
+# a pass of 2,000 pairs at 6 targets a pair, 65 ms at 31; 11 ms now). A command of many targets (whole-book,
+# chapters: a handful) is looked up by key for each pair of its stage; those of few (a reader's scenes, which may
+# be many) name their targets once, in a hashed set, and a pair in it, or of a stage of more than `_PROBED`
+# commands of many targets, is looked up on the pair as before. Lookups by key leave no plan that reads a group
+# once per pair, as a join to the book's commanded targets grouped first did on statistics that saw the book idle
+# (5.7 s per pass of a book of 5,000 pending pairs).
+# `of_books` (which books) restricts the joined scenes and the commands too: the server does not carry a list of
+# books across a join, and a hash join of one small book's pairs hashed every scene and target of the farm
+# (33 ms per book of 1,000 pairs beside 99 others, 8 ms with the restriction).
+# A command's place: its priority's rank, then when it was made (a refill's order); a pair's: its commands' least.
+_PLACE = "ARRAY[array_position(%(priorities)s::text[], c.priority)::float8, extract(epoch FROM c.created_at)::float8]"
+# More commands of many targets than this on a book's stage, and its pairs are looked up on the pair: a probe per
+# command and pair would cost more than the pair's own targets.
+_PROBED = 4
+# The place of the pair `a` (NULL: no active command targets it), from the books' active commands (`active`, `many`).
+_PLACE_OF_PAIR = (
+    "CASE WHEN (a.book_id, a.chapter_id, a.scene_id, a.stage) IN (SELECT c.book_id, t.chapter_id, t.scene_id,"
+    f"  c.stage FROM active c CROSS JOIN LATERAL ({FEW_TARGETS_OF.format('c')}) t) OR (a.book_id, a.stage) IN"
+    f"  (SELECT book_id, stage FROM many GROUP BY 1, 2 HAVING count(*) > {_PROBED})"
+    f" THEN (SELECT min({_PLACE}) FROM command_targets t JOIN commands c ON c.command_id = t.command_id"
+    f"  AND c.status IN {literals.AUTHORIZING_STATUSES} WHERE t.book_id = a.book_id AND t.chapter_id = a.chapter_id"
+    "  AND t.scene_id = a.scene_id AND t.stage = a.stage)"
+    " ELSE (SELECT min(c.place) FROM many c WHERE c.book_id = a.book_id AND c.stage = a.stage"
+    "  AND EXISTS (SELECT 1 FROM command_targets t WHERE t.command_id = c.command_id"
+    "   AND t.chapter_id = a.chapter_id AND t.scene_id = a.scene_id)) END"
+)
+
+
+def _gate_rows_sql(of_books: str, pairs: str, book_row: str) -> str:
+    return (
+        f"WITH active AS MATERIALIZED (SELECT c.command_id, c.book_id, c.stage, {HAS_FEW_TARGETS} AS few,"
+        f"  {_PLACE} AS place FROM commands c WHERE c.book_id {of_books}"
+        f"  AND c.status IN {literals.AUTHORIZING_STATUSES}),"
+        " many AS MATERIALIZED (SELECT * FROM active WHERE NOT few),"
+        " flight AS (SELECT book_id, chapter_id, scene_id, stage, state, fencing_token, position, dispatch_id,"
+        "  input_hash, current_hash, has_artifact, place IS NOT NULL AS commanded,"
+        "  coalesce(place[1]::int - 1, %(normal)s) AS rank, place[2] AS since"
+        "  FROM (SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.state, a.fencing_token, s.position,"
+        "   a.dispatch_id, a.input_hash, s.input_hashes ->> a.stage AS current_hash,"
+        f"   a.artifact_sha256 IS NOT NULL AS has_artifact, {_PLACE_OF_PAIR} AS place"
+        "   FROM asset_states a JOIN scenes s ON s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
+        f"    AND s.scene_id = a.scene_id AND s.book_id {of_books}"
+        f"   WHERE a.book_id {of_books} AND {pairs} AND a.state IN {literals.IN_FLIGHT_STATES}"
+        # A subquery of its own (OFFSET 0): pulled up, the place was worked out once per column reading it.
+        "   OFFSET 0) f)" + book_row + " UNION ALL SELECT * FROM flight"
+    )
+
+
+_GATE_ROWS = _gate_rows_sql("= ANY(%(books)s)", "true", _BOOK_ROW)
+# The same of one book (a pass of its own): the list of books left the server planning
+# the statement afresh on every run (0.6 ms of a regenerate's pass of a book with one pair in flight).
+_GATE_ROWS_OF_BOOK = _gate_rows_sql("= %(book)s", "true", _ONE_BOOK_ROW)
+# The same of a few pairs of one book, each looked up by its key (a takeover judges its dead jobs' pairs).
+_GATE_ROWS_OF_PAIRS = _gate_rows_sql(
+    "= %(book)s",
+    "(a.chapter_id, a.scene_id, a.stage) IN"
+    " (SELECT * FROM unnest(%(chapters)s::text[], %(scenes)s::text[], %(stages)s::text[]))",
+    _ONE_BOOK_ROW,
+)
 
 
 def pair_row_of(target: str, columns: str = "*") -> str:
