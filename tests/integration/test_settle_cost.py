@@ -24,16 +24,15 @@ PENDING = 4 * 1000
 CHAPTER = [("ch3", f"s{n}") for n in range(1, 151)]  # the chapter command's targets
 
 
-def _last_in_the_heap(rt: Any, stage: str) -> None:
-    """The heap packed, then the chapter command's pairs of `stage` written again: they are read last by
-    any walk of the book's in-flight pairs in heap order, as a force leaves the pairs it moves."""
-    with psycopg.connect(rt.settings.database_url, autocommit=True) as conn:
-        conn.execute("VACUUM (FULL, ANALYZE) asset_states")
-        conn.execute(
-            "UPDATE asset_states SET updated_at = updated_at WHERE book_id = 'big' AND stage = %s"
-            " AND chapter_id = 'ch3' AND scene_id = ANY(%s)",
-            (stage, [scene for _, scene in CHAPTER]),
-        )
+def _last_in_the_heap(conn: psycopg.Connection, stage: str) -> None:
+    """The chapter command's pairs of `stage` written again (in the caller's transaction): in a heap whose pages a
+    whole-book command's moves left full, they land at its end, where a walk of the book's in-flight pairs in
+    heap order reads them last, as a force leaves the pairs it moves."""
+    conn.execute(
+        "UPDATE asset_states SET updated_at = updated_at WHERE book_id = 'big' AND stage = %s"
+        " AND chapter_id = 'ch3' AND scene_id = ANY(%s)",
+        (stage, [scene for _, scene in CHAPTER]),
+    )
 
 
 @pytest.mark.parametrize("plan", ["force_custom_plan", "force_generic_plan"])
@@ -47,14 +46,14 @@ def test_a_commit_settles_a_chapter_command_without_reading_the_books_in_flight_
     regenerated(rt, "big", chapters=4, scenes=1000)
     advertise(rt, "gpu.image")
     regenerate_flow.regenerate(rt.ports, "big", [stage], [list(scene) for scene in CHAPTER])
-    _last_in_the_heap(rt, stage)
     pair = (*CHAPTER[-1], stage)
     with psycopg.connect(rt.settings.database_url, prepare_threshold=0) as conn:
         conn.execute(f"SET plan_cache_mode = {plan}")
         in_flight = conn.execute(
             "SELECT count(*) FROM asset_states WHERE book_id = 'big' AND state IN ('pending', 'generating')"
         ).fetchone()
-        # The pair's job done, as its commit leaves it just before it settles (rolled back).
+        _last_in_the_heap(conn, stage)  # rolled back, as all the rest
+        # The pair's job done, as its commit leaves it just before it settles.
         conn.execute(
             "UPDATE asset_states SET state = 'ready' WHERE book_id = 'big' AND chapter_id = %s AND scene_id = %s"
             " AND stage = %s",
