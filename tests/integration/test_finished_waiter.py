@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from animastor_tasks.domain.deferral import RANK_SCALE
+from animastor_tasks.domain.deferral import RANK_SCALE, wait_score
 from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
 from animastor_tasks.flow.job import Job
+from animastor_tasks.records import Committed
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, make_book, use_settings
@@ -128,3 +129,30 @@ def test_a_handed_refill_that_finds_nothing_of_its_lane_keeps_the_books_place_on
     refill.refill(rt.ports, "b", "gpu.audio")
     assert "b" not in waiting(rt, "gpu.audio")
     assert "b" in waiting(rt, "gpu.image")
+
+
+def test_a_stale_place_does_not_keep_the_slot_for_a_book_with_nothing_left(rt: Wiring) -> None:
+    """The book's interactive place outranks the normal book waiting, but its job's commit left nothing pending (a
+    place left by a takeover's `_wait_again` whose pair a due pass then claimed): the slot goes to the head, and the
+    place goes. Kept for the book, the slot went to a refill that found nothing and passed it on through the
+    control queue."""
+    lane(rt, lane_limit=1)
+    now = rt.ports.clock()
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "b", wait_score(0, now - 5))  # b: a stale interactive place
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "w", wait_score(2, now - 60))  # w: normal, waiting a minute
+    taken = rt.ports.deferrals.next_waiters("gpu.audio", 1, exclude="b", requeue_from="d1", left=Committed(None))
+    assert taken == ["w"]
+    assert waiting(rt) == {}  # the book is not queued again
+
+
+def test_a_finished_book_on_a_stale_place_hands_the_slot_to_the_waiter_in_the_freeing_process(rt: Wiring) -> None:
+    lane(rt, lane_limit=1, book_quota=10, window=10)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    rt.catalog.import_book(make_book("w", chapters=1, scenes=1))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], priority="interactive")  # the only slot
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])  # waits
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "b", wait_score(0, rt.ports.clock() - 5))  # a stale place
+    end_here(rt, "b")
+    # No control hop: kept, the place also bound the share of w (b waited more urgently), which handed the slot back.
+    assert running(rt, "b", "w") == {"w": 1}
+    assert "b" not in waiting(rt)

@@ -3,10 +3,13 @@
 -- behind them, at its own priority: the more urgent of the one it waits at already when it is
 -- on the list (its pairs the lane refused) and that of its most urgent pair still pending (its
 -- job's commit read it: a reader's scene its book's cap refused waits on no list). A book whose
--- job's commit left nothing pending of the lane is weighed at its place on the list alone:
--- off the list, it neither keeps the slot nor waits again (queued, it was handed the next slot,
--- found nothing and passed it on through the control queue, the slot idle meanwhile). A job
--- that did not commit (failed, given back) is weighed at its dispatch's priority instead.
+-- job's commit left nothing pending of the lane neither keeps the slot nor waits again, and a
+-- place it holds on the list goes (a stale one: a takeover's, whose pair a pass then claimed):
+-- kept, it won the slot, or it bound the share of the book served, whose refill handed the slot
+-- back; either way a refill found nothing and passed the slot on through the control queue, the
+-- slot idle meanwhile (a place a pass wrote since the commit's read goes too: its scene waits out
+-- its capacity deferral). A job that did not commit (failed, given back) is weighed at its
+-- dispatch's priority instead.
 -- That book keeps the slot instead when that priority is more urgent than the head's: the
 -- answer is then that book alone, taken off the list as any book served is.
 -- KEYS[1] the lane's waiting list (zset: book -> wait score, lower first)
@@ -38,17 +41,18 @@ if KEYS[4] ~= '' then
         count = math.min(count, 1)
     end
 end
-local requeue = KEYS[2] ~= '' and ARGV[2] ~= ''
 local scale = tonumber(ARGV[4])
 local own = nil
-if requeue then
+if ARGV[2] ~= '' and ARGV[6] == 'none' then
+    redis.call('ZREM', KEYS[1], ARGV[2])
+elseif KEYS[2] ~= '' and ARGV[2] ~= '' then
     -- Waiting already, the book's place says what it waits for: a reader's interactive scene refused
     -- behind its own bulk jobs, or bulk work left after an interactive job.
     own = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]) or '')
     -- Its most urgent pending pair may wait on no list (a reader's scene its book's cap refused): the more urgent
     -- of the two counts. A job that did not commit is weighed at its dispatch's priority, off the list.
     local rank = tonumber(ARGV[6])
-    if rank == nil and ARGV[6] == '' and own == nil then
+    if rank == nil and own == nil then
         rank = tonumber(redis.call('HGET', KEYS[2], 'rank') or ARGV[5]) or tonumber(ARGV[5])
     end
     if rank ~= nil then
