@@ -202,6 +202,7 @@ class Deferrals(Protocol):
     ) -> list[str]: ...
     def stranded_lanes(self, free: Sequence[str], min_age: float) -> list[str]: ...  # free with waiters, for a while
     def hand_over_done(self, queue: str, book: str, began: float) -> None: ...  # its refill, begun then, is done
+    def hand_over_again(self, queue: str, book: str, at: float, score: float) -> None: ...  # a claim undone: noted
     def keep_handed_place(self, queue: str, book: str) -> None: ...  # at the head of the priority it was handed with
     def restore_lost_hand_overs(  # (queue, book) handed at least min_age ago, refill lost: back on the list
         self, queues: Sequence[str], min_age: float

@@ -240,6 +240,8 @@ def _claim_and_publish(
         for stage, queue in queue_of.items()
     }
     claims: list[Claim] = []
+    room_of = {stage for stage, queue in queue_of.items() if queue == handed_lane}  # the handed lane's stage
+    noted: tuple[str, int] | None = None  # the lane whose record the claim's batch took away, the rank it held
     try:
         with ports.assets.claiming(book, queue_of, waiters, handed) as session:
             # A pair a concurrent pass of the book claimed since this one read it would take a slot of the choice
@@ -277,16 +279,22 @@ def _claim_and_publish(
                     [publish.claim_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims]
                 )
                 ports.deferrals.clear_deferrals(book, [c.pair for c in claims])  # they wait no longer
-            # A slot handed moments ago is its refill's to claim, not spare (`lanes.hand_on_freed`).
+                if handed_lane is not None and (mine := [ranks[c.pair] for c in claims if c.stage in room_of]):
+                    # The handed slot is claimed: its record goes before the COMMIT that counts the claim. *Why:* it
+                    # went once the refill had published, and counts of the lane meanwhile (`lanes.hand_on_freed`, a
+                    # pass's spare slots) subtracted the slot twice: a free one idled until the tick's stranded check.
+                    ports.deferrals.hand_over_done(handed_lane, book, now + lanes.HANDED_CLOCK_SLACK)
+                    noted = (handed_lane, snap.handed.get(handed_lane, {}).get(book, min(mine)))
             spare = {
-                spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] - len(handed[s])
-                for s, spec in specs.items()
+                spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] for s, spec in specs.items()
             }
     except Exception:
         # The claim did not commit (Postgres refused the COMMIT, or the lease write failed after Redis took it):
         # a lease written for it would hold its pair for a queued lease's whole TTL, every pass skipping the pair
         # as claimed by a concurrent pass.
         publish.drop_leases(ports, book, claims)
+        if noted is not None:
+            lanes.hand_over_again(ports, book, noted[0], now, noted[1])
         raise
     result.claimed_lanes.update(queue_of.values())
     result.claimed_stages.update(c.stage for c in claims)
@@ -300,17 +308,19 @@ def _claim_and_publish(
         if failed:  # pending again: they wait, and the book stays due for them
             result.gone.difference_update(c.pair for c in failed)
             result.outcomes[Outcome.PUBLISH_FAILED] += len(failed)
+    holding = {queue_of[s] for s, books in handed.items() if books}
     for queue, free in spare.items():
         # Slots this book cannot use (its cap, nothing more pending) go to the books waiting for the
         # lane at once: a free slot never waits for a deferral to expire. The snapshot read the head
         # of each waiting list already: an empty one costs no second read. Of a lane whose freed slots this
         # pass fills, only those are handed on (when unused): the others are other refills' to fill.
-        if queue == slots_of:
-            free = min(free, slots - sum(taken[s] for s, spec in specs.items() if spec.queue == queue))
         known = snap.waiters.get(queue)
-        if known is None or any(b != book for b in known):
+        if free > 0 and (known is None or any(b != book for b in known)):
+            most = (
+                slots - sum(taken[s] for s, spec in specs.items() if spec.queue == queue) if queue == slots_of else free
+            )
             try:
-                lanes.hand_over(ports, queue, free, exclude=book)
+                lanes.hand_on_spare(ports, book, queue, free, most=most, held=queue in holding)
             except StoreUnavailable as err:  # claimed and published: the tick hands on a lane's stranded slots
                 log.warning("[DISPATCH] book=%r free slots of %s not handed on: %s", book, queue, err)
 

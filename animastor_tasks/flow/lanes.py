@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 
 from animastor_tasks.domain import capacity
+from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import no_worker_reason
 from animastor_tasks.errors import StoreUnavailable
@@ -21,6 +22,10 @@ log = logging.getLogger("animastor.dispatch")
 BATCH_BOOKS = 50  # books per gate task sent for the due index
 HEARTBEAT_SLACK = 0.5  # seconds past a heartbeat period before a second count of a queue's consumers
 LOST_HAND_OVER_TICKS = 2  # a handed book's refill not back within this many ticks was lost (lua/handed_restore.lua)
+# A hand-over record written up to this long after a refill began is the refill's own: the hand-over and the
+# refill read the Redis clock in two processes, each carried by its own monotonic clock (they agree to within
+# milliseconds). A record written later is a second hand-over, whose refill has yet to report back.
+HANDED_CLOCK_SLACK = 1.0
 
 
 def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
@@ -198,10 +203,11 @@ def _restore_lost_hand_overs(ports: Ports) -> None:
 def hand_on_freed(ports: Ports, full: set[str]) -> None:
     """Count these lanes (seen full, or every lane in reconcile) again, now that the books have joined their
     waiting lists: a slot freed meanwhile (its job's end may have looked at a list before they joined) is handed
-    on now. A slot handed moments ago is not (`_handed_slots`)."""
+    on now. A slot handed moments ago is not (`handed_slots`): read after the count, a record's refill that claims
+    in between is counted free at worst (its record goes before its claim's COMMIT), and its slot handed twice."""
     try:
         free = _free_slots(ports, full)
-        held = _handed_slots(ports, free) if free else {}
+        held = handed_slots(ports, free) if free else {}
     except StoreUnavailable as err:  # the passes are done: a slot freed meanwhile waits for the next job's end
         log.warning("[COMMAND-GATE] lanes %s not counted again: %s", sorted(full), err)
         return
@@ -209,14 +215,39 @@ def hand_on_freed(ports: Ports, full: set[str]) -> None:
         hand_over(ports, queue, slots - held.get(queue, 0))
 
 
-def _handed_slots(ports: Ports, queues: Collection[str]) -> dict[str, int]:
-    """Per lane, the slots handed less than `capacity.HANDED_HOLD_SECONDS` ago to books whose refills have not
-    reported back (off the waiting list still): each such refill claims its slot, which a count of the lanes sees
-    as free. *Why:* handed again, it went to a less urgent book whose refill the hold refused, and that book handed
-    it on in turn: refills bounced it between books hundreds of times a second. Past the hold a lost refill's slot
-    counts as free again, as before. Read with the lanes' part of a snapshot (of no book: one round trip)."""
+def handed_slots(ports: Ports, queues: Collection[str], *, exclude: str | None = None) -> dict[str, int]:
+    """Per lane, the slots handed less than `capacity.HANDED_HOLD_SECONDS` ago to books (not `exclude`) whose refills
+    have not claimed them (off the waiting list still; a claim takes its refill's record away): each such refill
+    claims its slot, which a count of the lanes sees as free. *Why:* handed again, it went to a less urgent book
+    whose refill the hold refused, and that book handed it on in turn: refills bounced it between books hundreds of
+    times a second. Past the hold a lost refill's slot counts as free again, as before. Read with the lanes' part of
+    a snapshot (of no book: one round trip)."""
     snap = ports.book_state.pair_snapshot("", (), ports.clock(), sorted(queues))
-    return {q: sum(1 for b in books if b not in snap.waiters.get(q, {})) for q, books in snap.handed.items()}
+    return {
+        q: sum(1 for b in books if b != exclude and b not in snap.waiters.get(q, {}))
+        for q, books in snap.handed.items()
+    }
+
+
+def hand_on_spare(ports: Ports, book: str, queue: str, free: int, *, most: int, held: bool) -> None:
+    """`free` slots of `queue` that a pass of `book` counted under the lane lock and left unused, `most` of them at
+    most, go to the books waiting for the lane. `held`: the pass's snapshot saw slots handed moments ago, their
+    refills' to claim, not spare: their records are read again, since one the snapshot read may be of a refill whose
+    claim the pass's count includes (a claim takes its record away, `dispatch`)."""
+    if held:
+        free -= handed_slots(ports, [queue], exclude=book).get(queue, 0)
+    hand_over(ports, queue, min(free, most), exclude=book)
+
+
+def hand_over_again(ports: Ports, book: str, queue: str, at: float, rank: int) -> None:
+    """A handed claim whose batch took its hand-over record away did not commit: the record again, at the head of
+    `rank` (the priority it was handed the slot at), so that its refill keeps the book's place there
+    (`refill._keep_place`) and a refill lost puts it back on the list. Best effort: lost, the refill keeps the book
+    at the head of `normal`."""
+    try:
+        ports.deferrals.hand_over_again(queue, book, at, wait_score(rank, 0.0))
+    except StoreUnavailable as err:
+        log.warning("[DISPATCH] book=%r hand-over record of %s not written again: %s", book, queue, err)
 
 
 def _free_slots(ports: Ports, queues: Collection[str] | None = None) -> dict[str, int]:

@@ -18,10 +18,6 @@ from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import Committed, Ports
 
 log = logging.getLogger("animastor.gate")
-# A hand-over record written up to this long after a refill began is the refill's own: the hand-over and the
-# refill read the Redis clock in two processes, each carried by its own monotonic clock (they agree to within
-# milliseconds). A record written later is a second hand-over, whose refill has yet to report back.
-HANDED_CLOCK_SLACK = 1.0
 
 
 def refill(
@@ -61,7 +57,7 @@ def _close_hand_over(ports: Ports, batch: str, lane: str) -> None:
 def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slots: int) -> PassReport:
     report = PassReport(book)
     handed = lane or slots_of  # the lane whose slot the book was handed (lua/lane_take.lua noted it)
-    began = ports.clock() + HANDED_CLOCK_SLACK
+    began = ports.clock() + lanes.HANDED_CLOCK_SLACK
     try:
         read = candidates.dispatch_candidates(ports, report, book, lane, slots_of, slots)
         finished = read is None or (read == 0 and (lane is None or _nothing_pending(ports, book)))
@@ -95,8 +91,9 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
 
 
 def _hand_over_done(ports: Ports, book: str, lane: str, began: float) -> None:
-    """Best effort: a record left behind only puts the book back on the waiting list two ticks later, which costs
-    a refill; raised, it failed a refill whose claims were made, and its caller sent the refill again."""
+    """The record of a refill that claimed nothing of its lane (a claim took it away already, `dispatch`). Best
+    effort: a record left behind only puts the book back on the waiting list two ticks later, which costs a refill;
+    raised, it failed a refill whose claims were made, and its caller sent the refill again."""
     try:
         ports.deferrals.hand_over_done(lane, book, began)
     except StoreUnavailable as err:

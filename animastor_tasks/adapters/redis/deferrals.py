@@ -26,7 +26,7 @@ class DeferralStore:
         self._stranded = conn.client.register_script(_script("lanes_stranded"))
         self._restore = conn.client.register_script(_script("handed_restore"))
         self._keep = conn.client.register_script(_script("handed_keep"))
-        self._done = conn.client.register_script(_script("handed_done"))
+        self._done_lua = _script("handed_done")
 
     def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:
         mapping = {pair_member(*p): now + seconds for p in pairs}
@@ -89,10 +89,17 @@ class DeferralStore:
         return True
 
     def hand_over_done(self, queue: str, book: str, began: float) -> None:
-        """The refill of `book` handed a slot of `queue`, begun at `began` (`Ports.clock`), has done its work: its
-        hand-over record goes, unless a later hand-over wrote it (`lua/handed_done.lua`)."""
-        keys, args = [self.conn.keys.lane_handed(queue)], [book, repr(began)]
-        self.conn.run(lambda: self._done(keys=keys, args=args))
+        """The refill of `book` handed a slot of `queue`, begun at `began` (`Ports.clock`), has claimed it or done its
+        work: its hand-over record goes, unless a later hand-over wrote it (`lua/handed_done.lua`). A write of the
+        open batch, if any (a claim's: sent as the script's text, as `release_leases` does)."""
+        with self.conn.writes() as pipe:
+            pipe.eval(self._done_lua, 1, self.conn.keys.lane_handed(queue), book, repr(began))
+
+    def hand_over_again(self, queue: str, book: str, at: float, score: float) -> None:
+        """`book`'s hand-over record again, as of `at` at wait score `score`, unless a later hand-over wrote one: the
+        claim whose batch took it away (`hand_over_done`) did not commit."""
+        with self.conn.writes() as pipe:
+            pipe.hsetnx(self.conn.keys.lane_handed(queue), book, f"{at!r} {score!r}")
 
     def keep_handed_place(self, queue: str, book: str) -> None:
         """A handed book whose refill could not read it waits again at the head of the priority it was handed the
