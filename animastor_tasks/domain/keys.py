@@ -47,8 +47,8 @@ widens to another book).
 |   score = priority rank x 1e10 + when B first |        | the lane (most urgent, then oldest first: |
 |   waited for the lane)                        |        | round robin)                              |
 | ``P:lane-handed:QUEUE`` (field ``B``, value: | hash   | from a hand-over of a slot of the lane to |
-|   when B was handed it, Redis time, and B's   |        | B until B's refill is done; put back on   |
-|   wait score then)                            |        | the waiting list by a tick if it is lost  |
+|   when B was handed it, Redis time, and B's   |        | B until B's refill claims or is done; put |
+|   wait score then)                            |        | back on the list by a tick if it is lost  |
 | ``P:lanes-seen-free`` (field QUEUE, value:     | hash   | while the lane has free slots and books   |
 |   when the tick first saw that lane with free |        | waiting (a tick hands them on when it     |
 |   slots and books waiting, Redis time)        |        | sees them again: lua/lanes_stranded.lua)  |
