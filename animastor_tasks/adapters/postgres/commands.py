@@ -186,7 +186,9 @@ class CommandStore:
         every_active: bool = False,
     ) -> list[CommandRow]:
         """Commands with their per-state progress, newest first: the `limit` newest, and with `every_active` each
-        one still active however old."""
+        one still active however old. The commands are chosen first, then their own targets read by key: chosen
+        in the join's condition, every target ever kept was read and hashed against every pair (3.4 s at 8.9
+        million targets) to list 200 commands."""
         params: list[Any] = [book] if book is not None else []
         where = "c.book_id = %s" if book is not None else "TRUE"
         if command_ids is not None:
@@ -194,15 +196,16 @@ class CommandStore:
             params.append(list(command_ids))
         with self.db.read() as conn:
             rows = conn.execute(
-                "SELECT c.command_id, c.book_id, c.stage, c.status, c.reason, extract(epoch FROM c.created_at),"
-                " a.state, t.released, count(*) FROM commands c"
-                " JOIN command_targets t ON t.command_id = c.command_id"
-                " LEFT JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
-                "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
-                f" WHERE {where} AND (c.command_id IN (SELECT command_id FROM commands c WHERE {where}"
-                "  ORDER BY created_at DESC LIMIT %s) OR (%s AND c.status = %s))"
+                f"WITH chosen AS MATERIALIZED ((SELECT command_id FROM commands c WHERE {where}"
+                f"  ORDER BY created_at DESC LIMIT %s) UNION (SELECT command_id FROM commands c WHERE {where}"
+                "  AND %s AND c.status = %s))"
+                " SELECT c.command_id, c.book_id, c.stage, c.status, c.reason, extract(epoch FROM c.created_at),"
+                " t.state, t.released, count(*) FROM chosen JOIN commands c ON c.command_id = chosen.command_id"
+                " CROSS JOIN LATERAL (SELECT t.released, (SELECT a.state FROM asset_states a"
+                "  WHERE a.book_id = t.book_id AND a.chapter_id = t.chapter_id AND a.scene_id = t.scene_id"
+                "  AND a.stage = t.stage) AS state FROM command_targets t WHERE t.command_id = c.command_id OFFSET 0) t"
                 " GROUP BY 1, 2, 3, 4, 5, 6, 7, 8 ORDER BY 6 DESC, 3",
-                [*params, *params, limit, every_active, CommandStatus.ACTIVE],
+                [*params, limit, *params, every_active, CommandStatus.ACTIVE],
             ).fetchall()
         found: dict[str, dict[str, Any]] = {}
         for cid, book_id, stage, status, reason, created, state, released, count in rows:
