@@ -86,14 +86,20 @@ def test_the_read_of_what_is_left_does_not_walk_the_books_pending_pairs(rt: Any,
             " AND scene_id = ANY(%s)",
             ([scene for _, scene in CHAPTER],),
         )
-    params = {"book": "big", "stage": "audio", **jobs._RANKS}
-    with psycopg.connect(rt.settings.database_url, prepare_threshold=0) as conn:
-        conn.execute(f"SET plan_cache_mode = {plan}")
-        conn.execute(f"SELECT {jobs._PENDING_RANK}", params)  # prepared (threshold 0): the plan the mode forces
-        before = fetched(conn)
-        row = conn.execute(f"SELECT {jobs._PENDING_RANK}", params).fetchone()
-        cost = fetched(conn) - before
+    row, cost = pending_rank_read(rt, plan, "big")
     assert row == (priority_rank(Priority.NORMAL),)  # the chapter's scenes run: the whole book's are left
     # The whole-book command finds one of its own first; the chapter command looks at FEW_TARGETS pending pairs,
     # then at its own targets.
     assert cost <= FEW_TARGETS + len(CHAPTER) + 10, f"the read fetched {cost} asset rows"
+
+
+def pending_rank_read(rt: Any, plan: str, book: str) -> tuple[Any, int]:
+    """The commit's read of what `book` has left pending of its audio stage, and the asset rows it fetched, under
+    `plan` (prepared at once: the plan the mode forces)."""
+    params = {"book": book, "stage": "audio", **jobs._RANKS}
+    with psycopg.connect(rt.settings.database_url, prepare_threshold=0) as conn:
+        conn.execute(f"SET plan_cache_mode = {plan}")
+        conn.execute(f"SELECT {jobs._PENDING_RANK}", params)
+        before = fetched(conn)
+        row = conn.execute(f"SELECT {jobs._PENDING_RANK}", params).fetchone()
+        return row, fetched(conn) - before

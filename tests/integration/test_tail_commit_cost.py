@@ -14,10 +14,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from animastor_tasks.adapters.postgres import jobs
 from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS
 from animastor_tasks.adapters.postgres.settle import settle_commands
 
+from .test_commit_leaves import pending_rank_read
 from .test_read_costs import fetched, regenerated
 
 CHAPTERS, SCENES = 4, 1000  # a whole-book command of 4,000 targets
@@ -28,13 +28,7 @@ def test_the_read_of_what_is_left_at_a_whole_book_commands_tail_does_not_walk_it
     regenerated(rt, "big", chapters=CHAPTERS, scenes=SCENES)
     with rt.db.transaction() as conn:  # the tail: every pair done but the jobs that run
         conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'big' AND state = 'pending'")
-    params = {"book": "big", "stage": "audio", **jobs._RANKS}
-    with psycopg.connect(rt.settings.database_url, prepare_threshold=0) as conn:
-        conn.execute(f"SET plan_cache_mode = {plan}")
-        conn.execute(f"SELECT {jobs._PENDING_RANK}", params)  # prepared (threshold 0): the plan the mode forces
-        before = fetched(conn)
-        row = conn.execute(f"SELECT {jobs._PENDING_RANK}", params).fetchone()
-        cost = fetched(conn) - before
+    row, cost = pending_rank_read(rt, plan, "big")
     assert row == (None,)  # nothing left pending
     assert cost < 3 * FEW_TARGETS, f"the read fetched {cost} asset rows"
 
