@@ -47,6 +47,28 @@ FEW_TARGETS_OF = (
 HAS_FEW_TARGETS = f"coalesce(c.target_count, {FEW_TARGETS + 1}) <= {FEW_TARGETS}"
 
 
+def has_target_in(states: str, *, unreleased: bool = False) -> str:
+    """Whether the command aliased `c` (its `command_id`, `stage` and `few`) has a target whose pair is in `states`
+    (a settle's search for one in flight, a commit's for one pending), `unreleased` ones only if asked. The search
+    stops at the first, so it costs what the command holds, never what the book has in those states. A command of
+    many targets looks first among `head` (the first FEW_TARGETS pairs of each stage in `states`, a CTE the caller
+    reads once: its `stage`, `chapter_id`, `scene_id`); fewer than FEW_TARGETS are every such pair of the stage, and
+    the answer is there. Only past them does it, as one of few does at once, walk its own targets by key, ordered in
+    a subquery of its own so that the walk is planned to stop early (planned for all of them, it sorted them
+    first). *Why:* searching the book's pairs alone, a chapter's command read them all when its own lay last (53-66
+    ms a commit under the lane's lock at 50,000 pending pairs); walking the targets whenever none of the head was
+    its own, a whole-book command's last commits read every target (50,000 rows, 150 ms)."""
+    released = " AND o.released IS NULL" if unreleased else ""
+    return (
+        "CASE WHEN NOT c.few AND EXISTS (SELECT 1 FROM head f CROSS JOIN LATERAL (SELECT 1 FROM command_targets o"
+        f"  WHERE o.command_id = c.command_id AND o.chapter_id = f.chapter_id AND o.scene_id = f.scene_id{released}"
+        "  OFFSET 0) o WHERE f.stage = c.stage) THEN true"
+        f" WHEN NOT c.few AND (SELECT count(*) FROM head f WHERE f.stage = c.stage) < {FEW_TARGETS} THEN false"
+        f" ELSE EXISTS (SELECT 1 FROM (SELECT 1 FROM command_targets o {pair_row_of('o', 'state')} f"
+        f"  WHERE o.command_id = c.command_id{released} AND f.state IN {states} {TARGETS_BY_KEY.format('o')}) o) END"
+    )
+
+
 # The gate rows of books: each book's own row (`_BOOK_ROW`), then its in-flight pairs, a row each, unordered (a
 # sort of a big book's rows spills to disk; the pass orders the few it claims). Whether an active command targets a
 # pair, and its place, come from the books' active commands, not from every target the pair ever had: looked up on
@@ -124,7 +146,7 @@ def pair_row_of(target: str, columns: str = "*") -> str:
 
 
 # The priorities in rank order, for `array_position` (an array parameter: the order is the point).
-_PRIORITIES = [str(p) for p in Priority]
+PRIORITIES = [str(p) for p in Priority]
 
 
 def pair_columns(pairs: Sequence[Pair]) -> tuple[list[str], list[str], list[str]]:
@@ -143,7 +165,7 @@ def _gate_row_params(books: Sequence[str]) -> dict[str, Any]:
     return {
         "books": list(books),
         "book": books[0] if len(books) == 1 else None,  # `_GATE_ROWS_OF_BOOK`'s
-        "priorities": _PRIORITIES,
+        "priorities": PRIORITIES,
         "normal": priority_rank(Priority.NORMAL),
     }
 
@@ -306,7 +328,7 @@ class GateReads:
                 {
                     "book": book,
                     "stages": list(stages),
-                    "priorities": _PRIORITIES,
+                    "priorities": PRIORITIES,
                 },
             ).fetchall()
         return _gate_rows_by_book([book], rows)[book]

@@ -15,13 +15,13 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
-from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS, HAS_FEW_TARGETS, TARGETS_BY_KEY, pair_row_of
+from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS, HAS_FEW_TARGETS, PRIORITIES, has_target_in
 from animastor_tasks.adapters.postgres.pool import Database, bound_lock_waits
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.book import storable
 from animastor_tasks.domain.keys import book_lock, lane_lock
 from animastor_tasks.domain.types import BookPair, Pair
-from animastor_tasks.domain.vocabulary import AssetState, Priority, transition
+from animastor_tasks.domain.vocabulary import AssetState, transition
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.ports import Committed, JobRow
 
@@ -194,27 +194,19 @@ class JobStore:
 
 # The rank of the book's most urgent pending pair of the stage that an authorizing command targets (NULL: none): the
 # pairs a refill's candidates are (`GateReads.gate_candidates`), so the two agree. Each command's search stops at the
-# first pending target it finds: a command of many targets looks among the first pending pairs of the stage in reading
-# order (the pending-only index of 0006; a whole-book command's are its own), read once for all of them; fewer than
-# FEW_TARGETS are every pending pair of the stage, and the answer is there. Only past them does it, as one of few does
-# at once, walk its own targets in key order. Walking the book's pending pairs alone, a chapter's command whose last
-# scenes ran read every pending pair of a whole-book command beside it, at each commit, under the lane's lock; and
-# walking its targets whenever none of the first was its own, a whole-book command's last commits (nothing of the
-# stage pending, its last jobs running) read every target (50,000 rows, 150 ms under the lane's lock).
+# first pending target it finds (`has_target_in`), its head the first pending pairs of the stage in reading order (the
+# pending-only index of 0006; a whole-book command's are its own). Walking the book's pending pairs alone, a chapter's
+# command whose last scenes ran read every pending pair of a whole-book command beside it, at each commit, under the
+# lane's lock.
 _PENDING_RANK = (
-    "(WITH head AS MATERIALIZED (SELECT chapter_id, scene_id FROM asset_states WHERE book_id = %(book)s"
+    "(WITH head AS MATERIALIZED (SELECT stage, chapter_id, scene_id FROM asset_states WHERE book_id = %(book)s"
     f"  AND stage = %(stage)s AND state = {literals.PENDING} ORDER BY position LIMIT {FEW_TARGETS})"
     " SELECT min(array_position(%(priorities)s::text[], c.priority)) - 1 FROM"
-    f" (SELECT c.command_id, c.priority, {HAS_FEW_TARGETS} AS few FROM commands c WHERE c.book_id = %(book)s"
-    f"  AND c.stage = %(stage)s AND c.status IN {literals.AUTHORIZING_STATUSES}) c WHERE CASE"
-    "  WHEN NOT c.few AND EXISTS (SELECT 1 FROM head a CROSS JOIN LATERAL (SELECT 1 FROM command_targets t"
-    "   WHERE t.command_id = c.command_id AND t.chapter_id = a.chapter_id AND t.scene_id = a.scene_id OFFSET 0) t)"
-    "  THEN true"
-    f"  WHEN NOT c.few AND (SELECT count(*) FROM head) < {FEW_TARGETS} THEN false"
-    "  ELSE EXISTS (SELECT 1 FROM (SELECT * FROM command_targets t WHERE t.command_id = c.command_id"
-    f"   {TARGETS_BY_KEY.format('t')}) t {pair_row_of('t', 'state')} a WHERE a.state = {literals.PENDING}) END)"
+    f" (SELECT c.command_id, c.stage, c.priority, {HAS_FEW_TARGETS} AS few FROM commands c WHERE c.book_id = %(book)s"
+    f"  AND c.stage = %(stage)s AND c.status IN {literals.AUTHORIZING_STATUSES}) c"
+    f" WHERE {has_target_in(f'({literals.PENDING})')})"
 )
-_RANKS = {"priorities": [str(p) for p in Priority]}  # in rank order, for `array_position`
+_RANKS = {"priorities": PRIORITIES}
 
 # The pair is still this job's: generating under its token and dispatch id.
 _OWNED = (

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import literals
-from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS, HAS_FEW_TARGETS, TARGETS_BY_KEY, pair_row_of
+from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS, HAS_FEW_TARGETS, TARGETS_BY_KEY, has_target_in
 from animastor_tasks.domain.targets import TargetCounts, settle
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState, CommandStatus
@@ -29,16 +29,9 @@ def settle_commands(conn: psycopg.Connection[Any], book: str, pair: Pair | None 
     or released it. `pair`: the one pair the caller changed, so only the commands that target it are
     looked at (a job's end, under its lane's lock: each command looked at searches for a target in flight,
     67 ms per commit at 5,000 pairs and 21 active commands). Returns the settled command ids."""
-    # Only a command none of whose unreleased targets is in flight can settle, and most of its life one is; the
-    # search stops at the first one, so it costs what the command holds, never what the book has in flight. A
-    # command of many targets looks first among the first in-flight pairs of its stage (a whole-book command's
-    # are nearly all its own), in the index's order (a limit made a scan of the table look cheap), read once per
-    # stage; fewer than FEW_TARGETS are every in-flight pair of the stage, and the answer is there. Only past them
-    # does it, as one of few does at once, walk its own targets by key, ordered in a subquery of its own so that
-    # the walk is planned to stop early (planned for all of them, it sorted them first). Searching only the book's
-    # in-flight pairs, of every stage, a chapter's command read them all when a force had left its own last in the
-    # heap: 53-66 ms per commit under the lane's lock at 50,000 pending pairs; walking its targets whenever none
-    # of the first was its own, a whole-book command's final commit read every target twice.
+    # Only a command none of whose unreleased targets is in flight can settle, and most of its life one is
+    # (`has_target_in`). The head is the first in-flight pairs of each stage looked at (a whole-book command's are
+    # nearly all its own), in the index's order (a limit made a scan of the table look cheap).
     rows = conn.execute(
         f"WITH looked_at AS MATERIALIZED (SELECT c.command_id, c.stage, {HAS_FEW_TARGETS} AS few FROM commands c"
         f"  WHERE c.book_id = %(book)s AND c.status = {literals.ACTIVE}{_TARGETING if pair else ''}),"
@@ -46,14 +39,8 @@ def settle_commands(conn: psycopg.Connection[Any], book: str, pair: Pair | None 
         "  FROM (SELECT DISTINCT stage FROM looked_at WHERE NOT few) s CROSS JOIN LATERAL (SELECT chapter_id, scene_id"
         f"  FROM asset_states WHERE book_id = %(book)s AND stage = s.stage AND state IN {literals.IN_FLIGHT_STATES}"
         f"  ORDER BY state LIMIT {FEW_TARGETS}) f),"
-        " settling AS MATERIALIZED (SELECT c.command_id FROM looked_at c WHERE NOT CASE"
-        "  WHEN NOT c.few AND EXISTS (SELECT 1 FROM head f CROSS JOIN LATERAL (SELECT 1 FROM command_targets o"
-        "   WHERE o.command_id = c.command_id AND o.chapter_id = f.chapter_id AND o.scene_id = f.scene_id"
-        "   AND o.released IS NULL OFFSET 0) o WHERE f.stage = c.stage) THEN true"
-        f"  WHEN NOT c.few AND (SELECT count(*) FROM head f WHERE f.stage = c.stage) < {FEW_TARGETS} THEN false"
-        f"  ELSE EXISTS (SELECT 1 FROM (SELECT 1 FROM command_targets o {pair_row_of('o', 'state')} f"
-        f"   WHERE o.command_id = c.command_id AND o.released IS NULL AND f.state IN {literals.IN_FLIGHT_STATES}"
-        f"   {TARGETS_BY_KEY.format('o')}) o) END)"
+        " settling AS MATERIALIZED (SELECT c.command_id FROM looked_at c"
+        f"  WHERE NOT {has_target_in(literals.IN_FLIGHT_STATES, unreleased=True)})"
         " SELECT t.command_id, t.released, a.state, count(*) FROM settling c"
         f" CROSS JOIN LATERAL (SELECT * FROM command_targets t WHERE t.command_id = c.command_id"
         f"  {TARGETS_BY_KEY.format('t')}) t"
