@@ -195,11 +195,16 @@ def first_on_remote_shutdown(hook: Callable[[str], None]) -> None:
     @control.control_command(name="shutdown")
     def shutdown(state: Any, **kwargs: Any) -> Any:
         """Shutdown worker(s)."""
-        try:
-            hook(state.hostname)
-        except Exception:  # the shutdown goes on whatever the hook did
-            log.exception("[WORKER] shutdown hook failed")
+        _run_hook(hook, state.hostname)
         return celerys(state, **kwargs)
+
+
+def _run_hook(hook: Callable[..., None], *args: Any) -> None:
+    """The shutdown goes on whatever the hook did."""
+    try:
+        hook(*args)
+    except Exception:
+        log.exception("[WORKER] shutdown hook failed")
 
 
 def _hook_first(hook: Callable[[], None], handler: Callable[..., Any], main: int) -> Callable[..., None]:
@@ -218,9 +223,7 @@ def _hook_first(hook: Callable[[], None], handler: Callable[..., Any], main: int
             return
         state["hooking"], state["handled"] = True, False
         try:
-            hook()
-        except Exception:  # the shutdown goes on whatever the hook did
-            log.exception("[WORKER] shutdown hook failed")
+            _run_hook(hook)
         finally:
             state["hooking"] = False
         if not state["handled"]:
