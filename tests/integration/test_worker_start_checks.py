@@ -7,15 +7,13 @@ itself on every GPU queue, took the jobs and failed each `misconfigured`.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from tests.unit.test_stage_endpoints import start_with_a_generator_not_installed
 
 
 @pytest.mark.parametrize(
@@ -48,17 +46,8 @@ def test_a_control_worker_named_by_q_probes_no_artifact_store(monkeypatch: pytes
 
 
 def test_a_bare_celery_worker_whose_generator_is_not_installed_refuses_to_start(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "ANIMASTOR_STAGES": '{"audio": {"generator": "htp", "media_type": "audio/wav"}}',
-        "ANIMASTOR_REDIS_URL": "redis://127.0.0.1:1/0",  # nothing listens: nothing may be needed to refuse
-        "ANIMASTOR_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/none",
-    }
-    env.pop("ANIMASTOR_BROKER_URL", None)
-    argv = [sys.executable, "-m", "celery", "-A", "animastor_tasks", "worker", "-P", "solo"]
-    try:
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the worker started: {str(err.stderr)[-500:]}")
+    done = start_with_a_generator_not_installed(
+        ["-m", "celery", "-A", "animastor_tasks", "worker", "-P", "solo"], tmp_path
+    )
     assert done.returncode == 2, done.stderr
     assert "generator 'htp' is not installed" in done.stderr and "Traceback" not in done.stderr

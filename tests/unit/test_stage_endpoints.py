@@ -46,20 +46,28 @@ def test_endpoints_that_are_urls_pass() -> None:
     assert [s.generator for s in settings.stages] == ["http", "openai-images"]
 
 
-def test_a_gpu_worker_whose_generator_is_not_installed_refuses_to_start(tmp_path: Path) -> None:
-    """It started healthy and failed every job `misconfigured`; the warm-up said why at DEBUG only."""
+def start_with_a_generator_not_installed(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """A worker started by `argv` (after the Python) with stage audio's generator `htp`, no store listening (nothing
+    may be needed to refuse): how it ended, or a test failure when it started."""
     env = {
         **os.environ,
         "ANIMASTOR_LOCAL_DIR": str(tmp_path / "none"),
         "ANIMASTOR_STAGES": '{"audio": {"generator": "htp", "media_type": "audio/wav"}}',
-        "ANIMASTOR_REDIS_URL": "redis://127.0.0.1:1/0",  # nothing listens: nothing may be needed to refuse
+        "ANIMASTOR_REDIS_URL": "redis://127.0.0.1:1/0",
         "ANIMASTOR_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/none",
     }
     env.pop("ANIMASTOR_BROKER_URL", None)
-    argv = [sys.executable, "-m", "animastor_tasks.operator.cli", "worker", "--stage", "audio", "-P", "solo"]
     try:
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+        return subprocess.run(
+            [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path
+        )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"the worker started: {str(err.stderr)[-500:]}")
+
+
+def test_a_gpu_worker_whose_generator_is_not_installed_refuses_to_start(tmp_path: Path) -> None:
+    """It started healthy and failed every job `misconfigured`; the warm-up said why at DEBUG only."""
+    argv = ["-m", "animastor_tasks.operator.cli", "worker", "--stage", "audio", "-P", "solo"]
+    done = start_with_a_generator_not_installed(argv, tmp_path)
     assert done.returncode == 2, done.stderr
     assert "generator 'htp' is not installed" in done.stderr
