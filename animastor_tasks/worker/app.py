@@ -105,6 +105,7 @@ def refuse_unknown_queues(sender: str, instance: Any, conf: Any, options: dict[s
         )
         raise SystemExit(2)
     consumed = (named or known) - _queue_names(options.get("exclude_queues"))
+    refuse_control_beside_gpu(consumed, bare=not named)
     refuse_generators_not_built(consumed)
     if consumed & set(settings.registry.queues()):
         refuse_an_artifact_store_that_refuses()
@@ -114,6 +115,21 @@ def _queue_names(raw: Any) -> set[str]:
     """The queues of a `-Q`/`-X` option: Celery passes a list, a comma-separated string, or nothing."""
     items = [raw] if isinstance(raw, str) else raw or []
     return {q.strip() for item in items for q in str(item).split(",") if q.strip()}
+
+
+def refuse_control_beside_gpu(queues: set[str], *, bare: bool) -> None:
+    """The control queue and a GPU queue are never consumed by one worker. *Why:* its slots are shared, so a long
+    GPU job held up the control work behind it (gate passes, regenerate, Stop All), and control work took a slot
+    a GPU job was dispatched for. `bare`: no `-Q` was given, which is how a worker came to consume both."""
+    gpu = sorted(queues & set(settings.registry.queues()))
+    if CONTROL_QUEUE in queues and gpu:
+        how = " (without -Q a worker consumes every queue: name its queues with -Q)" if bare else ""
+        sys.stderr.write(
+            f"animastor-tasks: refusing to consume the control queue {CONTROL_QUEUE} and GPU queue(s) "
+            f"{', '.join(gpu)} in one worker{how}; run them as separate workers: `animastor-tasks worker` for "
+            "the control queue, `animastor-tasks worker --stage <stage>` for each GPU queue\n"
+        )
+        raise SystemExit(2)
 
 
 def refuse_generators_not_built(queues: set[str]) -> None:
