@@ -195,3 +195,54 @@ def test_a_silent_holder_s_transaction_ends_on_postgresql_17(rt, books) -> None:
         waiter = Timed.begin(claim(rt, y))
         waiter.join(pool.LOCK_WAIT_MS / 1000 - 2)  # ended by the holder's limit (2 s), not its own wait's
         assert not waiter.is_alive() and waiter.error is None, waiter.error
+
+
+def test_a_book_s_lock_held_by_a_silent_holder_refuses_its_book_s_commands_in_bounded_time(rt, books, monkeypatch):
+    """A client silent while it holds a book's lock (an import or a Stop All from a host cut off): a regenerate and a
+    Stop All of that book waited for it with no bound, each holding a control process for good (no control task has
+    a time limit). They end as the store unavailable within `pool.LOCK_WAIT_MS`, having changed nothing."""
+    monkeypatch.setattr(pool, "LOCK_WAIT_MS", 1000)
+    x, _, _ = books
+    url = rt.settings.database_url
+    before = commands_of(rt, x)
+    with stalled_holder(_STALLED_HOLDER, url, f"book:{x}"):
+        waiters = [
+            Timed.begin(lambda: regenerate_flow.regenerate(rt.ports, x, ["audio"])),
+            Timed.begin(lambda: rt.ports.commands.cancel_book(x, "stop")),
+            Timed.begin(lambda: rt.catalog.import_book(make_book(x, chapters=1, scenes=4))),
+        ]
+        for waiter in waiters:
+            waiter.join(6.0)
+        assert [w.is_alive() for w in waiters] == [False, False, False], "still waiting for the book's lock"
+    assert [type(w.error) for w in waiters] == [StoreUnavailable] * 3, [w.error for w in waiters]
+    assert [w.took is not None and w.took < 5.0 for w in waiters] == [True] * 3
+    assert commands_of(rt, x) == before
+
+
+def commands_of(rt: Wiring, book: str) -> list[tuple[str, str]]:
+    with rt.db.read() as conn:
+        rows = conn.execute("SELECT command_id::text, status FROM commands WHERE book_id = %s ORDER BY 1", (book,))
+        return [(str(c), str(s)) for c, s in rows.fetchall()]
+
+
+_STALLED_ROW_HOLDER = """
+import os, signal, sys, psycopg
+with psycopg.connect(sys.argv[1]) as conn:
+    with conn.pipeline():
+        conn.execute("SELECT 1 FROM books WHERE book_id = %s FOR UPDATE", (sys.argv[2],))
+    print("locked", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_layers_change_behind_a_silent_holder_of_the_book_s_row_ends_in_bounded_time(rt, books, monkeypatch):
+    """`layers set` waits for the book's row, which an import writes: behind a silent one it waited for good."""
+    monkeypatch.setattr(pool, "LOCK_WAIT_MS", 1000)
+    x, _, _ = books
+    before = rt.catalog.layers(x)
+    with stalled_holder(_STALLED_ROW_HOLDER, rt.settings.database_url, x):
+        waiter = Timed.begin(lambda: rt.catalog.change_layers(x, {"audio": False}))
+        waiter.join(6.0)
+        assert not waiter.is_alive(), "still waiting for the book's row"
+    assert type(waiter.error) is StoreUnavailable, waiter.error
+    assert rt.catalog.layers(x) == before

@@ -9,7 +9,8 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from animastor_tasks.adapters.postgres import journal
-from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database
+from animastor_tasks.adapters.postgres.commands import lock_book
+from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database, bound_lock_wait
 from animastor_tasks.adapters.postgres.released import mark_released
 from animastor_tasks.domain.book import Book
 from animastor_tasks.domain.gate import changed_layers
@@ -82,7 +83,7 @@ class Catalog:
         stages = list(self.registry.names())
         hashes = {(s.chapter_id, s.scene_id): scene_hashes(self.registry, s.text, s.prompt) for s in book.scenes}
         with self.db.transaction() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"book:{book.book_id}",))
+            lock_book(conn, book.book_id)
             created = (
                 conn.execute(
                     "INSERT INTO books (book_id, title) VALUES (%s, %s) ON CONFLICT (book_id) DO UPDATE"
@@ -235,6 +236,7 @@ class Catalog:
         a stage only another table has was dropped (a layer turned off came back on), and of two changes made at
         once the last undid the first."""
         with self.db.transaction() as conn:
+            bound_lock_wait(conn)  # behind an import of the book, as long as its lock's waiters, no longer
             row = conn.execute(  # NO KEY: a foreign key check of a new command or chapter needs not wait
                 "SELECT layer_config FROM books WHERE book_id = %s FOR NO KEY UPDATE", (book_id,)
             ).fetchone()

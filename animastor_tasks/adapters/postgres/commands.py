@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
-from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database
+from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database, bound_lock_wait
 from animastor_tasks.adapters.postgres.released import release_targets
 from animastor_tasks.domain import liveness, vocabulary
 from animastor_tasks.domain.keys import book_lock
@@ -374,8 +374,9 @@ def _fence_stale_runs(
 
 
 def lock_book(conn: psycopg.Connection[Any], book: str) -> None:
-    """The book's advisory lock, taken before any row: a release settles commands under the lock a
-    completion settles them under (`jobs._lock_capacity`), so the two never miss each other's last target."""
+    """The book's advisory lock, taken before any row: a release settles commands under the lock a completion
+    settles them under (`jobs._lock_capacity`), so the two never miss each other's last target."""
+    bound_lock_wait(conn)
     conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (book_lock(book),))
 
 

@@ -150,9 +150,16 @@ def bound_lock_waits(conn: psycopg.Connection[Any]) -> None:
     A wait cut short is `StoreUnavailable`: a claim is rolled back, a job's verdict written again (`when_reachable`).
     Asked of PostgreSQL 15 or 16, `transaction_timeout` fails the transaction, so it is sent only to a newer server
     (the version libpq read at connect)."""
-    conn.execute(f"SET LOCAL lock_timeout = {LOCK_WAIT_MS}")
+    bound_lock_wait(conn)
     if conn.info.server_version >= 170000:
         conn.execute(f"SET LOCAL transaction_timeout = {TRANSACTION_LIMIT_MS}")
+
+
+def bound_lock_wait(conn: psycopg.Connection[Any]) -> None:
+    """The transaction's lock waits bounded (`LOCK_WAIT_MS`), its length not: a whole-book transaction (an import,
+    a regenerate) waits for its book's lock no longer than a lane's claim does, and ends as the store unavailable
+    (refused whole, retried by its caller) instead of holding a control process for good behind a silent holder."""
+    conn.execute(f"SET LOCAL lock_timeout = {LOCK_WAIT_MS}")
 
 
 class Database:
