@@ -68,10 +68,10 @@ def let_go_of_silent_nodes(ports: Ports, generating: Sequence[GeneratingRow], re
         node_of = {h: liveness.holder_node(h) for h in ports.leases.delivery_holders(started) if h is not None}
         if not node_of:
             return
-        now = ports.clock()
+        beats = ports.presence.last_beats(sorted(set(node_of.values())))
+        now = ports.clock()  # after the beats' read, which measured this process's offset to the server's clock
         if now - ports.book_state.presence_unsure_since() < settings.silent_worker_seconds:
             return  # Redis lost its data or was out of reach moments ago: every node looks silent until it beats again
-        beats = ports.presence.last_beats(sorted(set(node_of.values())))
         silent = liveness.silent_nodes(beats, now, settings.silent_worker_seconds)
         lost: Counter[str] = Counter()
         for holder, node in sorted(node_of.items()):

@@ -13,14 +13,17 @@ import pytest
 
 from animastor_tasks.adapters.redis.breaker import BreakerStore
 from animastor_tasks.adapters.redis.connection import RedisConnection
+from animastor_tasks.adapters.redis.leases import LeaseStore
 from animastor_tasks.adapters.redis.presence import PresenceStore
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.flow import takeover
 from animastor_tasks.worker import wiring
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book
+from .helpers import advertise, make_book, states
 from .test_commands import cap_books
+from .test_generate import dispatched_jobs, with_stage
 
 TTL = 6.0
 
@@ -110,3 +113,67 @@ def test_a_process_that_started_with_redis_down_dates_its_recovery_by_the_server
         assert abs(recovered - rt.redis.server_time()) < 2.0, recovered - rt.redis.server_time()
     finally:
         host.client = None  # type: ignore[assignment]  # the borrowed client stays the fixture's
+
+
+def redis_now(rt: Wiring) -> float:
+    seconds, micros = rt.redis.client.time()
+    return seconds + micros / 1e6
+
+
+def test_a_host_resumed_from_a_suspend_beats_by_the_server_s_clock_at_once(rt: Wiring, monkeypatch) -> None:
+    """A host suspended 40 s: its monotonic clock, which carried its offset to the server's clock, did not count
+    the suspend, and it measured that offset again only a minute later by that clock. Meanwhile its heartbeats were
+    dated 40 s in the past: its stage read as gone (BLOCKED) and its running jobs were let go. Its wall clock did
+    count the suspend: the gap between the two clocks moving is what sends it to measure again."""
+    host = RedisConnection(rt.settings.redis_url, rt.redis.keys)
+    try:
+        PresenceStore(host).heartbeat("audio@resumed", ["gpu.audio"], TTL)  # measured before the suspend
+        host._server_minus_monotonic -= 40.0  # type: ignore[operator]  # the 40 s its monotonic clock missed
+        with clock_off_by(monkeypatch, 40.0):  # which its wall clock counted
+            PresenceStore(host).heartbeat("audio@resumed", ["gpu.audio"], TTL)
+            breaker = BreakerStore(host).breaker_record("gpu.audio", False, 1, 30.0, run=True)
+        [expiry] = rt.presence.live_consumers(["gpu.audio"])["gpu.audio"].values()
+        assert abs(expiry - (redis_now(rt) + TTL)) < 1.0
+        assert breaker == "open" and rt.breaker.breaker_state("gpu.audio") == "open"  # its cool-down holds
+    finally:
+        host.close()
+
+
+def test_a_step_of_the_redis_host_s_clock_splits_no_reader_from_the_hosts_it_judges(rt: Wiring) -> None:
+    """The Redis host's clock stepped 10 s (NTP): each process saw it only at its next measure, up to a minute
+    later. A GPU host that had not measured again dated its beats 10 s off the control process that had: its stage
+    was BLOCKED (no_worker) under its live worker. A beat, and each judgement of beats that can block a stage or let
+    a node go, measures the offset first."""
+    gpu = RedisConnection(rt.settings.redis_url, rt.redis.keys)
+    try:
+        gpu.server_time()
+        gpu._server_minus_monotonic -= 10.0  # type: ignore[operator]  # not measured since the step
+        PresenceStore(gpu).heartbeat("audio@stale", ["gpu.audio"], TTL)
+        rt.redis.server_time()
+        rt.redis._server_minus_monotonic += 10.0  # type: ignore[operator]  # the reader's stale the other way
+        assert rt.presence.counts(["gpu.audio"]) == {"gpu.audio": 1}
+        assert list(rt.presence.last_beats(["audio@stale"]).values()) == [pytest.approx(redis_now(rt), abs=1.0)]
+    finally:
+        gpu.close()
+
+
+def test_a_control_process_that_had_not_measured_since_a_step_lets_no_live_worker_go(rt: Wiring, tmp_path) -> None:
+    """The tick's judgement of silent workers dated "now" before reading the beats: a control process 40 s ahead
+    of the server's clock (a step it had not measured yet) took a worker beating every two seconds for silent and
+    threw its running job away."""
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    gpu = RedisConnection(rt.settings.redis_url, rt.redis.keys)
+    try:
+        PresenceStore(gpu).heartbeat("audio@gpu-1", ["gpu.audio"], rt.settings.presence_ttl_seconds)
+        regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+        [job] = dispatched_jobs(rt, "b")
+        started = LeaseStore(gpu).start_delivery(job.lease_pair, job.dispatch_id, "audio@gpu-1#77", 120)
+        assert started[:2] == (True, True)
+        rt.redis.server_time()
+        rt.redis._server_minus_monotonic += 40.0  # type: ignore[operator]  # the step not measured yet
+        report = takeover.on_tick(rt.ports)
+        assert report["let_go"] == 0 and report["blocked"] == 0, report
+        assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+    finally:
+        gpu.close()

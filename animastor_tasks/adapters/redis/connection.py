@@ -21,6 +21,7 @@ from animastor_tasks.errors import ConfigError, StoreUnavailable, redact_url
 
 T = TypeVar("T")
 CLOCK_CHECK_SECONDS = 60.0  # how often a process measures its clock's offset to the server's (`server_time`)
+CLOCK_JUMP_SECONDS = 1.0  # this host's wall clock moved so much away from its monotonic clock: measured again
 
 
 def _script(name: str) -> str:
@@ -59,6 +60,7 @@ class RedisConnection:
         self._unreachable = False
         self._server_minus_monotonic: float | None = None  # `server_time`: unknown until measured
         self._clock_checked = float("-inf")
+        self._wall_minus_monotonic = time.time() - time.monotonic()
 
     @contextmanager
     def errors(self) -> Iterator[None]:
@@ -105,13 +107,21 @@ class RedisConnection:
             yield own
             own.execute()
 
-    def server_time(self) -> float:
+    def server_time(self, *, fresh: bool = False) -> float:
         """Now by the Redis server's clock: what every time other hosts read is written and judged by (heartbeats,
         deferrals, breakers), so that a host whose clock is off neither reads as gone (its stage BLOCKED) nor
         lingers once dead. Measured (one TIME round trip) at first use and once a minute after, and carried on
-        by this host's monotonic clock in between, so a step of its wall clock (NTP) moves nothing. A Redis
-        that cannot be reached then leaves the last measure in use; before any, this host's clock. Never raises."""
-        if time.monotonic() >= self._clock_checked + CLOCK_CHECK_SECONDS:
+        by this host's monotonic clock in between, so a step of its wall clock (NTP) moves nothing; measured
+        again at once when the two clocks drift apart: the monotonic one does not count a suspend, and the host's
+        beats were dated that long in the past. `fresh`: measured now (Redis reachable), for a beat and for a
+        judgement of beats: a step of the Redis host's clock reaches each process at its own next measure, and
+        a process that had measured since took the beats of one that had not for stale. A Redis that cannot be
+        reached leaves the last measure in use; before any, this host's clock. Never raises."""
+        wall_minus_monotonic = time.time() - time.monotonic()
+        if abs(wall_minus_monotonic - self._wall_minus_monotonic) > CLOCK_JUMP_SECONDS:
+            self._wall_minus_monotonic = wall_minus_monotonic
+            self._clock_checked = float("-inf")
+        if (fresh and not self._unreachable) or time.monotonic() >= self._clock_checked + CLOCK_CHECK_SECONDS:
             self._clock_checked = time.monotonic()
             try:
                 before = time.monotonic()

@@ -33,7 +33,7 @@ class PresenceStore:
         whatever it consumes. A `ttl` of 0 with no queues is a clean stop: its last beat goes too. `holding`: it
         has no consumer on them for now (draining, or reconnecting to its broker), and will have one again or
         withdraw."""
-        now = self.conn.server_time()  # the server's clock: its readers run on other hosts
+        now = self.conn.server_time(fresh=True)  # the server's clock: its readers run on other hosts
         keys = self.conn.keys
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
@@ -68,7 +68,7 @@ class PresenceStore:
         exporter reported Redis down."""
         if not nodes:
             return {}
-        forget_before = self.conn.server_time() - FORGET_SILENT_NODE_SECONDS
+        forget_before = self.conn.server_time(fresh=True) - FORGET_SILENT_NODE_SECONDS
         with self.conn.errors():
             beats = self.conn.client.zmscore(self.conn.keys.beats(), list(nodes))
         return {
@@ -81,7 +81,7 @@ class PresenceStore:
         """{queue: seconds since a consumer last stopped consuming it cleanly} for those of `queues` on record."""
         if not queues:
             return {}
-        now = self.conn.server_time()
+        now = self.conn.server_time(fresh=True)
         with self.conn.errors():
             left = self.conn.client.zmscore(self.conn.keys.departures(), list(queues))
         return {queue: now - float(when) for queue, when in zip(queues, left, strict=True) if when is not None}
@@ -89,7 +89,7 @@ class PresenceStore:
     def live_consumers(self, queues: Sequence[str], now: float | None = None) -> dict[str, dict[str, float]]:
         """{queue: {hostname: heartbeat expiry}} for consumers whose heartbeat is still live; expiries and `now` by
         the Redis server's clock (`RedisConnection.server_time`)."""
-        now = self.conn.server_time() if now is None else now
+        now = self.conn.server_time(fresh=True) if now is None else now
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             for queue in queues:
