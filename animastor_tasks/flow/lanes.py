@@ -100,10 +100,12 @@ def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = Non
     """Free slots of a lane go to the books that have waited longest for it, each with a refill
     told which lane it is handed (it looks past its capacity deferrals on the lane); a book served this
     way waits at the back again when the lane is full (round robin). Returns the books served. Nothing of
-    the served books is written here. Several books share the slots (`capacity.share_slots`), each claiming
-    its share at most, and the last refill of them hands on what is still free (`refill.refill`). *Why:*
-    each took every free slot it could (the others were off the list, so its fair share did not bind), and
-    the books after the first waited a job for theirs."""
+    the served books is written here. Several slots go to the books of the head's priority alone, which share
+    them (`capacity.share_slots`), each claiming its share at most, and the last refill of them hands on what is
+    still free (`refill.refill`); a book with no use for its slots hands them on, to less urgent books once none
+    as urgent waits. *Why:* each took every free slot it could (the others were off the list, so its fair share
+    did not bind), and the books after the first waited a job for theirs; and one slot to each book from the
+    head, a bulk book's refill run first took a slot a reader's next interactive scene waited for."""
     if slots <= 0:
         return []
     books = ports.deferrals.next_waiters(queue, slots, exclude=exclude)

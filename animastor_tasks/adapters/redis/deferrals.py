@@ -133,8 +133,8 @@ class DeferralStore:
         requeue_from: str | None = None,
         left: Committed | None = None,
     ) -> list[str]:
-        """Take up to `count` books that waited longest for `queue` (not `exclude`), off the waiting list,
-        in one atomic call (two concurrent hand-overs never take the same book).
+        """Take up to `count` books that waited longest for `queue` (not `exclude`) at the head's priority, off the
+        waiting list, in one atomic call (two concurrent hand-overs never take the same book).
 
         `requeue_from`: the dispatch id of the job whose end freed the slot; when a book is taken,
         `exclude` (that job's book) queues behind the waiters at its own priority, so books take turns: the

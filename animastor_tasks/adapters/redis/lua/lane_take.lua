@@ -23,7 +23,9 @@
 --         list and losing its order. A book re-queued meanwhile only joins the list (keeping its place there).
 -- KEYS[5] the lane's hand-over record (hash: book -> '<now> <wait score>'): every book served is noted there
 --         until its refill reports back, so that a refill lost puts its book back on the list (handed_restore.lua)
--- ARGV[1] how many books to take
+-- ARGV[1] how many books to take, at most: the head's and those after it at the head's priority alone (the slots
+--         of a hand-over go to the most urgent books waiting; one with no use for its share hands it on). *Why:*
+--         one each from the head, a bulk book's refill run first took a slot a reader's second scene waited for.
 -- ARGV[2] a book never to take ('' for none): the one that freed the slot
 -- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank, ARGV[5] the default rank
 -- ARGV[6] what the commit of the job that freed the slot left its book of the lane: the rank of its most urgent
@@ -66,11 +68,16 @@ if KEYS[2] ~= '' then
     redis.call('DEL', KEYS[2])
 end
 local taken = {}
+local tier = nil
 if count > 0 then
     local head = redis.call('ZRANGE', KEYS[1], 0, count, 'WITHSCORES')
     for i = 1, #head, 2 do
         local book, score = head[i], tonumber(head[i + 1])
+        if tier ~= nil and math.floor(score / scale) > tier then
+            break
+        end
         if book ~= ARGV[2] and #taken < count then
+            tier = math.floor(score / scale)
             if #taken == 0 and own ~= nil and math.floor(own / scale) < math.floor(score / scale) then
                 redis.call('ZREM', KEYS[1], ARGV[2])
                 redis.call('HSET', KEYS[5], ARGV[2], ARGV[3] .. ' ' .. own)
