@@ -36,10 +36,12 @@ class CommandRow:
 
 @dataclass(frozen=True)
 class NewCommands:
-    """What `create_commands` wrote: the command ids, and the generating pairs a forced command fenced off."""
+    """What `create_commands` wrote: the command ids, the generating pairs a forced command fenced off, and a
+    whole-book request's targets (the book's scenes as the commands were written)."""
 
     command_ids: list[str]
     superseded: list[tuple[Pair, str | None]] = field(default_factory=list)  # with the job's dispatch id, to stop
+    targets: list[SceneKey] | None = None  # None: the scenes named
 
 
 class InFlight(NamedTuple):

@@ -96,6 +96,8 @@ def regenerate(
                 f"command_id: {request_id} is already the id of a command of another request; send a new id"
             ) from None
         return _replay(ports, again, request_id, book, wanted, force, rank, named)
+    if created.targets is not None:  # the book's scenes as its commands were written (an import may come between)
+        targets = created.targets
     snap, pairs = _start_work(ports, book, enabled, targets, force, request_id)
     if created.superseded:
         _stop_superseded(ports, book, created.superseded)
@@ -115,8 +117,8 @@ def regenerate(
         detail = f"commands {', '.join(lost)} were lost after their write: send the request again"
         raise StoreUnavailable("postgres", ports.settings.database_url, detail)
     described = [
-        {"command_id": cid, "stage": stage, "targets": [list(t) for t in scenes], "status": statuses[cid]}
-        for stage, (cid, scenes) in sorted(per_stage.items())
+        {"command_id": cid, "stage": stage, "targets": [list(t) for t in targets], "status": statuses[cid]}
+        for stage, (cid, _) in sorted(per_stage.items())
     ]
     return {"commands": described, "skipped": skipped}
 

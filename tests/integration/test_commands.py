@@ -457,6 +457,38 @@ def test_a_scene_removed_by_an_import_between_the_checks_and_the_writes_is_a_cle
     assert rt.ports.commands.commands(book=book) == []
 
 
+
+def test_a_whole_book_regenerate_targets_the_scenes_there_as_it_writes(rt, book) -> None:
+    """A whole-book command targeted the scene list read before the book's lock: an import that removed a scene in
+    between made the write fail with InvalidCommand "a scene named was removed" (none was named; a client does not
+    resend on InvalidCommand, though a resend would pass). Its targets are the book's scenes under the lock now: the
+    removed one is none of them, one added meanwhile is one."""
+    from animastor_tasks.domain.book import book_to_dict, parse_book
+
+    checked = rt.catalog.command_context
+    doc = book_to_dict(make_book("b1", chapters=2, scenes=3))
+    scenes = doc["chapters"][0]["scenes"]
+    scenes[0] = {**scenes[0], "scene_id": "s4"}  # s1 removed, s4 added
+
+    def checked_then_edited(*args: object) -> object:
+        context = checked(*args)
+        rt.catalog.import_book(parse_book(doc))
+        return context
+
+    rt.catalog.command_context = checked_then_edited  # type: ignore[method-assign]
+    try:
+        [made] = regenerate_flow.regenerate(rt.ports, book, ["audio"])["commands"]
+    finally:
+        del rt.catalog.command_context
+    now = {("ch1", "s4"), ("ch1", "s2"), ("ch1", "s3"), ("ch2", "s1"), ("ch2", "s2"), ("ch2", "s3")}
+    assert {tuple(t) for t in made["targets"]} == now
+    [command] = rt.ports.commands.commands(command_ids=[made["command_id"]])
+    assert command.targets == 6 and command.status == "active"
+    audio = {(c, s): state for (c, s, stage), state in states(rt, book).items() if stage == "audio"}
+    assert set(audio) == now and "dirty" not in audio.values()
+    assert rt.ports.book_state.active_scene_count(book) == 6
+
+
 def test_a_regenerate_answers_once_its_commands_are_on_disk(rt, book, monkeypatch) -> None:
     """The commands commit without waiting for their WAL flush (the first job is published a flush sooner); the
     regenerate's last read waits for it, so no answer says a command is there that a database crash could lose."""

@@ -32,6 +32,8 @@ _FLAG_KEPT = (  # the tombstoned books whose cancel flag reconcile keeps (`tombs
     f" (SELECT FROM asset_states WHERE book_id = t.book_id AND state IN {literals.IN_FLIGHT_STATES})"
 )
 
+_BOOK_SCENES = "SELECT chapter_id, scene_id FROM scenes WHERE book_id = %s ORDER BY position"
+
 
 class CommandStore:
     def __init__(self, db: Database) -> None:
@@ -54,9 +56,12 @@ class CommandStore:
 
         `per_stage` maps stage -> (command_id, [(chapter, scene)]); `asked`: the stages the request named (`all`
         as such) and whether it asked for the whole book, kept with each command to hold a resend to (0009).
+        A whole-book command targets the book's scenes under its lock, not those of `per_stage` (read before it: an
+        import that removed one meanwhile failed the command as if a scene named was gone; none was).
         `DuplicateCommand` when the request id was used already (the caller replays the first answer).
         """
-        asked_stages, whole_book = (None, None) if asked is None else (list(asked[0]), asked[1])
+        kept = (None, None) if asked is None else (list(asked[0]), asked[1])  # requested_stages, whole_book
+        every: list[SceneKey] | None = None
         created: list[str] = []
         superseded: list[tuple[Pair, str | None]] = []
         try:
@@ -70,6 +75,9 @@ class CommandStore:
                 # that commit is in (queued again, or fenced off), never seen `generating` by a command the
                 # commit's settle could not see either.
                 lock_book(conn, book)
+                if kept[1]:
+                    every = [(c, s) for c, s in conn.execute(_BOOK_SCENES, (book,))]
+                    per_stage = {stage: (command_id, every) for stage, (command_id, _) in per_stage.items()}
                 conn.execute("DELETE FROM cancel_tombstones WHERE book_id = %s", (book,))
                 for stage, (command_id, scenes) in per_stage.items():
                     chapters = [c for c, _ in scenes]
@@ -77,18 +85,7 @@ class CommandStore:
                     conn.execute(
                         "INSERT INTO commands (command_id, book_id, stage, status, force, request_id, priority,"
                         " target_count, requested_stages, whole_book) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                        (
-                            command_id,
-                            book,
-                            stage,
-                            ACTIVE,
-                            force,
-                            request_id,
-                            priority,
-                            len(scenes),
-                            asked_stages,
-                            whole_book,
-                        ),
+                        (command_id, book, stage, ACTIVE, force, request_id, priority, len(scenes), *kept),
                     )
                     conn.execute(
                         "INSERT INTO command_targets (command_id, book_id, chapter_id, scene_id, stage)"
@@ -150,13 +147,13 @@ class CommandStore:
         except psycopg.errors.UniqueViolation as err:
             raise DuplicateCommand(f"command id {request_id} was already used") from err
         except (psycopg.errors.NotNullViolation, psycopg.errors.ForeignKeyViolation) as err:
-            # A target's scene has no row (position) any more: an import removed it after the regenerate checked it.
+            # A named scene has no row (position) any more: an import removed it after the regenerate checked it.
             raise InvalidCommand(
                 f"scenes: a scene named was removed from book {book!r} while the command was made; nothing was written"
             ) from err
         if sum(len(scenes) for _, scenes in per_stage.values()) >= ANALYZE_FROM_ROWS:
             self.db.analyze("command_targets")  # before the first pass joins the book's pairs to them
-        return NewCommands(created, superseded)
+        return NewCommands(created, superseded, every)
 
     def command_statuses(self, command_ids: Sequence[str]) -> dict[str, str]:
         """Each command's status, by its key alone (`commands` counts the states of all its targets), once every
