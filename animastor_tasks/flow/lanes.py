@@ -162,14 +162,19 @@ def hand_on_stranded(ports: Ports) -> list[str]:
     """Free slots of the lanes whose books have waited for them since the previous tick go to those books; returns
     those lanes. *Why:* a slot whose refill was lost (the process that freed it died after its commit, a control
     worker was killed running the refill) stood free beside its waiting books until reconcile's count of the lanes
-    (30 s). Seen once, a free slot is left to the refill on its way; seen again a tick later, it has none."""
+    (30 s). Seen once, a free slot is left to the refill on its way; seen again a tick later, it has none, unless
+    it was handed moments ago (`handed_slots`): the two sightings need not be of one slot, and a slot handed through
+    the control queue to a reader's book was handed again, to a normal book whose refill ran first."""
     try:
         _restore_lost_hand_overs(ports)
         free = _free_slots(ports)
         stranded = ports.deferrals.stranded_lanes(sorted(free), ports.settings.tick_seconds / 2)
+        held = handed_slots(ports, stranded) if stranded else {}
     except StoreUnavailable as err:  # reconcile counts the lanes too
         log.warning("[DISPATCH] lanes not counted for stranded slots this tick: %s", err)
         return []
+    free = {queue: free[queue] - held.get(queue, 0) for queue in stranded}
+    stranded = [queue for queue in stranded if free[queue] > 0]
     for queue in stranded:
         try:
             books = hand_over(ports, queue, free[queue])

@@ -12,11 +12,14 @@ from dataclasses import replace
 import redis
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.domain.vocabulary import Priority
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.records import Committed
 
 from .helpers import make_book, use_settings
+from .test_claimed_hold import _refills
 from .test_elastic_share import finish_one, hand_over_while_postgres_fails_over, lane, run_control, running, waiting
 
 
@@ -157,3 +160,48 @@ def test_a_refill_takes_away_its_own_hand_over_record_but_not_one_of_a_later_han
     rt.redis.client.hset(record, "b", f"{now + 5} 1e10")  # handed again after this refill began
     refill.refill(rt.ports, "b", "gpu.audio")
     assert rt.redis.client.hget(record, "b") == f"{now + 5} 1e10"
+
+
+def test_slots_handed_moments_ago_are_not_stranded_ones(rt) -> None:
+    """A tick saw a slot free for the few milliseconds before its job's refill claimed it; the next tick saw two
+    other slots free, handed through the control queue moments ago to two readers' books, and handed them again as
+    stranded, to two normal books, whose refills ran first (a second control process) and took them: the readers'
+    scenes waited a whole job. The tick hands on only what is free beside the slots handed moments ago."""
+    lane(rt, lane_limit=3, book_quota=3, window=3)
+    use_settings(rt, replace(rt.settings, tick_seconds=0.2))
+    for book, scenes in (("a", 3), ("w", 1), ("i1", 1), ("i2", 1), ("n1", 1), ("n2", 1)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])
+    assert running(rt, "a") == {"a": 3} and list(waiting(rt)) == ["w"]
+    first = ended_unseen(rt, "a")
+    gate.tick(rt.ports)  # a free slot beside a waiting book, its refill a few milliseconds behind
+    assert not _refills(rt)
+    refill.free_slot(rt.ports, "a", "gpu.audio", first, here=True, left=Committed(None))
+    assert running(rt, "a", "w") == {"a": 2, "w": 1}
+    for book in ("i1", "i2"):
+        regenerate_flow.regenerate(rt.ports, book, ["audio"], priority=Priority.INTERACTIVE)
+    for book in ("n1", "n2"):
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    time.sleep(0.3)
+    for _ in range(2):  # two jobs of `a` fail: their slots handed to i1 and i2 through the control queue
+        refill.free_slot(rt.ports, "a", "gpu.audio", ended_unseen(rt, "a"), left=None)
+    gate.tick(rt.ports)
+    sent = _refills(rt)
+    assert sorted(sent) == ["i1", "i2"], sorted(sent)  # nothing handed twice
+    for book in ("i1", "i2"):
+        sent[book]()
+    assert running(rt, "i1", "i2", "n1", "n2") == {"i1": 1, "i2": 1}
+
+
+def ended_unseen(rt, book: str) -> str:  # type: ignore[no-untyped-def]
+    """One running job of `book` ended (its pair ready) with nothing else told: its dispatch id."""
+    with rt.db.transaction() as conn:
+        row = conn.execute(
+            "UPDATE asset_states SET state = 'ready' WHERE (book_id, chapter_id, scene_id, stage) = (SELECT book_id,"
+            " chapter_id, scene_id, stage FROM asset_states WHERE book_id = %s AND state = 'generating'"
+            " ORDER BY scene_id LIMIT 1) RETURNING dispatch_id",
+            (book,),
+        ).fetchone()
+    assert row is not None
+    return str(row[0])
