@@ -251,6 +251,8 @@ class Presence(Protocol):
     def last_beats(self, nodes: Sequence[str]) -> dict[str, float]: ...  # node -> its last heartbeat, if on record
     def departed_ago(self, queues: Sequence[str]) -> dict[str, float]: ...  # queue -> since its consumer's clean stop
     def held(self, queues: Sequence[str]) -> set[str]: ...  # those a live worker beats for with no consumer on them
+    def unconsumed_seen(self, queues: Sequence[str]) -> dict[str, float]: ...  # queue -> last double count of none
+    def note_unconsumed(self, queues: Sequence[str]) -> None: ...  # a double count found none on these, now
 
 
 class Counters(Protocol):

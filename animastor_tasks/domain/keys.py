@@ -204,6 +204,11 @@ class Keyspace:
         """When a consumer last stopped consuming each queue cleanly (queue -> when, by the Redis server's clock)."""
         return self._key("departures")
 
+    def unconsumed(self) -> str:
+        """When each queue was last found without a consumer by two counts a heartbeat apart (queue -> when, by the
+        Redis server's clock): the double count `lanes.gone_for_good` makes, shared by the passes that follow."""
+        return self._key("unconsumed")
+
     def beats(self) -> str:
         """Each worker node's last heartbeat (name -> when, by the Redis server's clock), whatever it consumes."""
         return self._key("beats")

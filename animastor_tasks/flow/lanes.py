@@ -57,14 +57,31 @@ def gone_for_good(ports: Ports, queues: Sequence[str]) -> set[str]:
     its successor (`successor_awaited`), and still without a consumer when counted again one heartbeat later.
     *Why:* heartbeats lapse while Redis cannot be reached, and come back within a heartbeat of it; a control process
     that had sent Redis nothing meanwhile (idle, or its broker down too) knew of no outage, read "no consumer" in
-    between and BLOCKED every stage with work in flight, for good. A StoreUnavailable is the caller's."""
+    between and BLOCKED every stage with work in flight, for good. A StoreUnavailable is the caller's.
+
+    A queue a double count (by any process) found so within a presence TTL needs none more: no heartbeat can have
+    come and lapsed since. The caller's count, a heartbeat or more after that one, is a double count in turn.
+    *Why:* each pass of a book with work on a stage that lost its only worker slept the heartbeat (2.5 s), one book
+    after another: 100 due books held both control processes for two minutes, a regenerate of a healthy stage
+    queued behind them."""
     restarting = successor_awaited(ports, queues)
     silent = [queue for queue in queues if queue not in restarting]
     if not silent:
         return set()
-    time.sleep(ports.settings.presence_ttl_seconds / 3 + HEARTBEAT_SLACK)  # a live worker beats every TTL/3
-    again = ports.presence.counts(silent)
-    return {queue for queue in silent if again.get(queue, 0) == 0}
+    now, ttl = ports.clock(), ports.settings.presence_ttl_seconds
+    heartbeat = ttl / 3 + HEARTBEAT_SLACK  # a live worker beats every TTL/3
+    seen = {queue: when for queue, when in ports.presence.unconsumed_seen(silent).items() if now - when <= ttl}
+    gone = set(seen)
+    noted = {queue for queue, when in seen.items() if now - when >= heartbeat}
+    unknown = [queue for queue in silent if queue not in seen]
+    if unknown:
+        time.sleep(heartbeat)
+        again = ports.presence.counts(unknown)
+        noted |= {queue for queue in unknown if again.get(queue, 0) == 0}
+        gone |= noted
+    if noted:
+        ports.presence.note_unconsumed(sorted(noted))
+    return gone
 
 
 def block_lane(

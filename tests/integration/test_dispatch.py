@@ -194,6 +194,24 @@ def test_no_consumer_blocks_the_command_and_publishes_nothing(rt) -> None:
     assert queued_messages(rt, "gpu.image") == 3
 
 
+def test_the_books_of_a_stage_without_a_worker_are_blocked_after_one_recount_not_one_each(rt, monkeypatch) -> None:
+    """Each pass of a book with work on a stage whose only worker died counted its consumers again a heartbeat
+    later (a sleep of 2.5 s), one book after another: 100 due books held both control processes for two minutes.
+    A double count stands for the passes that follow it within a presence TTL."""
+    slept: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(lanes.time, "sleep", lambda seconds: (slept.append(seconds), real_sleep(seconds)))
+    advertise(rt, "gpu.audio")  # no image consumer
+    for book in ("b1", "b2", "b3"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+        regenerate_flow.regenerate(rt.ports, book, ["image"])
+    assert [c.status for b in ("b1", "b2", "b3") for c in rt.ports.commands.commands(book=b)] == ["blocked"] * 3
+    assert len(slept) == 1, slept
+    advertise(rt, "gpu.image", host="image@local")  # a worker back: counted by the pass, no note stands for it
+    regenerate_flow.regenerate(rt.ports, "b1", ["image"])
+    assert queued_messages(rt, "gpu.image") == 1
+
+
 def test_expired_presence_counts_as_no_consumer(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio", ttl=0.2)

@@ -86,6 +86,18 @@ class PresenceStore:
             left = self.conn.client.zmscore(self.conn.keys.departures(), list(queues))
         return {queue: now - float(when) for queue, when in zip(queues, left, strict=True) if when is not None}
 
+    def unconsumed_seen(self, queues: Sequence[str]) -> dict[str, float]:
+        """{queue: when a double count last found it without a consumer} for those of `queues` on record."""
+        with self.conn.errors():
+            seen = self.conn.client.hmget(self.conn.keys.unconsumed(), list(queues))
+        return {queue: float(when) for queue, when in zip(queues, seen, strict=True) if when is not None}
+
+    def note_unconsumed(self, queues: Sequence[str]) -> None:
+        """`queues` found without a consumer by two counts a heartbeat apart, now."""
+        now = self.conn.server_time(fresh=True)
+        with self.conn.errors():
+            self.conn.client.hset(self.conn.keys.unconsumed(), mapping=dict.fromkeys(queues, now))
+
     def live_consumers(self, queues: Sequence[str], now: float | None = None) -> dict[str, dict[str, float]]:
         """{queue: {hostname: heartbeat expiry}} for consumers whose heartbeat is still live; expiries and `now` by
         the Redis server's clock (`RedisConnection.server_time`)."""
