@@ -120,14 +120,15 @@ def test_a_commit_waiting_for_its_book_holds_no_lane(rt, books) -> None:
     assert stuck.error is None and stuck.result is not None  # committed once the holder let go
 
 
-# A session that takes the lane's lock as a commit does (in a pipeline, which keeps the server's
+# A session that takes a lock as a commit does (in a pipeline, which keeps the server's
 # idle_in_transaction_session_timeout from ever firing) and then stops answering before its COMMIT: SIGSTOP stands
-# in for a host lost or cut off, or a frozen container, which the server cannot tell from a slow client.
+# in for a host lost or cut off, or a frozen container, which the server cannot tell from a slow client. The lock:
+# the advisory lock named by its third argument, or with a fourth the row that statement locks.
 _STALLED_HOLDER = """
 import os, signal, sys, psycopg
 with psycopg.connect(sys.argv[1]) as conn:
     with conn.pipeline():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (sys.argv[2],))
+        conn.execute(sys.argv[3] if len(sys.argv) > 3 else "SELECT pg_advisory_xact_lock(hashtext(%s))", (sys.argv[2],))
     print("locked", flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
 """
@@ -225,22 +226,13 @@ def commands_of(rt: Wiring, book: str) -> list[tuple[str, str]]:
         return [(str(c), str(s)) for c, s in rows.fetchall()]
 
 
-_STALLED_ROW_HOLDER = """
-import os, signal, sys, psycopg
-with psycopg.connect(sys.argv[1]) as conn:
-    with conn.pipeline():
-        conn.execute("SELECT 1 FROM books WHERE book_id = %s FOR UPDATE", (sys.argv[2],))
-    print("locked", flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)
-"""
-
-
 def test_a_layers_change_behind_a_silent_holder_of_the_book_s_row_ends_in_bounded_time(rt, books, monkeypatch):
     """`layers set` waits for the book's row, which an import writes: behind a silent one it waited for good."""
     monkeypatch.setattr(pool, "LOCK_WAIT_MS", 1000)
     x, _, _ = books
     before = rt.catalog.layers(x)
-    with stalled_holder(_STALLED_ROW_HOLDER, rt.settings.database_url, x):
+    row_lock = "SELECT 1 FROM books WHERE book_id = %s FOR UPDATE"
+    with stalled_holder(_STALLED_HOLDER, rt.settings.database_url, x, row_lock):
         waiter = Timed.begin(lambda: rt.catalog.change_layers(x, {"audio": False}))
         waiter.join(6.0)
         assert not waiter.is_alive(), "still waiting for the book's row"
