@@ -95,17 +95,11 @@ def _rounds(
         if result.dispatched:
             ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
         # A denied candidate asks for the book's full pass now (it releases the pair), and so do a claim whose
-        # publish failed (pending again, its slot free: it waited for reconcile), a lane whose worker is
-        # awaited (the tick's passes dispatch once it is back) and a pair the lane's open breaker refused (no
-        # deferral: handed the slot, the book was off the waiting list and out of the due index until
-        # reconcile); a deferral written here brings the next pass forward. Never removed here: the pairs this
-        # read left out still wait.
-        again = (
-            report.denied
-            or result.outcomes.get(Outcome.PUBLISH_FAILED)
-            or result.outcomes.get(Outcome.BREAKER_OPEN)
-            or result.held_lanes
-        )
+        # publish failed (pending again, its slot free: it waited for reconcile) and a lane whose worker is
+        # awaited (the tick's passes dispatch once it is back); a deferral written here (or a pair's wait for its
+        # lane's open breaker to be tested: the book waits on the lane's list meanwhile) brings the next pass
+        # forward. Never removed here: the pairs this read left out still wait.
+        again = report.denied or result.outcomes.get(Outcome.PUBLISH_FAILED) or result.held_lanes
         due = ports.clock() if again else min(result.deferred_until.values(), default=None)
         if due is not None:
             page.write_due(ports, book, due, snap.due_at)

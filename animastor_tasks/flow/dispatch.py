@@ -1,12 +1,10 @@
 """Dispatch: turn authorized `pending` pairs into GPU jobs, in the order the design fixes.
 
-deferred? -> no consumer? -> breaker -> already completed / already generating ->
-capacity (lane, book quota, scene window: counted under the lane and book locks, chosen by
-`domain.capacity`) -> lease + fencing token + `pending -> generating` + journal (one
-transaction) -> publish.
+deferred? -> no consumer? -> breaker -> already completed / already generating -> capacity (lane, book quota,
+scene window: counted under the lane and book locks, chosen by `domain.capacity`) -> lease + fencing token +
+`pending -> generating` + journal (one transaction) -> publish.
 
-A deferred pair is skipped before any side effect: its only cost is its share of the
-one deferral read the gate pass already made.
+A deferred pair is skipped before any side effect: its only cost is its share of the pass's one deferral read.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ class DispatchResult:
     claimed_stages: set[str] = field(default_factory=set)  # stages of which this pass claimed a pair
     held_lanes: set[str] = field(default_factory=set)  # the handed lane, while its stage has no worker for now
     gone: set[Pair] = field(default_factory=set)  # pairs no longer pending: claimed, already completed, blocked
-    deferred_until: dict[Pair, float] = field(default_factory=dict)  # deferrals this pass wrote, by expiry
+    deferred_until: dict[Pair, float] = field(default_factory=dict)  # when each pair left waiting may go
 
 
 def dispatch_pending(
@@ -121,11 +119,16 @@ def dispatch_pending(
         state = ports.breaker.breaker_acquire(specs[stage].queue, ports.settings.breaker_cooldown_seconds)
         if state == "open":
             open_stages.add(stage)
-            result.outcomes[Outcome.BREAKER_OPEN] += sum(1 for i in todo if i.stage == stage)
+            refused = [i for i in todo if i.stage == stage]
+            result.outcomes[Outcome.BREAKER_OPEN] += len(refused)
             # Waiting for the breaker, the book waits for the lane too, at its most urgent pair's priority (its
             # place kept from pass to pass). *Why:* off the list, a reader's scene was invisible to the passes sent
-            # as the breaker closed, and a bulk book passed first took every free slot.
-            _wait_for_lane(ports, book, specs[stage].queue, min(i.rank for i in todo if i.stage == stage), now)
+            # as the breaker closed, and a bulk book passed first took every free slot. Its pairs wait until the
+            # breaker may be tested (its closing hands the lane's slots to the books waiting): due now, the book
+            # was passed again by every tick of an outage (the breaker reopens at each failed test), pairs all read.
+            _wait_for_lane(ports, book, specs[stage].queue, min(i.rank for i in refused), now)
+            until = ports.breaker.breaker_refuses_until(specs[stage].queue)
+            result.deferred_until.update(dict.fromkeys((i.pair for i in refused), until))
         elif state == "permit":
             permits[stage] = 1  # half-open: exactly one test dispatch
     todo = [i for i in todo if i.stage not in open_stages]
@@ -147,8 +150,7 @@ def dispatch_pending(
 def _still_deferred(ports: Ports, snap: Snapshot, handed_lane: str | None) -> set[Pair]:
     """The pairs this pass skips: deferred for a reason that still holds. Handed a free slot of a lane, its pairs
     waiting for capacity there may go now; once a lane's breaker holds no failure, the pairs kept from being its
-    half-open test may run (and, failing, fail once like any other). Deferrals stay written until a claim clears
-    them."""
+    half-open test may run (and, failing, fail once like any other); deferrals stay until a claim clears them."""
     registry = ports.settings.registry
 
     def lane(pair: Pair) -> str | None:
@@ -326,8 +328,7 @@ def _claim_and_publish(
 
 
 def slot_order(item: InFlight) -> tuple[int, float, int]:
-    """The order pairs get slots in: the most urgent priority first, the oldest command first within it,
-    reading order within that."""
+    """The order pairs get slots in: the most urgent priority first, then the oldest command, then reading order."""
     return item.rank, item.since if item.since is not None else float("inf"), item.position
 
 
@@ -351,8 +352,7 @@ def _keep_handed(
     """Handed a slot it cannot use for now (its stage's worker awaited, presence unreadable): the book keeps the
     slot rather than pass it down the list (each next book found the same and dropped off it, the list empty by
     the time the worker or the store was back, the slots idle until the books' deferrals ran out). Its pairs wait
-    for the tick's passes (the caller makes the book due now), their capacity deferrals cleared, and the book
-    waits on at the head."""
+    for the tick's passes (the caller makes the book due now), capacity deferrals cleared, the book at the head."""
     items = [i for i in todo if i.stage in specs and specs[i.stage].queue == lane]
     if lane is None or not items:
         return

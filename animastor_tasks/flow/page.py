@@ -123,9 +123,9 @@ def judge(
 
 
 def next_due(snap: Snapshot, waiting: list[InFlight], written: dict[Pair, float], now: float) -> float | None:
-    """When the first of the waiting pairs may go: the earliest deferral end (this pass's, or one read in the
-    snapshot), now when one waits for no deferral (breaker, a Redis loss, a pass that dispatched nothing),
-    and never (None) while none waits."""
+    """When the first of the waiting pairs may go: the earliest deferral end (this pass's, its open breaker's test,
+    or one read in the snapshot), now when one waits for no deferral (a Redis loss, a worker awaited, a pass that
+    dispatched nothing), and never (None) while none waits."""
     if not waiting:
         return None
     pairs = {i.pair for i in waiting}  # one loop over a page's pairs; the rest are set operations

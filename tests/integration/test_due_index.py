@@ -23,7 +23,7 @@ from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, fake_artifact, make_book, states, use_settings
-from .test_elastic_share import lane, run_control, running
+from .test_elastic_share import finish_one, lane, run_control, running
 
 
 def tick(rt: Wiring) -> list[str]:
@@ -413,3 +413,29 @@ def test_a_regenerate_whose_first_pass_fails_leaves_its_book_due(rt, monkeypatch
     assert rt.redis.client.zscore(rt.redis.keys.due(), "b") is not None
     rt.redis.client.delete(rt.redis.keys.lock("tick"))
     assert "b" in gate.tick(rt.ports)
+
+
+def test_a_book_waiting_for_an_open_breaker_is_not_passed_on_every_tick_and_goes_at_once_when_it_closes(rt) -> None:
+    """Its pairs refused by the open breaker had no deferral: the pass made the book due now, and each tick (5 s)
+    passed it again, reading all its pairs in flight, for as long as the breaker stayed open (a backend outage:
+    it reopens after each failed test). 100 books of 1000 pairs each cost 1-2 s a tick."""
+    lane(rt, lane_limit=2, book_quota=2, window=4)
+    use_settings(rt, replace(rt.settings, breaker_threshold=1, breaker_cooldown_seconds=60))
+    advertise(rt, "gpu.audio", "gpu.image")
+    rt.catalog.import_book(make_book("a", chapters=1, scenes=1))
+    rt.catalog.import_book(make_book("w", chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    assert rt.ports.breaker.breaker_record("gpu.audio", False, 1, 60, run=True) == "open"  # another job's failure
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])  # its pass: refused by the breaker
+    opened_until = float(rt.redis.client.hget(rt.redis.keys.breaker("gpu.audio"), "open_until"))
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "w") == pytest.approx(opened_until, abs=0.5)
+    assert tick(rt) == []  # not due before the cool-down ends
+    rt.ports.book_state.set_due("w", 0.0)  # a job's end (or reconcile) asked for a pass: same answer
+    assert tick(rt) == ["w"]
+    gate.gate_pass(rt.ports, "w")
+    assert tick(rt) == []
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "w") == pytest.approx(opened_until, abs=0.5)
+    run_control(rt)
+    finish_one(rt, "a")  # runs well: the breaker closes, and the book waiting for it goes at once
+    assert rt.breaker.breaker_state("gpu.audio") == "closed"
+    assert running(rt, "w") == {"w": 2}

@@ -39,6 +39,12 @@ class BreakerStore:
         args = ["ok" if ok else "fail", self.conn.server_time(), threshold, cooldown, "run" if run else "publish"]
         return str(self.conn.run(lambda: self.conn.breaker_record_script(keys=[key], args=args)))
 
+    def breaker_refuses_until(self, queue: str) -> float:
+        """When a breaker that refused a pass may test its lane (Redis server's clock): its cool-down's end, or
+        the end of the test permit another pass holds. 0: closed since."""
+        raw = self.conn.run(lambda: self.conn.client.hmget(self.conn.keys.breaker(queue), "open_until", "permit_until"))
+        return max(float(value or 0) for value in raw)
+
     def breaker_state(self, queue: str) -> str:
         raw = self.conn.run(lambda: self.conn.client.hgetall(self.conn.keys.breaker(queue)))
         open_until = float(raw.get("open_until", 0) or 0)
