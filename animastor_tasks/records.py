@@ -88,8 +88,9 @@ class Claim:
 
 @dataclass(frozen=True)
 class Committed:
-    """A job's commit, in: what its book has left of the job's stage, read in the same transaction. `pending`: the
-    rank of its most urgent pending pair that an authorizing command targets (`priority_rank`); None: none."""
+    """A job's verdict, in (its commit, its failure or its give-back): what its book has left of the job's stage, read
+    in the same transaction. `pending`: the rank of its most urgent pending pair that an authorizing command targets
+    (`priority_rank`); None: none."""
 
     pending: int | None
 

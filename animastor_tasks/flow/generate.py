@@ -107,10 +107,10 @@ def _refused(
             back = ports.jobs.give_back(*job.owned, denial, spec.queue)
         except StoreUnavailable as err:
             log.warning("[GENERATE] %s refused; its pair is left to its lease: %s", job.describe(), err)
-            back = False
+            back = None
         if back:
             delivered.release = True
-            _quietly("free capacity", _free_capacity, ports, job, spec)
+            _quietly("free capacity", _free_capacity, ports, job, spec, back)
             _quietly("mark due", ports.book_state.set_due, job.book_id, ports.clock())  # its pass releases the pair
     elif denial is Denial.STALE_TOKEN:
         delivered.release = True
@@ -221,7 +221,7 @@ def _run_owned(
         if not committed:
             _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)
-        _quietly("free capacity", _free_capacity, ports, job, spec, later, recovered, committed)  # waits for nothing
+        _quietly("free capacity", _free_capacity, ports, job, spec, committed, later, recovered)  # waits for nothing
     finally:
         watcher.done.set()
         delivered.release = True
@@ -270,14 +270,9 @@ class _Delivered:
 
 
 def _free_capacity(
-    ports: Ports,
-    job: Job,
-    spec: StageSpec,
-    later: Later | None = None,
-    closed: bool = False,
-    left: Committed | None = None,
+    ports: Ports, job: Job, spec: StageSpec, left: Committed, later: Later | None = None, closed: bool = False
 ) -> None:
-    """The job's slot is free, now (`refill.free_slot`). `later`, `left`: it ended ready, and what its commit left."""
+    """The job's slot is free, now (`refill.free_slot`). `left`: what its verdict left the book; `later`: ready."""
     refill.free_slot(ports, job.book_id, spec.queue, job.dispatch_id, breaker_closed=closed, after=later, left=left)
 
 
@@ -367,13 +362,13 @@ def _unsuccessful(
         log.warning(
             "[GENERATE] %s given back to pending (%s) after %d attempt(s): %s", job.describe(), why, attempts, error
         )
-        _quietly("free capacity", _free_capacity, ports, job, spec)
+        _quietly("free capacity", _free_capacity, ports, job, spec, back)
         return {**done, "outcome": JobOutcome.GIVEN_BACK}
-    if not when_reachable(job, spec, watcher, partial(ports.jobs.fail_job, *job.owned, error, spec.queue)):
+    if not (failed := when_reachable(job, spec, watcher, partial(ports.jobs.fail_job, *job.owned, error, spec.queue))):
         return _stale(ports, job, result)
     _quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1})
     log.error("[GENERATE] %s failed after %d attempt(s): %s", job.describe(), attempts, error)
-    _quietly("free capacity", _free_capacity, ports, job, spec)
+    _quietly("free capacity", _free_capacity, ports, job, spec, failed)
     return {**done, "outcome": JobOutcome.FAILED}
 
 
@@ -387,7 +382,7 @@ def _give_up(ports: Ports, job: Job, spec: StageSpec, reason: str, result: dict[
         return _stale(ports, job, result)
     _quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1, f"job:worker_lost:{job.stage}": 1})
     log.error("[GENERATE] %s failed without GPU work: %s", job.describe(), reason)
-    _quietly("free capacity", _free_capacity, ports, job, spec)
+    _quietly("free capacity", _free_capacity, ports, job, spec, failed)
     return {**result, "outcome": JobOutcome.FAILED, "error": reason, "attempts": 0}
 
 

@@ -102,7 +102,7 @@ def _hand_over_done(ports: Ports, book: str, lane: str, began: float) -> None:
 
 def _leave_lanes(ports: Ports, book: str, queues: Sequence[str]) -> None:
     """A handed book with nothing pending of a lane leaves its waiting list (every list, with nothing pending at all),
-    as a Stop All does. *Why:* a place kept for nothing (a failed job's book queued again at its dispatch's priority)
+    as a Stop All does. *Why:* a place kept for nothing (a takeover's, whose pair a pass then claimed)
     drew the next slot too, and bound the fair share of every book after it meanwhile. Best effort: left, the place
     costs one more hand-over."""
     try:
@@ -140,8 +140,8 @@ def free_slot(
     and `book` queues behind the waiters at its most urgent pending pair's priority (both in one atomic
     step); with nobody waiting, the book's own pairs waiting for capacity go. A book whose pending pair is
     more urgent than every waiter keeps the slot for it (a free slot goes to the most urgent work waiting).
-    `left`: what the job's commit left the book of the lane (`Jobs.commit_job`); with nothing pending the book
-    neither keeps the slot nor queues. A job that did not commit (None) is weighed at its dispatch's priority.
+    `left`: what the job's commit, failure or give-back left the book of the lane (`Jobs.commit_job`); with nothing
+    pending the book neither keeps the slot nor queues. None (not known): weighed at its dispatch's priority.
 
     `here` (a job that ended ready): the refill runs in the process whose job ended, so the slot waits
     for no control-queue hop, and it claims one pair of the lane at most: the slot this process freed

@@ -171,7 +171,8 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
                 _due_now(ports, g.book)
                 if (g.book, g.pair) in ranks and g.stage in registry:
                     since = 0.0 if g.dispatch_id in reruns else ports.clock()
-                    _wait_again(ports, g.book, registry.get(g.stage).queue, ranks[(g.book, g.pair)], since)
+                    rank = _pending_rank(ports, g.book, g.stage, ranks[(g.book, g.pair)])
+                    _wait_again(ports, g.book, registry.get(g.stage).queue, rank, since)
             log.warning(
                 "[RECONCILE] book=%r chapter=%r scene=%r stage=%s token=%d lease gone: generating -> %s",
                 g.book,
@@ -205,10 +206,23 @@ def _forced_reruns(ports: Ports, dead: Sequence[GeneratingRow]) -> set[str]:
         return set()
 
 
+def _pending_rank(ports: Ports, book: str, stage: str, rank: int) -> int:
+    """The more urgent of `rank` (a pair sent back to `pending`) and the book's most urgent pending pair's of the stage
+    (each active command's first pending target), as a job's end weighs its book (`Jobs.commit_job`). *Why:* weighed
+    at its dead bulk job's rank, a capped book whose reader's scene its cap had refused (on no list) waited behind the
+    normal books for the room that job freed. Unreadable: `rank`."""
+    try:
+        rows = ports.assets.gate_candidates(book, [stage], 1)
+    except StoreUnavailable as err:
+        log.warning("[TAKEOVER] book=%r pending pairs unreadable, it waits at its pair's priority: %s", book, err)
+        return rank
+    return min([rank, *(i.rank for i in (rows.in_flight if rows is not None else ()))])
+
+
 def _wait_again(ports: Ports, book: str, queue: str, rank: int, since: float) -> None:
-    """The book of a pair sent back to `pending` waits for the lane at the pair's priority (a place it holds already
-    stands if earlier) before the freed slot is handed on, so the slot goes to it when it outranks the head of the
-    list, and behind the books that waited longer at its own priority (as at a job's end, `lua/lane_take.lua`).
+    """The book of a pair sent back to `pending` waits for the lane at `rank` (`_pending_rank`; a place it holds
+    already stands if earlier) before the freed slot is handed on, so the slot goes to it when it outranks the head of
+    the list, and behind the books that waited longer at its own priority (as at a job's end, `lua/lane_take.lua`).
     *Why:* handed to the head of a list the book was not on, a reader's interactive scene waited a whole job
     behind normal or bulk work. `since` 0: a forced re-run keeps the slot its fenced-off job held (design §7.1), at
     the head of its priority: the reader who asked to redo a scene waited behind every book waiting for the lane.

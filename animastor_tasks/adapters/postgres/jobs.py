@@ -138,44 +138,48 @@ class JobStore:
                 ).fetchone()
         return None if row is None else Committed(row[0])
 
-    def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> bool:
-        """`generating -> failed` with the error, only if the token is still current."""
+    def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> Committed | None:
+        """`generating -> failed` with the error, only if the token is still current (None: stale); with it what the
+        book has left pending of the stage, as `commit_job` answers (`_left`)."""
+        owned = _owned(book, pair, token, dispatch_id)
         with self.db.transaction() as conn:
             with conn.pipeline():  # BEGIN, the bounds and the locks in one round trip
                 _lock_capacity(conn, lane, book)
             done = conn.execute(
                 f"UPDATE asset_states a SET state = %(failed)s, error = %(error)s, updated_at = now() WHERE {_OWNED}",
-                {
-                    **_owned(book, pair, token, dispatch_id),
-                    "failed": AssetState.FAILED,
-                    "error": _storable(error, 4000),
-                },
+                {**owned, "failed": AssetState.FAILED, "error": _storable(error, 4000)},
             ).rowcount
-            if done:
+            if not done:  # fenced off: the job ended all the same, and its start with it (not a worker lost)
+                _end_start(conn, book, pair, dispatch_id)
+                return None
+            with conn.pipeline():  # the journal, the start's end, the settle and the read of what is left
                 detail = {"error": _storable(error, 1000)}
                 journal.record(conn, "job.failed", book, detail, pair=pair, dispatch_id=dispatch_id)
                 _end_start(conn, book, pair, None)
                 settle_commands(conn, book, pair)
-            else:  # fenced off: the job ended all the same, and its start with it (not a worker lost)
-                _end_start(conn, book, pair, dispatch_id)
-        return bool(done)
+                return _left(conn, owned)
 
-    def give_back(self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str) -> bool:
-        """`generating -> pending`, only if the token is still current: the run ended without a verdict
-        on the scene (a store blip, the backend down); the next gate pass decides again."""
+    def give_back(
+        self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str
+    ) -> Committed | None:
+        """`generating -> pending`, only if the token is still current (None: stale): the run ended without a verdict
+        on the scene (a store blip, the backend down); the next gate pass decides again. With it what the book has
+        left pending of the stage, its pair given back among it (`_left`)."""
         transition(AssetState.GENERATING, AssetState.PENDING)
+        owned = _owned(book, pair, token, dispatch_id)
         with self.db.transaction() as conn:
             with conn.pipeline():  # BEGIN, the bounds and the locks in one round trip
                 _lock_capacity(conn, lane, book)
             done = conn.execute(
                 f"UPDATE asset_states a SET state = %(pending)s, dispatch_id = NULL, updated_at = now() WHERE {_OWNED}",
-                {**_owned(book, pair, token, dispatch_id), "pending": AssetState.PENDING},
+                {**owned, "pending": AssetState.PENDING},
             ).rowcount
-            if done:
-                detail = {"token": token, "reason": _storable(reason, 1000)}
-                journal.record(conn, "job.given_back", book, detail, pair=pair, dispatch_id=dispatch_id)
-            _end_start(conn, book, pair, dispatch_id)
-        return bool(done)
+            with conn.pipeline():
+                if done:
+                    detail = {"token": token, "reason": _storable(reason, 1000)}
+                    journal.record(conn, "job.given_back", book, detail, pair=pair, dispatch_id=dispatch_id)
+                _end_start(conn, book, pair, dispatch_id)
+                return _left(conn, owned) if done else None
 
     def end_start(self, book: str, pair: Pair, dispatch_id: str) -> None:
         """A started job ended without a commit (stopped, fenced off at commit): its start is closed."""
@@ -207,6 +211,16 @@ _PENDING_RANK = (
     f" WHERE {has_target_in(f'({literals.PENDING})')})"
 )
 _RANKS = {"priorities": PRIORITIES}
+
+
+def _left(conn: psycopg.Connection[Any], owned: dict[str, Any]) -> Committed:
+    """What a failure or a give-back left the book pending of the stage (`_PENDING_RANK`), read after its write: a
+    pair it sent back to `pending` counts. *Why:* weighed at the ended job's priority instead, a capped book's reader's
+    scene waited behind normal books after its bulk job failed, and a reader whose last job failed waited again at
+    the interactive rank with nothing pending."""
+    row = conn.execute(f"SELECT {_PENDING_RANK}", {**owned, **_RANKS}).fetchone()
+    return Committed(None if row is None else row[0])
+
 
 # The pair is still this job's: generating under its token and dispatch id.
 _OWNED = (

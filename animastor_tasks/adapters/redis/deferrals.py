@@ -139,8 +139,8 @@ class DeferralStore:
         `requeue_from`: the dispatch id of the job whose end freed the slot; when a book is taken,
         `exclude` (that job's book) queues behind the waiters at its own priority, so books take turns: the
         more urgent of its place on the list and its most urgent pending pair's (`left`, what the job's commit
-        left it). With nothing left pending it neither keeps the slot nor queues, and its place on the list goes; a
-        job that did not commit (`left` None) is weighed at its dispatch's priority, when off the list. When that
+        left it). With nothing left pending it neither keeps the slot nor queues, and its place on the list goes;
+        `left` None (not known) weighs it at its dispatch's priority, when off the list. When that
         priority is more urgent than the head's, `exclude` keeps the slot: the answer is `[exclude]`, taken off the
         list.
         When nobody waits, the pairs of `exclude` deferred for capacity may try again on the slot its job

@@ -8,7 +8,7 @@
 -- kept, it won the slot, or it bound the share of the book served, whose refill handed the slot
 -- back; either way a refill found nothing and passed the slot on through the control queue, the
 -- slot idle meanwhile (a place a pass wrote since the commit's read goes too: its scene waits out
--- its capacity deferral). A job that did not commit (failed, given back) is weighed at its
+-- its capacity deferral). A job's end that does not say what it left is weighed at its
 -- dispatch's priority instead.
 -- That book keeps the slot instead when that priority is more urgent than the head's: the
 -- answer is then that book alone, taken off the list as any book served is.
@@ -29,7 +29,7 @@
 -- ARGV[2] a book never to take ('' for none): the one that freed the slot
 -- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank, ARGV[5] the default rank
 -- ARGV[6] what the commit of the job that freed the slot left its book of the lane: the rank of its most urgent
---         pending pair, 'none' for nothing pending, '' for a job that did not commit
+--         pending pair, 'none' for nothing pending, '' for not known (its failure or give-back says it too)
 -- returns the books taken, best first
 local count = tonumber(ARGV[1])
 local refused = false
@@ -52,7 +52,7 @@ elseif KEYS[2] ~= '' and ARGV[2] ~= '' then
     -- behind its own bulk jobs, or bulk work left after an interactive job.
     own = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]) or '')
     -- Its most urgent pending pair may wait on no list (a reader's scene its book's cap refused): the more urgent
-    -- of the two counts. A job that did not commit is weighed at its dispatch's priority, off the list.
+    -- of the two counts. Not known, it is weighed at its dispatch's priority, off the list.
     local rank = tonumber(ARGV[6])
     if rank == nil and own == nil then
         rank = tonumber(redis.call('HGET', KEYS[2], 'rank') or ARGV[5]) or tonumber(ARGV[5])
