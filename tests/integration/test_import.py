@@ -293,3 +293,49 @@ def test_a_reimport_hashes_outside_the_book_lock_and_writes_only_the_scenes_that
         after = dict(conn.execute(_SCENE_ROWS).fetchall())
     rewritten = sorted(scene for scene, xmin in after.items() if before[scene] != xmin)
     assert rewritten == ["ch1/s1"], rewritten
+
+
+def test_a_job_that_commits_after_a_reimport_changed_its_input_leaves_its_media_stale(rt, tmp_path) -> None:
+    """A job that started on the old text and committed after an import changed it landed `ready` with the old
+    hash (the import marks only `ready` pairs stale; this one was `generating`): the scene read as ready with media
+    that no longer matched its text and its command counted it done, until the next import, an identical one,
+    found it stale and released the target (the command then failed). The commit now does what that import would
+    have done: the pair `dirty`, its target released `input_changed`; its slot is handed on as for any commit."""
+    from dataclasses import replace
+
+    from animastor_tasks.domain.book import parse_book
+    from animastor_tasks.flow import regenerate as regenerate_flow
+    from animastor_tasks.flow.generate import run_job
+
+    from .helpers import advertise
+    from .test_generate import dispatched_jobs, with_stage
+
+    with_stage(rt, replace(rt.settings.registry.get("audio"), book_cap=1), tmp_path)
+    book = make_book("b", chapters=1, scenes=2)
+    rt.catalog.import_book(book)
+    advertise(rt, "gpu.audio")
+    [created] = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=False)["commands"]
+    [job] = dispatched_jobs(rt, "b")
+    doc = book_to_dict(book)
+    doc["chapters"][0]["scenes"][0]["text"] = "A different text"
+    commit = rt.ports.jobs.commit_job
+
+    def edited_then_committed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert rt.catalog.import_book(parse_book(doc)).assets_dirtied == 0  # s1 is generating: not marked
+        return commit(*args, **kwargs)
+
+    rt.ports.jobs.commit_job = edited_then_committed  # type: ignore[method-assign]
+    try:
+        assert (job.scene_id, run_job(rt.ports, job, worker="w")["outcome"]) == ("s1", "ready")
+    finally:
+        del rt.ports.jobs.commit_job
+    found = states(rt, "b")
+    assert found[("ch1", "s1", "audio")] == "dirty"
+    assert found[("ch1", "s2", "audio")] == "generating"  # the freed slot went on to the next scene
+    [command] = rt.ports.commands.commands(command_ids=[created["command_id"]])
+    assert command.released == {"input_changed": 1} and command.status == "active"
+    assert rt.catalog.import_book(parse_book(doc)).assets_dirtied == 0  # an identical re-import changes nothing
+    [next_job] = dispatched_jobs(rt, "b")
+    assert run_job(rt.ports, next_job, worker="w")["outcome"] == "ready"
+    [command] = rt.ports.commands.commands(command_ids=[created["command_id"]])
+    assert (command.status, command.released) == ("failed", {"input_changed": 1})

@@ -17,9 +17,11 @@ import psycopg
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS, HAS_FEW_TARGETS, PRIORITIES, has_target_in
 from animastor_tasks.adapters.postgres.pool import Database, bound_lock_waits
+from animastor_tasks.adapters.postgres.released import mark_released
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.book import storable
 from animastor_tasks.domain.keys import book_lock, lane_lock
+from animastor_tasks.domain.targets import INPUT_CHANGED
 from animastor_tasks.domain.types import BookPair, Pair
 from animastor_tasks.domain.vocabulary import AssetState, transition
 from animastor_tasks.errors import StoreUnavailable
@@ -92,13 +94,15 @@ class JobStore:
     def commit_job(
         self, book: str, pair: Pair, token: int, dispatch_id: str, artifact: dict[str, Any], lane: str
     ) -> Committed | None:
-        """`generating -> ready` + the artifact row, only if the token is still current (None: stale); in too when
+        """`generating -> ready` (`dirty`: below) + the artifact row, only if the token is still current (None: stale); in too when
         this dispatch's commit is already in (a commit sent again). With it, what the book has left pending of the
         stage (`Committed`), which weighs the book for the slot its job freed (`refill.free_slot`).
 
         The pair keeps the hash of the input its media was made from (`artifact["input_hash"]`, read at the
-        job's start), not the scene's hash now: a scene re-imported while its job ran stays stale (a regenerate
-        without force runs it again) rather than passing for made from the new input. Absent: the current one.
+        job's start), not the scene's hash now. Absent: the current one. When the two differ (the scene was
+        re-imported while the job ran) the pair goes `dirty` and its targets are released `input_changed`, as the
+        import does to a `ready` pair it finds stale: landed `ready`, it passed for made from the new input, its
+        command counted it done, and the next import, an identical one, released it then.
         """
         owned = _owned(book, pair, token, dispatch_id)
         with self.db.transaction() as conn:
@@ -112,23 +116,27 @@ class JobStore:
             with conn.pipeline():
                 _lock_capacity(conn, lane, book)
                 committed = conn.execute(
-                    "WITH done AS (UPDATE asset_states a SET state = %(ready)s, artifact_sha256 = %(sha256)s,"
+                    "WITH done AS (UPDATE asset_states a SET state = CASE WHEN coalesce(%(input_hash)s::text,"
+                    " s.input_hashes ->> a.stage) IS NOT DISTINCT FROM s.input_hashes ->> a.stage THEN %(ready)s"
+                    " ELSE %(dirty)s END, artifact_sha256 = %(sha256)s,"
                     " input_hash = coalesce(%(input_hash)s, s.input_hashes ->> a.stage), error = NULL,"
                     " updated_at = now() FROM scenes s"
                     f" WHERE {_OWNED} AND s.book_id = a.book_id AND s.chapter_id = a.chapter_id"
-                    " AND s.scene_id = a.scene_id RETURNING a.book_id)"
+                    " AND s.scene_id = a.scene_id RETURNING a.state)"
                     " INSERT INTO artifacts (sha256, size_bytes, media_type, book_id, chapter_id, scene_id, stage,"
                     " fencing_token, dispatch_id, generator, duration_ms, path, uri)"
                     " SELECT %(sha256)s, %(size)s, %(media_type)s, %(book)s, %(chapter)s, %(scene)s, %(stage)s,"
                     f" %(token)s, %(dispatch_id)s, %(generator)s, %(duration_ms)s, %(path)s, %(uri)s FROM done"
-                    f" RETURNING {_PENDING_RANK}",
-                    {**owned, **_RANKS, "ready": AssetState.READY, "uri": None, "input_hash": None, **artifact},
+                    f" RETURNING {_PENDING_RANK}, (SELECT state FROM done)",
+                    {**owned, **_RANKS, **_LANDS, "uri": None, "input_hash": None, **artifact},
                 )
                 detail = {"token": token, "sha256": artifact["sha256"]}
                 journal.record(conn, "job.ready", book, detail, pair=pair, dispatch_id=dispatch_id)
                 _end_start(conn, book, pair, None)
                 settle_commands(conn, book, pair)
             row = committed.fetchone()
+            if row is not None and row[1] == AssetState.DIRTY:  # made from the text an import replaced meanwhile
+                mark_released(conn, book, {INPUT_CHANGED: [pair]})
             if row is None:
                 conn.rollback()
                 # This very commit may have landed already, its answer lost with its connection (a retry after a
@@ -211,6 +219,7 @@ _PENDING_RANK = (
     f" WHERE {has_target_in(f'({literals.PENDING})')})"
 )
 _RANKS = {"priorities": PRIORITIES}
+_LANDS = {"ready": AssetState.READY, "dirty": AssetState.DIRTY}  # a commit's pair: ready, or dirty if made stale
 
 
 def _left(conn: psycopg.Connection[Any], owned: dict[str, Any]) -> Committed:
