@@ -101,6 +101,7 @@ class Assets(Protocol):
     def unclaim(self, book: str, claims: Sequence[Claim]) -> int: ...
     def mark_already_completed(self, book: str, pairs: Sequence[Pair]) -> list[Pair]: ...
     def generating_pairs(self) -> list[GeneratingRow]: ...
+    def dispatch_ids(self, pairs: Sequence[BookPair]) -> dict[BookPair, str | None]: ...  # rows that exist
     def expire_generating(  # `still_lapsed` asked under the pair's row lock, after the update: False undoes it
         self,
         book: str,
@@ -235,6 +236,7 @@ class Leases(Protocol):
     def retake_lease(self, pair: BookPair, dispatch_id: str, worker: str, ttl: int) -> bool: ...  # while none holds it
     def touch_delivery(self, dispatch_id: str, ttl: int) -> None: ...
     def delivery_holders(self, dispatch_ids: Sequence[str]) -> list[str | None]: ...  # `<node>#<pid>` running each
+    def held_jobs(self, nodes: Sequence[str]) -> list[tuple[BookPair, str]]: ...  # running, holding their lease
     def abandon_delivery(  # (its dispatch id, its stage, whether its lease went too), None when it held none
         self, holder: str, redelivered: str | None
     ) -> tuple[str, str, bool] | None: ...
@@ -254,6 +256,7 @@ class Presence(Protocol):
 
     def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]: ...
     def last_beats(self, nodes: Sequence[str]) -> dict[str, float]: ...  # node -> its last heartbeat, if on record
+    def nodes(self) -> list[str]: ...  # every worker node whose last heartbeat is on record
     def departed_ago(self, queues: Sequence[str]) -> dict[str, float]: ...  # queue -> since its consumer's clean stop
     def held(self, queues: Sequence[str]) -> set[str]: ...  # those a live worker beats for with no consumer on them
     def unconsumed_seen(self, queues: Sequence[str]) -> dict[str, float]: ...  # queue -> last double count of none

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 from animastor_tasks.domain import liveness, rounds
+from animastor_tasks.domain.types import Pair
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import gate, lanes, takeover
+from animastor_tasks.flow import cancel, gate, lanes, takeover
 from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.reconcile")
@@ -42,6 +44,7 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
         "expired": 0,
         "blocked": 0,
         "released": 0,
+        "orphans": 0,
         "pruned_events": 0,
         "pruned_commands": 0,
         "pruned_artifacts": 0,
@@ -54,6 +57,7 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     )
     _rebuild_redis(ports, list(work), list(work) if bookmark is None else books, report)
     _expire_dead_generating(ports, report)
+    _let_go_of_orphans(ports, report)
     _block_consumerless(ports, report)
     # The books' facts read several at a time, as the tick's passes read them: one statement per book cost
     # most of a reconcile (9 ms of 10 per book of 1,000 pairs).
@@ -76,7 +80,7 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     report.update(passed_books=len(books), books_with_work=len(work), round_done=not following)
     if not whole:  # the beat's passes: a whole-farm one (`animastor-tasks reconcile`) would skew their percentiles
         ports.counters.observe("reconcile_seconds", time.monotonic() - started)
-    if any(report[k] for k in ("expired", "blocked", "released")):
+    if any(report[k] for k in ("expired", "blocked", "released", "orphans")):
         log.info("[RECONCILE] %s", report)
     return report
 
@@ -150,6 +154,31 @@ def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:
         g for g in takeover.without_retakes(ports, lapsed) if g.dispatch_id not in lost
     ]
     takeover.expire(ports, dead, report)
+
+
+def _let_go_of_orphans(ports: Ports, report: dict[str, Any]) -> None:
+    """The running jobs whose pair Postgres gives them no more (no row: a re-import removed its scene; or a row that
+    carries another dispatch) are let go as the CLI lets go of a removed scene's (`cancel.let_go`): each stops at its
+    next lease renewal. *Why:* the CLI does so once, after the import's commit; killed in between, or Redis failing
+    that call, the job ran on to its time limit and its output was refused at its commit, its lane meanwhile counting
+    the slot free. Redis is read first, Postgres after: a job holds a running lease only once its message is out,
+    after its claim's commit, so a job just dispatched is never read as gone. A row with no dispatch (released, given
+    back, taken over) is not judged: a job ending holds its lease a moment after writing it, and the cancel flag or a
+    lapsed lease stops the others. Bounded by the worker processes on record, whatever the books hold."""
+    try:
+        running = ports.leases.held_jobs(ports.presence.nodes())
+        rows = ports.assets.dispatch_ids([pair for pair, _ in running])
+        orphans: dict[str, list[tuple[Pair, str]]] = defaultdict(list)
+        for (book, chapter, scene, stage), dispatch_id in running:
+            carried = rows.get((book, chapter, scene, stage), "")  # "": no row
+            if carried not in (None, dispatch_id):
+                orphans[book].append(((chapter, scene, stage), dispatch_id))
+        for book, jobs in orphans.items():
+            log.warning("[RECONCILE] book=%r jobs of pairs no longer theirs let go: %s", book, jobs)
+            cancel.let_go(ports, book, jobs)
+            report["orphans"] += len(jobs)
+    except StoreUnavailable as err:  # the next pass looks again
+        log.warning("[RECONCILE] running jobs of pairs gone not looked for this pass: %s", err)
 
 
 def _drop_restored_of_released(ports: Ports, restored: Sequence[GeneratingRow]) -> None:

@@ -23,7 +23,7 @@ from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts, Waiter
 from animastor_tasks.domain.gate import BookFacts, decide, decide_all
 from animastor_tasks.domain.keys import claim_locks
-from animastor_tasks.domain.types import Pair
+from animastor_tasks.domain.types import BookPair, Pair
 from animastor_tasks.domain.vocabulary import (
     AssetState,
     transition,
@@ -227,6 +227,19 @@ class AssetStore(GateReads):
                     (AssetState.GENERATING,),
                 )
             ]
+
+    def dispatch_ids(self, pairs: Sequence[BookPair]) -> dict[BookPair, str | None]:
+        """Per pair of `pairs` whose row exists, the dispatch id it carries (None: none), whatever its state."""
+        if not pairs:
+            return {}
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.dispatch_id FROM asset_states a"
+                " JOIN unnest(%s::text[], %s::text[], %s::text[], %s::text[]) AS p(b, c, s, st)"
+                " ON a.book_id = p.b AND a.chapter_id = p.c AND a.scene_id = p.s AND a.stage = p.st",
+                [list(column) for column in zip(*pairs, strict=True)],
+            ).fetchall()
+        return {(b, c, s, st): d for b, c, s, st, d in rows}
 
     def expire_generating(
         self,

@@ -197,9 +197,25 @@ class LeaseStore:
     def node_jobs(self, node: str) -> list[tuple[BookPair, str]]:
         """(pair, dispatch id) of the jobs the processes of worker `node` run (their holder entries, kept jobs too); two
         round trips."""
+        return self._entries([node])
+
+    def held_jobs(self, nodes: Sequence[str]) -> list[tuple[BookPair, str]]:
+        """(pair, dispatch id) of the jobs the processes of `nodes` run that still hold their pair's lease (not one
+        that ended, was taken over or fenced off: those hold none, another dispatch's or a stop marker); three round
+        trips, bounded by those nodes' processes."""
+        jobs = self._entries(nodes)
+        holders = self._values([self.conn.keys.lease(*pair) for pair, _ in jobs])
+        return [(pair, d) for (pair, d), holder in zip(jobs, holders, strict=True) if holder == d]
+
+    def _entries(self, nodes: Sequence[str]) -> list[tuple[BookPair, str]]:
+        """(pair, dispatch id) that the holder entries of the processes of `nodes` name; two round trips."""
         keys = self.conn.keys
-        holders: Any = self.conn.run(lambda: self.conn.client.smembers(keys.holders(node)))
-        entries = [_holding_entry(e) for e in self._values([keys.holding(h) for h in sorted(holders)])]
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for node in nodes:
+                pipe.smembers(keys.holders(node))
+            holders = sorted({h for members in (pipe.execute() if nodes else []) for h in members})
+        entries = [_holding_entry(e) for e in self._values([keys.holding(h) for h in holders])]
         return [(keys.parse_lease(lease), dispatch_id) for dispatch_id, lease in filter(None, entries)]
 
     def delivery_holders(self, dispatch_ids: Sequence[str]) -> list[str | None]:

@@ -77,6 +77,11 @@ class PresenceStore:
             if beat is not None and float(beat) >= forget_before
         }
 
+    def nodes(self) -> list[str]:
+        """Every worker node whose last heartbeat is on record (a name silent for a day is dropped by a heartbeat)."""
+        with self.conn.errors():
+            return [str(n) for n in self.conn.client.zrange(self.conn.keys.beats(), 0, -1)]
+
     def departed_ago(self, queues: Sequence[str]) -> dict[str, float]:
         """{queue: seconds since a consumer last stopped consuming it cleanly} for those of `queues` on record."""
         if not queues:
