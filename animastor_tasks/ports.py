@@ -196,14 +196,13 @@ class Deferrals(Protocol):
     def clear_deferrals(self, book: str, pairs: Iterable[Pair]) -> None: ...
     def prune_deferrals(self, books: Iterable[str], now: float) -> None: ...
     def wait_for_lane(self, queue: str, book: str, score: float, *, served: bool = False) -> None: ...
-    def next_waiters(  # `left`: what the end of `requeue_from`'s job left its book (None: unknown)
+    def next_waiters(  # `ended`: the dispatch id of the job that freed the slot, and what its end left its book
         self,
         queue: str,
         count: int,
         *,
         exclude: str | None = None,
-        requeue_from: str | None = None,
-        left: Committed | None = None,
+        ended: tuple[str, Committed] | None = None,
     ) -> list[str]: ...
     def stranded_lanes(self, free: Sequence[str], min_age: float) -> list[str]: ...  # free with waiters, for a while
     def hand_over_done(self, queue: str, book: str, began: float) -> None: ...  # its refill, begun then, is done

@@ -27,8 +27,8 @@ widens to another book).
 |                                               |        | renewed by the job (domain/liveness.py)   |
 | ``P:dispatch:ID``                             | hash   | dispatch metadata, read at the job's      |
 |                                               |        | start; deleted as its end frees the slot  |
-|                                               |        | (lane_take.lua reads its rank last), else |
-|                                               |        | 4 queued lease TTLs (revoked, taken over) |
+|                                               |        | (lane_take.lua), else 4 queued lease TTLs |
+|                                               |        | (revoked, taken over)                     |
 | ``P:running:ID``                              | string | lease TTL while a delivery of ID runs     |
 | ``P:queued:ID`` (value: dispatch time)        | string | from dispatch to its first delivery       |
 |                                               |        | (at most 24 h; see domain/liveness.py)    |

@@ -277,9 +277,7 @@ def _claim_and_publish(
                     taken_by_another = specs[stage].lane_limit <= session.counts.lane.get(stage, 0)
                     first = queue_of[stage] == handed_lane and stage in lane_full and taken_by_another
                     _wait_for_lane(ports, book, queue_of[stage], rank, 0.0 if first else now)
-                ports.leases.take_leases(
-                    [publish.claim_lease(book, c, specs[c.stage], now, ranks[c.pair]) for c in claims]
-                )
+                ports.leases.take_leases([publish.claim_lease(book, c, specs[c.stage], now) for c in claims])
                 ports.deferrals.clear_deferrals(book, [c.pair for c in claims])  # they wait no longer
                 if handed_lane is not None and (mine := [ranks[c.pair] for c in claims if c.stage in room_of]):
                     # The handed slot is claimed: its record goes before the COMMIT that counts the claim. *Why:* it

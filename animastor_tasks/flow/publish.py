@@ -88,9 +88,7 @@ def drop_leases(ports: Ports, book: str, claims: list[Claim]) -> None:
         )
 
 
-def claim_lease(
-    book: str, claim: Claim, spec: StageSpec, now: float, rank: int
-) -> tuple[Any, str, int, dict[str, Any]]:
+def claim_lease(book: str, claim: Claim, spec: StageSpec, now: float) -> tuple[Any, str, int, dict[str, Any]]:
     meta = {
         "book": book,
         "chapter": claim.chapter,
@@ -99,7 +97,6 @@ def claim_lease(
         "token": claim.token,
         "queue": spec.queue,
         "dispatched_at": now,
-        "rank": rank,  # the priority it was dispatched at: where its book queues again when it ends
     }
     # A queued lease (domain/liveness.py): held until a worker starts the job, which shortens it to lease_ttl.
     return (book, *claim.pair), claim.dispatch_id, liveness.queued_lease_ttl(), meta

@@ -131,17 +131,17 @@ def free_slot(
     queue: str,
     dispatch_id: str,
     *,
+    left: Committed,
     here: bool = False,
     breaker_closed: bool = False,
     after: Callable[[Callable[[], None]], None] | None = None,
-    left: Committed | None = None,
 ) -> None:
     """A job of `book` ended and its slot is free, now: the book that waited longest for the lane gets it
     and `book` queues behind the waiters at its most urgent pending pair's priority (both in one atomic
     step); with nobody waiting, the book's own pairs waiting for capacity go. A book whose pending pair is
     more urgent than every waiter keeps the slot for it (a free slot goes to the most urgent work waiting).
     `left`: what the job's commit, failure or give-back left the book of the lane (`Jobs.commit_job`); with nothing
-    pending the book neither keeps the slot nor queues. None (not known): weighed at its dispatch's priority.
+    pending the book neither keeps the slot nor queues.
 
     `here` (a job that ended ready): the refill runs in the process whose job ended, so the slot waits
     for no control-queue hop, and it claims one pair of the lane at most: the slot this process freed
@@ -157,7 +157,7 @@ def free_slot(
     # Nobody waiting: the book's pairs deferred for capacity may go (the same atomic step clears them), of every
     # stage: the scene window is shared by the book's stages, so a finished audio job can free the slot an image
     # pair was deferred for (window_full).
-    waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, requeue_from=dispatch_id, left=left)
+    waiters = ports.deferrals.next_waiters(queue, 1, exclude=book, ended=(dispatch_id, left))
     if waiters:
         _refill_for(ports, waiters[0], queue, queue, here)  # `book` itself when it outranks the waiters
     else:

@@ -16,6 +16,7 @@ from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, lanes
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
+from animastor_tasks.records import Committed
 
 from .helpers import advertise, make_book, states, use_settings
 from .test_elastic_share import finish_one, lane, run_control, running
@@ -102,9 +103,9 @@ def test_a_job_ending_while_its_lane_is_open_keeps_its_book_in_line_behind_the_w
     queue = "gpu.audio"
     for i, book in enumerate(("a", "b")):
         rt.ports.deferrals.wait_for_lane(queue, book, 100.0 + i)
-    rt.redis.client.hset(rt.redis.keys.dispatch("d-x"), mapping={"rank": 1})
     rt.redis.client.hset(rt.redis.keys.breaker(queue), mapping={"open_until": repr(rt.redis.server_time() + 60)})
-    assert rt.ports.deferrals.next_waiters(queue, 1, exclude="x", requeue_from="d-x") == []
+    ended = ("d-x", Committed(priority_rank(Priority.NORMAL)))  # x's job left it normal work
+    assert rt.ports.deferrals.next_waiters(queue, 1, exclude="x", ended=ended) == []
     assert _waiting(rt, queue) == ["a", "b", "x"]
     assert rt.redis.client.hgetall(rt.redis.keys.lane_handed(queue)) == {}
 

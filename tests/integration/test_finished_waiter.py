@@ -107,8 +107,8 @@ def two_lanes(rt: Wiring) -> None:
 
 
 def test_a_handed_refill_that_finds_nothing_takes_its_book_off_every_list(rt: Wiring) -> None:
-    """A place that outlived its book's work (a job that failed, say, weighed at its dispatch's priority without
-    knowing what is left) goes once a refill handed a slot finds nothing, rather than draw the next slot too."""
+    """A place that outlived its book's work (a takeover's, whose pair a pass then claimed) goes once a refill handed
+    a slot finds nothing, rather than draw the next slot too."""
     two_lanes(rt)
     rt.catalog.import_book(make_book("done", chapters=1, scenes=1))
     for queue in ("gpu.audio", "gpu.image"):  # stale places, at the head of each lane
@@ -140,7 +140,7 @@ def test_a_stale_place_does_not_keep_the_slot_for_a_book_with_nothing_left(rt: W
     now = rt.ports.clock()
     rt.ports.deferrals.wait_for_lane("gpu.audio", "b", wait_score(0, now - 5))  # b: a stale interactive place
     rt.ports.deferrals.wait_for_lane("gpu.audio", "w", wait_score(2, now - 60))  # w: normal, waiting a minute
-    taken = rt.ports.deferrals.next_waiters("gpu.audio", 1, exclude="b", requeue_from="d1", left=Committed(None))
+    taken = rt.ports.deferrals.next_waiters("gpu.audio", 1, exclude="b", ended=("d1", Committed(None)))
     assert taken == ["w"]
     assert waiting(rt) == {}  # the book is not queued again
 

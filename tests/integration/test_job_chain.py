@@ -22,7 +22,7 @@ from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.job import Job
-from animastor_tasks.ports import GateRows
+from animastor_tasks.ports import Committed, GateRows
 from animastor_tasks.worker import chain, wiring
 from tests.support import wait_for
 
@@ -36,16 +36,23 @@ def generating(rt: Any, book: str) -> list[str]:
     return sorted(s for (_, s, _), state in states(rt, book).items() if state == "generating")
 
 
-def commit_ready(rt: Any, book: str, scene: str) -> str:
-    """The job of `scene` commits its output (what `run_job` does before it frees the slot); its dispatch id."""
+def commit_ready(rt: Any, book: str, scene: str) -> tuple[str, Committed]:
+    """The job of `scene` commits its output (what `run_job` does before it frees the slot): its dispatch id, and
+    what the commit left its book (`free_slot`'s `left`)."""
     with rt.db.transaction() as conn:
         dispatch_id, token = conn.execute(
             "SELECT dispatch_id, fencing_token FROM asset_states WHERE book_id = %s AND scene_id = %s",
             (book, scene),
         ).fetchone()
     pair = ("ch1", scene, "audio")
-    assert rt.ports.jobs.commit_job(book, pair, token, dispatch_id, fake_artifact(scene), AUDIO)
-    return str(dispatch_id)
+    committed = rt.ports.jobs.commit_job(book, pair, token, dispatch_id, fake_artifact(scene), AUDIO)
+    assert committed is not None
+    return str(dispatch_id), committed
+
+
+def free(rt: Any, book: str, ended: tuple[str, Committed]) -> None:
+    """The slot of the job `commit_ready` ended is free, refilled in its own process."""
+    refill.free_slot(rt.ports, book, AUDIO, ended[0], left=ended[1], here=True)
 
 
 def test_a_refill_in_the_finished_jobs_process_fills_its_own_slot_and_leaves_the_others_to_theirs(rt) -> None:
@@ -55,10 +62,10 @@ def test_a_refill_in_the_finished_jobs_process_fills_its_own_slot_and_leaves_the
     assert generating(rt, "solo") == ["s1", "s2", "s3", "s4"]
     # Two jobs end at once: two slots are free, and each finishing process refills one.
     first, second = commit_ready(rt, "solo", "s1"), commit_ready(rt, "solo", "s2")
-    refill.free_slot(rt.ports, "solo", AUDIO, first, here=True)
+    free(rt, "solo", first)
     assert generating(rt, "solo") == ["s3", "s4", "s5"]  # one slot: s2's process refills its own
     assert "solo" in waiting(rt)  # the pairs past it wait for the lane, as refused by it
-    refill.free_slot(rt.ports, "solo", AUDIO, second, here=True)
+    free(rt, "solo", second)
     assert generating(rt, "solo") == ["s3", "s4", "s5", "s6"]
 
 
@@ -69,7 +76,7 @@ def test_a_refill_whose_book_a_concurrent_claim_deferred_for_the_lane_still_fill
     rt.catalog.import_book(make_book("late", chapters=1, scenes=10))
     regenerate_flow.regenerate(rt.ports, "late", ["audio"])
     first, _ = commit_ready(rt, "late", "s1"), commit_ready(rt, "late", "s2")
-    refill.free_slot(rt.ports, "late", AUDIO, first, here=True)  # claims s5, defers s6... for the lane
+    free(rt, "late", first)  # claims s5, defers s6... for the lane
     assert rt.redis.client.zscore(rt.redis.keys.deferrals("late", "capacity"), "ch1:s6:audio") is not None
     refill.refill(rt.ports, "late", None, slots_of=AUDIO)  # the second refill, past its bucket clear
     assert generating(rt, "late") == ["s3", "s4", "s5", "s6"]
@@ -97,8 +104,8 @@ def test_a_refill_that_read_before_another_claimed_takes_the_next_pair_not_nothi
     regenerate_flow.regenerate(rt.ports, "race", ["audio"])
     first, second = commit_ready(rt, "race", "s1"), commit_ready(rt, "race", "s2")
     rt.ports = replace(rt.ports, assets=StaleCandidates(rt.ports.assets))
-    refill.free_slot(rt.ports, "race", AUDIO, first, here=True)
-    refill.free_slot(rt.ports, "race", AUDIO, second, here=True)  # its candidates still say s5 is pending
+    free(rt, "race", first)
+    free(rt, "race", second)  # its candidates still say s5 is pending
     assert generating(rt, "race") == ["s3", "s4", "s5", "s6"]
 
 

@@ -211,12 +211,9 @@ def test_a_slot_freed_by_a_failed_job_goes_to_its_own_lane_through_the_control_w
     back): the message names the freed lane."""
     images_then_audio(rt)
     job = running_audio_job(rt, "two")
-    with rt.db.transaction() as conn:
-        conn.execute(
-            "UPDATE asset_states SET state = 'failed' WHERE book_id = 'two' AND scene_id = %s AND stage = 'audio'",
-            (job.scene_id,),
-        )
-    refill.free_slot(rt.ports, "two", "gpu.audio", job.dispatch_id, here=False)
+    left = rt.ports.jobs.fail_job(*job.owned, "refused", "gpu.audio")
+    assert left is not None
+    refill.free_slot(rt.ports, "two", "gpu.audio", job.dispatch_id, left=left, here=False)
     assert [kwargs for name, kwargs in run_control(rt) if name == "animastor.refill"] == [
         {"book_id": "two", "lane": None, "freed": "gpu.audio"}
     ]

@@ -185,7 +185,7 @@ def test_slots_handed_moments_ago_are_not_stranded_ones(rt) -> None:
         regenerate_flow.regenerate(rt.ports, book, ["audio"])
     time.sleep(0.3)
     for _ in range(2):  # two jobs of `a` fail: their slots handed to i1 and i2 through the control queue
-        refill.free_slot(rt.ports, "a", "gpu.audio", ended_unseen(rt, "a"), left=None)
+        refill.free_slot(rt.ports, "a", "gpu.audio", ended_unseen(rt, "a"), left=Committed(None))
     gate.tick(rt.ports)
     sent = _refills(rt)
     assert sorted(sent) == ["i1", "i2"], sorted(sent)  # nothing handed twice

@@ -130,34 +130,32 @@ class DeferralStore:
         count: int,
         *,
         exclude: str | None = None,
-        requeue_from: str | None = None,
-        left: Committed | None = None,
+        ended: tuple[str, Committed] | None = None,
     ) -> list[str]:
         """Take up to `count` books that waited longest for `queue` (not `exclude`) at the head's priority, off the
         waiting list, in one atomic call (two concurrent hand-overs never take the same book).
 
-        `requeue_from`: the dispatch id of the job whose end freed the slot; when a book is taken,
-        `exclude` (that job's book) queues behind the waiters at its own priority, so books take turns: the
-        more urgent of its place on the list and its most urgent pending pair's (`left`, what the job's commit
-        left it). With nothing left pending it neither keeps the slot nor queues, and its place on the list goes;
-        `left` None (not known) weighs it at its dispatch's priority, when off the list. When that
-        priority is more urgent than the head's, `exclude` keeps the slot: the answer is `[exclude]`, taken off the
-        list.
+        `ended`: the job whose end freed the slot, its dispatch id and what its commit, failure or give-back left
+        its book (`Jobs.commit_job`); when a book is taken, `exclude` (that job's book) queues behind the waiters
+        at its own priority, so books take turns: the more urgent of its place on the list and its most urgent
+        pending pair's. With nothing left pending it neither keeps the slot nor queues, and its place on the list
+        goes. When that priority is more urgent than the head's, `exclude` keeps the slot: the answer is
+        `[exclude]`, taken off the list.
         When nobody waits, the pairs of `exclude` deferred for capacity may try again on the slot its job
-        freed: with `requeue_from`, that bucket is emptied in the same step. While the lane's breaker is open
+        freed: with `ended`, that bucket is emptied in the same step. While the lane's breaker is open
         nobody is taken (and `exclude` only joins the list), half-open one book at most (its test permit's): each
         other would find the lane refused and pass the slot on, emptying the list.
         """
         keys = [
             self.conn.keys.lane_waiters(queue),
-            self.conn.keys.dispatch(requeue_from) if requeue_from else "",
-            self.conn.keys.deferrals(exclude, DeferralBucket.CAPACITY) if requeue_from and exclude else "",
+            self.conn.keys.dispatch(ended[0]) if ended else "",
+            self.conn.keys.deferrals(exclude, DeferralBucket.CAPACITY) if ended and exclude else "",
             self.conn.keys.breaker(queue),
             self.conn.keys.lane_handed(queue),
         ]
         now = self.conn.server_time()  # the breaker's `open_until` is by the server's clock
-        pending = "" if left is None else "none" if left.pending is None else left.pending
-        args: list[str | float] = [count, exclude or "", now, RANK_SCALE, priority_rank(Priority.NORMAL), pending]
+        pending = "" if ended is None else "none" if ended[1].pending is None else ended[1].pending
+        args: list[str | float] = [count, exclude or "", now, RANK_SCALE, pending]
         taken = self.conn.run(lambda: self._take(keys=keys, args=args))
         return [str(b) for b in taken]
 

@@ -2,19 +2,18 @@
 -- hand-overs never take the same book; optionally queue the book whose job freed the slot
 -- behind them, at its own priority: the more urgent of the one it waits at already when it is
 -- on the list (its pairs the lane refused) and that of its most urgent pair still pending (its
--- job's commit read it: a reader's scene its book's cap refused waits on no list). A book whose
--- job's commit left nothing pending of the lane neither keeps the slot nor waits again, and a
--- place it holds on the list goes (a stale one: a takeover's, whose pair a pass then claimed):
--- kept, it won the slot, or it bound the share of the book served, whose refill handed the slot
--- back; either way a refill found nothing and passed the slot on through the control queue, the
--- slot idle meanwhile (a place a pass wrote since the commit's read goes too: its scene waits out
--- its capacity deferral). A job's end that does not say what it left is weighed at its
--- dispatch's priority instead.
+-- job's commit, failure or give-back read it: a reader's scene its book's cap refused waits on no
+-- list). A book whose job's end left nothing pending of the lane neither keeps the slot nor waits
+-- again, and a place it holds on the list goes (a stale one: a takeover's, whose pair a pass then
+-- claimed): kept, it won the slot, or it bound the share of the book served, whose refill handed
+-- the slot back; either way a refill found nothing and passed the slot on through the control
+-- queue, the slot idle meanwhile (a place a pass wrote since that read goes too: its scene waits
+-- out its capacity deferral).
 -- That book keeps the slot instead when that priority is more urgent than the head's: the
 -- answer is then that book alone, taken off the list as any book served is.
 -- KEYS[1] the lane's waiting list (zset: book -> wait score, lower first)
--- KEYS[2] the finished dispatch's metadata hash (field `rank`), or '' for no re-queue; deleted here, its last
---         reader (kept, it lived a queued lease's four days after its job had ended: 1.3 GB at 1M jobs a day)
+-- KEYS[2] the finished dispatch's metadata hash, or '' for no re-queue; deleted here (kept, it lived a queued
+--         lease's four days after its job had ended: 1.3 GB at 1M jobs a day)
 -- KEYS[3] a key to delete when no book is taken, or '' for none: the deferrals of the book that freed
 --         the slot that wait for capacity, which may try again when nobody else waits
 -- KEYS[4] the lane's breaker hash, or '' for none: while it is open (as breaker_acquire.lua says: before
@@ -27,9 +26,9 @@
 --         of a hand-over go to the most urgent books waiting; one with no use for its share hands it on). *Why:*
 --         one each from the head, a bulk book's refill run first took a slot a reader's second scene waited for.
 -- ARGV[2] a book never to take ('' for none): the one that freed the slot
--- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank, ARGV[5] the default rank
--- ARGV[6] what the commit of the job that freed the slot left its book of the lane: the rank of its most urgent
---         pending pair, 'none' for nothing pending, '' for not known (its failure or give-back says it too)
+-- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank
+-- ARGV[5] what the end (commit, failure or give-back) of the job that freed the slot left its book of the lane:
+--         the rank of its most urgent pending pair, 'none' for nothing pending ('' with no re-queue)
 -- returns the books taken, best first
 local count = tonumber(ARGV[1])
 local refused = false
@@ -45,23 +44,17 @@ if KEYS[4] ~= '' then
 end
 local scale = tonumber(ARGV[4])
 local own = nil
-if ARGV[2] ~= '' and ARGV[6] == 'none' then
+if ARGV[2] ~= '' and ARGV[5] == 'none' then
     redis.call('ZREM', KEYS[1], ARGV[2])
 elseif KEYS[2] ~= '' and ARGV[2] ~= '' then
     -- Waiting already, the book's place says what it waits for: a reader's interactive scene refused
     -- behind its own bulk jobs, or bulk work left after an interactive job.
     own = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]) or '')
     -- Its most urgent pending pair may wait on no list (a reader's scene its book's cap refused): the more urgent
-    -- of the two counts. Not known, it is weighed at its dispatch's priority, off the list.
-    local rank = tonumber(ARGV[6])
-    if rank == nil and own == nil then
-        rank = tonumber(redis.call('HGET', KEYS[2], 'rank') or ARGV[5]) or tonumber(ARGV[5])
-    end
-    if rank ~= nil then
-        local pending = rank * scale + tonumber(ARGV[3])
-        if own == nil or pending < own then
-            own = pending
-        end
+    -- of the two counts.
+    local pending = tonumber(ARGV[5]) * scale + tonumber(ARGV[3])
+    if own == nil or pending < own then
+        own = pending
     end
 end
 if KEYS[2] ~= '' then
