@@ -457,7 +457,6 @@ def test_a_scene_removed_by_an_import_between_the_checks_and_the_writes_is_a_cle
     assert rt.ports.commands.commands(book=book) == []
 
 
-
 def test_a_whole_book_regenerate_targets_the_scenes_there_as_it_writes(rt, book) -> None:
     """A whole-book command targeted the scene list read before the book's lock: an import that removed a scene in
     between made the write fail with InvalidCommand "a scene named was removed" (none was named; a client does not

@@ -94,9 +94,9 @@ class JobStore:
     def commit_job(
         self, book: str, pair: Pair, token: int, dispatch_id: str, artifact: dict[str, Any], lane: str
     ) -> Committed | None:
-        """`generating -> ready` (`dirty`: below) + the artifact row, only if the token is still current (None: stale); in too when
-        this dispatch's commit is already in (a commit sent again). With it, what the book has left pending of the
-        stage (`Committed`), which weighs the book for the slot its job freed (`refill.free_slot`).
+        """`generating -> ready` (`dirty`: below) + the artifact row, only if the token is still current (None:
+        stale); in too when this dispatch's commit is already in (a commit sent again). With it, what the book has
+        left pending of the stage (`Committed`), which weighs the book for the slot its job freed (`free_slot`).
 
         The pair keeps the hash of the input its media was made from (`artifact["input_hash"]`, read at the
         job's start), not the scene's hash now. Absent: the current one. When the two differ (the scene was
