@@ -61,8 +61,8 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
     try:
         read = candidates.dispatch_candidates(ports, report, book, lane, slots_of, slots)
         finished = read is None or (read == 0 and (lane is None or _nothing_pending(ports, book)))
-        if read == 0 and lane is not None:
-            _leave_lanes(ports, book, ports.settings.registry.queues() if finished else (lane,))
+        if read == 0 and handed is not None:  # its own slot's too: a place a failed refill kept (`_keep_place`)
+            _leave_lanes(ports, book, ports.settings.registry.queues() if finished else (handed,))
         if finished:
             # The book is gone, or its own job ended with nothing of it pending (or it was handed a slot with
             # nothing left to claim): the full pass is cheap then, and it is the one that deactivates finished
@@ -117,7 +117,8 @@ def _keep_place(ports: Ports, book: str, lane: str) -> None:
     each next book's refill failed the same way, until every waiting book was off the list and the slot idle; the
     books came back only as their capacity deferrals ran out, in the order of their last refusal. The tick passes
     the book once the store answers. (At the head of the interactive priority, whatever it waited with, a bulk
-    book went ahead of a reader's scene.)"""
+    book went ahead of a reader's scene.) A book handed no record (its job's end left it nothing pending) gets no
+    place, and one whose record a refill that failed before took away keeps the place that refill kept."""
     try:
         ports.deferrals.keep_handed_place(lane, book)
         ports.book_state.set_due(book, ports.clock())

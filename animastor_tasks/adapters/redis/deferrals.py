@@ -13,7 +13,7 @@ from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import DeferralBucket, Priority, priority_rank
+from animastor_tasks.domain.vocabulary import DeferralBucket
 from animastor_tasks.ports import Committed
 
 HAND_OVER_SECONDS = 600  # a hand-over whose last refill never came (a control worker killed) is forgotten
@@ -103,9 +103,9 @@ class DeferralStore:
 
     def keep_handed_place(self, queue: str, book: str) -> None:
         """A handed book whose refill could not read it waits again at the head of the priority it was handed the
-        slot with (`lua/handed_keep.lua`; `normal` when no hand-over record says)."""
+        slot with (`lua/handed_keep.lua`; with no hand-over record, of the place it holds; with neither, nowhere)."""
         keys = [self.conn.keys.lane_handed(queue), self.conn.keys.lane_waiters(queue)]
-        args: list[str | float] = [book, priority_rank(Priority.NORMAL), RANK_SCALE]
+        args: list[str | float] = [book, RANK_SCALE]
         self.conn.run(lambda: self._keep(keys=keys, args=args))
 
     def restore_lost_hand_overs(self, queues: Sequence[str], min_age: float) -> list[tuple[str, str]]:

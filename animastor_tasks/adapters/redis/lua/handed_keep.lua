@@ -1,10 +1,18 @@
 -- A handed book whose refill could not read it keeps its place at the head of the priority it was handed the
--- slot with (its hand-over record; without one, ARGV[2]), rather than pass the slot on.
+-- slot with (its hand-over record), rather than pass the slot on. Without a record, a place on the list (one a
+-- refill that failed before kept, the record gone with it) gives the priority; without either, the book gets no
+-- place: its job's end left it nothing pending (lane_take.lua wrote no record). *Why:* at a default `normal`, the
+-- second failure (the refill sent on to the control worker, Postgres still failing over) put a bulk book ahead of
+-- every normal waiter, and a finished book drew the next free slot for nothing.
 -- KEYS[1] the lane's hand-over record (hash: book -> '<handed at> <wait score>'), KEYS[2] its waiting list
--- ARGV[1] the book, ARGV[2] its rank when no record says, ARGV[3] the score of one priority rank
+-- ARGV[1] the book, ARGV[2] the score of one priority rank
 local value = redis.call('HGET', KEYS[1], ARGV[1])
 local score = value and tonumber(string.match(value, '^%S+ (%S+)$') or '')
-local scale = tonumber(ARGV[3])
-local rank = score and math.floor(score / scale) or tonumber(ARGV[2])
-redis.call('ZADD', KEYS[2], 'LT', rank * scale, ARGV[1])
+if score == nil then
+    score = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]) or '')
+end
+if score ~= nil then
+    local scale = tonumber(ARGV[2])
+    redis.call('ZADD', KEYS[2], 'LT', math.floor(score / scale) * scale, ARGV[1])
+end
 redis.call('HDEL', KEYS[1], ARGV[1])
