@@ -138,9 +138,9 @@ class DeferralStore:
         `ended`: the job whose end freed the slot, its dispatch id and what its commit, failure or give-back left
         its book (`Jobs.commit_job`); when a book is taken, `exclude` (that job's book) queues behind the waiters
         at its own priority, so books take turns: the more urgent of its place on the list and its most urgent
-        pending pair's. With nothing left pending it neither keeps the slot nor queues, and its place on the list
-        goes. When that priority is more urgent than the head's, `exclude` keeps the slot: the answer is
-        `[exclude]`, taken off the list.
+        pending pair's. With nothing left pending, or stopped (its cancel flag set: a Stop All since that read), it
+        neither keeps the slot nor queues, and its place on the list goes. When that priority is more urgent than
+        the head's, `exclude` keeps the slot: the answer is `[exclude]`, taken off the list.
         When nobody waits, the pairs of `exclude` deferred for capacity may try again on the slot its job
         freed: with `ended`, that bucket is emptied in the same step. While the lane's breaker is open
         nobody is taken (and `exclude` only joins the list), half-open one book at most (its test permit's): each
@@ -152,6 +152,7 @@ class DeferralStore:
             self.conn.keys.deferrals(exclude, DeferralBucket.CAPACITY) if ended and exclude else "",
             self.conn.keys.breaker(queue),
             self.conn.keys.lane_handed(queue),
+            self.conn.keys.cancel_flag(exclude) if ended and exclude else "",
         ]
         now = self.conn.server_time()  # the breaker's `open_until` is by the server's clock
         pending = "" if ended is None else "none" if ended[1].pending is None else ended[1].pending

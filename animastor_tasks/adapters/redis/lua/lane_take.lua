@@ -22,6 +22,11 @@
 --         list and losing its order. A book re-queued meanwhile only joins the list (keeping its place there).
 -- KEYS[5] the lane's hand-over record (hash: book -> '<now> <wait score>'): every book served is noted there
 --         until its refill reports back, so that a refill lost puts its book back on the list (handed_restore.lua)
+-- KEYS[6] the cancel flag of the book that freed the slot, or '' for none: set, the book is stopped (a Stop All
+--         since its job's end read what it had left, whose Redis step took it off every list), and it neither keeps
+--         the slot nor waits again, as with nothing left pending. *Why:* put back, a normal book drew a later slot
+--         whose refill found nothing, and an interactive one kept the freed slot for nothing, which went on to the
+--         waiter through the control queue. A regenerate lifts the flag before its commands are written.
 -- ARGV[1] how many books to take, at most: the head's and those after it at the head's priority alone (the slots
 --         of a hand-over go to the most urgent books waiting; one with no use for its share hands it on). *Why:*
 --         one each from the head, a bulk book's refill run first took a slot a reader's second scene waited for.
@@ -44,7 +49,7 @@ if KEYS[4] ~= '' then
 end
 local scale = tonumber(ARGV[4])
 local own = nil
-if ARGV[2] ~= '' and ARGV[5] == 'none' then
+if ARGV[2] ~= '' and (ARGV[5] == 'none' or (KEYS[6] ~= '' and redis.call('EXISTS', KEYS[6]) == 1)) then
     redis.call('ZREM', KEYS[1], ARGV[2])
 elseif KEYS[2] ~= '' and ARGV[2] ~= '' then
     -- Waiting already, the book's place says what it waits for: a reader's interactive scene refused
