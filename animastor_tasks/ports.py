@@ -260,6 +260,7 @@ class Presence(Protocol):
     def held(self, queues: Sequence[str]) -> set[str]: ...  # those a live worker beats for with no consumer on them
     def unconsumed_seen(self, queues: Sequence[str]) -> dict[str, float]: ...  # queue -> last double count of none
     def note_unconsumed(self, queues: Sequence[str]) -> None: ...  # a double count found none on these, now
+    def await_consumer(self, queues: Sequence[str]) -> None: ...  # a pass waits for a worker on these
 
 
 class Counters(Protocol):

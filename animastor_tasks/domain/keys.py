@@ -209,6 +209,11 @@ class Keyspace:
         Redis server's clock): the double count `lanes.gone_for_good` makes, shared by the passes that follow."""
         return self._key("unconsumed")
 
+    def awaited(self) -> str:
+        """The queues a pass found waiting for a restarted worker (a set): the first heartbeat on one takes it away
+        and hands its lane to the books waiting for it (`lanes.consumers_arrived`)."""
+        return self._key("awaited")
+
     def beats(self) -> str:
         """Each worker node's last heartbeat (name -> when, by the Redis server's clock), whatever it consumes."""
         return self._key("beats")

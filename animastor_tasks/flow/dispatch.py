@@ -97,14 +97,16 @@ def dispatch_pending(
     unsure: set[str] = set()
     for stage, spec in unconsumed.items():
         if spec.queue not in gone:
-            # Redis lost its data moments ago (workers have not re-advertised yet), the queue's last worker
-            # stopped cleanly moments ago (a restart), or its heartbeat came back when counted again: dispatch
-            # nothing for the stage and block nothing; the next pass decides (no side effect here).
+            # Redis lost its data moments ago (workers have not re-advertised yet), the queue's last worker stopped
+            # cleanly moments ago (a restart), or its heartbeat came back when counted again: nothing dispatched.
             unsure.add(stage)
             why = "a Redis loss" if presence_unsure else "its last one stopped moments ago, or it beat again"
             log.warning("[DISPATCH] book=%r stage=%s has no worker for now (%s); waiting", book, stage, why)
             if spec.queue == handed_lane:
                 _keep_handed(ports, book, handed_lane, todo, specs, result)
+            if not presence_unsure:  # its worker awaited: the pairs wait for its first heartbeat, on the lane's list
+                until = lanes.await_worker(ports, book, spec.queue, min(i.rank for i in todo if i.stage == stage), now)
+                result.deferred_until.update({i.pair: until for i in todo if i.stage == stage})
             continue
         result.blocked[stage] = lanes.block_lane(ports, spec, [book], exclude=book)[book]
         result.outcomes[Outcome.BLOCKED] += sum(1 for i in todo if i.stage == stage)

@@ -84,6 +84,22 @@ def gone_for_good(ports: Ports, queues: Sequence[str]) -> set[str]:
     return gone
 
 
+def await_worker(ports: Ports, book: str, queue: str, rank: int, now: float) -> float:
+    """The book's pairs of `queue`, whose worker is awaited (`gone_for_good` found it not gone), wait on the lane's
+    list at `rank` for the worker's first heartbeat (`consumers_arrived`); returns when the book is due again, to
+    block the stage if none came. *Why:* due now, every such book was passed again at every tick, all its pairs
+    read, for as long as the worker was awaited (30 s; a rollout's drain, up to a job's time limit more)."""
+    ports.presence.await_consumer([queue])
+    ports.deferrals.wait_for_lane(queue, book, wait_score(rank, now))
+    return now + ports.settings.silent_worker_seconds
+
+
+def consumers_arrived(ports: Ports, queues: Collection[str]) -> None:
+    """A worker consumes `queues` that passes awaited a worker on: their free slots go to the books waiting."""
+    log.info("[DISPATCH] a worker consumes %s again: their free slots go to the books waiting", sorted(queues))
+    hand_on_freed(ports, set(queues))
+
+
 def block_lane(
     ports: Ports, spec: StageSpec, books: Sequence[str], *, exclude: str | None = None
 ) -> dict[str, list[str]]:

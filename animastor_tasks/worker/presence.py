@@ -19,6 +19,7 @@ from celery.bootsteps import RUN
 from celery.worker import state as worker_state
 
 from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import lanes
 
 log = logging.getLogger("animastor.presence")
 
@@ -90,7 +91,7 @@ class PresenceStep(bootsteps.StartStopStep):
                     queues = set(self._advertised)
                 else:
                     queues = {q.name for q in (parent.task_consumer.queues if parent.task_consumer else [])}
-                wiring.current().presence.heartbeat(
+                arrived = wiring.current().presence.heartbeat(
                     parent.hostname, queues, ttl, gone=self._advertised - queues, holding=holding
                 )
                 self._advertised = queues
@@ -98,6 +99,8 @@ class PresenceStep(bootsteps.StartStopStep):
                 log.warning("[PRESENCE] heartbeat failed: %s", err)
             except Exception:
                 log.exception("[PRESENCE] heartbeat failed")
+            else:
+                _hand_on_awaited(arrived)
             self._wake.wait(ttl / 3)
             self._wake.clear()
             if self._stop.is_set():
@@ -113,6 +116,19 @@ class PresenceStep(bootsteps.StartStopStep):
             self._advertised = set()
         except StoreUnavailable as err:
             log.warning("[PRESENCE] could not withdraw %s: %s", parent.hostname, err)
+
+
+def _hand_on_awaited(queues: set[str]) -> None:
+    """Queues passes awaited a worker on, consumed now by this one: their lanes go to the books waiting. Best
+    effort: missed, the books are due again within `silent_worker_seconds` (`lanes.await_worker`)."""
+    if not queues:
+        return
+    from animastor_tasks.worker import wiring
+
+    try:
+        lanes.consumers_arrived(wiring.current().ports, queues)
+    except Exception:
+        log.exception("[PRESENCE] the lanes of %s not handed on", sorted(queues))
 
 
 def _jobs_in_hand() -> bool:

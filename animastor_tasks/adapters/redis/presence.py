@@ -28,15 +28,18 @@ class PresenceStore:
 
     def heartbeat(
         self, hostname: str, queues: Iterable[str], ttl: float, gone: Iterable[str] = (), *, holding: bool = False
-    ) -> None:
+    ) -> set[str]:
         """`hostname` consumes `queues` for `ttl` seconds more (and no longer `gone`); its last beat is noted beside,
         whatever it consumes. A `ttl` of 0 with no queues is a clean stop: its last beat goes too. `holding`: it
         has no consumer on them for now (draining, or reconnecting to its broker), and will have one again or
-        withdraw."""
+        withdraw. Returns those of `queues` a pass was waiting for a worker on (`await_consumer`), now consumed."""
         now = self.conn.server_time(fresh=True)  # the server's clock: its readers run on other hosts
         keys = self.conn.keys
+        queues = list(queues)
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
+            for queue in [] if holding else queues:
+                pipe.srem(keys.awaited(), queue)
             for queue in queues:
                 pipe.zadd(keys.consumers(queue), {hostname: now + ttl})
                 # Names silent for a day go: each pod a rollout replaced (a new name each time) stayed for ever.
@@ -59,7 +62,13 @@ class PresenceStore:
             else:
                 pipe.zrem(self.conn.keys.beats(), hostname)
             pipe.zremrangebyscore(self.conn.keys.beats(), "-inf", f"({now - FORGET_SILENT_NODE_SECONDS}")
-            pipe.execute()
+            answers = pipe.execute()
+        return set() if holding else {queue for queue, taken in zip(queues, answers, strict=False) if taken}
+
+    def await_consumer(self, queues: Sequence[str]) -> None:
+        """A pass waits for a worker on `queues` (a restarted one's successor): its first heartbeat says so."""
+        with self.conn.errors():
+            self.conn.client.sadd(self.conn.keys.awaited(), *queues)
 
     def last_beats(self, nodes: Sequence[str]) -> dict[str, float]:
         """{node: when it last beat} for those of `nodes` on record (by the server's clock), but a name silent for
