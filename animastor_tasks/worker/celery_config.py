@@ -1,8 +1,10 @@
 """Celery settings derived from `Settings`: queues, routes, beat schedule, delivery.
 
 GPU queues take one message at a time (prefetch 1, ack late) so a job held by a
-busy worker is never stranded behind another; a job is stopped softly, then hard,
-before the broker would redeliver it (checked in `Settings.check_time_limits`).
+busy worker is never stranded behind another, after a broker reconnect too (the jobs
+of the lost channel keep their processes out of the new prefetch: worker/rejoin.py);
+a job is stopped softly, then hard, before the broker would redeliver it (checked in
+`Settings.check_time_limits`).
 """
 
 from __future__ import annotations

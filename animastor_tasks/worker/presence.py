@@ -5,7 +5,8 @@ TTL/3. Queues added or cancelled at runtime (`add_consumer`/`cancel_consumer`) s
 up at the next beat because the consumer's live queue list is read each time; a
 clean stop removes the entries; a SIGKILLed worker's entries expire within one TTL.
 A consumer restarted because its broker connection was lost keeps its entries: the
-worker consumes again once the broker is back, and a stage with no consumer is BLOCKED.
+worker consumes again once the broker is back (or once a process is free, worker/rejoin.py), and a
+stage with no consumer is BLOCKED.
 """
 
 from __future__ import annotations
@@ -85,12 +86,15 @@ class PresenceStep(bootsteps.StartStopStep):
                 return
             try:
                 # No consumer now: it keeps what it had, and says it holds them (the broker counts it out, its
-                # heartbeat stands: presence.PresenceStore.counts).
-                holding = self._draining.is_set() or self._reconnecting.is_set()
-                if holding:
+                # heartbeat stands: presence.PresenceStore.counts). So for the queues it leaves unconsumed while
+                # every process runs a job taken before a reconnect (`held_back`, worker/rejoin.py).
+                held = set(getattr(parent, "held_back", ()))
+                lost = self._draining.is_set() or self._reconnecting.is_set()
+                holding = lost or bool(held)
+                if lost:
                     queues = set(self._advertised)
                 else:
-                    queues = {q.name for q in (parent.task_consumer.queues if parent.task_consumer else [])}
+                    queues = held | {q.name for q in (parent.task_consumer.queues if parent.task_consumer else [])}
                 arrived = wiring.current().presence.heartbeat(
                     parent.hostname, queues, ttl, gone=self._advertised - queues, holding=holding
                 )
