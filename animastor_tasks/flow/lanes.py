@@ -282,8 +282,8 @@ def hand_on_spare(ports: Ports, book: str, queue: str, free: int, *, most: int, 
 def hand_over_again(ports: Ports, book: str, queue: str, at: float, rank: int) -> None:
     """A handed claim whose batch took its hand-over record away did not commit: the record again, at the head of
     `rank` (the priority it was handed the slot at), so that its refill keeps the book's place there
-    (`refill._keep_place`) and a refill lost puts it back on the list. Best effort: lost, the refill keeps the book
-    at the head of `normal`."""
+    (`refill._keep_place`) and a refill lost puts it back on the list. Best effort: lost, the refill keeps the place
+    the book holds on the list, if any (`lua/handed_keep.lua`), and the book is due at once."""
     try:
         ports.deferrals.hand_over_again(queue, book, at, wait_score(rank, 0.0))
     except StoreUnavailable as err:
