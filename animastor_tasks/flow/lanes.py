@@ -88,9 +88,10 @@ def await_worker(ports: Ports, book: str, queue: str, rank: int, now: float) -> 
     """The book's pairs of `queue`, whose worker is awaited (`gone_for_good` found it not gone), wait on the lane's
     list at `rank` for the worker's first heartbeat (`consumers_arrived`); returns when the book is due again, to
     block the stage if none came. *Why:* due now, every such book was passed again at every tick, all its pairs
-    read, for as long as the worker was awaited (30 s; a rollout's drain, up to a job's time limit more)."""
-    ports.presence.await_consumer([queue])
+    read, for as long as the worker was awaited (30 s; a rollout's drain, up to a job's time limit more). On the
+    list before the note: a first beat between the two found a list without the book, whose pairs waited 30 s."""
     ports.deferrals.wait_for_lane(queue, book, wait_score(rank, now))
+    ports.presence.await_consumer([queue])
     return now + ports.settings.silent_worker_seconds
 
 
@@ -112,9 +113,11 @@ def block_lane(
 
 
 def block_stage(ports: Ports, book: str, spec: StageSpec) -> list[str]:
-    """No live consumer: the stage's commands are BLOCKED and their pairs released; no retry."""
+    """No live consumer: the stage's commands are BLOCKED and their pairs released, and the book leaves the lane's
+    waiting list (joined while the worker was awaited, it held its place with nothing to run); no retry."""
     reason = no_worker_reason(spec.name)
     blocked, released = ports.commands.block_stage(book, spec.name, reason)
+    ports.deferrals.leave_lanes(book, [spec.queue])
     ports.leases.release_leases([((book, *pair), d) for pair, d in released if d])
     ports.deferrals.clear_deferrals(book, [pair for pair, _ in released])
     dispatch_ids = [d for _, d in released if d]

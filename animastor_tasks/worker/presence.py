@@ -123,10 +123,15 @@ class PresenceStep(bootsteps.StartStopStep):
 
 
 def _hand_on_awaited(queues: set[str]) -> None:
-    """Queues passes awaited a worker on, consumed now by this one: their lanes go to the books waiting. Best
-    effort: missed, the books are due again within `silent_worker_seconds` (`lanes.await_worker`)."""
-    if not queues:
-        return
+    """Queues passes awaited a worker on, consumed now by this one: their lanes go to the books waiting, in a
+    thread of its own. *Why not in the heartbeat's:* a Postgres or broker stall there delayed the next beat past
+    its TTL, and the worker read as gone. Best effort: missed, the books are due again within
+    `silent_worker_seconds` (`lanes.await_worker`)."""
+    if queues:
+        threading.Thread(target=_hand_on, args=(queues,), name="animastor-hand-on", daemon=True).start()
+
+
+def _hand_on(queues: set[str]) -> None:
     from animastor_tasks.worker import wiring
 
     try:

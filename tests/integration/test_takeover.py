@@ -687,3 +687,41 @@ def test_a_takeover_behind_a_cancel_flag_alone_still_releases_the_pair(rt: Wirin
     rt.ports.book_state.stop_book("b")
     take_over(rt)
     assert states(rt, "b")[job.pair] == "dirty"
+
+
+def test_a_successor_beating_as_a_pass_starts_to_await_it_still_finds_the_book_on_the_list(
+    rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass noted the queue awaited before the book joined the lane's list: a successor's first beat in between
+    took the note away and handed the lane to a list without the book, whose pairs then waited 30 s."""
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("c", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    rt.presence.heartbeat("test-worker@local", (), 0, gone=["gpu.audio"])  # a deploy stops the worker cleanly
+    noted = type(rt.presence).await_consumer
+
+    def noted_then_a_beat(store: PresenceStore, queues: list[str]) -> None:
+        noted(store, queues)
+        lanes.consumers_arrived(rt.ports, rt.presence.heartbeat("successor@local", ["gpu.audio"], 60.0))
+
+    monkeypatch.setattr(type(rt.presence), "await_consumer", noted_then_a_beat)
+    regenerate_flow.regenerate(rt.ports, "c", ["audio"])
+    monkeypatch.undo()
+    run_control(rt)
+    assert "generating" in states(rt, "c").values()
+
+
+def test_a_book_awaited_then_blocked_leaves_the_lane_s_list(rt: Wiring, tmp_path: Path) -> None:
+    """Awaited, the book joined the lane's list; BLOCKED once no successor came in time, it stayed there with
+    nothing to run, at its priority: the next hand-over of the lane went to it, and on through the control queue."""
+    with_stage(rt, rt.settings.registry.get("audio"), tmp_path)
+    rt.catalog.import_book(make_book("c", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    rt.presence.heartbeat("test-worker@local", (), 0, gone=["gpu.audio"])  # a deploy stops the worker cleanly
+    regenerate_flow.regenerate(rt.ports, "c", ["audio"], priority="interactive")
+    lane = rt.redis.keys.lane_waiters("gpu.audio")
+    assert rt.redis.client.zscore(lane, "c") is not None
+    rt.redis.client.zadd(rt.redis.keys.departures(), {"gpu.audio": rt.ports.clock() - 100})  # none came in time
+    gate.gate_pass(rt.ports, "c")
+    assert [c.status for c in rt.ports.commands.commands(book="c")] == ["blocked"]
+    assert rt.redis.client.zscore(lane, "c") is None

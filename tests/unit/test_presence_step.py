@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,3 +40,27 @@ def test_an_idle_worker_stopping_withdraws_at_once(monkeypatch) -> None:
     monkeypatch.setattr(step, "_withdraw", lambda parent: withdrawn.append(parent))
     step.stop(_stopping_worker())
     assert len(withdrawn) == 1
+
+
+def test_a_lane_handed_on_at_a_successor_s_first_beat_does_not_hold_up_the_beats(monkeypatch) -> None:
+    """The hand-on reads Postgres and publishes refills: run in the heartbeat's own thread, a stall there held the
+    next beat past its TTL, and the worker read as gone."""
+    from animastor_tasks.worker import presence, wiring
+
+    released = threading.Event()
+    ran: list[tuple[set[str], str]] = []
+
+    def stalled(ports: Any, queues: set[str]) -> None:
+        ran.append((queues, threading.current_thread().name))
+        released.wait(5)
+
+    monkeypatch.setattr(presence.lanes, "consumers_arrived", stalled)
+    monkeypatch.setattr(wiring, "current", lambda: SimpleNamespace(ports=object()))
+    started = time.monotonic()
+    presence._hand_on_awaited({"gpu.audio"})
+    assert time.monotonic() - started < 0.5  # the beat goes on
+    deadline = time.monotonic() + 5
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    released.set()
+    assert ran == [({"gpu.audio"}, "animastor-hand-on")]
