@@ -59,8 +59,8 @@ def gone_for_good(ports: Ports, queues: Sequence[str]) -> set[str]:
     that had sent Redis nothing meanwhile (idle, or its broker down too) knew of no outage, read "no consumer" in
     between and BLOCKED every stage with work in flight, for good. A StoreUnavailable is the caller's.
 
-    A queue a double count (by any process) found so within a presence TTL needs none more: no heartbeat can have
-    come and lapsed since. The caller's count, a heartbeat or more after that one, is a double count in turn.
+    A queue a double count (by any process) found so within a presence TTL needs no wait more, only a count now:
+    no heartbeat can have come and lapsed since. That count, a heartbeat or more after the note, notes it again.
     *Why:* each pass of a book with work on a stage that lost its only worker slept the heartbeat (2.5 s), one book
     after another: 100 due books held both control processes for two minutes, a regenerate of a healthy stage
     queued behind them."""
@@ -71,8 +71,10 @@ def gone_for_good(ports: Ports, queues: Sequence[str]) -> set[str]:
     now, ttl = ports.clock(), ports.settings.presence_ttl_seconds
     heartbeat = ttl / 3 + HEARTBEAT_SLACK  # a live worker beats every TTL/3
     seen = {queue: when for queue, when in ports.presence.unconsumed_seen(silent).items() if now - when <= ttl}
-    gone = set(seen)
-    noted = {queue for queue, when in seen.items() if now - when >= heartbeat}
+    # Counted again now: the caller's count may be seconds old (a batch reads its books' snapshots ahead).
+    counted = ports.presence.counts(sorted(seen)) if seen else {}
+    gone = {queue for queue in seen if counted.get(queue, 0) == 0}
+    noted = {queue for queue in gone if now - seen[queue] >= heartbeat}
     unknown = [queue for queue in silent if queue not in seen]
     if unknown:
         time.sleep(heartbeat)

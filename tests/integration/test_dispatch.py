@@ -212,6 +212,15 @@ def test_the_books_of_a_stage_without_a_worker_are_blocked_after_one_recount_not
     assert queued_messages(rt, "gpu.image") == 1
 
 
+def test_a_note_of_no_consumer_stands_for_no_worker_that_beats_now(rt) -> None:
+    """A pass judging from a snapshot read before a worker came back (a batch reads ten books ahead) found the
+    queue noted without a consumer moments ago and BLOCKED its commands for good: a note stands only beside a
+    count of none made now."""
+    rt.presence.note_unconsumed(["gpu.image"])
+    advertise(rt, "gpu.image", host="image@back")
+    assert lanes.gone_for_good(rt.ports, ["gpu.image"]) == set()
+
+
 def test_expired_presence_counts_as_no_consumer(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
     advertise(rt, "gpu.audio", ttl=0.2)
