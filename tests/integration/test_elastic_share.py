@@ -39,12 +39,14 @@ def lane(rt: Wiring, **limits: Any) -> Wiring:
     return rt
 
 
-def run_control(rt: Wiring) -> list[tuple[str, dict[str, Any]]]:
-    """Run the control messages waiting in the broker, oldest first, through the real tasks."""
+def run_control(rt: Wiring, *, newest_first: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """Run the control messages waiting in the broker, oldest first (or newest first: the order a second control
+    process may run them in), through the real tasks."""
     client = redis.Redis.from_url(rt.settings.broker_url)
+    take = client.lpop if newest_first else client.rpop
     ran: list[tuple[str, dict[str, Any]]] = []
     try:
-        while (raw := client.rpop(CONTROL_QUEUE)) is not None:
+        while (raw := take(CONTROL_QUEUE)) is not None:
             message = json.loads(raw)
             _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
             name = message["headers"]["task"]

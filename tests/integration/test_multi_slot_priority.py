@@ -5,49 +5,24 @@ took its slot and started a bulk job while the reader's second scene waited for 
 
 from __future__ import annotations
 
-import base64
-import json
-from typing import Any
-
 import pytest
-import redis
 
-from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, takeover
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.worker.app import app
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import make_book
 from .test_elastic_share import lane, run_control, running, waiting
 
-
-def run_control_newest_first(rt: Wiring) -> list[tuple[str, dict[str, Any]]]:
-    """As `run_control`, newest message first: the order a second control process may run them in."""
-    client = redis.Redis.from_url(rt.settings.broker_url)
-    ran: list[tuple[str, dict[str, Any]]] = []
-    try:
-        while (raw := client.lpop(CONTROL_QUEUE)) is not None:
-            message = json.loads(raw)
-            _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
-            app.tasks[message["headers"]["task"]].run(**kwargs)
-            ran.append((message["headers"]["task"], kwargs))
-    finally:
-        client.close()
-    return ran
+ORDERS = {"oldest_first": False, "newest_first": True}
 
 
-ORDERS = {"oldest_first": run_control, "newest_first": run_control_newest_first}
-
-
-@pytest.mark.parametrize("order", sorted(ORDERS))
-def test_stop_all_s_two_slots_go_to_the_reader_s_two_interactive_scenes_not_one_to_a_bulk_book(
-    rt: Wiring, order: str
-) -> None:
-    """Old code, newest first: `running == {'reader': 1, 'bulk': 1}`."""
+def stopped_beside(rt: Wiring, reader_scenes: int, order: str) -> None:
+    """`stopped` holds both slots of the lane; a reader's interactive book and a bulk book wait for it; a Stop All
+    of `stopped` frees both slots, and the control messages run in `order`."""
     lane(rt, lane_limit=2, book_quota=4, window=4)
-    for book, scenes in (("stopped", 2), ("reader", 2), ("bulk", 3)):
+    for book, scenes in (("stopped", 2), ("reader", reader_scenes), ("bulk", 3)):
         rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
     regenerate_flow.regenerate(rt.ports, "stopped", ["audio"])
     regenerate_flow.regenerate(rt.ports, "bulk", ["audio"], priority="bulk")
@@ -55,7 +30,15 @@ def test_stop_all_s_two_slots_go_to_the_reader_s_two_interactive_scenes_not_one_
     assert running(rt, "stopped") == {"stopped": 2}
     assert list(waiting(rt)) == ["reader", "bulk"]
     cancel_flow.cancel(rt.ports, "stopped")
-    ORDERS[order](rt)
+    run_control(rt, newest_first=ORDERS[order])
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_stop_all_s_two_slots_go_to_the_reader_s_two_interactive_scenes_not_one_to_a_bulk_book(
+    rt: Wiring, order: str
+) -> None:
+    """Old code, newest first: `running == {'reader': 1, 'bulk': 1}`."""
+    stopped_beside(rt, 2, order)
     assert running(rt, "reader", "bulk") == {"reader": 2}
     assert "bulk" in waiting(rt)
 
@@ -63,14 +46,7 @@ def test_stop_all_s_two_slots_go_to_the_reader_s_two_interactive_scenes_not_one_
 @pytest.mark.parametrize("order", sorted(ORDERS))
 def test_the_slot_the_reader_has_no_use_for_goes_on_to_the_bulk_book(rt: Wiring, order: str) -> None:
     """The slots the most urgent books cannot use still reach the less urgent ones: no slot idles while work waits."""
-    lane(rt, lane_limit=2, book_quota=4, window=4)
-    for book, scenes in (("stopped", 2), ("reader", 1), ("bulk", 3)):
-        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
-    regenerate_flow.regenerate(rt.ports, "stopped", ["audio"])
-    regenerate_flow.regenerate(rt.ports, "bulk", ["audio"], priority="bulk")
-    regenerate_flow.regenerate(rt.ports, "reader", ["audio"], priority="interactive")
-    cancel_flow.cancel(rt.ports, "stopped")
-    ORDERS[order](rt)
+    stopped_beside(rt, 1, order)
     assert running(rt, "reader", "bulk") == {"reader": 1, "bulk": 1}
 
 
@@ -88,7 +64,7 @@ def test_a_takeover_s_two_slots_go_back_to_the_reader_s_two_dead_interactive_job
     for scene, dispatch_id in rows:  # the worker died before it started them: messages and leases gone
         rt.redis.client.delete(rt.redis.keys.lease("reader", "ch1", scene, "audio"), rt.redis.keys.queued(dispatch_id))
     takeover.on_tick(rt.ports)
-    ORDERS[order](rt)
+    run_control(rt, newest_first=ORDERS[order])
     for book in rt.ports.book_state.take_due(rt.ports.clock()):
         gate.gate_pass(rt.ports, book)
     assert running(rt, "reader", "bulk") == {"reader": 2}
