@@ -9,6 +9,7 @@ import pytest
 from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.vocabulary import Priority, priority_rank
 from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.records import Committed
@@ -92,3 +93,23 @@ def test_the_refill_of_a_book_s_own_slot_leaves_a_place_it_finds_nothing_for(rt:
     rt.ports.deferrals.wait_for_lane(LANE, "x", priority_rank(Priority.NORMAL) * RANK_SCALE)
     refill.refill(rt.ports, "x", None, slots_of=LANE)
     assert waiting(rt) == {}
+
+
+def test_a_book_stopped_after_it_was_handed_a_slot_gets_no_place_back(rt: Wiring, monkeypatch) -> None:
+    """Stop All took the book off the waiting lists but left its hand-over record: its refill, failing in a Postgres
+    failover, kept its place from that record (and a lost refill's record put it back two ticks later), a stopped
+    book on the list with nothing to run, drawing the next free slot."""
+    lane(rt, lane_limit=1, book_quota=10, window=10)
+    for book, scenes in (("x", 1), ("b", 2)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate_flow.regenerate(rt.ports, "x", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    dispatch_id = ended_unseen(rt, "x")
+    refill.free_slot(rt.ports, "x", LANE, dispatch_id, left=Committed(None))  # b handed the slot, its refill queued
+    assert waiting(rt) == {} and rt.redis.client.hexists(rt.redis.keys.lane_handed(LANE), "b")
+    cancel_flow.cancel(rt.ports, "b")
+    with monkeypatch.context() as failover:
+        failing_over(rt, failover)
+        run_control(rt)  # b's refill, Postgres failing over
+    assert waiting(rt) == {}
+    assert not rt.redis.client.hexists(rt.redis.keys.lane_handed(LANE), "b")  # nothing for a lost refill's restore

@@ -361,8 +361,10 @@ class BookStateStore(CancelFlagStore):
 
     def stop_book(self, book: str, queues: Sequence[str] = ()) -> None:
         """Stop All, Redis side: flag set; force set, deferrals, active index and due entry gone, and the book off the
-        waiting lists of `queues`. *Why:* left there, it kept its place (an interactive one, say) with nothing to
-        run, its fair share binding the books that waited after it until a hand-over served it and it passed on."""
+        waiting lists of `queues`, its hand-over records there gone too. *Why:* left there, it kept its place (an
+        interactive one, say) with nothing to run, its fair share binding the books that waited after it until a
+        hand-over served it and it passed on; a record left put it back (its refill failing in a Postgres failover,
+        `lua/handed_keep.lua`, or lost, `lua/handed_restore.lua`)."""
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
             pipe.set(self.conn.keys.cancel_flag(book), STOP_FLAG)
@@ -372,6 +374,7 @@ class BookStateStore(CancelFlagStore):
             pipe.zrem(self.conn.keys.due(), book)
             for queue in queues:
                 pipe.zrem(self.conn.keys.lane_waiters(queue), book)
+                pipe.hdel(self.conn.keys.lane_handed(queue), book)
             pipe.execute()
 
 
