@@ -116,3 +116,17 @@ def read_calls(rt: Wiring, *names: str) -> list[tuple[Any, ...]]:
         real = getattr(rt.ports.assets, name)
         setattr(rt.ports.assets, name, lambda *a, _real=real, **k: calls.append((*a, *k.values())) or _real(*a, **k))
     return calls
+
+
+def ended_unseen(rt: Wiring, book: str) -> str:
+    """One running job of `book` (the first by scene id) ended, its pair ready, with nothing else told (no refill,
+    no hand-over): its dispatch id."""
+    with rt.db.transaction() as conn:
+        row = conn.execute(
+            "UPDATE asset_states SET state = 'ready' WHERE (book_id, chapter_id, scene_id, stage) = (SELECT book_id,"
+            " chapter_id, scene_id, stage FROM asset_states WHERE book_id = %s AND state = 'generating'"
+            " ORDER BY scene_id LIMIT 1) RETURNING dispatch_id",
+            (book,),
+        ).fetchone()
+    assert row is not None, f"no job of {book!r} running"
+    return str(row[0])

@@ -15,26 +15,10 @@ from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.records import Committed
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import make_book
+from .helpers import ended_unseen, make_book
 from .test_elastic_share import lane, run_control, running, waiting
 
 LANE = "gpu.audio"
-
-
-def ended_unseen(rt: Wiring, book: str) -> str:
-    """The first running job of `book` ended (its pair ready) with nothing else told: its dispatch id."""
-    with rt.db.transaction() as conn:
-        c, s, st, d = conn.execute(
-            "SELECT chapter_id, scene_id, stage, dispatch_id FROM asset_states"
-            " WHERE book_id = %s AND state = 'generating' ORDER BY scene_id LIMIT 1",
-            (book,),
-        ).fetchone()
-        conn.execute(
-            "UPDATE asset_states SET state = 'ready' WHERE book_id = %s AND chapter_id = %s AND scene_id = %s"
-            " AND stage = %s",
-            (book, c, s, st),
-        )
-    return str(d)
 
 
 def failing_over(rt: Wiring, monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:

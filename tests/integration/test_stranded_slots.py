@@ -18,7 +18,7 @@ from animastor_tasks.flow import gate, refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.records import Committed
 
-from .helpers import make_book, use_settings
+from .helpers import ended_unseen, make_book, use_settings
 from .test_claimed_hold import _refills
 from .test_elastic_share import finish_one, hand_over_while_postgres_fails_over, lane, run_control, running, waiting
 
@@ -192,16 +192,3 @@ def test_slots_handed_moments_ago_are_not_stranded_ones(rt) -> None:
     for book in ("i1", "i2"):
         sent[book]()
     assert running(rt, "i1", "i2", "n1", "n2") == {"i1": 1, "i2": 1}
-
-
-def ended_unseen(rt, book: str) -> str:  # type: ignore[no-untyped-def]
-    """One running job of `book` ended (its pair ready) with nothing else told: its dispatch id."""
-    with rt.db.transaction() as conn:
-        row = conn.execute(
-            "UPDATE asset_states SET state = 'ready' WHERE (book_id, chapter_id, scene_id, stage) = (SELECT book_id,"
-            " chapter_id, scene_id, stage FROM asset_states WHERE book_id = %s AND state = 'generating'"
-            " ORDER BY scene_id LIMIT 1) RETURNING dispatch_id",
-            (book,),
-        ).fetchone()
-    assert row is not None
-    return str(row[0])
