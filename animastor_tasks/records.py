@@ -90,9 +90,11 @@ class Claim:
 class Committed:
     """A job's verdict, in (its commit, its failure or its give-back): what its book has left of the job's stage, read
     in the same transaction. `pending`: the rank of its most urgent pending pair that an authorizing command targets
-    (`priority_rank`); None: none."""
+    (`priority_rank`); None: none. `outdated`: a commit that landed `dirty`, its media made from an input a
+    re-import replaced while it ran."""
 
     pending: int | None
+    outdated: bool = False
 
 
 @dataclass(frozen=True)

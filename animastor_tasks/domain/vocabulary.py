@@ -133,6 +133,7 @@ class JobOutcome(StrEnum):
     """How one GPU job (one delivery of a dispatch) ended."""
 
     READY = "ready"  # output committed under a current token
+    OUTDATED = "outdated"  # output committed, but made from an input a re-import replaced meanwhile: the pair is dirty
     FAILED = "failed"  # the generator gave up; the pair is failed
     STOPPED = "stopped"  # cancel or a lost lease stopped it mid-run; nothing committed
     FENCE_REJECTED = "fence_rejected"  # refused at start or at commit: no longer this job's pair

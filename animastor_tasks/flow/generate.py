@@ -227,9 +227,11 @@ def _run_owned(
         delivered.release = True
         later(partial(_wind_down, ports, job, watcher, time.monotonic() - started))
     delivered.ready = True
-    later(partial(ports.counters.add, {f"job:ready:{job.stage}": 1}))
-    log.info("[GENERATE] %s ready sha256=%s attempts=%d", job.describe(), artifact["sha256"], attempts)
-    return {**result, "outcome": JobOutcome.READY, "sha256": artifact["sha256"], "attempts": attempts}
+    # Outdated: its scene was re-imported while it ran; its media is kept, its pair `dirty` for a new command.
+    outcome = JobOutcome.OUTDATED if committed.outdated else JobOutcome.READY
+    later(partial(ports.counters.add, {f"job:{outcome}:{job.stage}": 1}))
+    log.info("[GENERATE] %s %s sha256=%s attempts=%d", job.describe(), outcome, artifact["sha256"], attempts)
+    return {**result, "outcome": outcome, "sha256": artifact["sha256"], "attempts": attempts}
 
 
 def _stopped(ports: Ports, job: Job, watcher: Watcher, result: dict[str, Any]) -> dict[str, Any]:

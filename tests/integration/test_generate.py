@@ -351,7 +351,7 @@ def test_a_scene_edited_while_its_job_runs_stays_stale_and_runs_again(rt, tmp_pa
     [job] = dispatched_jobs(rt, "b")
     ports = rt.ports
     rt.ports = replace(ports, artifacts=ReimportDuringJob(rt, ports.artifacts))
-    assert run_job(rt.ports, job, worker="w")["outcome"] == "ready"
+    assert run_job(rt.ports, job, worker="w")["outcome"] == "outdated"  # its media kept, made from the old text
     rt.ports = ports
     with rt.db.read() as conn:
         made_from, current = conn.execute(

@@ -300,7 +300,8 @@ def test_a_job_that_commits_after_a_reimport_changed_its_input_leaves_its_media_
     hash (the import marks only `ready` pairs stale; this one was `generating`): the scene read as ready with media
     that no longer matched its text and its command counted it done, until the next import, an identical one,
     found it stale and released the target (the command then failed). The commit now does what that import would
-    have done: the pair `dirty`, its target released `input_changed`; its slot is handed on as for any commit."""
+    have done: the pair `dirty`, its target released `input_changed`; its slot is handed on as for any commit. The
+    job says so (outcome and counter `outdated`): it said `ready`, for a pair that was not."""
     from dataclasses import replace
 
     from animastor_tasks.domain.book import parse_book
@@ -326,9 +327,12 @@ def test_a_job_that_commits_after_a_reimport_changed_its_input_leaves_its_media_
 
     rt.ports.jobs.commit_job = edited_then_committed  # type: ignore[method-assign]
     try:
-        assert (job.scene_id, run_job(rt.ports, job, worker="w")["outcome"]) == ("s1", "ready")
+        assert (job.scene_id, run_job(rt.ports, job, worker="w")["outcome"]) == ("s1", "outdated")
     finally:
         del rt.ports.jobs.commit_job
+    rt.ports.counters.flush()
+    counted = rt.ports.counters.read()
+    assert (counted.get("job:outdated:audio"), counted.get("job:ready:audio")) == ("1", None)
     found = states(rt, "b")
     assert found[("ch1", "s1", "audio")] == "dirty"
     assert found[("ch1", "s2", "audio")] == "generating"  # the freed slot went on to the next scene

@@ -140,11 +140,13 @@ class JobStore:
             if row is None:
                 conn.rollback()
                 # This very commit may have landed already, its answer lost with its connection (a retry after a
-                # failover, `flow.job.when_reachable`): the dispatch's artifact row says so.
+                # failover, `flow.job.when_reachable`): the dispatch's artifact row says so (not whether it
+                # landed `dirty`: that answer is gone with the connection).
                 row = conn.execute(
-                    f"SELECT {_PENDING_RANK} FROM artifacts WHERE dispatch_id = %(dispatch_id)s", {**owned, **_RANKS}
+                    f"SELECT {_PENDING_RANK}, NULL FROM artifacts WHERE dispatch_id = %(dispatch_id)s",
+                    {**owned, **_RANKS},
                 ).fetchone()
-        return None if row is None else Committed(row[0])
+        return None if row is None else Committed(row[0], outdated=row[1] == AssetState.DIRTY)
 
     def fail_job(self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str) -> Committed | None:
         """`generating -> failed` with the error, only if the token is still current (None: stale); with it what the
