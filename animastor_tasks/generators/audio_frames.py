@@ -2,7 +2,7 @@
 
 An answer without a Content-Length, ended by the server closing the connection, reads as whole to HTTP even when
 the connection dropped halfway; a WAV or a PNG tells that from its own lengths, and these formats are made of
-frames or pages that do too. Each check walks the file's frames and raises ValueError when the first is missing
+frames or pages that do too. Each check walks the file's frames and raises NotMedia when the first is missing
 (an error text or another format under this type), CutShort when the last runs past the end of the data (a body
 cut short).
 
@@ -44,7 +44,15 @@ _FREE_FORMAT = -1
 class CutShort(ValueError):
     """A file whose own lengths or end marker say its body stops short: a dropped connection's doing (or a proxy's
     that re-framed a cut answer), not the scene's, so worth another attempt. Each check here and in `flac` and
-    `media` raises it for a cut, and a plain ValueError for what is no file of its format at all."""
+    `media` raises it for a cut, NotMedia for what is no file of its format at all, and a plain ValueError for a
+    file of its format that is broken or empty (a WAV with no samples: a TTS given only punctuation)."""
+
+
+class NotMedia(ValueError):
+    """Data that does not even begin as a file of its format (no RIFF, PNG, fLaC... signature): a server's error text
+    or nothing under the media type, its answer to whatever it is sent, so the server's doing rather than the scene's.
+    *Why apart:* taken as the scene's verdict, a server whose model broke failed every pair of its lane for good,
+    and its breaker never heard of it."""
 
 
 def skip_id3v2(data: bytes, what: str) -> int:
@@ -127,7 +135,7 @@ def check_mpeg_audio(data: bytes) -> None:
             raise CutShort("MP3 cut short: no audio after its ID3v2 tag")
         if len(first) < 4 and first[:1] == b"\xff":
             raise CutShort(f"MP3 cut short: {len(first)} bytes of its first frame header")
-        raise ValueError("not an MP3 file: no MPEG audio frame header at its start")
+        raise NotMedia("not an MP3 file: no MPEG audio frame header at its start")
     declared = _declared_frames(data[at : at + length]) if length > 0 else None
     walked = _walk_mpeg_frames(data, at)
     # LAME and FFmpeg count the frames after the header frame; one frame of slack, so a writer that counts the
@@ -190,12 +198,12 @@ def check_adts(data: bytes) -> None:
     if at and at == len(data):
         raise CutShort("AAC cut short: no audio after its ID3v2 tag")
     if not data:
-        raise ValueError("not an ADTS AAC file: it is empty")
+        raise NotMedia("not an ADTS AAC file: it is empty")
     start = at
     while at < len(data):
         length = _adts_frame_length(data, at)
         if length is None and at == start:
-            raise ValueError("not an ADTS AAC file: no ADTS frame header at its start")
+            raise NotMedia("not an ADTS AAC file: no ADTS frame header at its start")
         if length is None:
             _trailer(data, at, "AAC")
             return  # a known tag, or bytes that are no frame: see the module's docstring
@@ -249,7 +257,7 @@ def check_ogg(data: bytes) -> None:
     if data and b"OggS".startswith(data):
         raise CutShort(f"Ogg cut short: {len(data)} bytes of its first page's capture pattern")
     if not data.startswith(b"OggS"):
-        raise ValueError("not an Ogg file: no OggS page at its start")
+        raise NotMedia("not an Ogg file: no OggS page at its start")
     at = 0
     open_streams: set[int] = set()
     while at < len(data):

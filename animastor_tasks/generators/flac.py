@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 
-from animastor_tasks.generators.audio_frames import CutShort, skip_id3v2
+from animastor_tasks.generators.audio_frames import CutShort, NotMedia, skip_id3v2
 
 _STREAMINFO_SIZE = 34
 _ID3V1_SIZE = 128
@@ -62,7 +62,7 @@ def check_flac(data: bytes) -> None:
     if not data.startswith(b"fLaC", at):
         if b"fLaC".startswith(data[at:]) and len(data) > at:
             raise CutShort(f"FLAC cut short: {len(data) - at} bytes of its fLaC marker")
-        raise ValueError("not a FLAC file: no fLaC marker at its start")
+        raise NotMedia("not a FLAC file: no fLaC marker at its start")
     at += 4
     max_block, total, at = _metadata(data, at)
     if _frame_header(data, at, len(data), max_block) is None:

@@ -19,7 +19,7 @@ import requests
 from animastor_tasks.domain.media_types import base_type
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
-from animastor_tasks.generators.media import CutShort, check_known_media
+from animastor_tasks.generators.media import CutShort, NotMedia, check_known_media
 from animastor_tasks.generators.transport import (
     ERROR_PAGE_TYPES,
     LIMIT_PARAMS,
@@ -84,10 +84,10 @@ class HttpGenerator:
         media_type, data = self._transport.post(body, headers, limits, request, should_stop, self._check_media_type)
         try:
             check_known_media(media_type, data)
-        except ValueError as err:  # cut short: the connection's doing, worth another attempt; else the scene's
+        except ValueError as err:  # cut short or no such file at all (an error text): not the scene's; else it is
             raise GeneratorError(
                 f"stage {self.spec.name!r}: inference endpoint returned a body that is not {media_type} ({err})",
-                retryable=isinstance(err, CutShort),
+                retryable=isinstance(err, CutShort | NotMedia),
             ) from None
         progress(1.0)
         return Media(data, media_type)

@@ -27,7 +27,7 @@ from animastor_tasks.domain.media_types import (
     WAV_TYPES,
     base_type,
 )
-from animastor_tasks.generators.audio_frames import CutShort, check_adts, check_mpeg_audio, check_ogg
+from animastor_tasks.generators.audio_frames import CutShort, NotMedia, check_adts, check_mpeg_audio, check_ogg
 from animastor_tasks.generators.flac import check_flac
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -107,7 +107,7 @@ def wav_duration_seconds(data: bytes) -> float:
     punctuation) or fewer bytes than the chunk declares (a body cut short) is no audio.
     """
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
-        raise ValueError("not a WAV file: no RIFF/WAVE header")
+        raise NotMedia("not a WAV file: no RIFF/WAVE header")
     rate = block = 0
     at = 12
     while at + 8 <= len(data):
@@ -136,9 +136,10 @@ def wav_duration_seconds(data: bytes) -> float:
 
 def check_known_media(media_type: str, data: bytes) -> None:
     """ValueError when `data` is not a file of the format `media_type` names, for the formats read here: a
-    server's error text or a file still being written, sent under the right type, is not a result, and neither
-    is a body cut short that HTTP cannot tell from a whole one (an answer without a length, ended by closing the
-    connection, whose connection dropped): CutShort, that one, the connection's doing rather than the scene's.
+    server's error text sent under the right type is not a result (NotMedia, no signature of the format: the
+    server's doing), nor a file with no samples, and neither is a body cut short that HTTP cannot tell from a whole
+    one (an answer without a length, ended by closing the connection, whose connection dropped): CutShort, that one,
+    the connection's doing rather than the scene's.
 
     Known: WAV, PNG, JPEG, WebP, FLAC (in `flac`) and (in `audio_frames`) MP3, ADTS AAC and Ogg (Opus, Vorbis).
     An AAC, an MP3 without a Xing/Info or VBRI frame count, or a WAV of unknown data length (streamed), cut
@@ -167,7 +168,7 @@ def check_jpeg(data: bytes) -> None:
     """ValueError unless `data` opens with a JPEG's start-of-image marker and closes with its end-of-image one
     (padding aside): the entropy-coded data never holds that end marker, so a JPEG cut short has none there."""
     if not data.startswith(b"\xff\xd8\xff"):
-        raise ValueError("not a JPEG file: no start-of-image marker")
+        raise NotMedia("not a JPEG file: no start-of-image marker")
     if not data.rstrip(b"\x00").endswith(b"\xff\xd9"):
         raise CutShort("JPEG cut short: it does not end with the end-of-image marker")
 
@@ -175,7 +176,7 @@ def check_jpeg(data: bytes) -> None:
 def check_webp(data: bytes) -> None:
     """ValueError unless `data` is a RIFF/WEBP file holding all the bytes its RIFF header declares."""
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
-        raise ValueError("not a WebP file: no RIFF/WEBP header")
+        raise NotMedia("not a WebP file: no RIFF/WEBP header")
     declared = struct.unpack_from("<I", data, 4)[0] + 8
     if declared > len(data):
         raise CutShort(f"WebP cut short: its RIFF header declares {declared} bytes, {len(data)} are there")
@@ -230,7 +231,7 @@ def png_size(data: bytes) -> tuple[int, int]:
     image data inflates to exactly the size IHDR promises (8-bit, non-interlaced).
     """
     if not data.startswith(PNG_SIGNATURE):
-        raise ValueError("not a PNG file: bad signature")
+        raise NotMedia("not a PNG file: bad signature")
     pos = len(PNG_SIGNATURE)
     kinds: list[bytes] = []
     idat = bytearray()

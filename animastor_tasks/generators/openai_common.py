@@ -117,10 +117,11 @@ class OpenAIGenerator:
         progress(0.0)
         return self._transport.post(body, headers, limits, request, should_stop, check_type)
 
-    def _fail(self, message: str, *, misconfigured: bool = False, cut: bool = False) -> GeneratorError:
+    def _fail(self, message: str, *, misconfigured: bool = False, retryable: bool = False) -> GeneratorError:
         """A response the server should not have sent: the same request would get it again. `misconfigured`:
         one that says the endpoint is not the server it should be (a confused content type), whatever the scene.
-        `cut`: one cut short, by a dropped connection rather than the server, so worth another attempt."""
+        `retryable`: one cut short by a dropped connection, or no media at all (a broken model's error text under
+        the media type): not the scene's doing, so worth another attempt and counted by the breaker."""
         return GeneratorError(
-            f"stage {self.spec.name!r}: inference endpoint {message}", retryable=cut, misconfigured=misconfigured
+            f"stage {self.spec.name!r}: inference endpoint {message}", retryable=retryable, misconfigured=misconfigured
         )

@@ -79,7 +79,7 @@ class OpenAIImagesGenerator(OpenAIGenerator):
             raise self._fail("answered JSON nested too deep to read", misconfigured=True) from None
         except ValueError as err:
             if _cut_short(err):  # a body without a length whose connection dropped: not the server's setup
-                raise self._fail(f"answered JSON cut short ({err})", cut=True) from None
+                raise self._fail(f"answered JSON cut short ({err})", retryable=True) from None
             raise self._fail("answered a body that is not JSON", misconfigured=True) from None
         said = json_error(payload)
         if said:  # an error under 200 (a model still loading): the server's words, and worth another attempt
@@ -101,7 +101,7 @@ class OpenAIImagesGenerator(OpenAIGenerator):
         except (ValueError, binascii.Error) as err:
             raise self._fail(f"answered a data[0].b64_json that is not base64 ({err})", misconfigured=True) from None
         if not data:
-            raise self._fail("answered an empty image")
+            raise self._fail("answered an empty image", retryable=True)  # its answer to whatever it is sent
         found = next((kind for kind, test in _MAGIC if test(data)), OCTET_STREAM)
         want = self.spec.media_type.lower()
         named = "image/jpeg" if want in JPEG_TYPES else want  # a stage of `image/jpg` stores JPEGs too
@@ -112,7 +112,7 @@ class OpenAIImagesGenerator(OpenAIGenerator):
         try:
             check_known_media(found, data)
         except ValueError as err:
-            raise self._fail(f"returned a broken image ({err})", cut=isinstance(err, CutShort)) from None
+            raise self._fail(f"returned a broken image ({err})", retryable=isinstance(err, CutShort)) from None
         return Media(data, self.spec.media_type if want != OCTET_STREAM else found)
 
 

@@ -15,7 +15,7 @@ import requests
 from animastor_tasks.domain.media_types import OGG_TYPES
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
-from animastor_tasks.generators.media import CutShort, check_known_media
+from animastor_tasks.generators.media import CutShort, NotMedia, check_known_media
 from animastor_tasks.generators.openai_common import OCTET_STREAM, OpenAIGenerator, media_type_of, string_param
 
 # response_format -> the media type stored for it.
@@ -88,7 +88,9 @@ class OpenAISpeechGenerator(OpenAIGenerator):
                     f"returned {other} audio, not {what}: it must honour response_format {response_format!r}",
                     misconfigured=True,
                 ) from None
-            raise self._fail(f"returned audio that is not {what} ({err})", cut=isinstance(err, CutShort)) from None
+            raise self._fail(
+                f"returned audio that is not {what} ({err})", retryable=isinstance(err, CutShort | NotMedia)
+            ) from None
         progress(1.0)
         return Media(data, media_type)
 

@@ -132,7 +132,7 @@ class Transport:
     ) -> tuple[str, bytes]:
         """(media type from `check_type`, body bytes) of a 200; the caller checks stop before the first send."""
         attempt = 0
-        media_type, data, sized = "", b"", False
+        media_type, data = "", b""
         while True:
             wait: float | None = None
             with Watchdog(should_stop, time.monotonic() + limits.total_timeout) as watchdog:
@@ -143,7 +143,6 @@ class Transport:
                             self._check_status(response)
                             media_type = check_type(response)
                             data = self._read_body(response, limits, should_stop, request)
-                            sized = "Content-Length" in response.headers
                 except (requests.exceptions.RequestException, urllib3.exceptions.LocationParseError) as err:
                     # Connection refused, DNS failure, connect/read timeout, connection reset mid-body.
                     self._check_cut(watchdog, limits, request)
@@ -161,10 +160,8 @@ class Transport:
             attempt += 1
             self._sleep(wait, should_stop, request)
         self.check_stop(should_stop, request)
-        if not data:  # with a length, the server's answer to the scene; without, a server dead after its headers
-            raise GeneratorError(
-                f"stage {self.stage!r}: inference endpoint returned an empty body", retryable=not sized
-            )
+        if not data:  # a server dead after its headers, or one whose model broke: no media, whatever the scene
+            raise GeneratorError(f"stage {self.stage!r}: inference endpoint returned an empty body", retryable=True)
         return media_type, data
 
     def _send(

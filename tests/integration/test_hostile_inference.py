@@ -360,15 +360,13 @@ def test_a_close_delimited_wav_whose_connection_dropped_is_worth_another_attempt
         assert info.value.retryable and not info.value.misconfigured, info.value
 
 
-def test_an_empty_body_is_the_scenes_only_when_its_length_says_so(serve: Callable[[Answer], str]) -> None:
-    """Headers, then a closed connection (a server that died right after them): the empty body was the scene's
-    verdict, failed for good. A `Content-Length: 0` is the server's own answer to the scene, and stays so."""
-    with pytest.raises(GeneratorError, match="empty body") as info:
-        _generate(_spec(serve(_close_delimited("audio/wav", b""))))
-    assert info.value.retryable and not info.value.misconfigured, info.value
-    with pytest.raises(GeneratorError, match="empty body") as info:
-        _generate(_spec(serve(answering(200, "audio/wav", b""))))
-    assert not info.value.retryable and not info.value.misconfigured, info.value
+def test_an_empty_body_is_never_the_scenes_verdict(serve: Callable[[Answer], str]) -> None:
+    """Headers, then a closed connection (a server that died right after them), or a `Content-Length: 0` (a server
+    whose model broke answers so to whatever it is sent): the empty body was the scene's verdict, failed for good."""
+    for answer in (_close_delimited("audio/wav", b""), answering(200, "audio/wav", b"")):
+        with pytest.raises(GeneratorError, match="empty body") as info:
+            _generate(_spec(serve(answer)))
+        assert info.value.retryable and not info.value.misconfigured, info.value
 
 
 def test_an_images_answer_cut_short_is_worth_another_attempt_and_one_of_no_json_is_not(
@@ -390,6 +388,24 @@ def test_a_header_only_wav_from_an_openai_server_is_not_a_result(serve: Callable
     url = serve(answering(200, "audio/wav", synthesize_wav("one")[:44]))
     with pytest.raises(GeneratorError, match="WAV"):
         _generate(_spec(url, generator="openai-speech", model="tts"), key=SECRET)
+
+
+@pytest.mark.parametrize("generator", ["openai-speech", "http"])
+def test_an_error_text_under_the_media_type_is_the_servers_and_a_wav_with_no_samples_the_scenes(
+    serve: Callable[[Answer], str], generator: str
+) -> None:
+    """A body with no WAV signature at all (a broken model's error text under `audio/wav`) failed the scene for good,
+    as a WAV with no samples (a TTS given only punctuation) does: it is the server's answer to whatever it is sent,
+    retried and counted by the breaker. A WAV of the right shape with no samples stays the scene's verdict."""
+    params = {"model": "tts"} if generator == "openai-speech" else {}
+    error_text = answering(200, "audio/wav", b"RuntimeError: CUDA error: out of memory")
+    with pytest.raises(GeneratorError, match="not a WAV file: no RIFF/WAVE header") as info:
+        _generate(_spec(serve(error_text), generator=generator, **params), key=SECRET)
+    assert info.value.retryable and not info.value.misconfigured, info.value
+    silent = answering(200, "audio/wav", synthesize_wav("one")[:40] + bytes(4))  # its data chunk: 0 bytes
+    with pytest.raises(GeneratorError, match="no samples") as info:
+        _generate(_spec(serve(silent), generator=generator, **params), key=SECRET)
+    assert not info.value.retryable and not info.value.misconfigured, info.value
 
 
 def test_retry_after_of_a_refusal_travels_with_the_error(serve: Callable[[Answer], str]) -> None:

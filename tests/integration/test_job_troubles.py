@@ -495,3 +495,37 @@ def test_a_factory_that_says_its_stage_is_misconfigured_is_taken_at_its_word(rt,
     )
     assert result["attempts"] == 1 and "param 'model' is required" in result["error"], result
     assert rt.redis.client.hget(rt.redis.keys.breaker("gpu.audio"), "failures") == "1"
+
+
+@pytest.mark.parametrize(
+    ("generator", "body"),
+    [
+        ("http", b"RuntimeError: CUDA error: out of memory"),
+        ("http", b""),  # Content-Length: 0
+        ("openai-speech", b"RuntimeError: CUDA error: out of memory"),
+    ],
+    ids=["error-text", "empty", "openai-error-text"],
+)
+def test_a_server_that_answers_its_error_text_as_the_media_fails_no_more_than_the_breaker_allows(
+    rt,
+    tmp_path,
+    serve,  # noqa: F811
+    generator: str,
+    body: bytes,
+) -> None:
+    """A server whose model broke answers every request 200 `audio/wav` with its error text (or nothing): old code
+    failed each pair at once as the scene's verdict, all 6 of them, and the breaker never heard of it. A body that is
+    no file of the format at all is the server's doing: retried, then counted by the breaker, which pauses the lane."""
+    url = serve(answering(200, "audio/wav", body))
+    endpoint, params = (f"{url}/v1/generate/audio", {}) if generator == "http" else (f"{url}/v1", {"model": "tts"})
+    spec = replace(rt.settings.registry.get("audio"), generator=generator, endpoint=endpoint, params=params, book_cap=6)
+    with_stage(rt, spec, tmp_path, breaker_threshold=3, generate_max_retries=1, retry_backoff_base=0.01,
+               retry_backoff_max=0.05)  # fmt: skip
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    results = [run_job(rt.ports, job, worker="test") for job in dispatched_jobs(rt, "b")]
+    assert [r["attempts"] for r in results] == [2] * 6, results  # retried as a backend failure is
+    assert rt.ports.breaker.breaker_state("gpu.audio") == "open"
+    audio = Counter(s for (_, _, stage), s in states(rt, "b").items() if stage == "audio")
+    assert audio == {"failed": 2, "pending": 4}, results  # threshold - 1 failed; the rest wait
