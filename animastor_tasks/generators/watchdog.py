@@ -6,7 +6,8 @@ timeout. So each connection a session opens is handed to the watchdog of the req
 that thread, and the watchdog shuts it down when the job is told to stop or the whole answer's
 deadline passes: the blocked read returns at once, and a server that drops the work of a closed
 connection (most inference servers do) frees its GPU too. A socket is handed over before it connects, so a
-connect in progress is cut too; name resolution is not (the system's resolver cannot be interrupted).
+connect in progress is cut too, and so is a TLS handshake (through a duplicate of the socket's descriptor); name
+resolution is not (the system's resolver cannot be interrupted).
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ class Watchdog:
             self._sockets.append(sock)
             if self.why is not None:
                 _shut(sock)
+
+    def release(self, sock: socket.socket) -> None:
+        """Forget `sock` and close it, under the lock: a cut never meets its descriptor number taken by another."""
+        with self._lock:
+            if sock in self._sockets:
+                self._sockets.remove(sock)
+            sock.close()
 
     def _watch(self) -> None:
         while not self._done.wait(POLL_SECONDS):
@@ -135,13 +143,30 @@ class _WatchedHTTPConnection(HTTPConnection):
 
 
 class _WatchedHTTPSConnection(HTTPSConnection):
-    def _new_conn(self) -> socket.socket:  # the TCP socket, while the TLS handshake runs on it
-        return _connected(self)
+    _handshake_guard: tuple[Watchdog, socket.socket] | None = None
+
+    def _new_conn(self) -> socket.socket:
+        """The TCP socket, and a duplicate of its descriptor handed to the watchdog: TLS detaches the socket object
+        before its handshake (cut, it does nothing), and the duplicate shuts the same connection down. *Why:* a stop
+        or `total_timeout` waited out `connect_timeout` (up to 600 s) against a server that never answered the
+        handshake."""
+        sock = _connected(self)
+        watchdog: Watchdog | None = getattr(_running, "watchdog", None)
+        if watchdog is not None:
+            self._handshake_guard = watchdog, sock.dup()
+            watchdog.adopt(self._handshake_guard[1])
+        return sock
 
     def connect(self) -> None:
-        """And the TLS socket that takes the TCP one over (the TCP socket object is detached by then: cut, it
-        would do nothing)."""
-        super().connect()
+        """And the TLS socket that takes the TCP one over, once the handshake is done; the duplicate then goes, so it
+        never holds the connection open past its close."""
+        try:
+            super().connect()
+        finally:
+            if self._handshake_guard is not None:
+                watchdog, duplicate = self._handshake_guard
+                self._handshake_guard = None
+                watchdog.release(duplicate)
         _adopted(self.sock)
 
 

@@ -204,6 +204,45 @@ def test_a_connect_in_progress_is_cut_by_a_stop_and_by_the_whole_answers_deadlin
     assert time.monotonic() - started < 1.5
 
 
+@pytest.fixture
+def stalled_handshakes() -> Iterator[str]:
+    """The https URL of a listener that takes connections and never says a word: a TLS handshake with it waits on
+    (a server hung before its TLS layer, a load balancer whose backend is gone)."""
+    taken: list[socket.socket] = []
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+
+        def take() -> None:
+            with contextlib.suppress(OSError):  # the listener closed: the test is over
+                while True:
+                    taken.append(listener.accept()[0])
+
+        threading.Thread(target=take, daemon=True).start()
+        try:
+            yield f"https://127.0.0.1:{listener.getsockname()[1]}"
+        finally:
+            for conn in taken:
+                conn.close()
+
+
+def test_a_tls_handshake_in_progress_is_cut_by_a_stop_and_by_the_whole_answers_deadline(
+    stalled_handshakes: str,
+) -> None:
+    """The watchdog held the TCP socket, which TLS detaches before its handshake, and got the TLS socket only once the
+    handshake was done: a stopped job waited out `connect_timeout` (up to 600 s) on a server that never answered it,
+    and so did `total_timeout`."""
+    started = time.monotonic()
+    with pytest.raises(GenerationStopped):
+        _generate(_spec(stalled_handshakes, connect_timeout=8), stop=lambda: time.monotonic() > started + 0.3)
+    assert time.monotonic() - started < 1.5
+    started = time.monotonic()
+    with pytest.raises(GeneratorError) as info:
+        _generate(_spec(stalled_handshakes, connect_timeout=8, total_timeout=0.5))
+    assert info.value.retryable and "total_timeout" in str(info.value), info.value
+    assert time.monotonic() - started < 1.5
+
+
 def _server(request: pytest.FixtureRequest, scheme: str) -> Callable[[Answer], str]:
     return request.getfixturevalue("serve_tls" if scheme == "https" else "serve")
 
