@@ -309,11 +309,10 @@ def _registry(env: Mapping[str, str]) -> MediaRegistry:
     if not raw:
         return registry_from_table(None)
     try:
-        table = json.loads(raw, object_pairs_hook=_once_each)
-    except json.JSONDecodeError as err:
-        raise ConfigError(_shown_table(f"ANIMASTOR_STAGES={raw!r} is not valid JSON: {err}")) from err
-    except ValueError as err:
-        raise ConfigError(_shown_table(f"ANIMASTOR_STAGES={raw!r}: {err}")) from err
+        table = json.loads(raw, object_pairs_hook=_once_each, parse_constant=_finite, parse_float=_finite)
+    except ValueError as err:  # not JSON at all, a key given twice, a number no request body can carry
+        what = " is not valid JSON: " if isinstance(err, json.JSONDecodeError) else ": "
+        raise ConfigError(_shown_table(f"ANIMASTOR_STAGES={raw!r}{what}{err}")) from err
     try:
         return registry_from_table(table)
     except ValueError as err:
@@ -324,6 +323,13 @@ def _shown_table(message: str) -> str:
     """A refusal of the stage table with the logins and tokens of its endpoints hidden, JSON's `\\/` read as `/`
     (`http:\\/\\/u:pw@gpu` is a URL too)."""
     return redact_url(message.replace("\\\\/", "/").replace("\\/", "/"))
+
+
+def _finite(text: str) -> float:
+    """A finite number. *Why:* Python reads NaN, Infinity, 1e400: the worker started, every job's request refused."""
+    if not math.isfinite(value := float(text)):
+        raise ValueError(f"{text} is no number a request body can carry (JSON has no NaN or Infinity)")
+    return value
 
 
 def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -57,6 +57,7 @@ _PERMANENT_REQUEST_ERRORS = (
     requests.exceptions.InvalidHeader,
     requests.exceptions.InvalidSchema,
     requests.exceptions.MissingSchema,
+    requests.exceptions.InvalidJSONError,  # a param no JSON body can carry (NaN, an infinity): the stage's setting
 )
 # What reading the body itself may raise (read straight from urllib3, not through requests' wrappers).
 _BODY_READ_ERRORS = (urllib3.exceptions.HTTPError, OSError)

@@ -456,6 +456,20 @@ def test_retry_after_of_a_refusal_travels_with_the_error(serve: Callable[[Answer
     assert info.value.rate_limited  # 429: whoever asks is refused, not this scene
 
 
+@pytest.mark.parametrize("generator", ["http", "openai-speech"])
+def test_a_param_no_json_body_can_carry_is_the_stages_setting_and_nothing_is_sent(
+    serve: Callable[[Answer], str], generator: str
+) -> None:
+    """A NaN or an infinity among the params (a plugin's, a job's) made requests refuse the body: retried as a
+    backend fault, the server never asked. It is the stage's setting, the same for every scene: misconfigured."""
+    url = serve(answering(200, "audio/wav", synthesize_wav("one two")))
+    seen: list[dict[str, str]] = serve.seen  # type: ignore[attr-defined]
+    with pytest.raises(GeneratorError, match="InvalidJSONError") as info:
+        _generate(_spec(url, generator=generator, model="tts", speed=float("nan")), key=SECRET)
+    assert info.value.misconfigured and not info.value.retryable, info.value
+    assert seen == []
+
+
 def test_netrc_credentials_on_the_worker_host_are_never_sent(
     serve: Callable[[Answer], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

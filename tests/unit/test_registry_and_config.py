@@ -84,6 +84,12 @@ def test_a_third_stage_is_configuration_only() -> None:
         # A key given twice kept its last copy silently: the stage's `input` lost, its images made from the text.
         ({"ANIMASTOR_STAGES": '{"image": {"input": "prompt"}, "image": {"queue": "gpu.img2"}}'}, "'image' twice"),
         ({"ANIMASTOR_STAGES": '{"audio": {"lane_limit": 2, "lane_limit": 20}}'}, "'lane_limit' twice"),
+        # Python's JSON reads NaN, Infinity and a number past a float's range: the worker started, and every job
+        # failed on a body no request can carry (retried as a backend fault, though nothing was ever sent).
+        ({"ANIMASTOR_STAGES": '{"audio": {"params": {"speed": NaN}}}'}, "NaN"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"params": {"speed": -Infinity}}}'}, "-Infinity"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"params": {"cfg": [1, Infinity]}}}'}, "Infinity"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"params": {"speed": 1e400}}}'}, "1e400"),
         # The endpoint was ignored: placeholder images stored as ready, the inference server never called.
         ({"ANIMASTOR_STAGES": '{"image": {"generator": "builtin", "endpoint": "http://gpu-box:8765/v1"}}'}, "builtin"),
     ],
