@@ -312,12 +312,12 @@ def _claim_and_publish(
             result.outcomes[Outcome.PUBLISH_FAILED] += len(failed)
     holding = {queue_of[s] for s, books in handed.items() if books}
     for queue, free in spare.items():
-        # Slots this book cannot use (its cap, nothing more pending) go to the books waiting for the
-        # lane at once: a free slot never waits for a deferral to expire. The snapshot read the head
-        # of each waiting list already: an empty one costs no second read. Of a lane whose freed slots this
-        # pass fills, only those are handed on (when unused): the others are other refills' to fill.
+        # Slots this book cannot use (its cap, nothing more pending) go to the books waiting for the lane at once:
+        # a free slot never waits for a deferral to expire. The snapshot read the head of each waiting list already:
+        # an empty one costs no second read, but of the lane handed (its own book's refill took its pair: that read
+        # is old). Of a lane whose freed slots this pass fills, only those are handed on (when unused).
         known = snap.waiters.get(queue)
-        if free > 0 and (known is None or any(b != book for b in known)):
+        if free > 0 and (known is None or queue == handed_lane or any(b != book for b in known)):
             most = (
                 slots - sum(taken[s] for s, spec in specs.items() if spec.queue == queue) if queue == slots_of else free
             )
