@@ -245,7 +245,9 @@ class Leases(Protocol):
 
 class Breaker(Protocol):
     def breaker_acquire(self, queue: str, permit_seconds: float) -> str: ...
-    def breaker_record(self, queue: str, ok: bool, threshold: int, cooldown: float, *, run: bool = False) -> str: ...
+    def breaker_record(
+        self, queue: str, ok: bool, threshold: int, cooldown: float, *, run: bool = False, node: str | None = None
+    ) -> str: ...  # 'closed', 'open', 'reopened', 'recovered', or 'host': `node`'s runs fail while others' succeed
     def breaker_release(self, queue: str) -> bool: ...
     def breaker_refuses_until(self, queue: str) -> float: ...  # when an open breaker may test its lane
 

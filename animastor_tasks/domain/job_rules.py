@@ -12,6 +12,8 @@
 - **Run failures and the breaker.** A backend-side failure (retryable, retries spent) counts against
   the queue's circuit breaker and a success clears it; a backend failure recorded while the breaker is
   (or just became) open gives the pair back to `pending` instead of failing it, and so does a rate limit.
+  So does one whose worker node has failed its last threshold runs while the breaker stayed closed (`host`):
+  that node's own backend is wrong (its API key, its local server) while the others' runs succeed.
 """
 
 from __future__ import annotations
@@ -109,12 +111,22 @@ def verdict(kind: ErrorKind, breaker_state: str | None = None) -> Verdict:
     whatever the breaker says. *Why:* failed while the breaker stayed closed, a rate limit longer than a job's
     retries failed that many healthy scenes for good (a lane of 8 jobs meeting it at once: 4 of them). An artifact
     store that refuses the output likewise: failed, a full disk or rotated S3 keys failed every scene that finished.
+    A `host` answer (the breaker closed, but the node that ran the job failed its last threshold runs or more) gives
+    the pair back as an open breaker does. *Why:* one GPU host with a wrong API key or a dead local inference server
+    failed every pair it took, for good, while the other hosts' successes kept the queue's breaker closed.
     """
     if kind in (ErrorKind.STORE, ErrorKind.RATE_LIMITED, ErrorKind.ARTIFACT):
         return Verdict.GIVE_BACK
-    if kind in _BLAMES_THE_BACKEND and breaker_state in ("open", "reopened"):
+    if kind in _BLAMES_THE_BACKEND and breaker_state in ("open", "reopened", "host"):
         return Verdict.GIVE_BACK
     return Verdict.FAIL
+
+
+def host_pause(breaker_state: str | None, *, cooldown: float) -> float | None:
+    """How long the process of a job whose node the breaker answered `host` takes no new job (None: it goes on): a
+    breaker cool-down, after which its next job is the node's test (a success ends its streak). *Why:* a host that
+    fails fast is idle first, and took most of the lane's jobs only to give them back."""
+    return cooldown if breaker_state == "host" else None
 
 
 def retest_deferral(kind: ErrorKind, breaker_state: str | None, *, cooldown: float) -> float | None:

@@ -53,6 +53,8 @@ widens to another book).
 |   when the tick first saw that lane with free |        | waiting (a tick hands them on when it     |
 |   slots and books waiting, Redis time)        |        | sees them again: lua/lanes_stranded.lua)  |
 | ``P:breaker:QUEUE``                           | hash   | until closed again                        |
+| ``P:breaker-host:QUEUE:NODE`` (value: NODE's  | string | until NODE runs a job of QUEUE well; a    |
+|   failed runs of QUEUE in a row)              |        | day after its last failure                |
 | ``P:lock:NAME``                               | string | short singleton locks (tick, reconcile)   |
 | ``P:bookmark:NAME``                           | string | where a task's round goes on (reconcile:  |
 |                                               |        | the last book it passed); no expiry       |
@@ -182,6 +184,10 @@ class Keyspace:
 
     def breaker(self, queue: str) -> str:
         return self._key("breaker", queue)
+
+    def breaker_host(self, queue: str, node: str) -> str:
+        """The worker node's failed runs of the queue in a row (lua/breaker_record.lua)."""
+        return self._key("breaker-host", queue, node)
 
     def lanes_seen_free(self) -> str:
         """Per queue, when the tick first saw its lane with free slots and books waiting for it."""

@@ -25,7 +25,6 @@ from animastor_tasks.domain.job_rules import (
     ErrorKind,
     Verdict,
     another_attempt_fits,
-    breaker_feed,
     classify_error,
     lost_starts,
     retest_deferral,
@@ -44,8 +43,10 @@ from animastor_tasks.flow.job import (
     checked_media,
     guarded_progress,
     load_generator,
+    pause_if_sick,
     record_breaker,
     refusal_kind,
+    sick_host,
     start_delivery,
     when_reachable,
 )
@@ -82,11 +83,12 @@ def run_job(
         return {**result, "outcome": JobOutcome.DUPLICATE_DELIVERY}
     delivered = _Delivered(ports, job, cancelled, dispatched_at)
     try:
-        return _run_owned(
+        outcome = _run_owned(
             ports, job, spec, worker, guarded_progress(progress, job), result, later=later, delivered=delivered
         )
     finally:
         later(partial(_quietly, "end of delivery", delivered.end))
+    return pause_if_sick(ports, spec, worker, later, outcome)  # its node's runs keep failing: a pause, once it is over
 
 
 def _reject(ports: Ports, job: Job, why: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +214,7 @@ def _run_owned(
             kind = refusal_kind(ports, err)  # before the soft limit is held back: it may end a probe that hangs
             with later.writing_verdict(job):
                 return _unsuccessful(ports, job, spec, watcher, kind, storable(str(err)), attempts, result)
-        recovered = record_breaker(ports, spec.queue, breaker_feed(None)) == "recovered"
+        recovered = record_breaker(ports, spec.queue, None, worker) == "recovered"
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         artifact["input_hash"] = row.input_hash
         commit = partial(ports.jobs.commit_job, *job.owned, artifact, spec.queue)
@@ -344,8 +346,8 @@ def _unsuccessful(
     """The run produced nothing: a backend failure feeds the queue's breaker, then `domain.job_rules.verdict`
     says whether the pair fails or goes back to `pending` (a store blip, the backend down); either is written
     through a Postgres failover (`when_reachable`)."""
-    state = record_breaker(ports, spec.queue, breaker_feed(kind))
-    done = {**result, "error": error, "attempts": attempts}
+    state = record_breaker(ports, spec.queue, kind, watcher.worker)
+    done = {**result, "error": error, "attempts": attempts, **sick_host(ports, state)}
     if verdict(kind, state) is Verdict.GIVE_BACK:
         why = f"breaker {state}" if kind in (ErrorKind.BACKEND, ErrorKind.MISCONFIGURED) else kind.replace("_", " ")
         try:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from animastor_tasks.domain.deferral import compute_backoff
-from animastor_tasks.domain.job_rules import RUN_TIME_SHARE, ErrorKind, classify_error
+from animastor_tasks.domain.job_rules import RUN_TIME_SHARE, ErrorKind, breaker_feed, classify_error, host_pause
+from animastor_tasks.domain.liveness import holder_node
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair, Pair
@@ -63,6 +64,11 @@ class Later:
 
     def job_started(self) -> None:
         """The job's start check is over (passed or not): bookkeeping held back may run now."""
+
+    def pause(self, seconds: float) -> None:
+        """The process takes no new job for `seconds` (its node's runs fail while other nodes' succeed): it waits
+        here. worker/chain.py sends the job it kept to follow to the broker first, and ends the wait on a shutdown."""
+        time.sleep(seconds)
 
     def writing_verdict(self, job: Job) -> AbstractContextManager[object]:
         """Around the write of a job's verdict, which may wait out a Postgres outage (`when_reachable`): nothing
@@ -296,14 +302,46 @@ def load_generator(ports: Ports, spec: StageSpec, job: Job) -> Generator:
         return _Unavailable(GeneratorError(why, misconfigured=isinstance(err, ImportError)))
 
 
-def record_breaker(ports: Ports, queue: str, ok: bool | None) -> str | None:
-    """Feed the queue's breaker with a run's result (None: nothing to record); its state after, or None."""
-    if ok is None:
+def record_breaker(ports: Ports, queue: str, kind: ErrorKind | None, worker: str) -> str | None:
+    """Feed the queue's breaker, and the streak of `worker`'s node, with a run's result as `breaker_feed` says (`kind`
+    None: its media is stored); the breaker's state after, or None (nothing to record, or Redis did not answer)."""
+    if (ok := breaker_feed(kind)) is None:
         return None
+    settings = ports.settings
     try:
         return ports.breaker.breaker_record(
-            queue, ok, ports.settings.breaker_threshold, ports.settings.breaker_cooldown_seconds, run=True
+            queue, ok, settings.breaker_threshold, settings.breaker_cooldown_seconds, run=True, node=holder_node(worker)
         )
     except StoreUnavailable as err:
         log.warning("[GENERATE] breaker of %s not updated: %s", queue, err)
         return None
+
+
+def sick_host(ports: Ports, breaker_state: str | None) -> dict[str, Any]:
+    """What a job's result says of its node's pause (`domain.job_rules.host_pause`): `paused`, the seconds, or none."""
+    seconds = host_pause(breaker_state, cooldown=ports.settings.breaker_cooldown_seconds)
+    return {} if seconds is None else {"paused": seconds}
+
+
+def pause_if_sick(ports: Ports, spec: StageSpec, worker: str, later: Later, result: dict[str, Any]) -> dict[str, Any]:
+    """A job given back because its node's runs of the queue keep failing while other nodes' succeed (`sick_host`):
+    said once, counted (`job:host_paused:<stage>`), then its process takes no new job for the pause
+    (`Later.pause`), after which its next job is the node's test. Called once the job is over: its lease and slot
+    are free, so the pair it gave back runs elsewhere meanwhile."""
+    seconds = result.get("paused")
+    if not seconds:
+        return result
+    log.warning(
+        "[GENERATE] host %s: %d or more runs of %s failed in a row while other hosts succeed: pairs given back,"
+        " pausing %gs",
+        holder_node(worker),
+        ports.settings.breaker_threshold,
+        spec.queue,
+        seconds,
+    )
+    try:
+        ports.counters.add({f"job:host_paused:{spec.name}": 1})
+    except Exception as err:  # bookkeeping, as generate._quietly's
+        log.warning("[GENERATE] count skipped: %s: %s", type(err).__name__, err)
+    later.pause(seconds)
+    return result

@@ -15,7 +15,9 @@ A job is kept only
   limits;
 - unless the worker is shutting down: its running job finishes, and the next one goes to the broker (asked
   again as the kept job is about to start: a SIGTERM between its keeping and its start let a whole job start
-  after it, unseen by the shutdown note, `worker/lost.py`).
+  after it, unseen by the shutdown note, `worker/lost.py`);
+- unless its job ended in a pause (its node's runs of the queue fail while other nodes' succeed): the process
+  waits out a breaker cool-down, and the job kept meanwhile goes to the broker (`Aftermath.pause`).
 
 A job claimed but not run (the task failed after its refill, or the kept job raised before its start
 check) is published after all.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import mmap
 import threading
 import time
@@ -48,6 +51,8 @@ log = logging.getLogger("animastor.generate")
 
 RunJob = Callable[[Ports, Job, Callable[[float], None], Later], dict[str, Any]]
 PROGRESS_EVERY = 0.5  # seconds between a job's progress reports to Flower
+PAUSE_POLL = 0.5  # seconds between looks at the shutdown flag while a process pauses (`Aftermath.pause`)
+PAUSE_MARGIN = 5.0  # a pause ends this long before its task's soft time limit at the latest
 
 
 class _Events:
@@ -117,7 +122,7 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
     """Run `first`, then each job its freed slot was kept for here; `first`'s result is the task's."""
     deadline = time.monotonic() + ports.settings.chain_budget_seconds
     keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
-    aftermath = Aftermath(keeper)
+    aftermath = Aftermath(keeper, time.monotonic() + ports.settings.job_soft_time_limit)
     try:
         try:
             result = run(_job_ports(ports, keeper, aftermath), first, progress_reporter(task, first), aftermath)
@@ -184,8 +189,9 @@ class Aftermath(Later):
     job has passed its start check, then run in a thread beside it; any other step runs at once. A job's
     verdict is written with the task's soft time limit held back (`time_limit.soft_limit_held`)."""
 
-    def __init__(self, keeper: KeepingPublisher) -> None:
+    def __init__(self, keeper: KeepingPublisher, soft_limit_at: float = math.inf) -> None:
         self.keeper = keeper
+        self.soft_limit_at = soft_limit_at  # when the task's soft time limit fires (`time.monotonic`)
         self.steps: list[Callable[[], object]] = []
         self.thread: threading.Thread | None = None
         self.started = False  # the current job's start check is over
@@ -201,6 +207,17 @@ class Aftermath(Later):
 
     def writing_verdict(self, job: Job) -> AbstractContextManager[object]:
         return time_limit.soft_limit_held(job.describe())
+
+    def pause(self, seconds: float) -> None:
+        """The job kept to follow goes to the broker (a healthy host's process runs it meanwhile), the held
+        bookkeeping is done, then the task waits out `seconds`: ended by a warm shutdown (the worker's exit is not
+        held), and before the task's soft time limit (which, fired in the wait, failed the task)."""
+        kept, self.keeper.kept = self.keeper.kept, None
+        _quietly_publish(self.keeper.inner, self.keeper.task_name, self.keeper.queue, kept)
+        self.finish()
+        until = min(time.monotonic() + seconds, self.soft_limit_at - PAUSE_MARGIN)
+        while keeping() and (left := until - time.monotonic()) > 0:
+            time.sleep(min(left, PAUSE_POLL))
 
     def job_started(self) -> None:
         self.started = True

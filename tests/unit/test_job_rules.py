@@ -12,6 +12,7 @@ from animastor_tasks.domain.job_rules import (
     another_attempt_fits,
     breaker_feed,
     classify_error,
+    host_pause,
     lost_starts,
     retest_deferral,
     verdict,
@@ -118,6 +119,20 @@ def test_a_pair_that_failed_on_a_breaker_already_open_waits_out_the_next_test() 
     assert retest_deferral(ErrorKind.BACKEND, None, cooldown=30) is None
     assert retest_deferral(ErrorKind.RATE_LIMITED, "reopened", cooldown=30) is None
     assert retest_deferral(ErrorKind.STORE, "reopened", cooldown=30) is None
+
+
+def test_a_host_whose_own_runs_keep_failing_gives_the_pair_back_and_pauses() -> None:
+    """`host`: the queue's breaker stayed closed (other hosts' runs succeed) but this node failed its last threshold
+    runs: its own backend is wrong (a rotated per-host key, its local server down), not the scene. Before, the pair
+    failed for good, as with any closed breaker."""
+    for kind in (ErrorKind.BACKEND, ErrorKind.MISCONFIGURED, ErrorKind.RATE_LIMITED, ErrorKind.ARTIFACT):
+        assert verdict(kind, "host") is Verdict.GIVE_BACK
+    assert verdict(ErrorKind.SCENE, "host") is Verdict.FAIL  # the scene's own refusal stays a verdict on it
+    assert verdict(ErrorKind.BUG, "host") is Verdict.FAIL
+    assert retest_deferral(ErrorKind.BACKEND, "host", cooldown=30) is None  # a well host may run it at once
+    assert host_pause("host", cooldown=30) == 30  # its process takes no job for a cool-down, then tests its node
+    for state in ("closed", "open", "reopened", "recovered", None):
+        assert host_pause(state, cooldown=30) is None
 
 
 def test_what_a_run_feeds_the_breaker() -> None:
