@@ -22,7 +22,14 @@ log = logging.getLogger("animastor.commands")
 def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, Any]:
     """Stop All: after this returns no job of the book may start GPU work until a new regenerate."""
     why = validate.reason(reason)
-    book = validate.known_book(ports, book_id)
+    try:
+        book = validate.known_book(ports, book_id)
+    except StoreUnavailable:
+        # Postgres does not answer: whether the book exists is unknown, and the flag goes all the same (the caller
+        # is told to send the Stop All again). *Why:* nothing was written, and the running jobs, which only the flag
+        # stops, ran on to their end and committed once Postgres was back.
+        ports.book_state.stop_book(validate.book_id(book_id), ports.settings.registry.queues())
+        raise
     # The flag goes first: from this moment running jobs see should_stop() and the gate denies.
     ports.book_state.stop_book(book, ports.settings.registry.queues())
     cancelled, released, dispatched = ports.commands.cancel_book(book, why)

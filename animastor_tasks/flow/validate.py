@@ -17,6 +17,10 @@ from animastor_tasks.ports import Ports
 _CANONICAL_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
+def book_id(value: object) -> str:
+    return validate_id("book_id", value, error=InvalidCommand)
+
+
 def known_book(ports: Ports, book_id: object) -> str:
     book = validate_id("book_id", book_id, error=InvalidCommand)
     if not ports.catalog.book_exists(book):
