@@ -26,6 +26,8 @@ the caller's intent (a misspelt `lane` ran a whole gate pass).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -74,7 +76,24 @@ def _call_as_schema_says(task: str, unknown: dict[str, Any], **required: Any) ->
         raise InvalidCommand(f"{task}: unknown argument(s) {', '.join(sorted(unknown))}")
 
 
-@app.task(name="animastor.regenerate")
+class CallerTask(Task):
+    """A task other services send: a call its signature cannot take (more positional arguments than it has, one given
+    twice) is the `InvalidCommand` it says, before anything runs. *Why:* Python's own TypeError reached the caller."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            _signature(self).bind(*args, **kwargs)
+        except TypeError as err:
+            raise InvalidCommand(f"{self.name}: {err}") from None
+        return super().__call__(*args, **kwargs)
+
+
+@functools.cache
+def _signature(task: Task) -> inspect.Signature:
+    return inspect.signature(task.run)
+
+
+@app.task(name="animastor.regenerate", base=CallerTask)
 def regenerate(
     book_id: Any = MISSING,
     stages: Any = MISSING,
@@ -88,13 +107,13 @@ def regenerate(
     return regenerate_flow.regenerate(ports(), book_id, stages, scenes, command_id, force, priority)
 
 
-@app.task(name="animastor.cancel")
+@app.task(name="animastor.cancel", base=CallerTask)
 def cancel(book_id: Any = MISSING, reason: str | None = None, **unknown: Any) -> dict[str, Any]:
     _call_as_schema_says("animastor.cancel", unknown, book_id=book_id)
     return cancel_flow.cancel(ports(), book_id, reason)
 
 
-@app.task(name="animastor.gate")
+@app.task(name="animastor.gate", base=CallerTask)
 def gate_task(book_id: Any = MISSING, lane: str | None = None, **unknown: Any) -> dict[str, Any]:
     # Sent by callers only (the runtime hands slots through animastor.refill): held to its schema, as regenerate.
     _call_as_schema_says("animastor.gate", unknown, book_id=book_id)

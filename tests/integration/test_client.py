@@ -139,3 +139,23 @@ def test_a_call_the_schema_refuses_is_an_invalid_command_not_a_type_error(rt, ta
     with pytest.raises(InvalidCommand, match=re.escape(said)):
         getattr(tasks, task).run(**kwargs)
     assert rt.ports.commands.commands() == []
+
+
+@pytest.mark.parametrize(
+    ("task", "args", "kwargs", "said"),
+    [
+        ("regenerate", ["b1", ["audio"], None, None, True, None, "x"], {}, "too many positional arguments"),
+        ("regenerate", ["b1"], {"book_id": "b1", "stages": ["audio"]}, "multiple values for argument 'book_id'"),
+        ("cancel", ["b1", None, "x"], {}, "too many positional arguments"),
+        ("gate_task", ["b1"], {"book_id": "b1"}, "multiple values for argument 'book_id'"),
+    ],
+)
+def test_positional_arguments_the_task_cannot_take_are_an_invalid_command(rt, task, args, kwargs, said) -> None:
+    """A message whose positional arguments its task cannot bind (`send_task(args=...)`) reached the caller as a bare
+    TypeError; the Celery task is called as the worker calls it (its `__call__`)."""
+    from animastor_tasks.errors import InvalidCommand
+    from animastor_tasks.worker import tasks
+
+    with pytest.raises(InvalidCommand, match=re.escape(said)):
+        getattr(tasks, task)(*args, **kwargs)
+    assert rt.ports.commands.commands() == []
