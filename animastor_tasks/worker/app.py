@@ -20,7 +20,7 @@ from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, redact_url
 from animastor_tasks.worker import chain, flower_settings, lost, tracing, warm
 from animastor_tasks.worker.logs import LogSetup
-from animastor_tasks.worker.presence import PresenceStep
+from animastor_tasks.worker.presence import PresenceStep, StartingPresenceStep
 
 try:
     settings = Settings.from_env()
@@ -33,6 +33,7 @@ except ConfigError as err:  # a worker or beat with a bad setting stops here, wi
 app = Celery("animastor_tasks", include=["animastor_tasks.worker.tasks"])
 app.config_from_object("celeryconfig", force=True)
 flower_settings.guard_flower_command()  # `celery -A animastor_tasks flower`, from any directory: auth or exit 2
+app.steps["worker"].add(StartingPresenceStep)  # beats before the consumer can (worker/presence.py)
 app.steps["consumer"].add(PresenceStep)
 
 log = logging.getLogger("animastor.worker")

@@ -6,7 +6,8 @@ up at the next beat because the consumer's live queue list is read each time; a
 clean stop removes the entries; a SIGKILLed worker's entries expire within one TTL.
 A consumer restarted because its broker connection was lost keeps its entries: the
 worker consumes again once the broker is back (or once a process is free, worker/rejoin.py), and a
-stage with no consumer is BLOCKED.
+stage with no consumer is BLOCKED. A starting worker beats from the start of its blueprint, before its consumer
+can (`StartingPresenceStep`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,64 @@ from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import lanes
 
 log = logging.getLogger("animastor.presence")
+
+
+class StartingPresenceStep(bootsteps.StartStopStep):
+    """A starting worker holds the queues it will consume (`holding` beats every TTL/3) from the start of its
+    blueprint until its consumer's `PresenceStep` beats. *Why:* a stage's only worker killed whole (the OOM killer,
+    a crash) and restarted under its name (systemd, a container's restart policy) first beat from its consumer,
+    after its pool, its broker connection and mingle: the killed run's heartbeat lapsed meanwhile and the tick
+    BLOCKED the stage's commands for good. Started after the start checks (`app.refuse_*`, exit 2 before any
+    beat) and after `lost.let_go_of_previous_run` (which watches the name's heartbeat). A worker that stops
+    before its consumer beats withdraws nothing: its entries expire within a TTL, as a killed one's."""
+
+    requires = {"celery.worker.components:Pool"}
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self._lock = threading.Lock()  # a beat and the consumer's hand-over never interleave
+        self._done = threading.Event()
+        self._advertised: set[str] = set()
+        parent.starting_presence = self
+
+    def start(self, parent: Any) -> None:
+        queues = set(parent.app.amqp.queues.consume_from or ())
+        if queues:
+            thread = threading.Thread(
+                target=self._loop, args=(parent.hostname, queues), name="animastor-presence-start", daemon=True
+            )
+            thread.start()
+
+    def stop(self, parent: Any) -> None:
+        self._done.set()
+
+    terminate = stop
+
+    def hand_over(self) -> set[str]:
+        """The consumer's heartbeat takes over: no beat of this step follows. Returns the queues it advertised,
+        once (the consumer's heartbeat withdraws those it does not consume)."""
+        with self._lock:
+            self._done.set()
+            advertised, self._advertised = self._advertised, set()
+        return advertised
+
+    def _loop(self, hostname: str, queues: set[str]) -> None:
+        from animastor_tasks.worker import wiring
+
+        ttl = wiring.current().settings.presence_ttl_seconds
+        while True:
+            with self._lock:
+                if self._done.is_set():
+                    return
+                self._advertised = set(queues)  # before: a beat cut short may have written them
+                try:
+                    wiring.current().presence.heartbeat(hostname, queues, ttl, holding=True)
+                except StoreUnavailable as err:
+                    log.warning("[PRESENCE] heartbeat while starting failed: %s", err)
+                except Exception:
+                    log.exception("[PRESENCE] heartbeat while starting failed")
+            if self._done.wait(ttl / 3):
+                return
 
 
 class PresenceStep(bootsteps.StartStopStep):
@@ -44,6 +103,9 @@ class PresenceStep(bootsteps.StartStopStep):
             self._wake.set()
             return  # the consumer restarted while a job was still draining: the heartbeat never stopped
         self._stop.clear()
+        starting = getattr(parent.controller, "starting_presence", None)
+        if starting is not None:  # what the worker held while it started: its first beat withdraws the rest
+            self._advertised |= starting.hand_over()
         self._thread = threading.Thread(target=self._loop, args=(parent,), name="animastor-presence", daemon=True)
         self._thread.start()
 

@@ -89,3 +89,18 @@ def test_a_setting_to_fix_is_not_restarted_for_ever(path: Path) -> None:
     assert unit["Restart"] == "on-failure"
     assert "2" in unit.get("RestartPreventExitStatus", "").split(), unit.get("RestartPreventExitStatus")
     assert "3" not in unit.get("RestartPreventExitStatus", "").split()
+
+
+def test_a_gpu_worker_killed_whole_is_started_again_before_its_stage_reads_as_without_a_worker() -> None:
+    """Restarted 5 s after a kill (the OOM killer, a crash), with its start on top, a stage's only worker beat again
+    after its heartbeat had lapsed (a TTL after its last beat, 4-6 s after the kill), and the tick BLOCKED the
+    stage's commands for good (tests/e2e/test_worker_restart.py). A worker dying at each start is still left failed."""
+    path = next(u for u in UNITS if u.name.startswith("animastor-gpu-worker"))
+    gpu = _unit(path)
+    assert _seconds(gpu["RestartSec"]) <= 1 < Settings().presence_ttl_seconds * 2 / 3
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read(path, encoding="utf-8")
+    unit = parser["Unit"]
+    interval, burst = _seconds(unit["StartLimitIntervalSec"]), int(unit["StartLimitBurst"])
+    assert 0 < interval / burst <= 6, "a worker that runs 6 s or more between its starts is never left failed"
