@@ -10,10 +10,10 @@ alone on a lane uses every free slot; once other books wait it gets no slot beyo
 and gives the extra back as its jobs end (nothing is preempted). `book_cap` stays a hard cap.
 
 Priority comes before the share: only a waiter at least as urgent as a pair binds the share for
-it, and a pair takes none of the free slots that more urgent books below their shares wait for (one
-each). *Why:* a bulk book waiting held a reader's interactive scene to its book's share, the slot
-going to bulk work; and a book whose interactive scene its window refused ran its bulk scenes while
-another reader waited.
+it, and a pair takes none of the free slots that more urgent books wait for whose shares would not refuse
+them (one each; below their shares, or at them with no book as urgent below its own waiting). *Why:* a bulk
+book waiting held a reader's interactive scene to its book's share, the slot going to bulk work; and a book
+whose interactive scene its window refused ran its bulk scenes while another reader waited.
 """
 
 from __future__ import annotations
@@ -76,23 +76,45 @@ def contested(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) ->
     """The fair share binds for a pair of `rank`: another book at least as urgent waits for the lane and is
     still below its own share.
 
-    A waiting book already at its share cannot use the slot under the same rule, so holding the
-    slot back for it would only leave a GPU idle."""
+    A waiting book as urgent but already at its share binds nothing: its share and this pair's would bind each
+    other, and the slot idle."""
     if counts.waiting is None:
         return True
-    waiting = counts.waiting.get(stage, ())
-    return any(not w.handed and w.rank <= rank and below_share(w.generating, stage, spec) for w in waiting)
+    return _binds(counts.waiting.get(stage, ()), rank, stage, spec)
+
+
+def _binds(waiting: Sequence[Waiter], rank: int, stage: str, spec: StageSpec, but: int | None = None) -> bool:
+    """Whether a waiter of `waiting` (not the one at index `but`) binds the share of a claim at `rank`."""
+    return any(
+        i != but and not w.handed and w.rank <= rank and below_share(w.generating, stage, spec)
+        for i, w in enumerate(waiting)
+    )
+
+
+def could_take(waiting: Sequence[Waiter], index: int, stage: str, spec: StageSpec) -> bool:
+    """Whether the waiter at `index` could take a slot of `stage` at its rank: within its book cap, and below its
+    share or at it with no other waiter as urgent binding it (as `contested` decides for its own claim).
+
+    *Why not below its share alone:* a reader's book running 4 bulk audio scenes (window 4) was at its share, though
+    no book as urgent contested the lane, so nothing held the image slot its interactive scene was handed and a bulk
+    book's pass took it: the reader's scene waited a whole bulk job."""
+    waiter = waiting[index]
+    used = sum(1 for _, _, s in waiter.generating if s == stage)
+    if spec.book_cap is not None and used >= spec.book_cap:
+        return False
+    return below_share(waiter.generating, stage, spec) or not _binds(waiting, waiter.rank, stage, spec, index)
 
 
 def outranking(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec, *, handed: bool = True) -> int:
-    """How many more urgent books below their shares wait for the lane: as many free slots are theirs, not a pair
-    of `rank`'s (one each: a book that can use more is handed more as the slots go round). `handed`: the books
-    handed a slot count too (not for a claim of slots of its own: theirs are the lane's others)."""
-    waiting = counts.waiting or {}
+    """How many more urgent books that could take a slot (`could_take`) wait for the lane: as many free slots are
+    theirs, not a pair of `rank`'s (one each: a book that can use more is handed more as the slots go round).
+    `handed`: the books handed a slot count too (not for a claim of slots of its own: theirs are the lane's
+    others)."""
+    waiting = (counts.waiting or {}).get(stage, ())
     return sum(
         1
-        for w in waiting.get(stage, ())
-        if (handed or not w.handed) and w.rank < rank and below_share(w.generating, stage, spec)
+        for i, w in enumerate(waiting)
+        if (handed or not w.handed) and w.rank < rank and could_take(waiting, i, stage, spec)
     )
 
 

@@ -144,3 +144,32 @@ def test_a_claim_of_its_own_slot_is_not_held_back_for_a_book_handed_another() ->
     assert [pair for pair, _ in choose(pairs, counts, limits, {}, {"audio": 1}, ranks).chosen] == [("c", "s1", "audio")]
     listed = replace(counts, waiting={"audio": [Waiter(INTERACTIVE, [])]})  # on the list: its slot is this one
     assert choose(pairs, listed, limits, {}, {"audio": 1}, ranks).refused == {Outcome.LANE_FULL: [("c", "s1", "audio")]}
+
+
+def test_a_more_urgent_book_at_its_share_holds_a_slot_while_no_book_as_urgent_contests_it() -> None:
+    """Old code: only a waiter below its share held a slot. A reader's book running 4 bulk audio scenes (window 4)
+    was at its share though nobody as urgent contested the lane, so its handed image slot went to a bulk book's pass
+    and the reader's scene waited a whole bulk job. Its own claim would take the slot (its share binds only for a
+    book as urgent below its own), so the slot is held for it, as for a book below its share."""
+    specs = {**spec(AUDIO, lane_limit=4, window=4), **spec(IMAGE, lane_limit=2, window=4)}
+    busy = [("r", f"s{i}", "audio") for i in range(1, 5)]
+    pairs = wanted(("q", "s1", "image"))
+    bulk = {("q", "s1", "image"): BULK}
+
+    def taken(*waiters: Waiter, lane: int = 1, **limits: int) -> list[tuple[str, str, str]]:
+        image = {**specs, **spec(specs["image"], **limits)} if limits else specs
+        counts = CapacityCounts(lane={"image": lane}, book_generating=[], waiting={"image": list(waiters)})
+        return [pair for pair, _ in choose(pairs, counts, image, {}, ranks=bulk).chosen]
+
+    for handed in (True, False):  # handed the slot (its refill on its way) or on the list
+        assert taken(Waiter(INTERACTIVE, busy, handed)) == []
+        assert taken(Waiter(INTERACTIVE, [], handed)) == []  # below its share, as before
+        # Another reader below its share binds the first one's share: one slot is kept, for that one.
+        assert taken(Waiter(INTERACTIVE, busy, handed), Waiter(INTERACTIVE, [], handed=False), lane=0) == [pairs[0][0]]
+        # A less urgent book below its share does not bind the reader's share: a slot is kept for each.
+        assert taken(Waiter(INTERACTIVE, busy, handed), Waiter(NORMAL, [], handed=False), lane=0) == []
+        # The hard cap refuses the reader's claim whoever waits: nothing is kept for it.
+        capped = [("r", "s1", "image"), ("r", "s2", "image")]
+        assert taken(Waiter(INTERACTIVE, capped, handed), book_cap=2) == [pairs[0][0]]
+    # A book as urgent as the pair is no reason to keep the slot (the share decides between them).
+    assert taken(Waiter(BULK, busy)) == [pairs[0][0]]

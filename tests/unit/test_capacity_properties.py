@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from animastor_tasks.domain.capacity import NORMAL_RANK, CapacityCounts, Waiter, below_share, choose
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import Outcome, Priority
+from animastor_tasks.domain.vocabulary import Outcome, Priority, priority_rank
 
 STAGES = ("audio", "image")
 BASE = {
@@ -23,6 +23,7 @@ BASE = {
 SCENES = [("c1", f"s{n}") for n in range(6)] + [("c2", f"s{n}") for n in range(3)]
 PAIRS = [(chapter, scene, stage) for chapter, scene in SCENES for stage in STAGES]
 RANK = st.integers(0, len(Priority) - 1)
+BULK = priority_rank(Priority.BULK)
 
 
 @st.composite
@@ -123,3 +124,28 @@ def test_a_book_alone_fills_every_free_slot_it_has_work_for(stages, pairs, data)
     for stage, spec in stages.items():
         asked = sum(1 for *_, s in pairs if s == stage)
         assert taken[stage] == min(asked, spec.lane_limit - lane[stage]), (stage, choice)
+
+
+@settings(max_examples=500, deadline=None)
+@given(specs(), st.sampled_from(STAGES), st.data())
+def test_a_less_urgent_pair_leaves_the_last_slot_exactly_when_a_waiter_s_own_claim_would_take_it(
+    stages, stage, data
+) -> None:  # type: ignore[no-untyped-def]
+    """The hold agrees with the waiters' own claims: a bulk pair is refused the lane's last free slot if and only if
+    one of the more urgent books waiting would be given it by its own claim (a new scene of its book, the others
+    waiting beside it). Old code kept the slot only for a book below its share, and gave it to the bulk pair while a
+    reader at its share, whom nobody as urgent contested, would have taken it."""
+    spec = stages[stage]
+    waiter = st.builds(Waiter, st.integers(0, BULK - 1), st.lists(st.sampled_from(PAIRS), unique=True, max_size=5))
+    waiters = data.draw(st.lists(st.builds(replace, waiter, handed=st.booleans()), max_size=3))
+    last = {stage: spec.lane_limit - 1}
+    bulk_pair = ("b", "new", stage)
+    counts = CapacityCounts(lane=last, book_generating=[], waiting={stage: waiters})
+    held = not choose([(bulk_pair, "d")], counts, stages, {}, ranks={bulk_pair: BULK}).chosen
+
+    def own_claim_takes(i: int) -> bool:
+        pair = ("w", "new", stage)
+        others = CapacityCounts(last, waiters[i].generating, {stage: waiters[:i] + waiters[i + 1 :]})
+        return bool(choose([(pair, "d")], others, stages, {}, ranks={pair: waiters[i].rank}).chosen)
+
+    assert held == any(own_claim_takes(i) for i in range(len(waiters))), waiters
