@@ -143,7 +143,9 @@ def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = Non
     still free (`refill.refill`); a book with no use for its slots hands them on, to less urgent books once none
     as urgent waits. *Why:* each took every free slot it could (the others were off the list, so its fair share
     did not bind), and the books after the first waited a job for theirs; and one slot to each book from the
-    head, a bulk book's refill run first took a slot a reader's next interactive scene waited for."""
+    head, a bulk book's refill run first took a slot a reader's next interactive scene waited for. Slots a book
+    (`exclude`) hands on that the list leaves go to books handed a slot moments ago whose refills have not reported
+    back (off the list meanwhile: a slot handed on went to nobody beside such a book with more pairs to run)."""
     if slots <= 0:
         return []
     books = ports.deferrals.next_waiters(queue, slots, exclude=exclude)

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
+from animastor_tasks.domain.capacity import HANDED_HOLD_SECONDS
 from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member
 from animastor_tasks.domain.types import Pair
@@ -145,6 +146,12 @@ class DeferralStore:
         freed: with `ended`, that bucket is emptied in the same step. While the lane's breaker is open
         nobody is taken (and `exclude` only joins the list), half-open one book at most (its test permit's): each
         other would find the lane refused and pass the slot on, emptying the list.
+        A book handed a slot less than `HANDED_HOLD_SECONDS` ago whose refill has not reported back (off the list)
+        still waits, at the score it was handed it with, for what the list leaves: more urgent than `ended`'s book,
+        it takes the slot that book would keep; of slots `exclude` hands on (no `ended`), it takes those nobody
+        listed waits for, or shares those the listed books leave when more urgent than them (not if handed with
+        `exclude` by one hand-over, whose last refill hands on what is still free). Taken, it is handed one more
+        slot (`lua/lane_take.lua`).
         """
         keys = [
             self.conn.keys.lane_waiters(queue),
@@ -156,7 +163,7 @@ class DeferralStore:
         ]
         now = self.conn.server_time()  # the breaker's `open_until` is by the server's clock
         pending = "" if ended is None else "none" if ended[1].pending is None else ended[1].pending
-        args: list[str | float] = [count, exclude or "", now, RANK_SCALE, pending]
+        args: list[str | float] = [count, exclude or "", now, RANK_SCALE, pending, HANDED_HOLD_SECONDS]
         taken = self.conn.run(lambda: self._take(keys=keys, args=args))
         return [str(b) for b in taken]
 

@@ -11,6 +11,20 @@
 -- out its capacity deferral).
 -- That book keeps the slot instead when that priority is more urgent than the head's: the
 -- answer is then that book alone, taken off the list as any book served is.
+-- A book handed a slot within the hold (ARGV[6]) whose refill has not reported back (off the list, in the
+-- hand-over record) still waits, at the score it was handed the slot with, for what the list leaves: one more
+-- urgent than the book whose job freed the slot takes the slot that book would keep; and of slots a book hands on
+-- (ARGV[2] with no re-queue: its pass's unused ones, a refill's it has no use for, its Stop All's), the most urgent
+-- handed books take those nobody listed waits for, or share with the listed ones those they leave when more urgent
+-- than them; not the books handed a slot together with the book handing on (their records' time is its: that
+-- hand-over's last refill hands on what is still free). A job's end that left its book nothing pending leaves
+-- the slot to that book's own refill (it moves the book's scene window, then hands the slot on), and a hand-over
+-- by no book (a count of the lanes, which subtracts the slots handed books hold) takes listed books alone. Taken,
+-- a handed book is handed one more slot: its record is written as of now, which a refill begun before leaves to
+-- the refill sent now. *Why:* off the list, it was invisible to a slot freed moments later: a reader's second
+-- interactive scene waited a whole bulk job while the book whose job freed that slot kept it for a bulk scene,
+-- and a slot a pass handed on for want of use went to nobody beside a book with more pairs than its one handed
+-- slot, idle until the tick's stranded check.
 -- KEYS[1] the lane's waiting list (zset: book -> wait score, lower first)
 -- KEYS[2] the finished dispatch's metadata hash, or '' for no re-queue; deleted here (kept, it lived a queued
 --         lease's four days after its job had ended: 1.3 GB at 1M jobs a day)
@@ -34,6 +48,7 @@
 -- ARGV[3] now (unix seconds), ARGV[4] the score of one priority rank
 -- ARGV[5] what the end (commit, failure or give-back) of the job that freed the slot left its book of the lane:
 --         the rank of its most urgent pending pair, 'none' for nothing pending ('' with no re-queue)
+-- ARGV[6] the hold (seconds): a record older than that is of a refill likely lost, which holds nothing
 -- returns the books taken, best first
 local count = tonumber(ARGV[1])
 local refused = false
@@ -66,24 +81,83 @@ if KEYS[2] ~= '' then
     redis.call('DEL', KEYS[2])
 end
 local taken = {}
-local tier = nil
 if count > 0 then
+    local mine = own ~= nil and math.floor(own / scale) or nil
+    -- A book handing slots on (its pass's unused ones, a refill's it had no use for, its Stop All's) gives the
+    -- handed books the slots the list leaves; a job's end, the slot its book would keep.
+    local handing_on = KEYS[2] == '' and ARGV[2] ~= ''
+    -- The books handed a slot within the hold that are off the list, most urgent first: {book, score, its text}.
+    local handed = {}
+    if mine ~= nil or handing_on then
+        local now, hold = tonumber(ARGV[3]), tonumber(ARGV[6])
+        -- Not those handed a slot by the same hand-over as the book handing on (their records' time is its): that
+        -- hand-over's last refill hands on what is still free (refill._close_hand_over).
+        local fellows = handing_on and string.match(redis.call('HGET', KEYS[5], ARGV[2]) or '', '^(%S+) ') or nil
+        local record = redis.call('HGETALL', KEYS[5])
+        for j = 1, #record, 2 do
+            local book = record[j]
+            local at, text = string.match(record[j + 1], '^(%S+) (%S+)$')
+            local score = tonumber(text or '')
+            if book ~= ARGV[2] and score ~= nil and at ~= fellows and now - (tonumber(at) or 0) <= hold
+                and not redis.call('ZSCORE', KEYS[1], book) then
+                handed[#handed + 1] = {book, score, text}
+            end
+        end
+        table.sort(handed, function(a, b)
+            local ta, tb = math.floor(a[2] / scale), math.floor(b[2] / scale)
+            if ta ~= tb then
+                return ta < tb
+            elseif a[2] ~= b[2] then
+                return a[2] < b[2]
+            end
+            return a[1] < b[1]
+        end)
+    end
+    local function take(book, text)
+        taken[#taken + 1] = book
+        redis.call('HSET', KEYS[5], book, ARGV[3] .. ' ' .. text)
+    end
+    -- Handed books up to `limit`, the least urgent rank taken (nil: the most urgent one's rank alone).
+    local function take_handed(limit)
+        for _, h in ipairs(handed) do
+            local rank = math.floor(h[2] / scale)
+            if #taken == count or (limit ~= nil and rank > limit) then
+                break
+            end
+            limit = limit or rank
+            take(h[1], h[3])
+        end
+    end
+    local function outranks_mine()
+        return #handed > 0 and math.floor(handed[1][2] / scale) < mine
+    end
+    local tier = nil
     local head = redis.call('ZRANGE', KEYS[1], 0, count, 'WITHSCORES')
     for i = 1, #head, 2 do
-        local book, score = head[i], tonumber(head[i + 1])
-        if tier ~= nil and math.floor(score / scale) > tier then
+        local book, rank = head[i], math.floor(tonumber(head[i + 1]) / scale)
+        if tier ~= nil and rank > tier then
             break
         end
         if book ~= ARGV[2] and #taken < count then
-            tier = math.floor(score / scale)
-            if #taken == 0 and own ~= nil and math.floor(own / scale) < math.floor(score / scale) then
+            if #taken == 0 and mine ~= nil and mine < rank then
+                if outranks_mine() then
+                    take_handed(nil)
+                    break
+                end
                 redis.call('ZREM', KEYS[1], ARGV[2])
                 redis.call('HSET', KEYS[5], ARGV[2], ARGV[3] .. ' ' .. own)
                 return {ARGV[2]}
             end
-            taken[#taken + 1] = book
-            redis.call('HSET', KEYS[5], book, ARGV[3] .. ' ' .. head[i + 1])
+            tier = rank
+            take(book, head[i + 1])
         end
+    end
+    if tier ~= nil then
+        if handing_on then
+            take_handed(tier - 1) -- fewer listed than slots: handed books more urgent than them share the rest
+        end
+    elseif #taken == 0 and ((mine ~= nil and outranks_mine()) or (mine == nil and handing_on)) then
+        take_handed(nil) -- nobody listed
     end
 end
 if #taken > 0 or refused then
