@@ -27,11 +27,15 @@ WORKDIR /app
 
 # Dependencies first, from pyproject.toml alone: a change to the source reuses this layer. The build
 # requirements are installed here too, so that the source layer below needs no network.
+# EXTRAS: optional dependency groups of pyproject.toml, comma-separated (`docker compose build --build-arg EXTRAS=otel`
+# for tracing); none by default.
+ARG EXTRAS=""
 COPY pyproject.toml ./
 RUN --mount=type=secret,id=ca-bundle,required=false \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
-    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); \
-print('\n'.join(p['project']['dependencies'] + p['build-system']['requires']))" > /tmp/requirements.txt \
+    && python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); \
+extras = [d for e in os.environ['EXTRAS'].split(',') if e for d in p['project']['optional-dependencies'][e]]; \
+print('\n'.join(p['project']['dependencies'] + p['build-system']['requires'] + extras))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 

@@ -151,6 +151,8 @@ def test_cancel_and_gate_of_the_real_tasks(rt) -> None:
     check("cancel-result", cancel_flow.cancel(rt.ports, "b"))  # idempotent: nothing left to cancel
     assert refused("cancel-kwargs", {"book_id": "b", "reason": 3})
     assert refused("cancel-kwargs", {"book_id": "b", "reason": "x" * 1_001})
+    assert refused("cancel-kwargs", {"book_id": "b", "reason": "a\nb\x1b[31m"})  # the task refuses it too
+    check("cancel-kwargs", {"book_id": "b", "reason": None})
     assert refused("gate-result", {"book_id": "b", "authorized": 0, "released": 0, "outcomes": {"x": 1}, "error": None})
 
 
