@@ -322,7 +322,7 @@ def _claim_and_publish(
                 slots - sum(taken[s] for s, spec in specs.items() if spec.queue == queue) if queue == slots_of else free
             )
             try:
-                lanes.hand_on_spare(ports, book, queue, free, most=most, held=queue in holding)
+                lanes.hand_on_spare(ports, book, queue, free, most=most, held=queue in holding or queue == handed_lane)
             except StoreUnavailable as err:  # claimed and published: the tick hands on a lane's stranded slots
                 log.warning("[DISPATCH] book=%r free slots of %s not handed on: %s", book, queue, err)
 
