@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from celery import bootsteps, signals
@@ -33,7 +34,8 @@ class StartingPresenceStep(bootsteps.StartStopStep):
     after its pool, its broker connection and mingle: the killed run's heartbeat lapsed meanwhile and the tick
     BLOCKED the stage's commands for good. Started after the start checks (`app.refuse_*`, exit 2 before any
     beat) and after `lost.let_go_of_previous_run` (which watches the name's heartbeat). A worker that stops
-    before its consumer beats withdraws nothing: its entries expire within a TTL, as a killed one's."""
+    before its consumer beats withdraws nothing: its entries expire within a TTL, as a killed one's; so do those of
+    one whose consumer has not started `silent_worker_seconds` after its start (a broker it cannot reach)."""
 
     requires = {"celery.worker.components:Pool"}
 
@@ -68,10 +70,19 @@ class StartingPresenceStep(bootsteps.StartStopStep):
     def _loop(self, hostname: str, queues: set[str]) -> None:
         from animastor_tasks.worker import wiring
 
-        ttl = wiring.current().settings.presence_ttl_seconds
+        settings = wiring.current().settings
+        ttl, until = settings.presence_ttl_seconds, time.monotonic() + settings.silent_worker_seconds
         while True:
             with self._lock:
                 if self._done.is_set():
+                    return
+                if time.monotonic() >= until:  # *why:* a broker it never reaches kept its stage from a BLOCK for ever
+                    log.warning(
+                        "[PRESENCE] %s: no consumer %.0fs after its start (its broker?): %s held no longer",
+                        hostname,
+                        settings.silent_worker_seconds,
+                        ", ".join(sorted(queues)),
+                    )
                     return
                 self._advertised = set(queues)  # before: a beat cut short may have written them
                 try:

@@ -30,7 +30,8 @@ class Presence:
 @pytest.fixture
 def presence(monkeypatch: pytest.MonkeyPatch) -> Presence:
     fake = Presence()
-    current = SimpleNamespace(settings=SimpleNamespace(presence_ttl_seconds=TTL), presence=fake)
+    settings = SimpleNamespace(presence_ttl_seconds=TTL, silent_worker_seconds=60.0)
+    current = SimpleNamespace(settings=settings, presence=fake)
     monkeypatch.setattr(wiring, "current", lambda: current)
     return fake
 
@@ -102,3 +103,21 @@ def test_the_consumers_heartbeat_withdraws_what_the_start_held_and_it_does_not_c
     finally:
         step._stop.set()
         step._wake.set()
+
+
+def test_a_worker_whose_consumer_never_starts_holds_its_queues_no_longer_than_a_silent_worker_is_waited_for(
+    presence: Presence,
+) -> None:
+    """A worker that cannot reach its broker (a wrong host or password: Celery retries for ever) held its queues for
+    ever: its stage was never BLOCKED, its jobs waited in a queue nobody consumed, and no alert fired."""
+    wiring.current().settings.silent_worker_seconds = 4 * TTL
+    worker = _worker("gpu.audio")
+    step = StartingPresenceStep(worker)
+    step.start(worker)
+    assert presence.beaten.wait(2)
+    time.sleep(8 * TTL)
+    beaten = len(presence.beats)
+    assert 0 < beaten <= 13, presence.beats  # every TTL/3 for 4 TTLs at most
+    time.sleep(2 * TTL)
+    assert len(presence.beats) == beaten, "it beat on past the silent-worker wait"
+    step.stop(worker)
