@@ -65,11 +65,14 @@ def gone_for_good(ports: Ports, queues: Sequence[str]) -> set[str]:
     after another: 100 due books held both control processes for two minutes, a regenerate of a healthy stage
     queued behind them."""
     restarting = successor_awaited(ports, queues)
+    silent = [queue for queue in queues if queue not in restarting]
+    if not silent:
+        return set()
     # A heartbeat still live is a worker killed moments ago (on AMQP the broker's zero came at once, as its connection
     # closed): gone once that beat lapses, within a TTL. *Why:* a restart's first beat (systemd, a container's restart
     # policy) came after the broker's zero and its second count, and the stage's commands were BLOCKED for good.
-    beating = {queue for queue, live in ports.presence.live_consumers(queues).items() if live}
-    silent = [queue for queue in queues if queue not in restarting and queue not in beating]
+    beating = {queue for queue, live in ports.presence.live_consumers(silent).items() if live}
+    silent = [queue for queue in silent if queue not in beating]
     if not silent:
         return set()
     now, ttl = ports.clock(), ports.settings.presence_ttl_seconds
