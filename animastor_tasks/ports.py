@@ -30,6 +30,7 @@ from animastor_tasks.records import (  # re-exported: the flows and adapters imp
     JobRow,
     Media,
     NewCommands,
+    RunRecorded,
     Snapshot,
 )
 
@@ -246,8 +247,11 @@ class Leases(Protocol):
 class Breaker(Protocol):
     def breaker_acquire(self, queue: str, permit_seconds: float) -> str: ...
     def breaker_record(
-        self, queue: str, ok: bool, threshold: int, cooldown: float, *, run: bool = False, node: str | None = None
-    ) -> str: ...  # 'closed', 'open', 'reopened', 'recovered', or 'host': `node`'s runs fail while others' succeed
+        self, queue: str, ok: bool, threshold: int, cooldown: float, *, run: bool = False
+    ) -> str: ...  # 'closed', 'open', 'reopened' or 'recovered'
+    def breaker_record_run(
+        self, queue: str, ok: bool, threshold: int, cooldown: float, node: str | None
+    ) -> RunRecorded: ...  # and `node`'s streak (None: not counted on it); 'host': it fails while others succeed
     def breaker_release(self, queue: str) -> bool: ...
     def breaker_refuses_until(self, queue: str) -> float: ...  # when an open breaker may test its lane
 

@@ -98,6 +98,17 @@ class Committed:
 
 
 @dataclass(frozen=True)
+class RunRecorded:
+    """What a job's run told its queue's breaker (`Breaker.breaker_record_run`). `state`: the breaker's answer
+    ('closed', 'open', 'reopened', 'recovered' or 'host'; None: nothing to record, or Redis did not answer).
+    `streak`: the failed runs in a row of the run's node, this one counted, whatever the state (0: ended by this
+    success, or not counted on a node)."""
+
+    state: str | None
+    streak: int = 0
+
+
+@dataclass(frozen=True)
 class GeneratingRow:
     book: str
     chapter: str

@@ -13,7 +13,8 @@
   the queue's circuit breaker and a success clears it; a backend failure recorded while the breaker is
   (or just became) open gives the pair back to `pending` instead of failing it, and so does a rate limit.
   So does one whose worker node has failed its last threshold runs while the breaker stayed closed (`host`):
-  that node's own backend is wrong (its API key, its local server) while the others' runs succeed.
+  that node's own backend is wrong (its API key, its local server) while the others' runs succeed. A node at the
+  threshold pauses, whatever the breaker answered; a rate limit does not count on a node.
 """
 
 from __future__ import annotations
@@ -122,11 +123,14 @@ def verdict(kind: ErrorKind, breaker_state: str | None = None) -> Verdict:
     return Verdict.FAIL
 
 
-def host_pause(breaker_state: str | None, *, cooldown: float) -> float | None:
-    """How long the process of a job whose node the breaker answered `host` takes no new job (None: it goes on): a
-    breaker cool-down, after which its next job is the node's test (a success ends its streak). *Why:* a host that
-    fails fast is idle first, and took most of the lane's jobs only to give them back."""
-    return cooldown if breaker_state == "host" else None
+def host_pause(streak: int, *, threshold: int, cooldown: float) -> float | None:
+    """How long the process of a job whose node has failed its last `streak` runs of the queue takes no new job (None:
+    it goes on): a breaker cool-down once the streak reaches the threshold, whatever the queue's breaker answered
+    (`host`, or `open`/`reopened` when this failure opened it), after which its next job is the node's test (a
+    success ends its streak). *Why:* a host that fails fast is idle first: it took most of the lane's jobs only to
+    give them back, and a failure of its own that opened the breaker left it idle for the half-open test, which it
+    failed at each cool-down, keeping the whole lane paused on every host."""
+    return cooldown if streak >= threshold else None
 
 
 def retest_deferral(kind: ErrorKind, breaker_state: str | None, *, cooldown: float) -> float | None:
@@ -148,3 +152,10 @@ def breaker_feed(kind: ErrorKind | None) -> bool | None:
     if kind in _BLAMES_THE_BACKEND:
         return False
     return None
+
+
+def node_feed(kind: ErrorKind | None) -> bool:
+    """Whether a run's result that feeds the breaker (`breaker_feed`) feeds its node's streak too: all but a rate
+    limit. *Why:* a 429 is the backend's word to whoever asks (a limit the farm shares); counted, it paused the hosts
+    it happened to hit while others got through, and blamed their own keys (`AnimastorHostPaused`)."""
+    return kind is not ErrorKind.RATE_LIMITED

@@ -214,7 +214,7 @@ def _run_owned(
             kind = refusal_kind(ports, err)  # before the soft limit is held back: it may end a probe that hangs
             with later.writing_verdict(job):
                 return _unsuccessful(ports, job, spec, watcher, kind, storable(str(err)), attempts, result)
-        recovered = record_breaker(ports, spec.queue, None, worker) == "recovered"
+        recovered = record_breaker(ports, spec.queue, None, worker).state == "recovered"
         artifact.update(generator=generator.name, duration_ms=int((time.monotonic() - started) * 1000))
         artifact["input_hash"] = row.input_hash
         commit = partial(ports.jobs.commit_job, *job.owned, artifact, spec.queue)
@@ -346,8 +346,8 @@ def _unsuccessful(
     """The run produced nothing: a backend failure feeds the queue's breaker, then `domain.job_rules.verdict`
     says whether the pair fails or goes back to `pending` (a store blip, the backend down); either is written
     through a Postgres failover (`when_reachable`)."""
-    state = record_breaker(ports, spec.queue, kind, watcher.worker)
-    done = {**result, "error": error, "attempts": attempts, **sick_host(ports, state)}
+    state = (recorded := record_breaker(ports, spec.queue, kind, watcher.worker)).state
+    done = {**result, "error": error, "attempts": attempts, **sick_host(ports, recorded)}
     if verdict(kind, state) is Verdict.GIVE_BACK:
         why = f"breaker {state}" if kind in (ErrorKind.BACKEND, ErrorKind.MISCONFIGURED) else kind.replace("_", " ")
         try:

@@ -12,13 +12,20 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from animastor_tasks.domain.deferral import compute_backoff
-from animastor_tasks.domain.job_rules import RUN_TIME_SHARE, ErrorKind, breaker_feed, classify_error, host_pause
+from animastor_tasks.domain.job_rules import (
+    RUN_TIME_SHARE,
+    ErrorKind,
+    breaker_feed,
+    classify_error,
+    host_pause,
+    node_feed,
+)
 from animastor_tasks.domain.liveness import holder_node
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair, Pair
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, DeliveryNotStarted, GeneratorError, StoreUnavailable
-from animastor_tasks.ports import GenerationRequest, Generator, Media, Ports
+from animastor_tasks.ports import GenerationRequest, Generator, Media, Ports, RunRecorded
 
 log = logging.getLogger("animastor.generate")
 T = TypeVar("T")
@@ -302,38 +309,43 @@ def load_generator(ports: Ports, spec: StageSpec, job: Job) -> Generator:
         return _Unavailable(GeneratorError(why, misconfigured=isinstance(err, ImportError)))
 
 
-def record_breaker(ports: Ports, queue: str, kind: ErrorKind | None, worker: str) -> str | None:
-    """Feed the queue's breaker, and the streak of `worker`'s node, with a run's result as `breaker_feed` says (`kind`
-    None: its media is stored); the breaker's state after, or None (nothing to record, or Redis did not answer)."""
+def record_breaker(ports: Ports, queue: str, kind: ErrorKind | None, worker: str) -> RunRecorded:
+    """Feed the queue's breaker, and the streak of `worker`'s node (`node_feed`), with a run's result as `breaker_feed`
+    says (`kind` None: its media is stored): the breaker's state after (None: nothing to record, or Redis did not
+    answer) and the node's streak."""
     if (ok := breaker_feed(kind)) is None:
-        return None
+        return RunRecorded(None)
     settings = ports.settings
+    node = holder_node(worker) if node_feed(kind) else None
     try:
-        return ports.breaker.breaker_record(
-            queue, ok, settings.breaker_threshold, settings.breaker_cooldown_seconds, run=True, node=holder_node(worker)
+        return ports.breaker.breaker_record_run(
+            queue, ok, settings.breaker_threshold, settings.breaker_cooldown_seconds, node
         )
     except StoreUnavailable as err:
         log.warning("[GENERATE] breaker of %s not updated: %s", queue, err)
-        return None
+        return RunRecorded(None)
 
 
-def sick_host(ports: Ports, breaker_state: str | None) -> dict[str, Any]:
+def sick_host(ports: Ports, recorded: RunRecorded) -> dict[str, Any]:
     """What a job's result says of its node's pause (`domain.job_rules.host_pause`): `paused`, the seconds, or none."""
-    seconds = host_pause(breaker_state, cooldown=ports.settings.breaker_cooldown_seconds)
+    settings = ports.settings
+    seconds = host_pause(
+        recorded.streak, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown_seconds
+    )
     return {} if seconds is None else {"paused": seconds}
 
 
 def pause_if_sick(ports: Ports, spec: StageSpec, worker: str, later: Later, result: dict[str, Any]) -> dict[str, Any]:
-    """A job given back because its node's runs of the queue keep failing while other nodes' succeed (`sick_host`):
-    said once, counted (`job:host_paused:<stage>`), then its process takes no new job for the pause
-    (`Later.pause`), after which its next job is the node's test. Called once the job is over: its lease and slot
-    are free, so the pair it gave back runs elsewhere meanwhile."""
+    """A job given back because its node's runs of the queue keep failing (`sick_host`: while other nodes' succeed, or
+    its failures opened the queue's breaker): said once, counted (`job:host_paused:<stage>`), then its process takes
+    no new job for the pause (`Later.pause`), after which its next job is the node's test. Called once the job is
+    over: its lease and slot are free, so the pair it gave back runs elsewhere meanwhile."""
     seconds = result.get("paused")
     if not seconds:
         return result
     log.warning(
-        "[GENERATE] host %s: %d or more runs of %s failed in a row while other hosts succeed: pairs given back,"
-        " pausing %gs",
+        "[GENERATE] host %s: %d or more runs of %s failed in a row (its own backend, unless the stage's breaker is open"
+        " too): pairs given back, pausing %gs",
         holder_node(worker),
         ports.settings.breaker_threshold,
         spec.queue,

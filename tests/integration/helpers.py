@@ -14,8 +14,20 @@ import redis
 from animastor_tasks.adapters.artifacts import LocalArtifactStore
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.book import Book, parse_book
+from animastor_tasks.flow.job import Later
 from animastor_tasks.generators import EntryPointGenerators
 from animastor_tasks.worker.wiring import Wiring
+
+
+class Pauses(Later):
+    """The pauses a host's jobs ask of its process (its runs keep failing: `flow.job.pause_if_sick`), recorded rather
+    than waited out: a test's own loop is the worker here; worker/chain.py's wait is test_chain_shutdown.py's."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+
+    def pause(self, seconds: float) -> None:
+        self.asked.append(seconds)
 
 
 def make_book(book_id: str = "b1", chapters: int = 2, scenes: int = 3, text: str = "Once upon a time") -> Book:

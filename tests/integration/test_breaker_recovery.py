@@ -18,7 +18,7 @@ from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
 from animastor_tasks.records import Committed
 
-from .helpers import advertise, make_book, states, use_settings
+from .helpers import Pauses, advertise, make_book, states, use_settings
 from .test_elastic_share import finish_one, lane, run_control, running
 from .test_generate import dispatched_jobs, with_stage
 from .test_job_troubles import _Scripted, _use_generator
@@ -202,15 +202,16 @@ def test_a_scene_the_backend_always_fails_is_not_the_half_open_test_for_ever(rt,
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     # The server restarts while the book's four jobs run; they end last first: s4 fails (the breaker still closed),
     # s3 opens it and goes back, s2 and s1 go back with it open.
+    host = Pauses()  # its pauses are the worker's (worker/chain.py): this loop waits out the cool-downs itself
     for job in reversed(dispatched_jobs(rt, "b")):
-        run_job(rt.ports, job, worker="t")
+        run_job(rt.ports, job, worker="t", later=host)
     outage[0] = False  # back, but s1's text still makes it fail
     for _ in range(8):
         time.sleep(cooldown + 0.1)
         rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))  # the passes a tick would make meanwhile
         gate.gate_pass(rt.ports, "b")
         for job in dispatched_jobs(rt, "b"):
-            run_job(rt.ports, job, worker="t")
+            run_job(rt.ports, job, worker="t", later=host)
         if not {"pending", "generating"} & set(states(rt, "b").values()):  # image: dirty, never commanded
             break
     got = {scene: state for (_, scene, stage), state in states(rt, "b").items() if stage == "audio"}

@@ -18,7 +18,7 @@ from animastor_tasks.flow.generate import Later, run_job
 from animastor_tasks.flow.job import Job
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, states, use_settings
+from .helpers import Pauses, advertise, make_book, states, use_settings
 from .test_dispatch import CommandLog
 from .test_http_generator import start_server  # noqa: F401  (fixture: the real reference server)
 
@@ -47,7 +47,7 @@ def dispatched_jobs(rt: Wiring, book: str) -> list[Job]:
 
 
 def drain(rt: Wiring, book: str) -> list[dict]:
-    """Run every dispatched job, pass after pass, as GPU workers would."""
+    """Run every dispatched job, pass after pass, as GPU workers would (a pause a job asks for is not waited out)."""
     from animastor_tasks.flow import gate
 
     results: list[dict] = []
@@ -59,7 +59,7 @@ def drain(rt: Wiring, book: str) -> list[dict]:
             jobs = dispatched_jobs(rt, book)
             if not jobs:
                 return results
-        results += [run_job(rt.ports, job, worker="test") for job in jobs]
+        results += [run_job(rt.ports, job, worker="test", later=Pauses()) for job in jobs]
     raise AssertionError("jobs never drained")
 
 

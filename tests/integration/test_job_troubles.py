@@ -25,7 +25,7 @@ from animastor_tasks.generators.media import synthesize_wav
 from animastor_tasks.ports import GenerationRequest, Generator, Media
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, states
+from .helpers import Pauses, advertise, make_book, states
 from .test_generate import dispatched_jobs, run_with_a_loader_that_raises, with_stage
 from .test_hostile_inference import answering, serve  # noqa: F401 (the fixture)
 
@@ -274,7 +274,7 @@ def test_an_error_text_postgres_cannot_keep_is_still_the_verdict(rt, tmp_path, c
 
     _use_generator(rt, _Scripted(garbled))
     [job] = dispatched_jobs(rt, "b")
-    result = run_job(rt.ports, job, worker="test")
+    result = run_job(rt.ports, job, worker="test", later=Pauses())
     assert result["outcome"] == ("given_back" if retryable else "failed"), result
     assert states(rt, "b")[PAIR] == ("pending" if retryable else "failed")
     kind, key = ("job.given_back", "reason") if retryable else ("job.failed", "error")
@@ -340,13 +340,15 @@ def test_a_dead_inference_server_opens_the_breaker_and_the_pairs_wait_pending(rt
     assert len(jobs) == 4  # book cap
 
     began = time.monotonic()
-    outcomes = [run_job(rt.ports, job, worker="test")["outcome"] for job in jobs]
+    host = Pauses()
+    outcomes = [run_job(rt.ports, job, worker="test", later=host)["outcome"] for job in jobs]
     opened_after = None
     breaker = rt.redis.client.hgetall(rt.redis.keys.breaker("gpu.audio"))
     assert float(breaker.get("open_until", 0)) > time.time(), breaker  # open
     # The first failure (below the threshold) is taken as the scene's own; from the one that opens the
     # breaker on, the backend is down and the pairs go back to pending.
     assert outcomes == ["failed", "given_back", "given_back", "given_back"], outcomes
+    assert host.asked == [cooldown] * 3  # the one host's own streak reached the threshold too: it pauses after each
     opened_after = time.monotonic() - began
     report = gate.gate_pass(rt.ports, "b")
     # The two whose failures found it open already wait out the next test too: it goes to another pair.
@@ -389,8 +391,10 @@ def test_a_rejected_api_key_opens_the_breaker_instead_of_failing_every_pair(rt, 
     rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    results = [run_job(rt.ports, job, worker="test") for job in dispatched_jobs(rt, "b")]
+    host = Pauses()
+    results = [run_job(rt.ports, job, worker="test", later=host) for job in dispatched_jobs(rt, "b")]
     assert [r["outcome"] for r in results] == ["failed", "given_back", "given_back", "given_back"], results
+    assert host.asked == [30] * 3  # its streak at the threshold: the host pauses, the next test is another's
     assert all(r["attempts"] == 1 for r in results)  # the same request would be refused again: no retry
     assert "answered 401" in results[0]["error"]
     assert rt.ports.breaker.breaker_state("gpu.audio") == "open"
@@ -524,7 +528,7 @@ def test_a_server_that_answers_its_error_text_as_the_media_fails_no_more_than_th
     rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
-    results = [run_job(rt.ports, job, worker="test") for job in dispatched_jobs(rt, "b")]
+    results = [run_job(rt.ports, job, worker="test", later=Pauses()) for job in dispatched_jobs(rt, "b")]
     assert [r["attempts"] for r in results] == [2] * 6, results  # retried as a backend failure is
     assert rt.ports.breaker.breaker_state("gpu.audio") == "open"
     audio = Counter(s for (_, _, stage), s in states(rt, "b").items() if stage == "audio")

@@ -14,6 +14,7 @@ from animastor_tasks.domain.job_rules import (
     classify_error,
     host_pause,
     lost_starts,
+    node_feed,
     retest_deferral,
     verdict,
     worker_lost_reason,
@@ -130,9 +131,24 @@ def test_a_host_whose_own_runs_keep_failing_gives_the_pair_back_and_pauses() -> 
     assert verdict(ErrorKind.SCENE, "host") is Verdict.FAIL  # the scene's own refusal stays a verdict on it
     assert verdict(ErrorKind.BUG, "host") is Verdict.FAIL
     assert retest_deferral(ErrorKind.BACKEND, "host", cooldown=30) is None  # a well host may run it at once
-    assert host_pause("host", cooldown=30) == 30  # its process takes no job for a cool-down, then tests its node
-    for state in ("closed", "open", "reopened", "recovered", None):
-        assert host_pause(state, cooldown=30) is None
+    assert host_pause(3, threshold=3, cooldown=30) == 30  # its process takes no job for a cool-down, then tests it
+
+
+def test_a_node_at_the_threshold_pauses_whatever_the_queue_breaker_says() -> None:
+    """The streak, not the breaker's answer: a sick node whose failure opened or reopened the queue's breaker pauses
+    too. *Why:* a host that fails fast is idle first; it opened the lane, then took its half-open test at each
+    cool-down, failed it, and the whole lane waited again on every host. A node below the threshold never pauses."""
+    assert host_pause(4, threshold=3, cooldown=30) == 30
+    for streak in (0, 1, 2):
+        assert host_pause(streak, threshold=3, cooldown=30) is None
+
+
+def test_a_rate_limit_says_nothing_of_the_node() -> None:
+    """A 429 is the backend's word to whoever asks: it feeds the queue's breaker, not the node's streak (counted, a
+    limit the farm shares paused the hosts it happened to hit and blamed their keys). A success ends the streak."""
+    assert node_feed(ErrorKind.RATE_LIMITED) is False
+    for kind in (None, ErrorKind.BACKEND, ErrorKind.MISCONFIGURED, ErrorKind.ARTIFACT):
+        assert node_feed(kind) is True
 
 
 def test_what_a_run_feeds_the_breaker() -> None:

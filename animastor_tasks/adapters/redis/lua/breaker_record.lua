@@ -3,10 +3,12 @@
 -- KEYS[2] (a run's only) the streak of failed runs of the worker node that ran it, on this queue
 -- ARGV[1] 'ok' or 'fail', ARGV[2] now, ARGV[3] failure threshold, ARGV[4] cool-down seconds,
 -- ARGV[5] what the result is of: 'publish' or 'run', ARGV[6] (with KEYS[2]) how long a streak outlives its last failure
--- returns the state after recording: 'closed' or 'open', 'reopened' when this failure found it open already
--- (the half-open test failed, or a job of the outage that opened it), 'recovered' when this success closed
+-- returns {state, streak}: the state after recording: 'closed' or 'open', 'reopened' when this failure found it open
+-- already (the half-open test failed, or a job of the outage that opened it), 'recovered' when this success closed
 -- a breaker that was open (its lane's waiting work may go now), or 'host' when the breaker stays closed but this
--- run's node has failed its last threshold runs or more (its own backend is wrong while other nodes' runs succeed)
+-- run's node has failed its last threshold runs or more (its own backend is wrong while other nodes' runs succeed);
+-- and the node's streak after it (0 without KEYS[2]), whatever the state: a node at the threshold whose failure
+-- opened the breaker is as sick as one told 'host'.
 -- A successful publish does not clear failures that jobs' runs recorded: only a job that runs
 -- well proves the inference backend is back (else every replacement publish would hide them).
 local open_until = tonumber(redis.call('HGET', KEYS[1], 'open_until') or '0')
@@ -16,15 +18,15 @@ if ARGV[1] == 'ok' then
     end
     if ARGV[5] == 'publish' and redis.call('HGET', KEYS[1], 'cause') == 'run' then
         if open_until > 0 then
-            return 'open'
+            return {'open', 0}
         end
-        return 'closed'
+        return {'closed', 0}
     end
     redis.call('DEL', KEYS[1])
     if open_until > 0 then
-        return 'recovered'
+        return {'recovered', 0}
     end
-    return 'closed'
+    return {'closed', 0}
 end
 local streak = 0
 if KEYS[2] then
@@ -36,11 +38,11 @@ redis.call('HSET', KEYS[1], 'cause', ARGV[5])
 if failures >= tonumber(ARGV[3]) or open_until > 0 then
     redis.call('HSET', KEYS[1], 'open_until', tostring(tonumber(ARGV[2]) + tonumber(ARGV[4])), 'permit_until', '0')
     if open_until > 0 then
-        return 'reopened'
+        return {'reopened', streak}
     end
-    return 'open'
+    return {'open', streak}
 end
 if streak >= tonumber(ARGV[3]) then
-    return 'host'
+    return {'host', streak}
 end
-return 'closed'
+return {'closed', streak}
