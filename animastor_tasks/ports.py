@@ -261,6 +261,9 @@ class Presence(Protocol):
 
     def counts(self, queues: Sequence[str], heartbeats: dict[str, int] | None = None) -> dict[str, int]: ...
     def last_beats(self, nodes: Sequence[str]) -> dict[str, float]: ...  # node -> its last heartbeat, if on record
+    def live_consumers(  # queue -> {node: heartbeat expiry} of those whose heartbeat is live (Redis server's clock)
+        self, queues: Sequence[str], now: float | None = None
+    ) -> dict[str, dict[str, float]]: ...
     def nodes(self) -> list[str]: ...  # every worker node whose last heartbeat is on record
     def departed_ago(self, queues: Sequence[str]) -> dict[str, float]: ...  # queue -> since its consumer's clean stop
     def held(self, queues: Sequence[str]) -> set[str]: ...  # those a live worker beats for with no consumer on them

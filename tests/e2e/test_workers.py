@@ -33,7 +33,8 @@ def test_presence_follows_worker_lifecycle_and_add_consumer(make_stack, figure) 
     first = cluster.gpu("audio", wait=False)
     second = cluster.gpu("audio", wait=False)
 
-    # Appears within a few seconds of start, no later than the worker is ready (its first beat, holding, comes before the consumer starts).
+    # Appears within a few seconds of start, no later than the worker is ready (its first beat, holding, comes
+    # before the consumer starts).
     host = wait_for(lambda: cluster.advertised(first), 45, interval=0.02, what="first worker advertised")
     appear = time.monotonic() - first.started_at
     first.wait_log(" ready.", timeout=5)
