@@ -14,7 +14,8 @@ import redis
 from animastor_tasks.adapters.artifacts import LocalArtifactStore
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.book import Book, parse_book
-from animastor_tasks.flow.job import Later
+from animastor_tasks.flow.generate import run_job
+from animastor_tasks.flow.job import Job, Later
 from animastor_tasks.generators import EntryPointGenerators
 from animastor_tasks.worker.wiring import Wiring
 
@@ -142,3 +143,15 @@ def ended_unseen(rt: Wiring, book: str) -> str:
         ).fetchone()
     assert row is not None, f"no job of {book!r} running"
     return str(row[0])
+
+
+def end_job(rt: Wiring, book: str, scene: str, stage: str = "audio") -> None:
+    """The running job of the pair (chapter ch1) runs to its end, ready, in this process, as its GPU worker's would:
+    the control messages it sends stay queued."""
+    with rt.db.transaction() as conn:
+        dispatch_id, token = conn.execute(
+            "SELECT dispatch_id, fencing_token FROM asset_states"
+            " WHERE (book_id, chapter_id, scene_id, stage) = (%s, 'ch1', %s, %s) AND state = 'generating'",
+            (book, scene, stage),
+        ).fetchone()
+    assert run_job(rt.ports, Job(book, "ch1", scene, stage, dispatch_id, token), worker="t@h")["outcome"] == "ready"

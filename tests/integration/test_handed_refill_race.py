@@ -11,23 +11,11 @@ import pytest
 
 from animastor_tasks.flow import refill as refill_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow.generate import run_job
-from animastor_tasks.flow.job import Job
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import make_book
+from .helpers import end_job, make_book
 from .test_elastic_share import lane, run_control, running, waiting
-
-
-def end_job(rt: Wiring, book: str, scene: str) -> None:
-    with rt.db.transaction() as conn:
-        dispatch_id, token = conn.execute(
-            "SELECT dispatch_id, fencing_token FROM asset_states WHERE book_id = %s AND scene_id = %s"
-            " AND state = 'generating'",
-            (book, scene),
-        ).fetchone()
-    assert run_job(rt.ports, Job(book, "ch1", scene, "audio", dispatch_id, token), worker="t@h")["outcome"] == "ready"
 
 
 def test_a_handed_refill_whose_pair_its_own_book_claimed_hands_the_slot_on(

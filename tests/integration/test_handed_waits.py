@@ -19,13 +19,11 @@ from animastor_tasks.domain.keys import pair_member
 from animastor_tasks.domain.vocabulary import DeferralBucket, Outcome, Priority, priority_rank
 from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow.generate import run_job
-from animastor_tasks.flow.job import Job
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.records import Committed
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, states, use_settings
+from .helpers import advertise, end_job, make_book, states, use_settings
 from .test_elastic_share import run_control, waiting
 
 LANE = "gpu.audio"
@@ -38,19 +36,6 @@ def two_lanes(rt: Wiring, **limits: Any) -> None:
     stages = tuple(replace(s, params={"steps": 1, "step_seconds": 0}, **limits) for s in rt.settings.registry.stages)
     use_settings(rt, replace(rt.settings, registry=replace(rt.settings.registry, stages=stages)))
     advertise(rt, "gpu.audio", "gpu.image")
-
-
-def end_job(rt: Wiring, book: str, scene: str, stage: str) -> None:
-    """The running job of the pair runs to its end in this process; the control messages it sent stay queued."""
-    with rt.db.transaction() as conn:
-        dispatch_id, token = conn.execute(
-            "SELECT dispatch_id, fencing_token FROM asset_states"
-            " WHERE (book_id, chapter_id, scene_id, stage) = (%s, 'ch1', %s, %s) AND state = 'generating'",
-            (book, scene, stage),
-        ).fetchone()
-    assert (
-        run_job(rt.ports, Job(book, "ch1", scene, stage, dispatch_id, token), worker="test@local")["outcome"] == "ready"
-    )
 
 
 def held_refills(monkeypatch: pytest.MonkeyPatch) -> tuple[Held, Callable[[], None]]:

@@ -13,12 +13,10 @@ import pytest
 
 from animastor_tasks.flow import refill as refill_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow.generate import run_job
-from animastor_tasks.flow.job import Job
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, states, use_settings
+from .helpers import advertise, end_job, make_book, states, use_settings
 from .test_elastic_share import run_control
 
 
@@ -39,16 +37,6 @@ def running(rt: Wiring, stage: str, *books: str) -> list[tuple[str, str]]:
         for (_, scene, st), state in states(rt, book).items()
         if st == stage and state == "generating"
     ]
-
-
-def end_job(rt: Wiring, book: str, scene: str, stage: str) -> None:
-    with rt.db.transaction() as conn:
-        dispatch_id, token = conn.execute(
-            "SELECT dispatch_id, fencing_token FROM asset_states WHERE (book_id, chapter_id, scene_id, stage)"
-            " = (%s, 'ch1', %s, %s) AND state = 'generating'",
-            (book, scene, stage),
-        ).fetchone()
-    assert run_job(rt.ports, Job(book, "ch1", scene, stage, dispatch_id, token), worker="t@h")["outcome"] == "ready"
 
 
 @pytest.mark.parametrize("reader_runs_audio", [False, True], ids=["reader-idle", "reader-at-its-window"])
