@@ -5,8 +5,6 @@ once the heartbeat lapses, within a TTL, as on the Redis broker."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import time
 import uuid
 from dataclasses import replace
@@ -16,13 +14,7 @@ from animastor_tasks.flow import lanes
 from animastor_tasks.worker.wiring import Wiring
 from tests.support import missing
 
-AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
-
-
-def _amqp_reachable() -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", 5672), timeout=1):
-        return True
-    return False
+from .test_takeover import AMQP_URL, _amqp_reachable
 
 
 def test_a_queue_whose_killed_worker_still_beats_is_not_gone_until_its_beat_lapses(rt: Wiring) -> None:
