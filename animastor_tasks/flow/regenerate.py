@@ -18,7 +18,7 @@ import uuid
 from dataclasses import replace
 from typing import Any, cast
 
-from animastor_tasks.domain.book import show_value, validate_id
+from animastor_tasks.domain.book import show_value
 from animastor_tasks.domain.gate import layer_enabled, parse_layers
 from animastor_tasks.domain.resend import resend_differs
 from animastor_tasks.domain.types import Pair, SceneKey
@@ -54,7 +54,7 @@ def regenerate(
         raise InvalidCommand(f"force: must be true or false, got {show_value(force)}")
     request_id = validate.request_id(command_id)
     rank = validate.priority(priority)
-    book = validate_id("book_id", book_id, error=InvalidCommand)
+    book = validate.book_id(book_id)
     wanted = validate.stage_names(ports, stages)
     named = validate.scene_ids(scenes)
     # Every check that needs the store, in one transaction.

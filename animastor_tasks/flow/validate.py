@@ -18,11 +18,12 @@ _CANONICAL_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9
 
 
 def book_id(value: object) -> str:
+    """A well-formed book id (its book not looked up)."""
     return validate_id("book_id", value, error=InvalidCommand)
 
 
-def known_book(ports: Ports, book_id: object) -> str:
-    book = validate_id("book_id", book_id, error=InvalidCommand)
+def known_book(ports: Ports, value: object) -> str:
+    book = book_id(value)
     if not ports.catalog.book_exists(book):
         raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
     return book
