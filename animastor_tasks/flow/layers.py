@@ -23,16 +23,18 @@ def set_layers(ports: Ports, book_id: object, enable: list[str], disable: list[s
     both = sorted(set(enable) & set(disable))
     if both:
         raise InvalidCommand(f"stage: {', '.join(map(show_value, both))} both enabled and disabled; name each once")
-    raw = ports.catalog.change_layers(book, {**dict.fromkeys(enable, True), **dict.fromkeys(disable, False)})
-    if raw is None:  # removed since it was checked
+    changed = ports.catalog.change_layers(book, {**dict.fromkeys(enable, True), **dict.fromkeys(disable, False)})
+    if changed is None:  # removed since it was checked
         raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
+    raw, released = changed  # the pending pairs of the stages turned off, released in the change's transaction
     try:
+        ports.deferrals.clear_deferrals(book, released)  # they wait no longer, as a pass's release clears them
         gate.gate_pass(ports, book, dispatch_work=False)
     except StoreUnavailable as err:
-        # Saved, the change holds: every pass and every job's start reads the layers from Postgres. The pending
-        # pairs of a stage turned off go at the book's next pass. *Why:* reported as failed, a change in force
-        # read as lost.
-        log.warning("[COMMAND] book=%r layers saved; its pairs not released until its next pass: %s", book, err)
+        # Saved, the change holds and its pairs are released: every pass and every job's start reads the layers
+        # from Postgres. What the pass keeps in Redis (the book's active scenes, its due time) waits for the
+        # book's next pass. *Why:* reported as failed, a change in force read as lost.
+        log.warning("[COMMAND] book=%r layers saved; its pass not run until its next one: %s", book, err)
     layers = parse_layers(raw)
     return {s: layer_enabled(layers, s) for s in known}
 

@@ -19,7 +19,7 @@ from animastor_tasks.flow import status as status_flow
 from animastor_tasks.flow.generate import run_job
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, lose_leases, make_book, states
+from .helpers import advertise, lose_leases, make_book, queued_messages, states
 from .test_cli_reads import cli
 from .test_generate import dispatched_jobs, with_stage
 
@@ -166,3 +166,27 @@ def test_a_forced_command_created_while_its_targets_job_commits_runs_the_scene_a
     assert states(rt, book)[("ch1", "s1", "audio")] == "generating"
     assert [job.dispatch_id for job in dispatched_jobs(rt, book)] != [first]
     assert command(rt, book, cid)["status"] == "active"
+
+
+def test_a_layer_turned_off_between_a_pass_s_decision_and_its_claim_dispatches_nothing_of_it(rt, book, monkeypatch):
+    """The change committed after the regenerate's pass authorized the audio pairs and before it claimed them; the
+    change's own pass came later. The claim's compare-and-set on `pending` took them all the same: four jobs
+    published to gpu.audio under `{"audio_enabled": false}`, holding lane slots until a worker refused them.
+    The change now releases the stage's pending pairs under the book's lock the claim takes."""
+    real = rt.ports.assets.claiming
+    fired: list[bool] = []
+
+    def claiming(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not fired:
+            fired.append(True)
+            assert rt.ports.catalog.change_layers(book, {"audio": False}) is not None  # committed here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rt.ports.assets, "claiming", claiming)
+    cid = regenerate_flow.regenerate(rt.ports, book, ["audio"])["commands"][0]["command_id"]
+    assert fired
+    assert queued_messages(rt, "gpu.audio") == 0
+    assert {s for (_, _, st), s in states(rt, book).items() if st == "audio"} == {"dirty"}
+    found = command(rt, book, cid)
+    assert (found["status"], found["reason"]) == ("failed", "6 of 6 targets released (layer_disabled)")
+    assert rt.ports.assets.lane_load(["audio"]).get("audio", 0) == 0

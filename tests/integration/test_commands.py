@@ -223,7 +223,8 @@ def test_disabled_layer_is_skipped_and_reported(rt, book) -> None:
 
 def test_a_layer_change_saved_while_redis_cannot_be_reached_is_answered_as_done(rt, book, monkeypatch) -> None:
     """The change was in Postgres (which every pass and job start reads), then Redis failed its mirror: reported
-    as failed (exit 3), a change in force read as lost. The release of its pending pairs waits for the next pass."""
+    as failed (exit 3), a change in force read as lost. Its pending pairs are released with it, in Postgres; its
+    pass (the book's active scenes and due time in Redis) waits for the next one."""
     import redis
 
     regenerate_flow.regenerate(rt.ports, book, ["image"])
@@ -231,6 +232,7 @@ def test_a_layer_change_saved_while_redis_cannot_be_reached_is_answered_as_done(
     assert layers_flow.set_layers(rt.ports, book, [], ["image"]) == {"audio": True, "image": False}
     monkeypatch.undo()
     assert layers_flow.layers_of(rt.ports, book) == {"audio": True, "image": False}
+    assert {s for (_, _, st), s in states(rt, book).items() if st == "image"} <= {"dirty", "generating"}
     gate.gate_pass(rt.ports, book)  # the next pass
     assert {s for (_, _, st), s in states(rt, book).items() if st == "image"} <= {"dirty", "generating"}
 

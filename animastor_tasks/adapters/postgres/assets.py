@@ -18,7 +18,7 @@ from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.commands import lock_book
 from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns, rows_of_pairs
 from animastor_tasks.adapters.postgres.pool import bound_lock_waits
-from animastor_tasks.adapters.postgres.released import release_targets
+from animastor_tasks.adapters.postgres.released import release_targets, released_pending
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts, Waiter
 from animastor_tasks.domain.gate import BookFacts, decide, decide_all
@@ -314,7 +314,7 @@ class AssetStore(GateReads):
 
 def _release(conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair]) -> list[Pair]:
     """`pending -> dirty` of `pairs` (compare-and-set: one no longer pending is left alone and missing from the
-    answer); the targets it cuts off are marked and their commands settled (`released.release_targets`)."""
+    answer); journalled, the targets it cuts off marked and their commands settled (`released.released_pending`)."""
     rows = conn.execute(
         _PAIRS_CTE + " UPDATE asset_states a SET state = %s, updated_at = now() FROM p"
         " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
@@ -322,7 +322,5 @@ def _release(conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair]) ->
         (*pair_columns(pairs), AssetState.DIRTY, book, AssetState.PENDING),
     ).fetchall()
     moved: list[Pair] = [tuple(r) for r in rows]
-    if moved:
-        journal.record(conn, "gate.released", book, {"pairs": len(moved), "from": "pending", "to": "dirty"})
-    release_targets(conn, book, moved)
+    released_pending(conn, book, moved)
     return moved

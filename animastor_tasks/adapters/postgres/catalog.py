@@ -10,8 +10,8 @@ from psycopg.types.json import Jsonb
 
 from animastor_tasks.adapters.postgres import journal
 from animastor_tasks.adapters.postgres.commands import lock_book
-from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database, bound_lock_wait
-from animastor_tasks.adapters.postgres.released import mark_released
+from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database
+from animastor_tasks.adapters.postgres.released import mark_released, release_stages
 from animastor_tasks.domain.book import Book
 from animastor_tasks.domain.gate import changed_layers
 from animastor_tasks.domain.inputs import scene_hashes
@@ -230,13 +230,17 @@ class Catalog:
         with self.db.read() as conn:
             return conn.execute("SELECT 1 FROM books WHERE book_id = %s", (book_id,)).fetchone() is not None
 
-    def change_layers(self, book_id: str, changes: Mapping[str, bool]) -> str | None:
+    def change_layers(self, book_id: str, changes: Mapping[str, bool]) -> tuple[str, list[Pair]] | None:
         """The book's layer config with `changes` ({stage: enabled}) made, read and written under the book's row
-        lock; None: no such book. *Why:* rebuilt from this process's stage table and written over, the setting of
-        a stage only another table has was dropped (a layer turned off came back on), and of two changes made at
-        once the last undid the first."""
+        lock, and the `pending` pairs of the stages turned off released to `dirty` (`released.release_stages`) in
+        the same transaction; None: no such book. *Why:* rebuilt from this process's stage table and written over,
+        the setting of a stage only another table has was dropped (a layer turned off came back on), and of two
+        changes made at once the last undid the first. *Why the release here, under the book's lock:* a claim
+        (`AssetStore.claiming`) takes that lock and then compares-and-sets on `pending`; a change committed
+        between a pass's decision and its claim, the release left to the change's own pass after it, had the claim
+        dispatch and queue the stage's pairs with the layer off. Returns the new config and the released pairs."""
         with self.db.transaction() as conn:
-            bound_lock_wait(conn)  # behind an import of the book, as long as its lock's waiters, no longer
+            lock_book(conn, book_id)  # a claim of the book comes wholly before or after; then its row, as an import
             row = conn.execute(  # NO KEY: a foreign key check of a new command or chapter needs not wait
                 "SELECT layer_config FROM books WHERE book_id = %s FOR NO KEY UPDATE", (book_id,)
             ).fetchone()
@@ -244,7 +248,8 @@ class Catalog:
                 return None
             raw = changed_layers(row[0], changes)
             conn.execute("UPDATE books SET layer_config = %s, updated_at = now() WHERE book_id = %s", (raw, book_id))
-        return raw
+            released = release_stages(conn, book_id, [stage for stage, enabled in changes.items() if not enabled])
+        return raw, released
 
     def layers(self, book_id: str) -> str | None:
         with self.db.read() as conn:

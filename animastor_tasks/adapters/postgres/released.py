@@ -9,12 +9,12 @@ from typing import Any
 
 import psycopg
 
-from animastor_tasks.adapters.postgres import journal
+from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.gate import BookFacts
 from animastor_tasks.domain.targets import release_reason
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.domain.vocabulary import CommandStatus
+from animastor_tasks.domain.vocabulary import AssetState, CommandStatus
 
 ACTIVE = str(CommandStatus.ACTIVE)
 
@@ -81,3 +81,27 @@ def mark_released(
         journal.record(conn, "targets.released", book, {k: v for k, v in marked.items() if v})
     settle_commands(conn, book)
     return marked
+
+
+def released_pending(conn: psycopg.Connection[Any], book: str, moved: Sequence[Pair]) -> None:
+    """Pairs just moved `pending -> dirty` by a gate's judgement (`AssetStore.release_denied`, a layer turned off):
+    journalled, their targets marked by reason and the book's commands settled (`release_targets`)."""
+    if moved:
+        journal.record(conn, "gate.released", book, {"pairs": len(moved), "from": "pending", "to": "dirty"})
+    release_targets(conn, book, moved)
+
+
+def release_stages(conn: psycopg.Connection[Any], book: str, stages: Sequence[str]) -> list[Pair]:
+    """Every `pending` pair of the book's `stages` to `dirty` (`released_pending`), in the caller's transaction
+    (holding `lock_book`): the pairs of a layer turned off."""
+    if not stages:
+        return []
+    rows = conn.execute(
+        "UPDATE asset_states SET state = %s, updated_at = now()"
+        f" WHERE book_id = %s AND stage = ANY(%s) AND state = {literals.PENDING}"
+        " RETURNING chapter_id, scene_id, stage",
+        (AssetState.DIRTY, book, list(stages)),
+    ).fetchall()
+    moved: list[Pair] = [tuple(r) for r in rows]
+    released_pending(conn, book, moved)
+    return moved
