@@ -7,22 +7,19 @@ URL and the password hidden), 1 anything else. Read commands take `--json`.
 from __future__ import annotations
 
 import functools
-import json
-import math
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import unquote
 
 import click
 
 from animastor_tasks.config import Settings
-from animastor_tasks.domain.vocabulary import Priority
 from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
-from animastor_tasks.operator import process_commands
+from animastor_tasks.operator import control_commands, process_commands
+from animastor_tasks.operator.options import INTERVAL, LOCK_WAIT, emit
 
 if TYPE_CHECKING:
     from animastor_tasks.worker.wiring import Wiring
@@ -84,42 +81,6 @@ def _load_local_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def _emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
-    if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
-    else:
-        human(data)
-
-
-class Seconds(click.ParamType):
-    """A finite number of seconds, at least `least` (above it when `open_low`) and at most `most`: `nan` and `inf`
-    passed click's FloatRange, and were a traceback in `sleep` or a wait that never ended; `1e300` overflowed a
-    sleep, or waited for ever on a command already sent."""
-
-    name = "seconds"
-
-    def __init__(self, least: float, most: float, *, open_low: bool = False) -> None:
-        self.least, self.most, self.open_low = least, most, open_low
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        too_low = seconds <= self.least if self.open_low else seconds < self.least
-        if not math.isfinite(seconds) or too_low:
-            bound = f"above {self.least:g}" if self.open_low else f"at least {self.least:g}"
-            self.fail(f"{value!r} must be a finite number {bound}", param, ctx)
-        if seconds > self.most:
-            self.fail(f"{value!r} must be at most {self.most:g}", param, ctx)
-        return seconds
-
-
-WAIT = Seconds(0, 86_400, open_low=True)  # how long a command waits for the control worker's answer: a day at most
-INTERVAL = Seconds(0.1, 3_600)  # a --watch view's refresh: an hour at most
-LOCK_WAIT = Seconds(0, 86_400)  # `db migrate --lock-wait`: `nan` or `inf` was a deadline never reached
-
-
 # -- stores ------------------------------------------------------------------------------
 @main.group()
 def db() -> None:
@@ -169,7 +130,7 @@ def book_import(path: Path, as_json: bool) -> None:
         except StoreUnavailable as err:
             click.echo(f"warning: the jobs of removed scenes run on until their commit is refused: {err}", err=True)
     data = summary.public()
-    _emit(
+    emit(
         data,
         as_json,
         lambda d: click.echo(
@@ -193,7 +154,7 @@ def layers_set(book_id: str, enable: tuple[str, ...], disable: tuple[str, ...], 
     from animastor_tasks.flow import layers as layers_flow
 
     result = layers_flow.set_layers(_wired().ports, book_id, list(enable), list(disable))
-    _emit(result, as_json, lambda d: click.echo(", ".join(f"{k}={'on' if v else 'off'}" for k, v in d.items())))
+    emit(result, as_json, lambda d: click.echo(", ".join(f"{k}={'on' if v else 'off'}" for k, v in d.items())))
 
 
 @layers.command("show")
@@ -203,111 +164,7 @@ def layers_show(book_id: str, as_json: bool) -> None:
     from animastor_tasks.flow import layers as layers_flow
 
     result = layers_flow.layers_of(_wired().ports, book_id)
-    _emit(result, as_json, lambda d: click.echo(", ".join(f"{k}={'on' if v else 'off'}" for k, v in d.items())))
-
-
-# -- commands ---------------------------------------------------------------------------------
-def _scene_arg(value: str) -> tuple[str, str]:
-    """CHAPTER/SCENE, each id as the regenerate task checks it. *Why:* `ch/` was published (and refused by the
-    worker, or with the broker down left a resend to make), and `a/b/c` was read as chapter `a`, scene `b/c`."""
-    from animastor_tasks.domain.book import validate_id
-
-    chapter, sep, scene = value.partition("/")
-    if not sep or "/" in scene:
-        raise click.BadParameter(f"{value!r} must be CHAPTER/SCENE, one '/' (write a '/' inside an id as %2F)")
-    try:
-        return validate_id("chapter id", unquote(chapter), error=InvalidInput), validate_id(
-            "scene id", unquote(scene), error=InvalidInput
-        )
-    except InvalidInput as err:
-        raise click.BadParameter(f"{value!r}: {err}", param_hint="--scene") from None
-
-
-@main.command()
-@click.argument("book_id")
-@click.option("--stage", "stages", multiple=True, required=True, help="audio, image, ... or all")
-@click.option("--scene", "scenes", multiple=True, metavar="CH/SC", help="Only these scenes (default: whole book).")
-@click.option("--command-id", default=None, help="A UUID; resending the same request with it is a no-op.")
-@click.option("--no-force", is_flag=True, help="Skip scenes whose ready output has the same inputs.")
-@click.option(
-    "--priority",
-    type=click.Choice([str(p) for p in Priority]),
-    default=None,
-    help="Who gets a free GPU slot first (default: normal).",
-)
-@click.option("--timeout", default=30.0, show_default=True, type=WAIT, help="Seconds to wait for the control worker.")
-@click.option("--json", "as_json", is_flag=True)
-def regenerate(
-    book_id: str,
-    stages: tuple[str, ...],
-    scenes: tuple[str, ...],
-    command_id: str | None,
-    no_force: bool,
-    priority: str | None,
-    timeout: float,
-    as_json: bool,
-) -> None:
-    """Ask for work: one command per stage (enqueues animastor.regenerate)."""
-    import uuid
-
-    from animastor_tasks.client import Client
-    from animastor_tasks.flow import validate
-
-    # Checked here, as the task would, so that bad input exits 2 with nothing published.
-    settings = Settings.from_env()
-    picked = [_scene_arg(s) for s in scenes] or None
-    known = settings.registry.names()
-    if unknown := [s for s in stages if s != "all" and s not in known]:
-        raise click.BadParameter(f"unknown stage {unknown[0]!r} (known: {', '.join(known)}, all)", param_hint="--stage")
-    # Made here, not by the client, so that an answer that did not come can say how to ask again safely.
-    request_id = str(uuid.uuid4()) if command_id is None else validate.request_id(command_id)
-    client = Client(settings, timeout=timeout)
-    try:
-        result = client.regenerate(
-            book_id, list(stages), picked, command_id=request_id, force=not no_force, priority=priority
-        )
-    except (InvalidInput, ConfigError):
-        raise  # refused: nothing was written
-    except (AnimastorError, KeyboardInterrupt):
-        # No answer, or Ctrl-C while waiting (the message may be queued, or have run): a retry with a new id would
-        # make a second command, and with force stop the first one's jobs. The same id is a resend, never a second.
-        click.echo(f"note: to ask again, resend with --command-id {request_id} (a resend is never a second command)",
-                   err=True)  # fmt: skip
-        raise
-    finally:
-        client.close()
-
-    def human(d: dict[str, Any]) -> None:
-        for c in d["commands"]:
-            n = len(c["targets"]) if isinstance(c["targets"], list) else c["targets"]
-            click.echo(f"{c['command_id']}  {c['stage']:<8} {c['status']:<10} {n} scene(s)")
-        for s in d["skipped"]:
-            click.echo(f"skipped {s['stage']}: {s['reason']}")
-
-    _emit(result, as_json, human)
-
-
-@main.command()
-@click.argument("book_id")
-@click.option("--reason", default=None)
-@click.option("--timeout", default=30.0, show_default=True, type=WAIT)
-@click.option("--json", "as_json", is_flag=True)
-def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> None:
-    """Stop All for a book (enqueues animastor.cancel)."""
-    from animastor_tasks.client import Client
-
-    client = Client(timeout=timeout)
-    try:
-        result = client.cancel(book_id, reason)
-    finally:
-        client.close()
-    _emit(
-        result,
-        as_json,
-        lambda d: click.echo(
-            f"cancelled {d['book_id']!r}: {len(d['cancelled_commands'])} command(s), {d['released']} pair(s) released"
-        ),
-    )
+    emit(result, as_json, lambda d: click.echo(", ".join(f"{k}={'on' if v else 'off'}" for k, v in d.items())))
 
 
 @main.command()
@@ -323,7 +180,7 @@ def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
     _watch_or_json(watch, as_json)
     ports = _wired().ports
     if as_json:
-        _emit(status_flow.status(ports, book_id), True, lambda _: None)
+        emit(status_flow.status(ports, book_id), True, lambda _: None)
         return
     views.show_status(lambda: status_flow.status(ports, book_id), watch=watch, interval=interval)
 
@@ -353,7 +210,7 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
         }
         for r in rows
     ]
-    _emit(data, as_json, views.show_commands)
+    emit(data, as_json, views.show_commands)
 
 
 @main.command()
@@ -368,7 +225,7 @@ def queues(as_json: bool, watch: bool, interval: float) -> None:
     if watch:
         views.watch_queues(lambda: views.queue_overview(_wired()), interval=interval)
         return
-    _emit(views.queue_overview(_wired()), as_json, views.show_queues)
+    emit(views.queue_overview(_wired()), as_json, views.show_queues)
 
 
 def _watch_or_json(watch: bool, as_json: bool) -> None:
@@ -385,10 +242,10 @@ def reconcile_cmd(as_json: bool) -> None:
     from animastor_tasks.flow import reconcile
 
     report = reconcile.reconcile(_wired().ports, force=True, whole=True)
-    _emit(report, as_json, lambda d: click.echo("\n".join(f"{k.replace('_', ' ')}: {v}" for k, v in d.items())))
+    emit(report, as_json, lambda d: click.echo("\n".join(f"{k.replace('_', ' ')}: {v}" for k, v in d.items())))
 
 
-for _command in process_commands.COMMANDS:
+for _command in (*control_commands.COMMANDS, *process_commands.COMMANDS):
     main.add_command(_command)
 
 

@@ -1,0 +1,120 @@
+"""The commands the control worker runs for the operator: `regenerate` and `cancel`, sent through the client
+(`animastor_tasks/client.py`) and answered by the worker."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote
+
+import click
+
+from animastor_tasks.config import Settings
+from animastor_tasks.domain.vocabulary import Priority
+from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput
+from animastor_tasks.operator.options import WAIT, emit
+
+
+def _scene_arg(value: str) -> tuple[str, str]:
+    """CHAPTER/SCENE, each id as the regenerate task checks it. *Why:* `ch/` was published (and refused by the
+    worker, or with the broker down left a resend to make), and `a/b/c` was read as chapter `a`, scene `b/c`."""
+    from animastor_tasks.domain.book import validate_id
+
+    chapter, sep, scene = value.partition("/")
+    if not sep or "/" in scene:
+        raise click.BadParameter(f"{value!r} must be CHAPTER/SCENE, one '/' (write a '/' inside an id as %2F)")
+    try:
+        return validate_id("chapter id", unquote(chapter), error=InvalidInput), validate_id(
+            "scene id", unquote(scene), error=InvalidInput
+        )
+    except InvalidInput as err:
+        raise click.BadParameter(f"{value!r}: {err}", param_hint="--scene") from None
+
+
+@click.command()
+@click.argument("book_id")
+@click.option("--stage", "stages", multiple=True, required=True, help="audio, image, ... or all")
+@click.option("--scene", "scenes", multiple=True, metavar="CH/SC", help="Only these scenes (default: whole book).")
+@click.option("--command-id", default=None, help="A UUID; resending the same request with it is a no-op.")
+@click.option("--no-force", is_flag=True, help="Skip scenes whose ready output has the same inputs.")
+@click.option(
+    "--priority",
+    type=click.Choice([str(p) for p in Priority]),
+    default=None,
+    help="Who gets a free GPU slot first (default: normal).",
+)
+@click.option("--timeout", default=30.0, show_default=True, type=WAIT, help="Seconds to wait for the control worker.")
+@click.option("--json", "as_json", is_flag=True)
+def regenerate(
+    book_id: str,
+    stages: tuple[str, ...],
+    scenes: tuple[str, ...],
+    command_id: str | None,
+    no_force: bool,
+    priority: str | None,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Ask for work: one command per stage (enqueues animastor.regenerate)."""
+    import uuid
+
+    from animastor_tasks.client import Client
+    from animastor_tasks.flow import validate
+
+    # Checked here, as the task would, so that bad input exits 2 with nothing published.
+    settings = Settings.from_env()
+    picked = [_scene_arg(s) for s in scenes] or None
+    known = settings.registry.names()
+    if unknown := [s for s in stages if s != "all" and s not in known]:
+        raise click.BadParameter(f"unknown stage {unknown[0]!r} (known: {', '.join(known)}, all)", param_hint="--stage")
+    # Made here, not by the client, so that an answer that did not come can say how to ask again safely.
+    request_id = str(uuid.uuid4()) if command_id is None else validate.request_id(command_id)
+    client = Client(settings, timeout=timeout)
+    try:
+        result = client.regenerate(
+            book_id, list(stages), picked, command_id=request_id, force=not no_force, priority=priority
+        )
+    except (InvalidInput, ConfigError):
+        raise  # refused: nothing was written
+    except (AnimastorError, KeyboardInterrupt):
+        # No answer, or Ctrl-C while waiting (the message may be queued, or have run): a retry with a new id would
+        # make a second command, and with force stop the first one's jobs. The same id is a resend, never a second.
+        click.echo(f"note: to ask again, resend with --command-id {request_id} (a resend is never a second command)",
+                   err=True)  # fmt: skip
+        raise
+    finally:
+        client.close()
+
+    def human(d: dict[str, Any]) -> None:
+        for c in d["commands"]:
+            n = len(c["targets"]) if isinstance(c["targets"], list) else c["targets"]
+            click.echo(f"{c['command_id']}  {c['stage']:<8} {c['status']:<10} {n} scene(s)")
+        for s in d["skipped"]:
+            click.echo(f"skipped {s['stage']}: {s['reason']}")
+
+    emit(result, as_json, human)
+
+
+@click.command()
+@click.argument("book_id")
+@click.option("--reason", default=None)
+@click.option("--timeout", default=30.0, show_default=True, type=WAIT)
+@click.option("--json", "as_json", is_flag=True)
+def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> None:
+    """Stop All for a book (enqueues animastor.cancel)."""
+    from animastor_tasks.client import Client
+
+    client = Client(timeout=timeout)
+    try:
+        result = client.cancel(book_id, reason)
+    finally:
+        client.close()
+    emit(
+        result,
+        as_json,
+        lambda d: click.echo(
+            f"cancelled {d['book_id']!r}: {len(d['cancelled_commands'])} command(s), {d['released']} pair(s) released"
+        ),
+    )
+
+
+COMMANDS = (regenerate, cancel)
