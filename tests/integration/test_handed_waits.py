@@ -49,7 +49,7 @@ def held_refills(monkeypatch: pytest.MonkeyPatch) -> tuple[Held, Callable[[], No
 def generating(rt: Wiring, stage: str) -> list[str]:
     return sorted(
         b
-        for b in ("x", "y", "bulk", "reader")
+        for b in ("x", "y", "bulk", "bulk2", "reader")
         for (_, _, st), s in states(rt, b).items()
         if s == "generating" and st == stage
     )
@@ -79,6 +79,32 @@ def test_two_bulk_jobs_ending_together_both_go_to_the_reader_s_interactive_scene
         refill.refill(*args, **kwargs)
     run_control(rt)
     assert generating(rt, "image") == ["reader", "reader"]
+
+
+@pytest.mark.parametrize("other", [Priority.BULK, Priority.NORMAL])
+def test_a_handed_reader_outranks_the_head_of_the_list_at_the_second_end(
+    rt: Wiring, monkeypatch: pytest.MonkeyPatch, other: Priority
+) -> None:
+    """As above, with another bulk (or normal) book listed behind the reader: at the second end the list's head is
+    that book, as urgent as the finishing one or more, while the reader, handed the first slot, is off the list, its
+    refill on its way. Old code: the head took the second slot (`['bulk2', 'reader']`, the reader's s2 pending)."""
+    two_lanes(rt, lane_limit=2, book_quota=4, window=4)
+    for book, scenes in (("bulk", 4), ("reader", 3), ("bulk2", 4)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate_flow.regenerate(rt.ports, "bulk", ["image"], priority=Priority.BULK)
+    regenerate_flow.regenerate(rt.ports, "bulk2", ["image"], priority=other)
+    regenerate_flow.regenerate(rt.ports, "reader", ["image"], priority="interactive")
+    assert generating(rt, "image") == ["bulk", "bulk"]
+    assert list(waiting(rt, "gpu.image"))[:1] == ["reader"]
+    held, release = held_refills(monkeypatch)
+    end_job(rt, "bulk", "s1", "image")
+    end_job(rt, "bulk", "s2", "image")
+    release()
+    for args, kwargs in reversed(held):
+        refill.refill(*args, **kwargs)
+    run_control(rt)
+    assert generating(rt, "image") == ["reader", "reader"]
+    assert [a[1] for a, _ in held] == ["reader", "reader"]
 
 
 def test_a_slot_a_handed_pass_cannot_use_goes_to_the_book_handed_one_moments_ago(
@@ -197,6 +223,17 @@ def test_a_more_urgent_handed_book_takes_the_slot_the_freeing_book_would_keep(rt
     assert list(waiting(rt)) == ["b", "bulk"] and deferred(rt, "b") == 1
 
 
+@pytest.mark.parametrize("left", [BULK, None, "handing on"])
+def test_a_more_urgent_handed_book_goes_before_the_head_of_the_list(rt: Wiring, left: int | str | None) -> None:
+    """The list's head as urgent as the freeing book or more (or that book left nothing pending, or it hands a slot
+    on): a handed book more urgent than the head takes the slot, the head keeps its place."""
+    handed(rt, "reader", INTERACTIVE)
+    store(rt).wait_for_lane(LANE, "bulk", wait_score(BULK, 5.0))
+    end = None if left == "handing on" else ended(rt, "b", left if isinstance(left, int) else None)
+    assert store(rt).next_waiters(LANE, 1, exclude="b", ended=end) == ["reader"]
+    assert list(waiting(rt))[:1] == ["bulk"]
+
+
 @pytest.mark.parametrize("rank", [NORMAL, BULK])
 def test_a_handed_book_no_more_urgent_than_the_freeing_book_leaves_it_the_slot(rt: Wiring, rank: int) -> None:
     """As urgent (it was just served) or less: the freeing book keeps the slot as when nobody waits, its capacity
@@ -214,14 +251,14 @@ def test_a_finished_book_s_slot_goes_to_its_own_refill_which_passes_it_on(rt: Wi
     assert store(rt).next_waiters(LANE, 1, exclude="b") == ["h"]
 
 
-def test_handed_books_more_urgent_than_the_listed_ones_share_the_slots_they_leave(rt: Wiring) -> None:
+def test_handed_books_more_urgent_than_the_listed_ones_go_before_them(rt: Wiring) -> None:
     """A handed book on the list again (its refill refused a pair) counts once, at its place. A hand-over by no book
     (a count of the lanes: it subtracts the slots handed books hold) takes the listed ones alone."""
     store(rt).wait_for_lane(LANE, "n", wait_score(NORMAL, 5.0))
     store(rt).wait_for_lane(LANE, "back", wait_score(BULK, 1.0))
     for book, rank in (("i", INTERACTIVE), ("n2", NORMAL), ("b", BULK), ("back", INTERACTIVE)):
         handed(rt, book, rank)
-    assert store(rt).next_waiters(LANE, 4, exclude="p") == ["n", "i"]
+    assert store(rt).next_waiters(LANE, 4, exclude="p") == ["i", "n"]
     assert list(waiting(rt)) == ["back"]
     assert store(rt).next_waiters(LANE, 4) == ["back"]
     assert store(rt).next_waiters(LANE, 4) == []

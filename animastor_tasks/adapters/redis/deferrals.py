@@ -147,11 +147,11 @@ class DeferralStore:
         nobody is taken (and `exclude` only joins the list), half-open one book at most (its test permit's): each
         other would find the lane refused and pass the slot on, emptying the list.
         A book handed a slot less than `HANDED_HOLD_SECONDS` ago whose refill has not reported back (off the list)
-        still waits, at the score it was handed it with, for what the list leaves: more urgent than `ended`'s book,
-        it takes the slot that book would keep; of slots `exclude` hands on (no `ended`), it takes those nobody
-        listed waits for, or shares those the listed books leave when more urgent than them (not if handed with
-        `exclude` by one hand-over, whose last refill hands on what is still free). Taken, it is handed one more
-        slot (`lua/lane_take.lua`).
+        still waits, at the score it was handed it with, for what the list leaves, and before less urgent books:
+        more urgent than `ended`'s book, it takes the slot that book would keep; more urgent than the list's head,
+        it is taken before the head; of slots `exclude` hands on (no `ended`), it takes those nobody listed waits
+        for (not if handed with `exclude` by one hand-over, whose last refill hands on what is still free). Taken,
+        it is handed one more slot (`lua/lane_take.lua`).
         """
         keys = [
             self.conn.keys.lane_waiters(queue),

@@ -12,19 +12,20 @@
 -- That book keeps the slot instead when that priority is more urgent than the head's: the
 -- answer is then that book alone, taken off the list as any book served is.
 -- A book handed a slot within the hold (ARGV[6]) whose refill has not reported back (off the list, in the
--- hand-over record) still waits, at the score it was handed the slot with, for what the list leaves: one more
--- urgent than the book whose job freed the slot takes the slot that book would keep; and of slots a book hands on
--- (ARGV[2] with no re-queue: its pass's unused ones, a refill's it has no use for, its Stop All's), the most urgent
--- handed books take those nobody listed waits for, or share with the listed ones those they leave when more urgent
--- than them; not the books handed a slot together with the book handing on (their records' time is its: that
--- hand-over's last refill hands on what is still free). A job's end that left its book nothing pending leaves
--- the slot to that book's own refill (it moves the book's scene window, then hands the slot on), and a hand-over
--- by no book (a count of the lanes, which subtracts the slots handed books hold) takes listed books alone. Taken,
--- a handed book is handed one more slot: its record is written as of now, which a refill begun before leaves to
--- the refill sent now. *Why:* off the list, it was invisible to a slot freed moments later: a reader's second
--- interactive scene waited a whole bulk job while the book whose job freed that slot kept it for a bulk scene,
--- and a slot a pass handed on for want of use went to nobody beside a book with more pairs than its one handed
--- slot, idle until the tick's stranded check.
+-- hand-over record) still waits, at the score it was handed the slot with, for what the list leaves, and goes
+-- before less urgent books: one more urgent than the book whose job freed the slot takes the slot that book would
+-- keep; the handed books more urgent than the list's head are taken before it (a job's end or a book handing
+-- slots on alike); and of slots a book hands on (ARGV[2] with no re-queue: its pass's unused ones, a refill's it
+-- has no use for, its Stop All's), the most urgent handed books take those nobody listed waits for; not the books
+-- handed a slot together with the book handing on (their records' time is its: that hand-over's last refill hands
+-- on what is still free). A job's end that left its book nothing pending and found nobody listed leaves the slot
+-- to that book's own refill (it moves the book's scene window, then hands the slot on), and a hand-over by no book
+-- (a count of the lanes, which subtracts the slots handed books hold) takes listed books alone. Taken, a handed
+-- book is handed one more slot: its record is written as of now, which a refill begun before leaves to the refill
+-- sent now. *Why:* off the list, it was invisible to a slot freed moments later: a reader's second interactive
+-- scene waited a whole bulk job while the book whose job freed that slot kept it for a bulk scene, or, another
+-- bulk book listed behind the reader, while that book took it; and a slot a pass handed on for want of use went
+-- to nobody beside a book with more pairs than its one handed slot, idle until the tick's stranded check.
 -- KEYS[1] the lane's waiting list (zset: book -> wait score, lower first)
 -- KEYS[2] the finished dispatch's metadata hash, or '' for no re-queue; deleted here (kept, it lived a queued
 --         lease's four days after its job had ended: 1.3 GB at 1M jobs a day)
@@ -84,11 +85,12 @@ local taken = {}
 if count > 0 then
     local mine = own ~= nil and math.floor(own / scale) or nil
     -- A book handing slots on (its pass's unused ones, a refill's it had no use for, its Stop All's) gives the
-    -- handed books the slots the list leaves; a job's end, the slot its book would keep.
+    -- handed books the slots nobody listed waits for; a job's end, the slot its book would keep.
     local handing_on = KEYS[2] == '' and ARGV[2] ~= ''
     -- The books handed a slot within the hold that are off the list, most urgent first: {book, score, its text}.
+    -- None for a hand-over by no book.
     local handed = {}
-    if mine ~= nil or handing_on then
+    if ARGV[2] ~= '' then
         local now, hold = tonumber(ARGV[3]), tonumber(ARGV[6])
         -- Not those handed a slot by the same hand-over as the book handing on (their records' time is its): that
         -- hand-over's last refill hands on what is still free (refill._close_hand_over).
@@ -148,15 +150,16 @@ if count > 0 then
                 redis.call('HSET', KEYS[5], ARGV[2], ARGV[3] .. ' ' .. own)
                 return {ARGV[2]}
             end
+            if tier == nil then
+                take_handed(rank - 1) -- handed books more urgent than the head go first
+            end
             tier = rank
-            take(book, head[i + 1])
+            if #taken < count then
+                take(book, head[i + 1])
+            end
         end
     end
-    if tier ~= nil then
-        if handing_on then
-            take_handed(tier - 1) -- fewer listed than slots: handed books more urgent than them share the rest
-        end
-    elseif #taken == 0 and ((mine ~= nil and outranks_mine()) or (mine == nil and handing_on)) then
+    if tier == nil and #taken == 0 and ((mine ~= nil and outranks_mine()) or (mine == nil and handing_on)) then
         take_handed(nil) -- nobody listed
     end
 end
