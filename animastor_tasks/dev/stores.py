@@ -18,7 +18,7 @@ import argparse
 import os
 import shlex
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -37,11 +37,15 @@ def ensure_stores(
     *,
     data_dir: Path | None = None,
     log: Callable[[str], None] = print,
+    named: Collection[str] = (),
 ) -> tuple[dict[str, str], list[str]]:
     """Make PostgreSQL and Redis available: the configured ones when they answer, else embedded local ones.
 
     Returns the environment overrides to apply (empty when nothing local was needed) and one line per
-    store saying what was done; each line is also passed to `log` as soon as it is known.
+    store saying what was done; each line is also passed to `log` as soon as it is known. A store whose variable
+    is in `named` (the operator set it) is never replaced: unreachable, it is a StoreUnavailable. *Why:* `up`
+    replaced an unreachable ANIMASTOR_DATABASE_URL with an embedded server and said `ready`, and every later
+    command, the variable still set, used the unreachable one (exit 3).
     """
     env = os.environ if env is None else env
     db_url = env.get(DATABASE_VAR, "").strip() or DEFAULT_DATABASE_URL
@@ -69,6 +73,12 @@ def ensure_stores(
     if not broker_follows_redis and broker_scheme in ("redis", "rediss", "unix", "redis+socket"):
         broker_reason = probe_redis(broker_raw)
 
+    _refuse_named(
+        named,
+        (DATABASE_VAR, "postgres", db_url, pg_reason),
+        (REDIS_VAR, "redis", rd_url, rd_reason),
+        (BROKER_VAR, "broker", broker_raw, broker_reason or (rd_reason if broker_follows_redis else None)),
+    )
     overrides: dict[str, str] = {}
     if pg_reason is not None or rd_reason is not None or broker_reason is not None:
         stores = LocalStores(data_dir)
@@ -102,6 +112,13 @@ def ensure_stores(
         kind = "reachable" if broker_scheme.startswith("redis") or broker_scheme == "unix" else "not managed here"
         say(f"broker: using {redact_url(broker_raw)} ({kind})")
     return overrides, lines
+
+
+def _refuse_named(named: Collection[str], *stores: tuple[str, str, str, str | None]) -> None:
+    """The first store named (its variable in `named`) that did not answer, as a StoreUnavailable."""
+    for var, store, url, reason in stores:
+        if var in named and reason is not None:
+            raise StoreUnavailable(store, url, f"not reachable ({reason}); {var} names it, so no local one replaces it")
 
 
 def stop_local(data_dir: Path | None = None) -> list[str]:

@@ -56,12 +56,13 @@ class Main(click.Group):
 
 @click.group(cls=Main)
 @click.version_option(package_name="animastor-tasks")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Command-only GPU job orchestration: books, commands, queues and workers."""
-    _load_local_env()
+    ctx.meta[process_commands.LOCAL_ENV_FILLED] = _load_local_env()
 
 
-def _load_local_env() -> None:
+def _load_local_env() -> list[str]:
     """After `animastor-tasks up` started local stores, later commands find them without a `source`; but none of
     them where the environment names, otherwise, a store they would set. *Why:* filled in one by one, a command
     (or a worker) that named only its Redis took the local broker and database beside it: it published where no
@@ -69,16 +70,17 @@ def _load_local_env() -> None:
     from animastor_tasks.dev.local_dir import default_data_dir
 
     if not default_data_dir().exists():
-        return
+        return []
     from animastor_tasks.dev import stores as devstack
 
     local = devstack.local_env()
     named = sorted(key for key, value in local.items() if os.environ.get(key, value) != value)
     if named:
         click.echo(f"note: the local stores of `animastor-tasks up` are not used: {', '.join(named)} set", err=True)
-        return
+        return []
     for key, value in local.items():
         os.environ.setdefault(key, value)
+    return list(local)
 
 
 # -- stores ------------------------------------------------------------------------------

@@ -41,14 +41,23 @@ def _exec_celery(*args: str) -> None:
     os.execv(argv[0], argv)
 
 
+#: `click.Context.meta` key: the store variables `main` filled in from local stores `up` left running.
+LOCAL_ENV_FILLED = "animastor.local_env_filled"
+
+
 @click.command()
 def up() -> None:
-    """Bring the stores up (configured ones when reachable, else local ones) and migrate."""
+    """Bring the stores up and migrate: the ones the environment names (exit 3 when one does not answer), and for
+    each store it does not name the default one when it answers, else a local embedded one."""
     from animastor_tasks.adapters.postgres.migrations import migrate
     from animastor_tasks.adapters.postgres.pool import Database
     from animastor_tasks.dev import stores as devstack
+    from animastor_tasks.dev.local_stores import BROKER_VAR, DATABASE_VAR, REDIS_VAR
 
-    overrides, _ = devstack.ensure_stores(log=click.echo)
+    # Named by the operator, not filled in by `main` from local stores running (those `up` may restart).
+    filled = click.get_current_context().meta.get(LOCAL_ENV_FILLED, ())
+    named = [v for v in (DATABASE_VAR, REDIS_VAR, BROKER_VAR) if os.environ.get(v, "").strip() and v not in filled]
+    overrides, _ = devstack.ensure_stores(log=click.echo, named=named)
     os.environ.update(overrides)
     stores = devstack.LocalStores()
     if overrides:

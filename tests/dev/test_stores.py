@@ -215,3 +215,30 @@ def test_up_outlives_its_process_restarts_after_stale_state_and_down_stops(local
     assert down.returncode == 0, down.stderr
     assert not pid_alive(new_pg) and not pid_alive(new_redis)
     assert not local_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("named", "store"),
+    [
+        ({DATABASE_VAR: "postgresql://postgres:pw@127.0.0.1:1/animastor_devstack"}, "postgres"),
+        ({REDIS_VAR: "redis://:pw@127.0.0.1:1/0"}, "redis"),
+        ({BROKER_VAR: "redis://:pw@127.0.0.1:1/0"}, "broker"),
+    ],
+)
+def test_up_does_not_replace_a_store_the_environment_names(local_dir: Path, named: dict[str, str], store: str) -> None:
+    """`animastor-tasks up` with ANIMASTOR_DATABASE_URL naming a server that did not answer started an embedded
+    PostgreSQL in its place, migrated it and said `ready` (exit 0); every later command, the variable still set,
+    used none of the local stores and exited 3. A store the operator named is theirs: unreachable, `up` says so."""
+    env = {**os.environ, "ANIMASTOR_LOCAL_DIR": str(local_dir), **named}
+    up = subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.operator.cli", "up"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert up.returncode == 3, (up.stdout, up.stderr)
+    assert f"error: {store} unavailable at " in up.stderr and "127.0.0.1:1" in up.stderr, up.stderr
+    assert ":pw@" not in up.stdout + up.stderr and "ready" not in up.stdout
+    assert not (local_dir / "state.json").exists(), "an embedded server was started for a store the environment names"
