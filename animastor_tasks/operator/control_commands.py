@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 from urllib.parse import unquote
 
@@ -10,7 +11,7 @@ import click
 
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.vocabulary import Priority
-from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput
+from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
 from animastor_tasks.operator.options import WAIT, emit
 
 
@@ -106,6 +107,16 @@ def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> N
     client = Client(timeout=timeout)
     try:
         result = client.cancel(book_id, reason)
+    except StoreUnavailable as err:
+        again = f"send `animastor-tasks cancel {shlex.quote(book_id)}` again"
+        if err.store == "postgres":
+            # Only the control worker's flow reads Postgres, and its Stop All sets the Redis flag before any error of
+            # Postgres leaves it (flow/cancel.py). *Why:* a bare `error: postgres unavailable` read as nothing done.
+            click.echo(f"note: the cancel flag is set: the book's running jobs stop and none starts; {again} once"
+                       " Postgres is back, to end its commands and release their scenes", err=True)  # fmt: skip
+        else:  # the flag's own store, or the way to the worker or back: it may or may not have been set
+            click.echo(f"note: the Stop All may not have been applied; {again} once {err.store} is back", err=True)
+        raise
     finally:
         client.close()
     emit(

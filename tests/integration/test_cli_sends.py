@@ -1,0 +1,85 @@
+"""What the CLI says about the commands it sends (`regenerate`, `cancel`), answered by a real control worker (a
+thread of this process, `celery.contrib.testing.worker`) on the real broker, the CLI a subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from animastor_tasks.worker import wiring
+
+from .helpers import make_book
+
+#: The store variables as this run set them, before a test gives its control worker others.
+_RUN_ENV = {
+    key: os.environ.get(key) for key in ("ANIMASTOR_DATABASE_URL", "ANIMASTOR_REDIS_URL", "ANIMASTOR_BROKER_URL")
+}
+
+
+@contextlib.contextmanager
+def control_worker(monkeypatch: pytest.MonkeyPatch, **env: str) -> Iterator[None]:
+    """A control worker thread whose stores are this run's, but for the variables in `env`."""
+    from celery.contrib.testing.worker import start_worker
+
+    from animastor_tasks.domain.registry import CONTROL_QUEUE
+    from animastor_tasks.worker.tasks import app
+
+    with monkeypatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)  # for as long as it runs: it builds its wiring anew as it starts
+        wiring.reset()
+        try:
+            with start_worker(app, perform_ping_check=False, queues=[CONTROL_QUEUE], shutdown_timeout=30):
+                yield
+        finally:
+            wiring.reset()
+
+
+def cli_sent(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as a subprocess on this run's stores (whatever the control worker beside it was given)."""
+    env = {**os.environ, **{key: value for key, value in _RUN_ENV.items() if value is not None}}
+    return subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.operator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def _flag_set(rt: Any, book: str) -> bool:
+    """The book's cancel flag, read on a connection of its own (the worker's may point at a Redis that is down)."""
+    client = redis.Redis.from_url(rt.settings.redis_url)
+    try:
+        return bool(client.exists(rt.redis.keys.cancel_flag(book)))
+    finally:
+        client.close()
+
+
+def test_a_cancel_that_meets_a_postgres_outage_says_its_flag_is_set_and_to_send_it_again(rt, monkeypatch) -> None:
+    """The Stop All's Redis flag goes first (flow/cancel.py), then Postgres fails: the CLI printed only `error:
+    postgres unavailable`, as if nothing had happened, and nothing said that the running jobs stop already nor
+    that the command must be sent again for the book's commands to end."""
+    rt.catalog.import_book(make_book("b1", chapters=1, scenes=1))
+    with control_worker(monkeypatch, ANIMASTOR_DATABASE_URL="postgresql://postgres:pw@127.0.0.1:1/none"):
+        done = cli_sent("cancel", "b1")
+    assert done.returncode == 3 and "postgres unavailable" in done.stderr and ":pw@" not in done.stderr, done.stderr
+    assert _flag_set(rt, "b1")
+    assert "the cancel flag is set" in done.stderr and "animastor-tasks cancel b1` again" in done.stderr, done.stderr
+
+
+def test_a_cancel_that_meets_a_redis_outage_does_not_say_its_flag_is_set(rt, monkeypatch) -> None:
+    """Redis down, the flag is what failed: nothing was applied, and the CLI must not say it was."""
+    rt.catalog.import_book(make_book("b1", chapters=1, scenes=1))
+    with control_worker(monkeypatch, ANIMASTOR_REDIS_URL="redis://127.0.0.1:1/0"):
+        done = cli_sent("cancel", "b1")
+    assert done.returncode == 3 and "redis unavailable" in done.stderr, done.stderr
+    assert not _flag_set(rt, "b1")
+    assert "flag is set" not in done.stderr and "animastor-tasks cancel b1` again" in done.stderr, done.stderr
