@@ -10,7 +10,7 @@ from urllib.parse import unquote
 import click
 
 from animastor_tasks.config import Settings
-from animastor_tasks.domain.vocabulary import Priority
+from animastor_tasks.domain.vocabulary import CommandStatus, Priority, no_worker_reason
 from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
 from animastor_tasks.operator.options import WAIT, emit
 
@@ -86,11 +86,19 @@ def regenerate(
         client.close()
 
     def human(d: dict[str, Any]) -> None:
+        """One line per command, and what --json says beside them: why one is BLOCKED (its only cause, no live
+        consumer, is its reason), and that the answer is a resend's. *Why:* both were silent here."""
         for c in d["commands"]:
             n = len(c["targets"]) if isinstance(c["targets"], list) else c["targets"]
             click.echo(f"{c['command_id']}  {c['stage']:<8} {c['status']:<10} {n} scene(s)")
+            if c["status"] == CommandStatus.BLOCKED:
+                click.echo(f"  {no_worker_reason(c['stage'])} - start a worker: animastor-tasks worker --stage"
+                           f" {c['stage']}, then regenerate again without --command-id (a blocked command is never"
+                           " retried)")  # fmt: skip
         for s in d["skipped"]:
             click.echo(f"skipped {s['stage']}: {s['reason']}")
+        if d.get("replayed"):
+            click.echo("(resent: this command_id was already sent; nothing new was created)")
 
     emit(result, as_json, human)
 

@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,3 +84,17 @@ def test_a_cancel_that_meets_a_redis_outage_does_not_say_its_flag_is_set(rt, mon
     assert done.returncode == 3 and "redis unavailable" in done.stderr, done.stderr
     assert not _flag_set(rt, "b1")
     assert "flag is set" not in done.stderr and "animastor-tasks cancel b1` again" in done.stderr, done.stderr
+
+
+def test_regenerate_says_why_a_command_is_blocked_and_when_it_was_a_resend(rt, monkeypatch) -> None:
+    """Without --json, a BLOCKED command was one line (`... blocked 1 scene(s)`) with neither its reason nor how to
+    unblock it, and a resend (`replayed: true` in --json) looked like a new command."""
+    rt.catalog.import_book(make_book("b1", chapters=1, scenes=1))
+    command_id = str(uuid.uuid4())
+    with control_worker(monkeypatch):  # no audio worker: the command is BLOCKED
+        first = cli_sent("regenerate", "b1", "--stage", "audio", "--command-id", command_id)
+        again = cli_sent("regenerate", "b1", "--stage", "audio", "--command-id", command_id)
+    assert first.returncode == 0 and again.returncode == 0, (first.stderr, again.stderr)
+    assert "blocked" in first.stdout and "no_worker:audio" in first.stdout, first.stdout
+    assert "animastor-tasks worker --stage audio" in first.stdout and "resent" not in first.stdout, first.stdout
+    assert "resent" in again.stdout and "nothing new was created" in again.stdout, again.stdout
