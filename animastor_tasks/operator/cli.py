@@ -7,6 +7,7 @@ URL and the password hidden), 1 anything else. Read commands take `--json`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import time
@@ -59,7 +60,14 @@ class Main(click.Group):
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """Command-only GPU job orchestration: books, commands, queues and workers."""
+    if ctx.invoked_subcommand not in _RUNS_ON:
+        # A store down is said once, by the `error:` line: psycopg's pool printed each of its retries before it.
+        logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     ctx.meta[process_commands.LOCAL_ENV_FILLED] = _load_local_env()
+
+
+#: The commands that become Celery processes or serve until stopped: what they log is theirs, a store's retries too.
+_RUNS_ON = frozenset({"worker", "beat", "flower", "metrics", "demo", "dev-inference-server"})
 
 
 def _load_local_env() -> list[str]:

@@ -165,3 +165,32 @@ def test_status_of_a_book_shows_its_progress_while_redis_does_not_answer(rt, mon
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
     assert shown["cancelled"] is False and len(shown["scenes"]) == 2, shown
+
+
+def test_a_command_with_postgres_down_prints_one_error_line_not_the_pool_s_retries(rt, monkeypatch) -> None:
+    """The CLI configured no logging: psycopg's pool printed each failed connection attempt (`error connecting in
+    'pool-1'`, `reconnection attempt ... failed`), 3-7 lines of them, before the one `error:` line that says it all."""
+    monkeypatch.setenv("ANIMASTOR_DATABASE_URL", "postgresql://postgres:pw@127.0.0.1:1/none")
+    done = cli("status", "b", "--json")
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.startswith("error: postgres unavailable at postgresql://postgres:***@127.0.0.1:1/"), done.stderr
+    assert "pool" not in done.stderr.split("error: ", 1)[0] and done.stderr.count("\n") == 1, done.stderr
+
+
+@pytest.mark.parametrize(("command", "quiet"), [("status", True), ("metrics", False), ("worker", False)])
+def test_only_the_cli_s_own_commands_quiet_the_pool(command: str, quiet: bool) -> None:
+    """The exporter (and the Celery processes) log a store's retries as they always did."""
+    import logging
+
+    from click.testing import CliRunner
+
+    from animastor_tasks.operator.cli import main
+
+    pool = logging.getLogger("psycopg.pool")
+    level = pool.level
+    try:
+        pool.setLevel(logging.NOTSET)
+        assert CliRunner().invoke(main, [command, "--help"]).exit_code == 0
+        assert (pool.level == logging.ERROR) is quiet
+    finally:
+        pool.setLevel(level)
