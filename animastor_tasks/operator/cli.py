@@ -157,10 +157,14 @@ def layers() -> None:
 
 @layers.command("set")
 @click.argument("book_id")
-@click.option("--enable", multiple=True, metavar="STAGE")
-@click.option("--disable", multiple=True, metavar="STAGE")
+@click.option("--enable", multiple=True, metavar="STAGE", help="Turn this stage on (repeat for more).")
+@click.option(
+    "--disable", multiple=True, metavar="STAGE", help="Turn this stage off: its pairs not yet running are released."
+)
 @click.option("--json", "as_json", is_flag=True)
 def layers_set(book_id: str, enable: tuple[str, ...], disable: tuple[str, ...], as_json: bool) -> None:
+    """Turn stages on or off for a book, and print every stage's layer. Queues nothing: a stage turned on gets work
+    from the next regenerate."""
     from animastor_tasks.flow import layers as layers_flow
 
     result = layers_flow.set_layers(_wired().ports, book_id, list(enable), list(disable))

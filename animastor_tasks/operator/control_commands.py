@@ -63,6 +63,7 @@ def regenerate(
 
     # Checked here, as the task would, so that bad input exits 2 with nothing published.
     settings = Settings.from_env()
+    validate.book_id(book_id)
     picked = [_scene_arg(s) for s in scenes] or None
     known = settings.registry.names()
     if unknown := [s for s in stages if s != "all" and s not in known]:

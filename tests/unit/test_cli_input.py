@@ -55,3 +55,23 @@ def test_regenerate_with_good_input_goes_on_to_the_broker() -> None:
     argv += ["--command-id", "8C4F3F6E-7C2A-4A8E-9D0B-2F1E6A5B4C3D"]
     result = CliRunner().invoke(main, argv, env=NOWHERE)
     assert result.exit_code == 3, result.output
+
+
+@pytest.mark.parametrize("book", ["", "   ", "bad\x01id"])
+def test_regenerate_refuses_a_book_id_that_is_no_id_before_it_publishes(book: str) -> None:
+    """Stages, scenes and --command-id were checked here, the book id not: `regenerate "" --stage audio` was
+    published (with the broker down: exit 3 and "resend with --command-id ...")."""
+    result = CliRunner().invoke(main, ["regenerate", book, "--stage", "audio", "--timeout", "1"], env=NOWHERE)
+    assert result.exit_code == 2, (book, result.output)
+    assert "book_id" in result.output and "resend" not in result.output, result.output
+
+
+def test_layers_set_says_what_it_does_and_what_its_options_take() -> None:
+    """`layers set --help` had no description, and --enable/--disable no help."""
+    result = CliRunner().invoke(main, ["layers", "set", "--help"], env=NOWHERE)
+    assert result.exit_code == 0, result.output
+    summary, _, options = result.output.partition("Options:")
+    assert "Turn stages on or off" in summary, result.output
+    for flag in ("--enable", "--disable"):
+        [line] = [line for line in options.splitlines() if line.strip().startswith(flag)]
+        assert line.split("STAGE", 1)[1].strip(), result.output  # a help text after the metavar
