@@ -133,6 +133,19 @@ def test_gpu_workers_wait_for_their_job_when_stopped() -> None:
             assert seconds(grace.group(1)) > limit + 30, f"{name}: {grace.group(1)} vs job time limit {limit} s"
 
 
+def test_the_control_worker_is_given_the_systemd_unit_s_stop_time() -> None:
+    """Docker's default 10 s could SIGKILL a regenerate or Stop All waiting out its 10 s lock bound: its caller heard
+    nothing. The control service waits as long as `animastor-control.service` (TimeoutStopSec), with every file."""
+    unit = (ROOT / "deploy" / "systemd" / "animastor-control.service").read_text()
+    stop = re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M)
+    assert stop, unit
+    for files in (BASE, CPU, (*BASE, "docker-compose.control-host.yml")):  # a control host's artifacts: on S3
+        proc = run_compose("config", env={**SECRETS, **S3_STORE}, files=files)
+        assert proc.returncode == 0, proc.stderr
+        grace = re.search(r"^    stop_grace_period: (\S+)$", services(proc.stdout)["control"], re.M)
+        assert grace and seconds(grace.group(1)) == int(stop.group(1)), (files, grace)
+
+
 def test_cpu_override_runs_the_gpu_workers_without_a_gpu() -> None:
     proc = run_compose("config", env=SECRETS, files=CPU)
     assert proc.returncode == 0, proc.stderr
