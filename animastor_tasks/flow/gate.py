@@ -131,7 +131,11 @@ def _gate_pass(
         ports.book_state.deactivate(book, idle)
         if not busy:
             ports.book_state.drop_book_if_idle(book)
-    page.write_due(ports, book, page.next_due(snap, waiting, result.deferred_until, now), snap.due_at)
+    try:
+        page.write_due(ports, book, page.next_due(snap, waiting, result.deferred_until, now), snap.due_at)
+    except StoreUnavailable as err:
+        report.error = str(err)
+        log.warning("[COMMAND-GATE] book=%r due index not written, the book is due again: %s", book, err)
     return report
 
 

@@ -143,14 +143,13 @@ def write_due(ports: Ports, book: str, due: float | None, due_at: float | None) 
     says (or leave it): an earlier entry costs one cheap pass, and a pass over deferred pairs stays free
     of writes. None: no pass until something happens (a job's end or a new command asks for one). Either write
     leaves alone an entry made sooner since `due_at` was read (a job that ended made the book due now): a stale
-    pass put such a book back by up to a capacity deferral, or took it off the index."""
-    try:
-        if due is None and due_at is not None:
-            ports.book_state.clear_due(book, due_at)
-        elif due is not None and (due_at is None or due < due_at):
-            ports.book_state.set_due(book, due)
-    except StoreUnavailable as err:  # reconcile's pass over every book with work puts it back
-        log.warning("[COMMAND-GATE] book=%r due index not written: %s", book, err)
+    pass put such a book back by up to a capacity deferral, or took it off the index. A write that fails raises:
+    the caller's pass reports the error, and its book is due again (`gate_batch`). *Why:* logged only, the book was
+    off the index (the tick took it) and waited for reconcile's round, several runs of 30 s at scale."""
+    if due is None and due_at is not None:
+        ports.book_state.clear_due(book, due_at)
+    elif due is not None and (due_at is None or due < due_at):
+        ports.book_state.set_due(book, due)
 
 
 def lanes_without_room(ports: Ports) -> set[str]:

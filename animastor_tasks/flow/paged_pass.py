@@ -49,14 +49,13 @@ def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lane
             ports.book_state.drop_book_if_idle(book)
         elif not dispatch_work:  # reconcile's pass, every book with work every 30 s: the counts cost a scan
             _deactivate_finished(ports, book)
+        if pages:
+            page.write_due(ports, book, due, due_at)
     except StoreUnavailable as err:
         report.error = str(err)
         log.warning(
             "[COMMAND-GATE] book=%r pass stopped after %d page(s), nothing more authorized: %s", book, pages, err
         )
-        return full_lanes
-    if pages:
-        page.write_due(ports, book, due, due_at)
     return full_lanes
 
 

@@ -171,12 +171,21 @@ def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[
         if gate.gate_pass(ports, book, snapshot=snap).error:
             # It read nothing (a store did not answer): the tick's next pass does its work. Left as it was, the book
             # reached the due index through no one, the new work waiting for reconcile's round to come to it.
-            page.write_due(ports, book, ports.clock(), snap.due_at)
+            _due_now(ports, book, snap.due_at)
         return
     report = refill.refill(ports, book)
     judged = report.denied.keys() | set(report.authorized)
-    if not judged.issuperset(pairs):
-        page.write_due(ports, book, ports.clock(), None)
+    if report.error or not judged.issuperset(pairs):
+        _due_now(ports, book, None)
+
+
+def _due_now(ports: Ports, book: str, due_at: float | None) -> None:
+    """The book due for the tick's next pass. Redis refusing this too (it refused the pass): the command is written
+    all the same, and reconcile's round comes to the book."""
+    try:
+        page.write_due(ports, book, ports.clock(), due_at)
+    except StoreUnavailable as err:
+        log.warning("[COMMAND] book=%r due index not written; reconcile's round finds the work: %s", book, err)
 
 
 def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str | None]]) -> None:
