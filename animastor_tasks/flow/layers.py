@@ -27,6 +27,9 @@ def set_layers(ports: Ports, book_id: object, enable: list[str], disable: list[s
     if changed is None:  # removed since it was checked
         raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
     raw, released = changed  # the pending pairs of the stages turned off, released in the change's transaction
+    if released:
+        log.info("[COMMAND] book=%r layers off: %s; released %d pending pair(s) to dirty", book,
+                 ",".join(sorted(set(disable))), len(released))  # fmt: skip
     try:
         ports.deferrals.clear_deferrals(book, released)  # they wait no longer, as a pass's release clears them
         gate.gate_pass(ports, book, dispatch_work=False)

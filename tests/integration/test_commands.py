@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from dataclasses import replace
@@ -237,15 +238,21 @@ def test_a_layer_change_saved_while_redis_cannot_be_reached_is_answered_as_done(
     assert {s for (_, _, st), s in states(rt, book).items() if st == "image"} <= {"dirty", "generating"}
 
 
-def test_disabling_a_layer_releases_its_pending_pairs(rt, book) -> None:
+def test_disabling_a_layer_releases_its_pending_pairs(rt, book, caplog) -> None:
+    """And says so in the log: released in the change's transaction (869382d), the pairs no longer went through the
+    pass that logged them, and a layer change left no trace of what it had stopped."""
     rt.presence.heartbeat("test-worker@local", (), 1, gone=["gpu.image"])  # no image consumer...
     advertise(rt, "gpu.audio")
     cap_books(rt)
     regenerate_flow.regenerate(rt.ports, book, ["audio"])
-    assert "pending" in states(rt, book).values()
-    layers_flow.set_layers(rt.ports, book, [], ["audio"])
+    pending = list(states(rt, book).values()).count("pending")
+    assert pending
+    with caplog.at_level(logging.INFO, logger="animastor.commands"):
+        layers_flow.set_layers(rt.ports, book, [], ["audio"])
     found = states(rt, book)
     assert "pending" not in found.values()  # never pending without authority
+    said = [r.getMessage() for r in caplog.records if "released" in r.getMessage()]
+    assert said == [f"[COMMAND] book={book!r} layers off: audio; released {pending} pending pair(s) to dirty"], said
 
 
 def test_cancel_is_final_until_a_new_regenerate(rt, book) -> None:
