@@ -118,7 +118,11 @@ def _refuse_named(named: Collection[str], *stores: tuple[str, str, str, str | No
     """The first store named (its variable in `named`) that did not answer, as a StoreUnavailable."""
     for var, store, url, reason in stores:
         if var in named and reason is not None:
-            raise StoreUnavailable(store, url, f"not reachable ({reason}); {var} names it, so no local one replaces it")
+            raise StoreUnavailable(
+                store,
+                url,
+                f"not reachable ({reason}); {var} names it, so no local one replaces it (unset {var} for a local one)",
+            )
 
 
 def stop_local(data_dir: Path | None = None) -> list[str]:

@@ -241,4 +241,5 @@ def test_up_does_not_replace_a_store_the_environment_names(local_dir: Path, name
     assert up.returncode == 3, (up.stdout, up.stderr)
     assert f"error: {store} unavailable at " in up.stderr and "127.0.0.1:1" in up.stderr, up.stderr
     assert ":pw@" not in up.stdout + up.stderr and "ready" not in up.stdout
+    assert f"(unset {next(iter(named))} for a local one)" in up.stderr, up.stderr  # a stale `. env` in a shell
     assert not (local_dir / "state.json").exists(), "an embedded server was started for a store the environment names"
