@@ -285,7 +285,7 @@ class Counters(Protocol):
 class Locks(Protocol):
     def try_lock(self, name: str, seconds: float) -> bool: ...
     def bookmark(self, name: str) -> str | None: ...  # None: never set, or lost with Redis's data
-    def set_bookmark(self, name: str, value: str) -> None: ...
+    def set_bookmark(self, name: str, value: str, *, kept: bool = False) -> None: ...  # kept: only over one there
 
 
 # -- the broker, the artifact store, the generators ---------------------------------------

@@ -76,7 +76,10 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
             ports.settings.command_retention_days, PRUNED_TARGETS_PER_PASS
         )
     report["pruned_artifacts"] = _prune_artifacts(ports)
-    ports.locks.set_bookmark(BOOKMARK, following)
+    # Over the bookmark read, if it is still there: Redis losing its data during the pass took it, and written again,
+    # the next pass rebuilt only its own slice while the other books' indexes and due entries were gone (they waited
+    # for the round to come to them, minutes at scale, their slots idle). Without it, the next pass rebuilds them all.
+    ports.locks.set_bookmark(BOOKMARK, following, kept=bookmark is not None)
     report.update(passed_books=len(books), books_with_work=len(work), round_done=not following)
     if not whole:  # the beat's passes: a whole-farm one (`animastor-tasks reconcile`) would skew their percentiles
         ports.counters.observe("reconcile_seconds", time.monotonic() - started)

@@ -89,6 +89,29 @@ def test_a_lost_bookmark_rebuilds_every_books_index_and_a_whole_pass_visits_ever
     assert rt.redis.client.hget(rt.redis.keys.metrics(), histogram_field("reconcile_seconds", "count")) == timed
 
 
+def test_redis_data_lost_during_a_pass_leaves_no_bookmark_so_the_next_pass_rebuilds_every_book(
+    rt: Wiring, monkeypatch
+) -> None:
+    """The pass read the bookmark before the loss and wrote the next one after it: the next pass, finding one,
+    rebuilt only its own slice, and the other books (their active index and due entries gone) waited for the round
+    to come to them, 5 minutes at a million pairs, their slots idle."""
+    _farm(rt)
+    reconcile_flow.reconcile(rt.ports, force=True)  # a round under way, as on a live farm
+    real = reconcile_flow._expire_dead_generating
+
+    def data_lost_then(ports: object, report: dict[str, object]) -> None:
+        rt.redis.client.flushdb()
+        real(ports, report)
+
+    monkeypatch.setattr(reconcile_flow, "_expire_dead_generating", data_lost_then)
+    reconcile_flow.reconcile(rt.ports, force=True)
+    monkeypatch.setattr(reconcile_flow, "_expire_dead_generating", real)
+    assert rt.ports.locks.bookmark("reconcile") is None
+    report = reconcile_flow.reconcile(rt.ports, force=True)
+    assert report["rebuilt_books"] == len(BOOKS)
+    assert all(len(rt.redis.client.smembers(rt.redis.keys.active_scenes(book))) == 4 for book in BOOKS)
+
+
 def test_a_reconcile_pass_as_long_as_its_lock_lands_in_a_finite_bucket() -> None:
     """The duration buckets ended at 10 s: a pass nearing its lock (0.8 x the 30 s period) read as 10 s at p99."""
     lock = Settings().reconcile_seconds * PERIODIC_LOCK_SHARE

@@ -20,5 +20,6 @@ class LockStore:
         value = self.conn.run(lambda: self.conn.client.get(self.conn.keys.bookmark(name)))
         return None if value is None else str(value)
 
-    def set_bookmark(self, name: str, value: str) -> None:
-        self.conn.run(lambda: self.conn.client.set(self.conn.keys.bookmark(name), value))
+    def set_bookmark(self, name: str, value: str, *, kept: bool = False) -> None:
+        """`kept`: only over a bookmark still there (SET XX), so that one lost with Redis's data stays lost."""
+        self.conn.run(lambda: self.conn.client.set(self.conn.keys.bookmark(name), value, xx=kept))
