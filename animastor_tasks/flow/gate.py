@@ -39,26 +39,18 @@ def gate_pass(
     full_lanes: Collection[str] = (),
     known: Facts | None = None,
     snapshot: Snapshot | None = None,
-    leased: bool = False,
 ) -> PassReport:
     """One pass, timed into the `gate_pass_seconds` histogram when it changed something.
 
     Why only then: a pass over deferred pairs must stay free of writes; one that released or
     dispatched pairs writes anyway, and its duration is the one operators need to watch.
     `full_lanes`: queues the caller saw without room, `known`: the book's snapshot and rows read with other
-    books' (see `gate_batch`), `snapshot`: its snapshot alone, read with the caller's own writes (a regenerate),
-    `leased`: sent by the tick, its book's due entry a lease (`page.write_due`).
+    books' (see `gate_batch`), `snapshot`: its snapshot alone, read with the caller's own writes (a regenerate).
     """
     started = time.monotonic()
     with collector.paused():
         report = _gate_pass(
-            ports,
-            book,
-            dispatch_work=dispatch_work,
-            full_lanes=full_lanes,
-            known=known,
-            snapshot=snapshot,
-            leased=leased,
+            ports, book, dispatch_work=dispatch_work, full_lanes=full_lanes, known=known, snapshot=snapshot
         )
     if report.released or any(outcome != Outcome.DEFERRED for outcome in report.outcomes):
         ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
@@ -81,7 +73,6 @@ def _gate_pass(
     full_lanes: Collection[str],
     known: Facts | None,
     snapshot: Snapshot | None,
-    leased: bool,
 ) -> PassReport:
     report = PassReport(book)
     now = ports.clock()
@@ -103,7 +94,7 @@ def _gate_pass(
             log.warning("[COMMAND-GATE] book=%r registry unreadable, nothing authorized: %s", book, err)
             return report
         if read is None:  # more pairs in flight than a pass holds: the free slots first, in order; then pages
-            _paged(ports, report, dispatch_work=dispatch_work, full_lanes=set(full_lanes), now=now, leased=leased)
+            _paged(ports, report, dispatch_work=dispatch_work, full_lanes=set(full_lanes), now=now)
             return report
         rows = read[book]
         try:
@@ -141,8 +132,7 @@ def _gate_pass(
         if not busy:
             ports.book_state.drop_book_if_idle(book)
     try:
-        due = page.next_due(snap, waiting, result.deferred_until, now)
-        page.write_due(ports, book, due, snap.due_at, leased_now=now if leased else None)
+        page.write_due(ports, book, page.next_due(snap, waiting, result.deferred_until, now), snap.due_at)
     except StoreUnavailable as err:
         report.error = str(err)
         log.warning("[COMMAND-GATE] book=%r due index not written, the book is due again: %s", book, err)
@@ -153,9 +143,7 @@ def _snapshot(ports: Ports, book: str, now: float) -> Snapshot:
     return ports.book_state.book_snapshots([book], now, ports.settings.registry.queues())[book]
 
 
-def _paged(
-    ports: Ports, report: PassReport, *, dispatch_work: bool, full_lanes: set[str], now: float, leased: bool
-) -> None:
+def _paged(ports: Ports, report: PassReport, *, dispatch_work: bool, full_lanes: set[str], now: float) -> None:
     """A book too big for one page: its next candidates take the free slots in reading order, then the pages
     decide the rest (the lanes those candidates filled cost them no claim). The lanes the caller saw full are
     the caller's to count again (`gate_batch`)."""
@@ -172,9 +160,7 @@ def _paged(
         report.claimed_lanes |= first.claimed_lanes
         report.outcomes.update({o: n for o, n in first.outcomes.items() if o != Outcome.DEFERRED})
         full_lanes |= page.lanes_without_room(ports)
-    seen_full = paged_pass.run(
-        ports, report, dispatch_work=dispatch_work, full_lanes=full_lanes, now=now, leased=leased
-    )
+    seen_full = paged_pass.run(ports, report, dispatch_work=dispatch_work, full_lanes=full_lanes, now=now)
     if seen_full - given:
         # Counted without a lock, these lanes' pairs waited without a claim: a job that ended before the book
         # joined their waiting lists found nobody to hand its slot to. Counted again now that it waits.
@@ -209,11 +195,7 @@ def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True
             read = _read_facts(ports, group)
         for book in group:
             try:
-                # The tick's books (dispatch_work) are leased (`lanes.send_due_passes`); reconcile's are not.
-                known = read.get(book)
-                report = gate_pass(
-                    ports, book, dispatch_work=dispatch_work, full_lanes=full, known=known, leased=dispatch_work
-                )
+                report = gate_pass(ports, book, dispatch_work=dispatch_work, full_lanes=full, known=read.get(book))
             except StoreUnavailable as err:  # one book's store error must not cost the others their pass
                 log.warning("[COMMAND-GATE] book=%r pass failed: %s", book, err)
                 failed.append(book)

@@ -138,25 +138,18 @@ def next_due(snap: Snapshot, waiting: list[InFlight], written: dict[Pair, float]
     return min(ends)
 
 
-def write_due(
-    ports: Ports, book: str, due: float | None, due_at: float | None, *, leased_now: float | None = None
-) -> None:
+def write_due(ports: Ports, book: str, due: float | None, due_at: float | None) -> None:
     """Keep the book's place in the due index. Written only when the book must come sooner than the index
     says (or leave it): an earlier entry costs one cheap pass, and a pass over deferred pairs stays free
-    of writes. None: no pass until something happens (a job's end or a new command asks for one). `leased_now`:
-    the clock of a full pass the tick sent, its book's entry a lease (`lanes.send_due_passes`): its due time also
-    replaces a lease it read that lies ahead (left there, a book with nothing to do came back every lease). Each write
+    of writes. None: no pass until something happens (a job's end or a new command asks for one). Either write
     leaves alone an entry made sooner since `due_at` was read (a job that ended made the book due now): a stale
     pass put such a book back by up to a capacity deferral, or took it off the index. A write that fails raises:
     the caller's pass reports the error, and its book is due again (`gate_batch`). *Why:* logged only, the book was
     off the index (the tick took it) and waited for reconcile's round, several runs of 30 s at scale."""
-    if due is None:
-        if due_at is not None:
-            ports.book_state.clear_due(book, due_at)
-    elif due_at is None or due < due_at:
+    if due is None and due_at is not None:
+        ports.book_state.clear_due(book, due_at)
+    elif due is not None and (due_at is None or due < due_at):
         ports.book_state.set_due(book, due)
-    elif leased_now is not None and due > due_at > leased_now:
-        ports.book_state.move_due(book, due_at, due)
 
 
 def lanes_without_room(ports: Ports) -> set[str]:

@@ -24,17 +24,8 @@ log = logging.getLogger("animastor.gate")
 SCAN_SCENES = 1000  # active scenes checked per round trip when finished ones may be left in the index
 
 
-def run(
-    ports: Ports,
-    report: page.PassReport,
-    *,
-    dispatch_work: bool,
-    full_lanes: set[str],
-    now: float,
-    leased: bool = False,
-) -> set[str]:
-    """The pass, page by page; the lanes it took as full (counted without a lock), `full_lanes` included. `leased`:
-    sent by the tick, its book's due entry a lease (`page.write_due`)."""
+def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lanes: set[str], now: float) -> set[str]:
+    """The pass, page by page; the lanes it took as full (counted without a lock), `full_lanes` included."""
     book = report.book
     queues = ports.settings.registry.queues()
     due: float | None = None
@@ -59,7 +50,7 @@ def run(
         elif not dispatch_work:  # reconcile's pass, every book with work every 30 s: the counts cost a scan
             _deactivate_finished(ports, book)
         if pages:
-            page.write_due(ports, book, due, due_at, leased_now=now if leased else None)
+            page.write_due(ports, book, due, due_at)
     except StoreUnavailable as err:
         report.error = str(err)
         log.warning(

@@ -7,13 +7,10 @@ five pairs a run here, so that a round takes several runs, as on a big farm.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
-import redis
 
-from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import gate, page
 from animastor_tasks.flow import reconcile as reconcile_flow
@@ -21,7 +18,7 @@ from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, make_book, states, use_settings
-from .test_elastic_share import lane, run_control, running
+from .test_elastic_share import lane, run_control
 
 BOOKS = [f"b{i:02d}" for i in range(12)]
 
@@ -92,44 +89,3 @@ def test_a_due_write_that_fails_after_a_paged_pass_leaves_the_book_due(rt: Wirin
     failing_once(rt, monkeypatch, "b03")
     gate.gate_batch(rt.ports, ["b03"], dispatch_work=False)
     assert due(rt) == {"b03"}
-
-
-def due_at(rt: Wiring) -> dict[str, float]:
-    return {str(b): s for b, s in rt.redis.client.zrange(rt.redis.keys.due(), 0, -1, withscores=True)}
-
-
-def test_a_gate_batch_lost_on_its_way_is_sent_again_once_its_lease_runs_out(rt: Wiring) -> None:
-    """The tick took the due books off the index; a control worker killed holding their batch (control tasks are
-    acknowledged on receipt) left them off it, until reconcile's round came to each: minutes at scale. Now the tick
-    leases them (`ANIMASTOR_RECONCILE_SECONDS`, one second here) and sends them again when the lease runs out."""
-    awaiting_workers(rt)
-    use_settings(rt, replace(rt.settings, reconcile_seconds=1))
-    rt.redis.recovered_at = float("-inf")  # the workers are back
-    advertise(rt, "gpu.audio")
-    assert sorted(tick(rt)) == BOOKS
-    redis.Redis.from_url(rt.settings.broker_url).delete(CONTROL_QUEUE)  # the batch is lost
-    assert tick(rt) == []  # asked for once while its lease runs
-    time.sleep(1.1)
-    assert sorted(tick(rt)) == BOOKS
-    run_control(rt)
-    assert all(generating(rt, book) for book in BOOKS)
-
-
-def test_a_leased_book_s_pass_writes_its_own_due_time_or_takes_it_off_the_index(rt: Wiring) -> None:
-    """Left at its lease, a book with nothing waiting came back every lease: a book with nothing to do must
-    cost the tick nothing; and one waiting for a deferral longer than the lease is due when that ends."""
-    lane(rt, lane_limit=1)
-    for book in ("runs", "waits"):
-        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
-    for book in ("runs", "waits"):
-        regenerate_flow.regenerate(rt.ports, book, ["audio"])
-    assert running(rt, "runs", "waits") == {"runs": 1}
-    waits_due = due_at(rt)["waits"]  # its capacity deferral's end (60 s), beyond the tick's lease (30 s)
-    rt.ports.book_state.set_due_all(["runs", "waits"], rt.ports.clock())  # both asked for (a job's end, say)
-    before = rt.ports.clock()
-    assert sorted(tick(rt)) == ["runs", "waits"]
-    assert min(due_at(rt).values()) >= before + rt.settings.reconcile_seconds  # leased, not taken off
-    run_control(rt)
-    after = due_at(rt)
-    assert "runs" not in after  # nothing waits: off the index, not back at the lease's end
-    assert after["waits"] == pytest.approx(waits_due, abs=2.0)
