@@ -28,6 +28,7 @@ log = logging.getLogger("animastor.reconcile")
 RECOUNT_PAUSE_SECONDS = 0.5
 PAGE = 10_000  # scenes of a book's active index rebuilt at once
 BOOKMARK = "reconcile"  # where the round of passes goes on
+REBUILDING = "\x00rebuilding"  # the bookmark while a pass rebuilds every book (no book id holds a control character)
 PRUNED_TARGETS_PER_PASS = 50_000  # command targets one pass deletes at most (a whole-book command's: all of them)
 ARTIFACT_ROWS_PER_PASS = 20_000  # artifact rows one pass looks at, from where the last one stopped
 ARTIFACTS_BOOKMARK = "artifacts"  # the artifact row the pruning goes on after
@@ -52,6 +53,10 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     work = ports.commands.books_with_work()
     # No bookmark: Redis lost its data (or this is the first pass), so every book's active index is rebuilt now.
     bookmark = None if whole else ports.locks.bookmark(BOOKMARK)
+    if bookmark == REBUILDING:  # the pass that rebuilt every book did not end
+        bookmark = None
+    if bookmark is None and not whole:  # what the bookmark written at its end goes over (below)
+        ports.locks.set_bookmark(BOOKMARK, REBUILDING)
     books, following = (
         (sorted(work), "") if whole else rounds.next_books(work, bookmark or "", ports.settings.reconcile_pairs)
     )
@@ -76,10 +81,11 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
             ports.settings.command_retention_days, PRUNED_TARGETS_PER_PASS
         )
     report["pruned_artifacts"] = _prune_artifacts(ports)
-    # Over the bookmark read, if it is still there: Redis losing its data during the pass took it, and written again,
-    # the next pass rebuilt only its own slice while the other books' indexes and due entries were gone (they waited
-    # for the round to come to them, minutes at scale, their slots idle). Without it, the next pass rebuilds them all.
-    ports.locks.set_bookmark(BOOKMARK, following, kept=bookmark is not None)
+    # Over the bookmark read (or REBUILDING), if it is still there: Redis losing its data during the pass took it, and
+    # written again, the next pass rebuilt only its own slice while the other books' indexes and due entries were
+    # gone (they waited for the round to come to them, minutes at scale, their slots idle). Without it, the next pass
+    # rebuilds them all.
+    ports.locks.set_bookmark(BOOKMARK, following, kept=not whole)
     report.update(passed_books=len(books), books_with_work=len(work), round_done=not following)
     if not whole:  # the beat's passes: a whole-farm one (`animastor-tasks reconcile`) would skew their percentiles
         ports.counters.observe("reconcile_seconds", time.monotonic() - started)

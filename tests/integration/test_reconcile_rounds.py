@@ -105,11 +105,15 @@ def test_redis_data_lost_during_a_pass_leaves_no_bookmark_so_the_next_pass_rebui
 
     monkeypatch.setattr(reconcile_flow, "_expire_dead_generating", data_lost_then)
     reconcile_flow.reconcile(rt.ports, force=True)
+    assert rt.ports.locks.bookmark("reconcile") is None
+    # Lost again during the pass that rebuilds every book (a Redis that crash-loops): the same.
+    reconcile_flow.reconcile(rt.ports, force=True)
     monkeypatch.setattr(reconcile_flow, "_expire_dead_generating", real)
     assert rt.ports.locks.bookmark("reconcile") is None
     report = reconcile_flow.reconcile(rt.ports, force=True)
     assert report["rebuilt_books"] == len(BOOKS)
     assert all(len(rt.redis.client.smembers(rt.redis.keys.active_scenes(book))) == 4 for book in BOOKS)
+    assert rt.ports.locks.bookmark("reconcile") == "b1"  # the round goes on as usual
 
 
 def test_a_reconcile_pass_as_long_as_its_lock_lands_in_a_finite_bucket() -> None:
