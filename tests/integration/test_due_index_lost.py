@@ -79,6 +79,8 @@ def test_a_due_write_that_fails_after_a_good_pass_leaves_the_book_due(rt: Wiring
     run_control(rt)
     monkeypatch.undo()
     assert failed == ["b07"] and due(rt) == set(BOOKS)
+    # Due by the passes' clock: a tick's clock measured again under load may read a few ms behind it.
+    rt.redis.client.zadd(rt.redis.keys.due(), dict.fromkeys(BOOKS, 0))
     rt.redis.recovered_at = float("-inf")  # the workers are back
     advertise(rt, "gpu.audio")
     tick(rt)
