@@ -165,8 +165,7 @@ class BookState(Protocol):
     def set_due(self, book: str, when: float) -> None: ...  # an earlier entry stands
     def set_due_all(self, books: Sequence[str], when: float) -> None: ...  # `set_due` of each, one round trip
     def clear_due(self, book: str, seen: float) -> None: ...  # only while the entry is still `seen`
-    def take_due(self, now: float, until: float) -> list[str]: ...  # and the lapsed leases; all leased to `until`
-    def end_leases(self, books: Sequence[str]) -> None: ...  # the passes the tick sent for them ran
+    def take_due(self, now: float) -> list[str]: ...
     def presence_unsure_since(self, now: float | None = None) -> float: ...
     def server_started_at(self) -> float: ...  # when the Redis server started (-inf: it does not say)
     def cancel_flag_set(self, book: str) -> bool: ...

@@ -22,9 +22,6 @@ widens to another book).
 | ``P:active:B`` (members ``C:S``)              | set    | while a scene has queued or running work  |
 | ``P:active-books:due`` (members ``B``, score  | zset   | while B has pending work; the tick takes  |
 |   = when B next needs a gate pass, unix s)    |        | the entries that are due                  |
-| ``P:active-books:leased`` (members ``B``,     | zset   | from the tick's taking of B's due entry   |
-|   score = when B's pass counts as lost)       |        | until B's pass runs (or its lease runs    |
-|                                               |        | out: the tick sends B again)              |
 | ``P:lease:B:C:S:STAGE``                       | string | queued: as long as ``P:queued:ID``; from  |
 |                                               |        | the job's start the stage's lease TTL,    |
 |                                               |        | renewed by the job (domain/liveness.py)   |
@@ -128,10 +125,6 @@ class Keyspace:
     def due(self) -> str:
         """The due index: which books need a gate pass, and from when (the tick visits only those)."""
         return self._key("active-books", "due")
-
-    def due_leases(self) -> str:
-        """The books the tick sent passes for, until each pass runs (`lua/take_due.lua`): a lapsed one was lost."""
-        return self._key("active-books", "leased")
 
     # -- per scene x stage --------------------------------------------------
     def lease(self, book: str, chapter: str, scene: str, stage: str) -> str:

@@ -185,8 +185,7 @@ def tick(ports: Ports) -> list[str]:
 def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True) -> list[PassReport]:
     """The passes of several due books in one task. Each lane's room is counted once for the batch
     (no lock); a lane without room costs its books no claim transaction and no advisory lock.
-    `dispatch_work=False`: reconcile's passes, which release and judge but dispatch nothing; else the tick's, whose
-    books it leased (`lanes.send_due_passes`)."""
+    `dispatch_work=False`: reconcile's passes, which release and judge but dispatch nothing."""
     full = page.lanes_without_room(ports) if dispatch_work else set()
     reports: list[PassReport] = []
     failed: list[str] = []
@@ -204,8 +203,6 @@ def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True
             reports.append(report)
             if report.error is not None:
                 failed.append(book)
-        if dispatch_work:
-            _end_leases(ports, [book for book in group if book not in failed])
     if failed:
         # Taken off the due index to be passed here: the next tick passes them again. *Why:* they waited for
         # reconcile's round (30 s, or several), pairs a takeover had just made pending among them, slots idle.
@@ -213,16 +210,6 @@ def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True
     if full:
         lanes.hand_on_freed(ports, full)
     return reports
-
-
-def _end_leases(ports: Ports, books: Sequence[str]) -> None:
-    """The tick's leases of books whose passes ran (and wrote their due entries) taken away, once per group of
-    passes: left, each book came back when its lease ran out (`lanes.send_due_passes`); a failed pass keeps its
-    lease, should its book's due entry not have been put back. A removal that fails costs one more pass."""
-    try:
-        ports.book_state.end_leases(books)
-    except StoreUnavailable as err:
-        log.warning("[COMMAND-GATE] leases of %d passed book(s) not taken away: %s", len(books), err)
 
 
 def _read_facts(ports: Ports, books: Sequence[str]) -> dict[str, Facts]:

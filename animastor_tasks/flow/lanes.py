@@ -165,13 +165,9 @@ def hand_over(ports: Ports, queue: str, slots: int, *, exclude: str | None = Non
 def send_due_passes(ports: Ports, *also: str) -> list[str]:
     """The gate passes of the books due now (the due index), several per task, and of `also`. The books of a batch
     the broker refuses, and of those after it, are due again. *Why:* taken off the index first, they waited for
-    reconcile's round to reach them (30 s, or several rounds), pairs the same tick had taken over among them.
-    The books taken are leased for one reconcile period (`BookState.take_due`; `gate_batch` takes the leases away
-    once their passes ran): a batch lost on its way (a control worker killed holding it, acknowledged on receipt)
-    is sent again when its lease runs out. *Why:* its books waited for reconcile's round, minutes at scale; and the
-    period, not two ticks: a control queue a few ticks behind (a regenerate storm) got every batch twice."""
+    reconcile's round to reach them (30 s, or several rounds), pairs the same tick had taken over among them."""
     now = ports.clock()
-    books = ports.book_state.take_due(now, now + ports.settings.reconcile_seconds)
+    books = ports.book_state.take_due(now)
     books += [b for b in also if b not in books]
     for first in range(0, len(books), BATCH_BOOKS):
         try:

@@ -47,7 +47,6 @@ class BookStateStore(CancelFlagStore):
         self._data_lost_at = float("-inf")
         self._book_reads_if_small = conn.client.register_script(_script("book_reads_if_small"))
         self._due_clear = conn.client.register_script(_script("due_clear"))
-        self._take_due = conn.client.register_script(_script("take_due"))
         self._drop_if_idle = conn.client.register_script(_script("drop_if_idle"))
 
     # -- one read for a whole gate pass ---------------------------------------
@@ -192,17 +191,16 @@ class BookStateStore(CancelFlagStore):
             lambda: self._due_clear(keys=[self.conn.keys.due()], args=[book, repr(seen)], client=self.conn.client)
         )
 
-    def take_due(self, now: float, until: float) -> list[str]:
-        """The books due by `now` taken off the index, and those whose lease ran out (a pass lost), each leased until
-        `until`, in one step (`lua/take_due.lua`): a book is asked for once however many ticks pass before its pass
-        runs, and again once `until` passes without one (`end_leases`)."""
-        keys, args = [self.conn.keys.due(), self.conn.keys.due_leases()], [repr(now), repr(until)]
-        return [str(b) for b in self.conn.run(lambda: self._take_due(keys=keys, args=args, client=self.conn.client))]
-
-    def end_leases(self, books: Sequence[str]) -> None:
-        """The passes of `books` ran: their leases gone (their due entries are their passes' word)."""
-        if books:
-            self.conn.run(lambda: self.conn.client.zrem(self.conn.keys.due_leases(), *books))
+    def take_due(self, now: float) -> list[str]:
+        """The books due by `now`, taken off the index in one step (their passes put them back as needed),
+        so a book is asked for once however many ticks pass before its pass runs."""
+        key = self.conn.keys.due()
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=True)
+            pipe.zrangebyscore(key, "-inf", now)
+            pipe.zremrangebyscore(key, "-inf", now)
+            books, _ = pipe.execute()
+        return [str(b) for b in books]
 
     def _lost_or_recovered_at(self) -> float:
         """Since when Redis's presence cannot be trusted: it lost its data, or this process could not reach it (the
