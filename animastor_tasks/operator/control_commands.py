@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 from urllib.parse import unquote
@@ -24,11 +25,22 @@ def _scene_arg(value: str) -> tuple[str, str]:
     if not sep or "/" in scene:
         raise click.BadParameter(f"{value!r} must be CHAPTER/SCENE, one '/' (write a '/' inside an id as %2F)")
     try:
-        return validate_id("chapter id", unquote(chapter), error=InvalidInput), validate_id(
-            "scene id", unquote(scene), error=InvalidInput
+        return validate_id("chapter id", _decoded(chapter), error=InvalidInput), validate_id(
+            "scene id", _decoded(scene), error=InvalidInput
         )
     except InvalidInput as err:
         raise click.BadParameter(f"{value!r}: {err}", param_hint="--scene") from None
+
+
+def _decoded(half: str) -> str:
+    """One id of --scene, percent-decoded strictly. *Why:* `a%ZZ` was kept as written and `%FF` became U+FFFD:
+    another scene than the one meant, or none, named without a word."""
+    if re.search(r"%(?![0-9A-Fa-f]{2})", half):
+        raise InvalidInput(f"{half!r}: a '%' starts an escape of two hex digits (write a '%' inside an id as %25)")
+    try:
+        return unquote(half, errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidInput(f"{half!r}: its escapes are not UTF-8") from None
 
 
 @click.command()

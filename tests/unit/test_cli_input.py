@@ -38,6 +38,10 @@ def test_a_lock_wait_that_is_no_finite_number_of_seconds_is_refused(wait: str) -
         (["--scene", "ch1/ %0A"], "--scene"),
         # A second '/' was taken as part of the scene id (chapter `a`, scene `b/c`): a '/' in an id is %2F.
         (["--scene", "a/b/c"], "%2F"),
+        # Read as written (`a%ZZ`), or as U+FFFD (`%FF`, no UTF-8): another scene than the one meant, or none.
+        (["--scene", "a%ZZ/b"], "%25"),
+        (["--scene", "ch1/50%"], "%25"),
+        (["--scene", "ch1/%FF"], "UTF-8"),
         (["--stage", "video"], "video"),
     ],
 )
