@@ -16,6 +16,7 @@ import click
 
 from animastor_tasks.config import Settings
 from animastor_tasks.errors import ConfigError
+from animastor_tasks.operator.options import Seconds
 
 #: Log levels a Celery process takes (`--loglevel`, ANIMASTOR_LOG_LEVEL).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -196,11 +197,13 @@ def flower(flower_args: tuple[str, ...]) -> None:
 @click.command("dev-inference-server")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--latency", default=0.0, show_default=True, help="Seconds added to every request.")
+@click.option("--latency", default=0.0, show_default=True, type=Seconds(0, 3_600), help="Seconds added to requests.")
 @click.option("--failure-rate", default=0.0, show_default=True, help="Share of requests answered 503.")
 @click.option("--api-key", default=None, envvar="ANIMASTOR_INFERENCE_API_KEY")
 @click.option("--fail-first", default=0, show_default=True, help="Answer the first N generate requests 503.")
-@click.option("--retry-after", default=None, type=float, help="Seconds sent as Retry-After with an injected 503.")
+@click.option(
+    "--retry-after", default=None, type=Seconds(0, 86_400), help="Seconds sent as Retry-After with an injected 503."
+)
 def dev_inference_server(
     host: str,
     port: int,
