@@ -248,9 +248,9 @@ class Leases(Protocol):
 
 class Breaker(Protocol):
     def breaker_acquire(self, queue: str, permit_seconds: float) -> str: ...
-    def breaker_record(
-        self, queue: str, ok: bool, threshold: int, cooldown: float, *, run: bool = False
-    ) -> str: ...  # 'closed', 'open', 'reopened' or 'recovered'
+    def breaker_record(  # a publish's result: 'closed', 'open', 'reopened' or 'recovered'
+        self, queue: str, ok: bool, threshold: int, cooldown: float
+    ) -> str: ...
     def breaker_record_run(
         self, queue: str, ok: bool, threshold: int, cooldown: float, node: str | None
     ) -> RunRecorded: ...  # and `node`'s streak (None: not counted on it); 'host': it fails while others succeed

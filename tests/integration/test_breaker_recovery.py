@@ -32,7 +32,7 @@ def test_a_breaker_closed_by_a_job_that_ran_well_sends_the_passes_that_waited_fo
     rt.catalog.import_book(make_book("a", chapters=1, scenes=1))
     rt.catalog.import_book(make_book("w", chapters=1, scenes=4))
     regenerate_flow.regenerate(rt.ports, "a", ["audio"])
-    assert rt.ports.breaker.breaker_record("gpu.audio", False, 1, 60, run=True) == "open"  # another job's failure
+    assert rt.ports.breaker.breaker_record_run("gpu.audio", False, 1, 60, None).state == "open"  # another job's failure
     regenerate_flow.regenerate(rt.ports, "w", ["audio"])
     assert set(states(rt, "w").values()) == {"pending"}
     assert rt.redis.client.zscore(rt.redis.keys.due(), "w") is not None  # passed again by each tick
@@ -119,7 +119,7 @@ def test_a_reader_s_scene_that_waited_for_an_open_breaker_goes_before_a_bulk_boo
     for book, scenes in (("a", 1), ("bulk", 4), ("reader", 1)):
         rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
     regenerate_flow.regenerate(rt.ports, "a", ["audio"])
-    assert rt.ports.breaker.breaker_record("gpu.audio", False, 1, 60, run=True) == "open"  # another job's failure
+    assert rt.ports.breaker.breaker_record_run("gpu.audio", False, 1, 60, None).state == "open"  # another job's failure
     regenerate_flow.regenerate(rt.ports, "bulk", ["audio"], priority="bulk")
     regenerate_flow.regenerate(rt.ports, "reader", ["audio"], priority="interactive")
     run_control(rt)

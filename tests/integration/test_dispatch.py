@@ -417,7 +417,7 @@ def test_a_lane_whose_breaker_is_open_keeps_its_waiting_list(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
     advertise(rt, "gpu.audio")
     advertise(rt, "gpu.image")
-    assert rt.ports.breaker.breaker_record("gpu.audio", False, 1, 60, run=True) == "open"
+    assert rt.ports.breaker.breaker_record_run("gpu.audio", False, 1, 60, None).state == "open"
     for score, waiter in enumerate(("first", "second")):
         rt.ports.deferrals.wait_for_lane("gpu.audio", waiter, score)
     regenerate_flow.regenerate(rt.ports, "b", ["audio", "image"])
@@ -645,12 +645,12 @@ def test_a_replacement_publish_does_not_hide_the_failures_of_runs(rt) -> None:
     rt.catalog.import_book(make_book("b", chapters=1, scenes=3))
     advertise(rt, "gpu.audio")
     breaker = rt.breaker
-    assert breaker.breaker_record("gpu.audio", False, 2, 30, run=True) == "closed"  # one failed run
+    assert breaker.breaker_record_run("gpu.audio", False, 2, 30, None).state == "closed"  # one failed run
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # publishes fine: the failure must stay counted
     assert Counter(states(rt, "b").values())["generating"] == 3
-    assert breaker.breaker_record("gpu.audio", False, 2, 30, run=True) == "open"  # the second failed run
+    assert breaker.breaker_record_run("gpu.audio", False, 2, 30, None).state == "open"  # the second failed run
     assert breaker.breaker_state("gpu.audio") == "open"
     breaker.breaker_record("gpu.audio", True, 2, 30)  # a publish succeeding proves nothing about runs
     assert breaker.breaker_state("gpu.audio") == "open"
-    breaker.breaker_record("gpu.audio", True, 2, 30, run=True)  # a run succeeding does
+    breaker.breaker_record_run("gpu.audio", True, 2, 30, None)  # a run succeeding does
     assert breaker.breaker_state("gpu.audio") == "closed"

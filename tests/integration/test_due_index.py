@@ -425,7 +425,7 @@ def test_a_book_waiting_for_an_open_breaker_is_not_passed_on_every_tick_and_goes
     rt.catalog.import_book(make_book("a", chapters=1, scenes=1))
     rt.catalog.import_book(make_book("w", chapters=1, scenes=3))
     regenerate_flow.regenerate(rt.ports, "a", ["audio"])
-    assert rt.ports.breaker.breaker_record("gpu.audio", False, 1, 60, run=True) == "open"  # another job's failure
+    assert rt.ports.breaker.breaker_record_run("gpu.audio", False, 1, 60, None).state == "open"  # another job's failure
     regenerate_flow.regenerate(rt.ports, "w", ["audio"])  # its pass: refused by the breaker
     opened_until = float(rt.redis.client.hget(rt.redis.keys.breaker("gpu.audio"), "open_until"))
     assert rt.redis.client.zscore(rt.redis.keys.due(), "w") == pytest.approx(opened_until, abs=0.5)

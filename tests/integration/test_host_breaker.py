@@ -23,7 +23,7 @@ from animastor_tasks.flow import gate
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
 from animastor_tasks.generators import EntryPointGenerators
-from animastor_tasks.ports import GenerationRequest, Ports
+from animastor_tasks.ports import GenerationRequest, Ports, RunRecorded
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import Pauses, advertise, make_book, states
@@ -293,4 +293,4 @@ def test_a_nodes_streak_counts_its_own_failed_runs_and_ends_with_its_success(rt:
     # Failures of one node alone open the queue's breaker as before (open outranks `host`), its streak told beside.
     assert [run("a@h1", False), run("a@h1", False)] == [("closed", 2), ("open", 3)]
     assert run("a@h1", False) == ("reopened", 4) and run("b@h2", False) == ("reopened", 1)
-    assert breaker.breaker_record(QUEUE, False, 3, 30, run=True) == "reopened"  # the state alone, as a publish's
+    assert breaker.breaker_record_run(QUEUE, False, 3, 30, None) == RunRecorded("reopened")  # counted on no node

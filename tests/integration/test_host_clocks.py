@@ -60,7 +60,7 @@ def test_a_breaker_a_host_with_its_clock_behind_opens_holds_for_its_cooldown(rt:
     host = RedisConnection(rt.settings.redis_url, rt.redis.keys)
     try:
         with clock_off_by(monkeypatch, -60.0):
-            assert BreakerStore(host).breaker_record("gpu.audio", False, 1, 30.0, run=True) == "open"
+            assert BreakerStore(host).breaker_record_run("gpu.audio", False, 1, 30.0, None).state == "open"
         assert rt.breaker.breaker_state("gpu.audio") == "open"
         assert rt.breaker.breaker_acquire("gpu.audio", 5.0) == "open"
     finally:
@@ -71,7 +71,7 @@ def test_a_breaker_a_host_with_its_clock_ahead_opens_ends_with_its_cooldown(rt: 
     host = RedisConnection(rt.settings.redis_url, rt.redis.keys)
     try:
         with clock_off_by(monkeypatch, 60.0):
-            assert BreakerStore(host).breaker_record("gpu.audio", False, 1, 0.5, run=True) == "open"
+            assert BreakerStore(host).breaker_record_run("gpu.audio", False, 1, 0.5, None).state == "open"
         time.sleep(0.6)
         assert rt.breaker.breaker_state("gpu.audio") == "half-open"
         assert rt.breaker.breaker_acquire("gpu.audio", 5.0) == "permit"
@@ -131,7 +131,7 @@ def test_a_host_resumed_from_a_suspend_beats_by_the_server_s_clock_at_once(rt: W
         host._server_minus_monotonic -= 40.0  # type: ignore[operator]  # the 40 s its monotonic clock missed
         with clock_off_by(monkeypatch, 40.0):  # which its wall clock counted
             PresenceStore(host).heartbeat("audio@resumed", ["gpu.audio"], TTL)
-            breaker = BreakerStore(host).breaker_record("gpu.audio", False, 1, 30.0, run=True)
+            breaker = BreakerStore(host).breaker_record_run("gpu.audio", False, 1, 30.0, None).state
         [expiry] = rt.presence.live_consumers(["gpu.audio"])["gpu.audio"].values()
         assert abs(expiry - (redis_now(rt) + TTL)) < 1.0
         assert breaker == "open" and rt.breaker.breaker_state("gpu.audio") == "open"  # its cool-down holds

@@ -37,9 +37,9 @@ class BreakerStore:
         key = self.conn.keys.breaker(queue)
         return bool(self.conn.run(lambda: self.conn.breaker_release_script(keys=[key], args=[permit])))
 
-    def breaker_record(self, queue: str, ok: bool, threshold: int, cooldown: float, *, run: bool = False) -> str:
-        """`run`: the result of a job's run (else of a publish); a publish success never clears run failures."""
-        return self._record(queue, ok, threshold, cooldown, run, None)[0]
+    def breaker_record(self, queue: str, ok: bool, threshold: int, cooldown: float) -> str:
+        """A publish's result; its success never clears run failures."""
+        return self._record(queue, ok, threshold, cooldown, False, None)[0]
 
     def breaker_record_run(
         self, queue: str, ok: bool, threshold: int, cooldown: float, node: str | None
