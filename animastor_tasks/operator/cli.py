@@ -155,6 +155,10 @@ def layers() -> None:
     """Which stages are enabled for a book."""
 
 
+def _show_layers(layers: dict[str, bool]) -> None:
+    click.echo(", ".join(f"{stage}={'on' if on else 'off'}" for stage, on in layers.items()))
+
+
 @layers.command("set")
 @click.argument("book_id")
 @click.option("--enable", multiple=True, metavar="STAGE", help="Turn this stage on (repeat for more).")
@@ -168,7 +172,7 @@ def layers_set(book_id: str, enable: tuple[str, ...], disable: tuple[str, ...], 
     from animastor_tasks.flow import layers as layers_flow
 
     result = layers_flow.set_layers(_wired().ports, book_id, list(enable), list(disable))
-    emit(result, as_json, lambda d: click.echo(", ".join(f"{k}={'on' if v else 'off'}" for k, v in d.items())))
+    emit(result, as_json, _show_layers)
 
 
 @layers.command("show")
@@ -178,7 +182,7 @@ def layers_show(book_id: str, as_json: bool) -> None:
     from animastor_tasks.flow import layers as layers_flow
 
     result = layers_flow.layers_of(_wired().ports, book_id)
-    emit(result, as_json, lambda d: click.echo(", ".join(f"{k}={'on' if v else 'off'}" for k, v in d.items())))
+    emit(result, as_json, _show_layers)
 
 
 @main.command()
