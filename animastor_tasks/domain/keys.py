@@ -126,6 +126,10 @@ class Keyspace:
         """The due index: which books need a gate pass, and from when (the tick visits only those)."""
         return self._key("active-books", "due")
 
+    def held_passes(self) -> str:
+        """The passes a running gate batch holds: book -> when its hold lapses (a batch whose worker died)."""
+        return self._key("active-books", "due", "held")
+
     # -- per scene x stage --------------------------------------------------
     def lease(self, book: str, chapter: str, scene: str, stage: str) -> str:
         return self._key("lease", book, chapter, scene, stage)

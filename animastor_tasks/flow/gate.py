@@ -22,6 +22,7 @@ from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import candidates, collector, lanes, page, paged_pass, read_ahead, takeover
 from animastor_tasks.flow.page import PassReport
+from animastor_tasks.flow.pass_hold import PassHold
 from animastor_tasks.ports import GateRows, Ports, Snapshot
 
 log = logging.getLogger("animastor.gate")
@@ -186,6 +187,19 @@ def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True
     """The passes of several due books in one task. Each lane's room is counted once for the batch
     (no lock); a lane without room costs its books no claim transaction and no advisory lock.
     `dispatch_work=False`: reconcile's passes, which release and judge but dispatch nothing."""
+    if not dispatch_work:
+        return _passes(ports, books, dispatch_work=False, hold=None)
+    hold = PassHold(ports, books)  # the passes are sent again should this batch's worker die
+    try:
+        reports = _passes(ports, books, dispatch_work=True, hold=hold)
+    except Exception:  # an error, not a death: its books wait for reconcile's round, not for a pass every hold
+        hold.release()
+        raise
+    hold.release()
+    return reports
+
+
+def _passes(ports: Ports, books: Sequence[str], *, dispatch_work: bool, hold: PassHold | None) -> list[PassReport]:
     full = page.lanes_without_room(ports) if dispatch_work else set()
     reports: list[PassReport] = []
     failed: list[str] = []
@@ -195,10 +209,16 @@ def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True
             read = _read_facts(ports, group)
         for book in group:
             try:
-                report = gate_pass(ports, book, dispatch_work=dispatch_work, full_lanes=full, known=read.get(book))
+                report: PassReport | None = gate_pass(
+                    ports, book, dispatch_work=dispatch_work, full_lanes=full, known=read.get(book)
+                )
             except StoreUnavailable as err:  # one book's store error must not cost the others their pass
                 log.warning("[COMMAND-GATE] book=%r pass failed: %s", book, err)
                 failed.append(book)
+                report = None
+            if hold is not None:
+                hold.ended(book)
+            if report is None:
                 continue
             reports.append(report)
             if report.error is not None:

@@ -167,8 +167,16 @@ def send_due_passes(ports: Ports, *also: str) -> list[str]:
     the broker refuses, and of those after it, are due again. *Why:* taken off the index first, they waited for
     reconcile's round to reach them (30 s, or several rounds), pairs the same tick had taken over among them."""
     now = ports.clock()
-    books = ports.book_state.take_due(now)
-    books += [b for b in also if b not in books]
+    lapsed = ports.book_state.take_lapsed_passes(now)  # held by a batch whose worker died (flow/pass_hold.py)
+    try:
+        due = ports.book_state.take_due(now)
+    except Exception:
+        due_again(ports, lapsed, now)
+        raise
+    if lapsed:
+        log.warning("[DISPATCH] passes of %d book(s) lost with their batch's worker: sent again", len(lapsed))
+        ports.counters.add({"lost_pass": len(lapsed)})
+    books = list(dict.fromkeys([*due, *lapsed, *also]))
     for first in range(0, len(books), BATCH_BOOKS):
         try:
             ports.publisher.enqueue_gates(books[first : first + BATCH_BOOKS])

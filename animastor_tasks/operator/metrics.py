@@ -172,11 +172,16 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
         " the broker refused), put back on the lane's waiting list by the tick.",
         labels=["stage"],
     )
+    lost_passes = CounterMetricFamily(
+        "animastor_lost_gate_passes",
+        "Due books whose gate pass was lost with its batch (a control worker killed running it), sent again by the"
+        " tick once the batch's hold lapsed.",
+    )
     # Known label values start at 0 so that rate() and alerts work from the first scrape.
     seen: dict[str, float] = {f"dispatch:{o}": 0.0 for o in Outcome if o != Outcome.DEFERRED}
     seen.update({f"{kind}:{stage}": 0.0 for kind in ("blocked", "lost_refill") for stage in stages})
     seen.update({f"job:{e}:{stage}": 0.0 for e in JOB_EVENTS for stage in stages})
-    seen["revoke:failed"] = 0.0
+    seen["revoke:failed"] = seen["lost_pass"] = 0.0
     seen.update({k: _number(v) for k, v in fields.items()})
     fence_total = 0.0
     for name, n in sorted(seen.items()):
@@ -194,8 +199,10 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
             jobs.add_metric([event, stage], n)
         elif name == "revoke:failed":
             revoke.add_metric([], n)
+        elif name == "lost_pass":
+            lost_passes.add_metric([], n)
     fence.add_metric([], fence_total)
-    yield from (dispatch, fence, blocked, jobs, lost, revoke)
+    yield from (dispatch, fence, blocked, jobs, lost, lost_passes, revoke)
 
 
 def _histogram_families(fields: dict[str, str], stages: Iterable[str], now: float) -> Iterator[Metric]:

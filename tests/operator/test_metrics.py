@@ -93,6 +93,10 @@ def test_counters_of_the_hash_are_exported_by_kind(rt: Wiring) -> None:
     assert value(samples, "animastor_commands", status="active") == 0
     # Exported at 0 before the first failure, as the others: `increase()` missed the first failed revoke.
     assert value(samples, "animastor_revoke_failures_total") == 0
+    assert value(samples, "animastor_lost_gate_passes_total") == 0
+    rt.counters.add({"lost_pass": 3})
+    samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
+    assert value(samples, "animastor_lost_gate_passes_total") == 3
 
 
 def test_a_postgres_error_that_is_no_outage_is_still_blamed_on_postgres(rt: Wiring, monkeypatch) -> None:

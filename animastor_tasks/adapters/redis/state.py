@@ -1,5 +1,5 @@
-"""Per-book coordination state: cancel flags (`cancel_flags.py`), the force set, the active
-index, and the one-round-trip snapshot a gate pass reads.
+"""Per-book coordination state: cancel flags (`cancel_flags.py`), the due index (`due_index.py`), the force set,
+the active index, and the one-round-trip snapshot a gate pass reads.
 
 Everything here can be rebuilt from Postgres (see `flow.reconcile`).
 """
@@ -12,8 +12,9 @@ from typing import Any
 
 import redis
 
-from animastor_tasks.adapters.redis.cancel_flags import STOP_FLAG, CancelFlagStore
+from animastor_tasks.adapters.redis.cancel_flags import STOP_FLAG
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
+from animastor_tasks.adapters.redis.due_index import DueIndexStore
 from animastor_tasks.domain.capacity import HANDED_HOLD_SECONDS
 from animastor_tasks.domain.deferral import RANK_SCALE
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member, parse_pair_member, parse_scene_member, scene_member
@@ -40,13 +41,12 @@ def _handed_lately(handed: dict[Any, Any], now: float) -> dict[str, int]:
     return held
 
 
-class BookStateStore(CancelFlagStore):
+class BookStateStore(DueIndexStore):
     def __init__(self, conn: RedisConnection) -> None:
         super().__init__(conn)
         self._epoch: str | None = None  # the dataset token this process last saw (see `_seen_epoch`)
         self._data_lost_at = float("-inf")
         self._book_reads_if_small = conn.client.register_script(_script("book_reads_if_small"))
-        self._due_clear = conn.client.register_script(_script("due_clear"))
         self._drop_if_idle = conn.client.register_script(_script("drop_if_idle"))
 
     # -- one read for a whole gate pass ---------------------------------------
@@ -172,35 +172,6 @@ class BookStateStore(CancelFlagStore):
             first_deferral_end=min(deferral_ends, default=None),
             due_at=None if due_at is None else float(due_at),
         )
-
-    # -- the due index: which books need a gate pass, and from when ------------------
-    def set_due(self, book: str, when: float) -> None:
-        """The book needs its next pass by `when` (unix seconds): an earlier entry stands (ZADD LT), so a pass on
-        a stale snapshot never puts back a book that something made due sooner meanwhile."""
-        self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.due(), {book: when}, lt=True))
-
-    def set_due_all(self, books: Sequence[str], when: float) -> None:
-        """`set_due` of each of `books`, in one round trip."""
-        if books:
-            self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.due(), dict.fromkeys(books, when), lt=True))
-
-    def clear_due(self, book: str, seen: float) -> None:
-        """No pass until something happens: the book off the due index, if its entry is still `seen`
-        (`lua/due_clear.lua`)."""
-        self.conn.run(
-            lambda: self._due_clear(keys=[self.conn.keys.due()], args=[book, repr(seen)], client=self.conn.client)
-        )
-
-    def take_due(self, now: float) -> list[str]:
-        """The books due by `now`, taken off the index in one step (their passes put them back as needed),
-        so a book is asked for once however many ticks pass before its pass runs."""
-        key = self.conn.keys.due()
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=True)
-            pipe.zrangebyscore(key, "-inf", now)
-            pipe.zremrangebyscore(key, "-inf", now)
-            books, _ = pipe.execute()
-        return [str(b) for b in books]
 
     def _lost_or_recovered_at(self) -> float:
         """Since when Redis's presence cannot be trusted: it lost its data, or this process could not reach it (the

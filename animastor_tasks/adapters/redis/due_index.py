@@ -1,0 +1,70 @@
+"""The due index (which books need a gate pass, and from when) and the holds of the passes a batch runs.
+
+A tick takes its due books off the index and sends their passes; a batch holds them while it runs, so a batch lost
+with its control worker (control tasks are acknowledged when they start) leaves holds that lapse, and the tick sends
+those passes again (`take_lapsed_passes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from animastor_tasks.adapters.redis.cancel_flags import CancelFlagStore
+from animastor_tasks.adapters.redis.connection import RedisConnection, _script
+
+
+class DueIndexStore(CancelFlagStore):
+    def __init__(self, conn: RedisConnection) -> None:
+        super().__init__(conn)
+        self._due_clear = conn.client.register_script(_script("due_clear"))
+        self._hold_passes = conn.client.register_script(_script("hold_passes"))
+
+    def set_due(self, book: str, when: float) -> None:
+        """The book needs its next pass by `when` (unix seconds): an earlier entry stands (ZADD LT), so a pass on
+        a stale snapshot never puts back a book that something made due sooner meanwhile."""
+        self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.due(), {book: when}, lt=True))
+
+    def set_due_all(self, books: Sequence[str], when: float) -> None:
+        """`set_due` of each of `books`, in one round trip."""
+        if books:
+            self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.due(), dict.fromkeys(books, when), lt=True))
+
+    def clear_due(self, book: str, seen: float) -> None:
+        """No pass until something happens: the book off the due index, if its entry is still `seen`
+        (`lua/due_clear.lua`)."""
+        self.conn.run(
+            lambda: self._due_clear(keys=[self.conn.keys.due()], args=[book, repr(seen)], client=self.conn.client)
+        )
+
+    def take_due(self, now: float) -> list[str]:
+        """The books due by `now`, taken off the index in one step (their passes put them back as needed),
+        so a book is asked for once however many ticks pass before its pass runs."""
+        key = self.conn.keys.due()
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=True)
+            pipe.zrangebyscore(key, "-inf", now)
+            pipe.zremrangebyscore(key, "-inf", now)
+            books, _ = pipe.execute()
+        return [str(b) for b in books]
+
+    def hold_passes(
+        self, held: Sequence[str], until: float | None, *, ended: Sequence[str] = (), seen: float | None = None
+    ) -> None:
+        """The passes of `held` are under way until `until` (None: none held on); those of `ended` are over.
+        `seen`: the end this batch wrote last; only its own holds are touched (`lua/hold_passes.lua`)."""
+        books = [*ended, *held]
+        if books:
+            args: list[str | int] = ["" if seen is None else repr(seen), "" if until is None else repr(until)]
+            args += [len(ended), *books]
+            key = self.conn.keys.held_passes()
+            self.conn.run(lambda: self._hold_passes(keys=[key], args=args, client=self.conn.client))
+
+    def take_lapsed_passes(self, now: float) -> list[str]:
+        """The books whose batch held their pass and lapsed by `now` (its worker died), taken in one step."""
+        key = self.conn.keys.held_passes()
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=True)
+            pipe.zrangebyscore(key, "-inf", now)
+            pipe.zremrangebyscore(key, "-inf", now)
+            books, _ = pipe.execute()
+        return [str(b) for b in books]

@@ -1,0 +1,133 @@
+"""A gate batch lost with its control worker: its books' passes are sent again when the batch's hold lapses.
+
+Control tasks are acknowledged when they start; a batch whose worker died (a deploy's SIGKILL, the OOM killer)
+had taken its books off the due index for nothing, and they waited for reconcile's paged round, their GPU slots
+idle. Real Postgres, Redis and broker; control messages run through the real tasks (`run_control`); a worker's
+death is a `BaseException` raised inside a pass (no error handling runs, as none would in a killed process).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from animastor_tasks.flow import gate, pass_hold
+from animastor_tasks.worker.wiring import Wiring
+
+from .helpers import advertise
+from .test_due_index_lost import BOOKS, awaiting_workers, due, generating, tick
+from .test_elastic_share import run_control
+
+HOLD = 0.5  # seconds: a batch's hold here (20 s in production)
+
+
+class WorkerDied(BaseException):
+    """The control worker killed in the middle of a batch."""
+
+
+def held(rt: Wiring) -> dict[str, float]:
+    return {str(b): s for b, s in rt.redis.client.zrange(rt.redis.keys.held_passes(), 0, -1, withscores=True)}
+
+
+def workers_back(rt: Wiring) -> None:
+    """Every book due now, with its audio pair pending and a live GPU worker."""
+    awaiting_workers(rt)
+    rt.redis.client.zadd(rt.redis.keys.due(), dict.fromkeys(BOOKS, 0))
+    rt.redis.recovered_at = float("-inf")
+    advertise(rt, "gpu.audio")
+
+
+def dies_at(monkeypatch: pytest.MonkeyPatch, book: str) -> list[str]:
+    """The batch's worker dies as the pass of `book` starts; the books passed before it."""
+    real, passed = gate.gate_pass, []
+
+    def gate_pass(ports, name, **kwargs):  # type: ignore[no-untyped-def]
+        if name == book:
+            raise WorkerDied(name)
+        passed.append(name)
+        return real(ports, name, **kwargs)
+
+    monkeypatch.setattr(gate, "gate_pass", gate_pass)
+    return passed
+
+
+@pytest.fixture
+def short_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pass_hold, "HOLD_SECONDS", HOLD)
+
+
+def test_the_passes_of_a_batch_whose_worker_died_are_sent_again(rt: Wiring, monkeypatch, short_hold) -> None:
+    """Before: after the death no tick sent anything, and 8 of the 12 books stayed pending until reconcile."""
+    workers_back(rt)
+    assert sorted(tick(rt)) == BOOKS
+    with monkeypatch.context() as dying, pytest.raises(WorkerDied):
+        passed = dies_at(dying, "b04")
+        run_control(rt)
+    assert passed == BOOKS[:4] and not due(rt)
+    assert not any(generating(rt, book) for book in BOOKS[4:])
+    assert tick(rt) == []  # the hold stands: the batch may still be running
+    time.sleep(HOLD + 0.1)
+    assert sorted(tick(rt)) == BOOKS  # every book the batch carried, those passed before its death among them
+    run_control(rt)
+    assert all(generating(rt, book) for book in BOOKS) and held(rt) == {}
+    rt.counters.flush()
+    assert rt.redis.client.hget(rt.redis.keys.metrics(), "lost_pass") == "12"  # animastor_lost_gate_passes_total
+
+
+def test_a_batch_that_ends_lets_its_holds_go(rt: Wiring, short_hold) -> None:
+    workers_back(rt)
+    assert sorted(tick(rt)) == BOOKS
+    run_control(rt)
+    assert held(rt) == {} and all(generating(rt, book) for book in BOOKS)
+
+
+def test_a_batch_that_fails_lets_its_holds_go(rt: Wiring, monkeypatch, short_hold) -> None:
+    """An error is not a death: sent again each hold, a pass that fails the same way would run for ever."""
+    workers_back(rt)
+    tick(rt)
+
+    def broken(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug in a pass")
+
+    monkeypatch.setattr(gate, "gate_pass", broken)
+    with pytest.raises(RuntimeError):
+        run_control(rt)
+    assert held(rt) == {}
+
+
+def test_a_queue_behind_sends_no_pass_twice(rt: Wiring, short_hold) -> None:
+    """A hold starts when its batch starts: batches waiting in the control queue longer than a hold are not
+    sent again (a hold from the tick's send queued each due book's pass once per hold while control lagged)."""
+    workers_back(rt)
+    assert sorted(tick(rt)) == BOOKS
+    time.sleep(HOLD + 0.1)
+    assert tick(rt) == [] and held(rt) == {}
+    ran = run_control(rt)
+    assert [name for name, _ in ran] == ["animastor.gate_batch"]
+
+
+def test_an_older_batch_does_not_let_go_of_a_newer_ones_hold(rt: Wiring) -> None:
+    """Two batches of one book (a regenerate made it due again while the first ran): the first to end lets go of
+    its own hold only, so the newer batch's death is still seen."""
+    first = pass_hold.PassHold(rt.ports, ["b00", "b01"])
+    second = pass_hold.PassHold(rt.ports, ["b01"])
+    newer = held(rt)["b01"]
+    first.ended("b00")
+    first.ended("b01")
+    first.release()
+    assert held(rt) == {"b01": newer}
+    second.release()
+    assert held(rt) == {}
+
+
+def test_a_slow_batch_renews_its_hold(rt: Wiring, monkeypatch) -> None:
+    monkeypatch.setattr(pass_hold, "HOLD_SECONDS", 1.0)
+    batch = pass_hold.PassHold(rt.ports, ["b00", "b01", "b02"])
+    time.sleep(0.6)  # past half its hold
+    batch.ended("b00")
+    assert set(held(rt)) == {"b01", "b02"} and min(held(rt).values()) > rt.ports.clock() + 0.8
+    time.sleep(0.6)  # its first end has passed: renewed, no book lapsed
+    assert rt.ports.book_state.take_lapsed_passes(rt.ports.clock()) == []
+    batch.release()
+    assert held(rt) == {}
