@@ -195,6 +195,9 @@ def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True
     except Exception:  # an error, not a death: its books wait for reconcile's round, not for a pass every hold
         hold.release()
         raise
+    except BaseException:  # the process is going (a shutdown cut the batch short): its holds lapse
+        hold.abandon()
+        raise
     hold.release()
     return reports
 

@@ -49,15 +49,17 @@ class DueIndexStore(CancelFlagStore):
 
     def hold_passes(
         self, held: Sequence[str], until: float | None, *, ended: Sequence[str] = (), seen: float | None = None
-    ) -> None:
+    ) -> int:
         """The passes of `held` are under way until `until` (None: none held on); those of `ended` are over.
-        `seen`: the end this batch wrote last; only its own holds are touched (`lua/hold_passes.lua`)."""
+        `seen`: the end this batch wrote last; only its own holds are touched (`lua/hold_passes.lua`). Returns how
+        many of `held` had lost their hold (it lapsed, and the tick sent their passes again)."""
         books = [*ended, *held]
-        if books:
-            args: list[str | int] = ["" if seen is None else repr(seen), "" if until is None else repr(until)]
-            args += [len(ended), *books]
-            key = self.conn.keys.held_passes()
-            self.conn.run(lambda: self._hold_passes(keys=[key], args=args, client=self.conn.client))
+        if not books:
+            return 0
+        args: list[str | int] = ["" if seen is None else repr(seen), "" if until is None else repr(until)]
+        args += [len(ended), *books]
+        key = self.conn.keys.held_passes()
+        return int(self.conn.run(lambda: self._hold_passes(keys=[key], args=args, client=self.conn.client)))
 
     def take_lapsed_passes(self, now: float) -> list[str]:
         """The books whose batch held their pass and lapsed by `now` (its worker died), taken in one step."""

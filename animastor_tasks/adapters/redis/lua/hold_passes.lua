@@ -4,7 +4,9 @@
 -- KEYS[1] the held passes (book -> when its hold lapses)
 -- ARGV[1] the end this batch wrote last ('' before its first write), ARGV[2] the new end ('' when none is held on),
 -- ARGV[3] how many books come first whose pass ended, then those books, then the books still held
+-- returns how many of the books still held had lost this batch's hold (it lapsed and the tick took it)
 local seen, ends, ended = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local lost = 0
 for i = 4, #ARGV do
     local book = ARGV[i]
     local score = redis.call('ZSCORE', KEYS[1], book)
@@ -14,6 +16,8 @@ for i = 4, #ARGV do
         else
             redis.call('ZADD', KEYS[1], ends, book)
         end
+    elseif not score and i >= 4 + ended and ends ~= '' then
+        lost = lost + 1
     end
 end
-return 0
+return lost
