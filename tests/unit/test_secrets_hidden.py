@@ -102,3 +102,11 @@ def test_redacting_a_long_word_takes_no_time(text: str) -> None:
     started = time.monotonic()
     redact_url(text)
     assert time.monotonic() - started < 1.0
+
+
+def test_a_port_out_of_range_is_named_with_a_login_in_the_url() -> None:
+    """It read "its login cannot be read" for `postgres@host:99999`, sending the operator after a password."""
+    said = refusal({"ANIMASTOR_DATABASE_URL": "postgresql://postgres@127.0.0.1:99999/x"})
+    assert "port is out of range 0-65535" in said and "login cannot be read" not in said
+    said = refusal({"ANIMASTOR_REDIS_URL": f"redis://:Xy3#{SECRET}@redis:6379/0"})  # still a password, not a port
+    assert "login cannot be read" in said
