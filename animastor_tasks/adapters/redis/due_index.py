@@ -39,13 +39,7 @@ class DueIndexStore(CancelFlagStore):
     def take_due(self, now: float) -> list[str]:
         """The books due by `now`, taken off the index in one step (their passes put them back as needed),
         so a book is asked for once however many ticks pass before its pass runs."""
-        key = self.conn.keys.due()
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=True)
-            pipe.zrangebyscore(key, "-inf", now)
-            pipe.zremrangebyscore(key, "-inf", now)
-            books, _ = pipe.execute()
-        return [str(b) for b in books]
+        return self._take_until(self.conn.keys.due(), now)
 
     def hold_passes(
         self, held: Sequence[str], until: float | None, *, ended: Sequence[str] = (), seen: float | None = None
@@ -63,7 +57,9 @@ class DueIndexStore(CancelFlagStore):
 
     def take_lapsed_passes(self, now: float) -> list[str]:
         """The books whose batch held their pass and lapsed by `now` (its worker died), taken in one step."""
-        key = self.conn.keys.held_passes()
+        return self._take_until(self.conn.keys.held_passes(), now)
+
+    def _take_until(self, key: str, now: float) -> list[str]:
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
             pipe.zrangebyscore(key, "-inf", now)
