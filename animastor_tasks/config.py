@@ -179,11 +179,10 @@ def _unreadable(value: str, err: ValueError) -> str:
     cut where an unencoded `#`, `?` or `/` ended the authority early (`Port could not be cast ... 'Xy3'`)."""
     if "@" not in value:
         return str(err)
-    encoded = "a password's '/', '?', '#', '@', ':', '%' and blanks must be percent-encoded"
-    encoded += " (%2F %3F %23 %40 %3A %25 %20)"
+    hint = "a password's '/', '?', '#', '@', ':', '%' and blanks must be percent-encoded (%2F %3F %23 %40 %3A %25 %20)"
     if str(err).startswith("Port out of range"):  # its words quote nothing: a port, or digits a password cut short
-        return f"its port is out of range 0-65535 (or its password was cut short: {encoded})"
-    return f"its login cannot be read (the parser's words are not shown, they may quote the password): {encoded}"
+        return f"its port is out of range 0-65535 (or its password was cut short: {hint})"
+    return f"its login cannot be read (the parser's words are not shown, they may quote the password): {hint}"
 
 
 def _check_redis_url(name: str, value: str, path: str) -> None:
