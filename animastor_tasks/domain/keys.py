@@ -127,7 +127,7 @@ class Keyspace:
         return self._key("active-books", "due")
 
     def held_passes(self) -> str:
-        """The passes a running gate batch holds: book -> when its hold lapses (a batch whose worker died)."""
+        """The passes a running gate batch or regenerate holds: `held_pass_member` -> when the hold lapses."""
         return self._key("active-books", "due", "held")
 
     # -- per scene x stage --------------------------------------------------
@@ -246,6 +246,17 @@ def parse_pair_member(member: str) -> tuple[str, str, str]:
     if "%" not in member:  # most members need no unquoting: a pass parses thousands of them
         return chapter, scene, stage
     return decode(chapter), decode(scene), decode(stage)
+
+
+def held_pass_member(holder: str, book: str) -> str:
+    """A hold's member in the held passes: each holder (a batch, a regenerate) has its own, so one letting go of
+    its hold never takes another's away."""
+    return SEP.join((encode(holder), encode(book)))
+
+
+def parse_held_pass_member(member: str) -> str:
+    """The book a held pass's member names."""
+    return decode(member.split(SEP, 1)[1])
 
 
 def scene_member(chapter: str, scene: str) -> str:

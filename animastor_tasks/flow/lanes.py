@@ -174,14 +174,18 @@ def send_due_passes(ports: Ports, *also: str) -> list[str]:
         due_again(ports, lapsed, now)
         raise
     if lapsed:
-        log.warning("[DISPATCH] passes of %d book(s) lost with their batch's worker: sent again", len(lapsed))
+        log.warning("[DISPATCH] passes of %d book(s) lost with their holder's process: sent again", len(lapsed))
         ports.counters.add({"lost_pass": len(lapsed)})
     books = list(dict.fromkeys([*due, *lapsed, *also]))
-    for first in range(0, len(books), BATCH_BOOKS):
+    alone = set(lapsed)  # each in a batch of its own: a pass that kills its process takes no other book's with it
+    batches = [[b] for b in books if b in alone]
+    rest = [b for b in books if b not in alone]
+    batches += [rest[first : first + BATCH_BOOKS] for first in range(0, len(rest), BATCH_BOOKS)]
+    for sent, batch in enumerate(batches):
         try:
-            ports.publisher.enqueue_gates(books[first : first + BATCH_BOOKS])
+            ports.publisher.enqueue_gates(batch)
         except Exception:
-            due_again(ports, books[first:], now)
+            due_again(ports, [b for unsent in batches[sent:] for b in unsent], now)
             raise
     return books
 

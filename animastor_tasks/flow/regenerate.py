@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, cast
 
@@ -25,6 +27,7 @@ from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import CommandStatus, Priority
 from animastor_tasks.errors import DuplicateCommand, InvalidCommand, StoreUnavailable
 from animastor_tasks.flow import gate, page, pass_hold, refill, validate
+from animastor_tasks.flow.pass_hold import PassHold
 from animastor_tasks.ports import CommandContext, CommandRow, LiftedFlag, Ports, Snapshot
 
 log = logging.getLogger("animastor.commands")
@@ -99,18 +102,19 @@ def regenerate(
         return _replay(ports, again, request_id, book, wanted, force, rank, named)
     if created.targets is not None:  # the book's scenes as its commands were written (an import may come between)
         targets = created.targets
-    snap, pairs, held = _start_work(ports, book, enabled, targets, force, request_id)
-    if created.superseded:
-        _stop_superseded(ports, book, created.superseded)
-    log.info(
-        "[COMMAND] book=%r regenerate stages=%s scenes=%d request=%s skipped=%s",
-        book,
-        ",".join(enabled),
-        len(targets),
-        request_id,
-        ",".join(s["stage"] for s in skipped) or "none",
-    )
-    _first_dispatch(ports, book, snap, pairs, held)
+    snap, pairs, hold = _start_work(ports, book, enabled, targets, force, request_id)
+    with _first_pass(ports, book, hold):
+        if created.superseded:
+            _stop_superseded(ports, book, created.superseded)
+        log.info(
+            "[COMMAND] book=%r regenerate stages=%s scenes=%d request=%s skipped=%s",
+            book,
+            ",".join(enabled),
+            len(targets),
+            request_id,
+            ",".join(s["stage"] for s in skipped) or "none",
+        )
+        _first_dispatch(ports, book, snap, pairs)
     # The statuses alone (the pass may have settled a command): a command's progress joins every one of its targets.
     statuses = ports.commands.command_statuses([cid for cid, _ in per_stage.values()])
     lost = sorted(cid for cid, _ in per_stage.values() if cid not in statuses)
@@ -144,13 +148,12 @@ def _keep_cancelled(ports: Ports, book: str, request_id: str, lifted: LiftedFlag
 
 def _start_work(
     ports: Ports, book: str, stages: list[str], targets: list[SceneKey], force: bool, request_id: str
-) -> tuple[Snapshot | None, list[Pair], float]:
+) -> tuple[Snapshot | None, list[Pair], PassHold]:
     """The commands' Redis side (`BookState.start_work`); returns the snapshot the first gate pass needs, read
-    after those writes in the same round trip, the pairs, and the end of the first pass's hold written with them
+    after those writes in the same round trip, the pairs, and the first pass's hold written with them
     (flow/pass_hold.py: the tick passes the book should this process die before its pass ends)."""
     pairs = [(c, s, stage) for stage in stages for c, s in targets]
-    now = ports.clock()
-    held = now + pass_hold.HOLD_SECONDS
+    now, holder = ports.clock(), uuid.uuid4().hex
     snap = ports.book_state.start_work(
         book,
         pairs,
@@ -159,19 +162,34 @@ def _start_work(
         snapshot=(now, ports.settings.registry.queues()),
         most_scenes=BIG_BOOK_SCENES,
         lifted=request_id,
-        hold_until=held,
+        hold=(holder, now + pass_hold.HOLD_SECONDS),
     )
-    return snap, pairs, held
+    return snap, pairs, PassHold(ports, [book], holder=holder, written=True)
 
 
-def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[Pair], held: float) -> None:
+@contextmanager
+def _first_pass(ports: Ports, book: str, hold: PassHold) -> Iterator[None]:
+    """The first pass under its hold, let go as it ends. One that raised leaves the book due for the tick's next
+    pass: its commands are written. *Why:* left held, the book waited 20 s and was counted as a lost pass."""
+    try:
+        yield
+    except Exception:
+        _due_now(ports, book, None)
+        hold.release()
+        raise
+    except BaseException:  # the process is going: the hold lapses, and the tick passes the book
+        hold.abandon()
+        raise
+    hold.release()
+
+
+def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[Pair]) -> None:
     """The pass that starts the command's work at once. In a big book (no snapshot: `start_work` read none) it
     is the refill's read of the book's next pairs in slot order (an interactive scene is the first of them),
     not a pass over every pair in flight: a reader's one scene in a book of 50,000 pending pairs cost half a
     second of the control worker, 35 ms of it reading the book's sets from Redis. A target the refill did not
     judge (behind the book's backlog) is left to the full pass, which writes why it waits: the book is due
-    for it at once. Its hold (`held`) is let go as it ends; left by a process that died, it lapses and the tick
-    passes the book."""
+    for it at once."""
     if snap is not None:
         if gate.gate_pass(ports, book, snapshot=snap).error:
             # It read nothing (a store did not answer): the tick's next pass does its work. Left as it was, the book
@@ -182,7 +200,6 @@ def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[
         judged = report.denied.keys() | set(report.authorized)
         if report.error or not judged.issuperset(pairs):
             _due_now(ports, book, None)
-    pass_hold.let_go(ports, book, held)
 
 
 def _due_now(ports: Ports, book: str, due_at: float | None) -> None:
@@ -244,8 +261,9 @@ def _replay(
     active = sorted({r.stage for r in rows if r.status == CommandStatus.ACTIVE})
     if active:
         targets = named if named is not None else context.scenes
-        snap, pairs, held = _start_work(ports, book, active, targets, force, request_id)
-        _first_dispatch(ports, book, snap, pairs, held)
+        snap, pairs, hold = _start_work(ports, book, active, targets, force, request_id)
+        with _first_pass(ports, book, hold):
+            _first_dispatch(ports, book, snap, pairs)
     # The stages it asked for that made no command had their layer off, as the first answer said (known only of
     # a command that keeps what its request asked: migration 0009).
     skipped = [] if first is None or first.asked_stages is None else [s for s in wanted if s not in first.stages]

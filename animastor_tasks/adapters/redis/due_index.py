@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from animastor_tasks.adapters.redis.cancel_flags import CancelFlagStore
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
+from animastor_tasks.domain.keys import held_pass_member, parse_held_pass_member
 
 
 class DueIndexStore(CancelFlagStore):
@@ -41,23 +42,32 @@ class DueIndexStore(CancelFlagStore):
         so a book is asked for once however many ticks pass before its pass runs."""
         return self._take_until(self.conn.keys.due(), now)
 
-    def hold_passes(
-        self, held: Sequence[str], until: float | None, *, ended: Sequence[str] = (), seen: float | None = None
-    ) -> int:
-        """The passes of `held` are under way until `until` (None: none held on); those of `ended` are over.
-        `seen`: the end this batch wrote last; only its own holds are touched (`lua/hold_passes.lua`). Returns how
-        many of `held` had lost their hold (it lapsed, and the tick sent their passes again)."""
-        books = [*ended, *held]
-        if not books:
+    def hold_passes(self, holder: str, books: Sequence[str], until: float) -> None:
+        """`holder`'s passes of `books` are under way until `until`."""
+        members = {held_pass_member(holder, b): until for b in books}
+        if members:
+            self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.held_passes(), members))
+
+    def renew_passes(self, holder: str, held: Sequence[str], until: float, *, ended: Sequence[str] = ()) -> int:
+        """`holder`'s passes of `held` held on until `until`, those of `ended` let go (`lua/hold_passes.lua`).
+        Returns how many of `held` had lapsed (the tick took them and sent their passes again)."""
+        members = [held_pass_member(holder, b) for b in (*ended, *held)]
+        if not members:
             return 0
-        args: list[str | int] = ["" if seen is None else repr(seen), "" if until is None else repr(until)]
-        args += [len(ended), *books]
+        args: list[str | int] = [repr(until), len(ended), *members]
         key = self.conn.keys.held_passes()
         return int(self.conn.run(lambda: self._hold_passes(keys=[key], args=args, client=self.conn.client)))
 
+    def let_go_passes(self, holder: str, books: Sequence[str]) -> None:
+        """`holder`'s passes of `books` are over."""
+        members = [held_pass_member(holder, b) for b in books]
+        if members:
+            self.conn.run(lambda: self.conn.client.zrem(self.conn.keys.held_passes(), *members))
+
     def take_lapsed_passes(self, now: float) -> list[str]:
-        """The books whose batch held their pass and lapsed by `now` (its worker died), taken in one step."""
-        return self._take_until(self.conn.keys.held_passes(), now)
+        """The books whose held pass lapsed by `now` (its holder's process died), taken in one step."""
+        taken = self._take_until(self.conn.keys.held_passes(), now)
+        return list(dict.fromkeys(parse_held_pass_member(member) for member in taken))
 
     def _take_until(self, key: str, now: float) -> list[str]:
         with self.conn.errors():

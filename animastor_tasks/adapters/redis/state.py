@@ -17,7 +17,14 @@ from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 from animastor_tasks.adapters.redis.due_index import DueIndexStore
 from animastor_tasks.domain.capacity import HANDED_HOLD_SECONDS
 from animastor_tasks.domain.deferral import RANK_SCALE
-from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member, parse_pair_member, parse_scene_member, scene_member
+from animastor_tasks.domain.keys import (
+    DEFER_BUCKETS,
+    held_pass_member,
+    pair_member,
+    parse_pair_member,
+    parse_scene_member,
+    scene_member,
+)
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.ports import Snapshot
 
@@ -222,12 +229,12 @@ class BookStateStore(DueIndexStore):
         snapshot: tuple[float, Sequence[str]] | None = None,
         most_scenes: int | None = None,
         lifted: str | None = None,
-        hold_until: float | None = None,
+        hold: tuple[str, float] | None = None,
     ) -> Snapshot | None:
         """A regenerate's Redis side in one round trip: the cancel flag lifted again (a Stop All whose flag came
         between the regenerate's first lift and its commands left the book flagged, its new command active
         with nothing to run it) and the lift of request `lifted` ended, force set (or un-force), deferrals
-        cleared, scenes in the active index; `hold_until`: the book's first pass held until then (flow/pass_hold.py).
+        cleared, scenes in the active index; `hold` (holder, until): the book's first pass held (flow/pass_hold.py).
         `snapshot` (now, queues): the book's snapshot read after those writes, in the same round trip, for the
         gate pass that follows at once; `most_scenes`: only while the active index holds at most that many
         scenes (None for a bigger book: its sets are not read)."""
@@ -248,8 +255,8 @@ class BookStateStore(DueIndexStore):
                     pipe.zrem(self.conn.keys.deferrals(book, bucket), *members)
                 pipe.sadd(self.conn.keys.active_scenes(book), *(scene_member(c, s) for c, s in scenes))
                 pipe.sadd(self.conn.keys.active_books(), book)
-            if hold_until is not None:
-                pipe.zadd(self.conn.keys.held_passes(), {book: hold_until})
+            if hold is not None:
+                pipe.zadd(self.conn.keys.held_passes(), {held_pass_member(hold[0], book): hold[1]})
             writes = len(pipe)
             if snapshot is not None and most_scenes is not None:
                 now, queues = snapshot

@@ -1,22 +1,16 @@
--- A gate batch's hold on its books' passes, written while it runs: the books whose pass ended let go, the others
--- held to a new end. Only entries this batch wrote are touched (their score is the end it wrote last): a newer
--- batch of the same book holds it now, and a lapsed hold the tick took is the tick's.
--- KEYS[1] the held passes (book -> when its hold lapses)
--- ARGV[1] the end this batch wrote last ('' before its first write), ARGV[2] the new end ('' when none is held on),
--- ARGV[3] how many books come first whose pass ended, then those books, then the books still held
--- returns how many of the books still held had lost this batch's hold (it lapsed and the tick took it)
-local seen, ends, ended = ARGV[1], ARGV[2], tonumber(ARGV[3])
+-- A holder's renewal of its held passes: those whose pass ended let go, the others held to a new end, but only
+-- while still held (a hold that lapsed was taken by the tick, which sent its pass again: it is not written back).
+-- KEYS[1] the held passes (member -> when its hold lapses)
+-- ARGV[1] the new end, ARGV[2] how many members come first whose pass ended, then those members, then the held ones
+-- returns how many of the held ones had lapsed
+local ends, ended = ARGV[1], tonumber(ARGV[2])
 local lost = 0
-for i = 4, #ARGV do
-    local book = ARGV[i]
-    local score = redis.call('ZSCORE', KEYS[1], book)
-    if seen == '' or (score and tonumber(score) == tonumber(seen)) then
-        if i < 4 + ended or ends == '' then
-            redis.call('ZREM', KEYS[1], book)
-        else
-            redis.call('ZADD', KEYS[1], ends, book)
-        end
-    elseif not score and i >= 4 + ended and ends ~= '' then
+for i = 3, #ARGV do
+    if i < 3 + ended then
+        redis.call('ZREM', KEYS[1], ARGV[i])
+    elseif redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+        redis.call('ZADD', KEYS[1], ends, ARGV[i])
+    else
         lost = lost + 1
     end
 end
