@@ -126,6 +126,10 @@ class Keyspace:
         """The due index: which books need a gate pass, and from when (the tick visits only those)."""
         return self._key("active-books", "due")
 
+    def held_pass_lapses(self) -> str:
+        """Book -> how many of its held passes lapsed in a row (their holder's process died each time)."""
+        return self._key("active-books", "due", "lapses")
+
     def held_passes(self) -> str:
         """The passes a running gate batch or regenerate holds: `held_pass_member` -> when the hold lapses."""
         return self._key("active-books", "due", "held")
@@ -255,8 +259,8 @@ def held_pass_member(holder: str, book: str) -> str:
 
 
 def parse_held_pass_member(member: str) -> str:
-    """The book a held pass's member names."""
-    return decode(member.split(SEP, 1)[1])
+    """The book a held pass's member names (a member of one book only, as an earlier version wrote: that book)."""
+    return decode(member.split(SEP, 1)[-1])
 
 
 def scene_member(chapter: str, scene: str) -> str:

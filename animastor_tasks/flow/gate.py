@@ -211,6 +211,8 @@ def _passes(ports: Ports, books: Sequence[str], *, dispatch_work: bool, hold: Pa
         with collector.paused():
             read = _read_facts(ports, group)
         for book in group:
+            if hold is not None and not hold.starts(book):  # given to the tick while a pass before it stalled
+                continue
             try:
                 report: PassReport | None = gate_pass(
                     ports, book, dispatch_work=dispatch_work, full_lanes=full, known=read.get(book)

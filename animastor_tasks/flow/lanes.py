@@ -16,6 +16,7 @@ from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import no_worker_reason
 from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.flow import pass_hold
 from animastor_tasks.ports import Ports
 
 log = logging.getLogger("animastor.dispatch")
@@ -167,20 +168,21 @@ def send_due_passes(ports: Ports, *also: str) -> list[str]:
     the broker refuses, and of those after it, are due again. *Why:* taken off the index first, they waited for
     reconcile's round to reach them (30 s, or several rounds), pairs the same tick had taken over among them."""
     now = ports.clock()
-    lapsed = ports.book_state.take_lapsed_passes(now)  # held by a batch whose worker died (flow/pass_hold.py)
+    lapses = ports.book_state.take_lapsed_passes(now)  # held by a holder whose process died (flow/pass_hold.py)
     try:
         due = ports.book_state.take_due(now)
     except Exception:
-        due_again(ports, lapsed, now)
+        due_again(ports, list(lapses), now)
         raise
-    if lapsed:
-        log.warning("[DISPATCH] passes of %d book(s) lost with their holder's process: sent again", len(lapsed))
-        ports.counters.add({"lost_pass": len(lapsed)})
-    books = list(dict.fromkeys([*due, *lapsed, *also]))
-    alone = set(lapsed)  # each in a batch of its own: a pass that kills its process takes no other book's with it
-    batches = [[b] for b in books if b in alone]
-    rest = [b for b in books if b not in alone]
-    batches += [rest[first : first + BATCH_BOOKS] for first in range(0, len(rest), BATCH_BOOKS)]
+    batched, alone, given_up = pass_hold.sort_lapsed(lapses)
+    if given_up:
+        _give_up(ports, given_up)
+    if batched or alone:
+        log.warning("[DISPATCH] passes of %d book(s) lost with their holder's process: sent again", len(lapses))
+        ports.counters.add({"lost_pass": len(batched) + len(alone)})
+    books = list(dict.fromkeys([*due, *batched, *alone, *also]))
+    rest = [b for b in books if b not in alone]  # each of `alone` in a batch of its own: it may kill its process
+    batches = [[b] for b in alone] + [rest[first : first + BATCH_BOOKS] for first in range(0, len(rest), BATCH_BOOKS)]
     for sent, batch in enumerate(batches):
         try:
             ports.publisher.enqueue_gates(batch)
@@ -188,6 +190,20 @@ def send_due_passes(ports: Ports, *also: str) -> list[str]:
             due_again(ports, [b for unsent in batches[sent:] for b in unsent], now)
             raise
     return books
+
+
+def _give_up(ports: Ports, books: Sequence[str]) -> None:
+    """Books whose pass was lost with its process too many times in a row: left to reconcile's round."""
+    log.error(
+        "[DISPATCH] book(s) %s: pass lost with its control process %d times in a row (does it kill it?); left to"
+        " reconcile's round",
+        ", ".join(repr(b) for b in books),
+        pass_hold.GIVEN_UP_AFTER_LAPSES,
+    )
+    try:
+        ports.book_state.forget_lapses(books)
+    except StoreUnavailable as err:
+        log.warning("[DISPATCH] lapses of %d book(s) not forgotten: %s", len(books), err)
 
 
 def due_again(ports: Ports, books: Sequence[str], when: float) -> None:

@@ -24,23 +24,36 @@ from animastor_tasks.ports import Ports
 log = logging.getLogger("animastor.gate")
 
 HOLD_SECONDS = 20.0  # how long a dead holder's books wait before the tick sends their passes again
-STALL_SECONDS = 60.0  # a holder whose passes end none in this long is let lapse: the passes after a hung one go on
+STALL_SECONDS = 60.0  # a pass running this long gives the books after it in its batch to the next tick
+ALONE_AFTER_LAPSES = 2  # a book whose pass was lost this many times in a row is sent in a batch of its own
+GIVEN_UP_AFTER_LAPSES = 3  # and then not sent again: reconcile's round comes to it
+
+
+def sort_lapsed(lapses: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
+    """The books whose held pass lapsed (-> how many times in a row): those sent in the usual batches, those sent
+    each alone, those given up. *Why:* each alone, a deploy's kill of K control workers sent 100*K messages in one
+    tick; never given up, a book whose pass kills its process killed one every 25 s for ever."""
+    batched = [b for b, n in lapses.items() if n < ALONE_AFTER_LAPSES]
+    alone = [b for b, n in lapses.items() if ALONE_AFTER_LAPSES <= n < GIVEN_UP_AFTER_LAPSES]
+    return batched, alone, [b for b, n in lapses.items() if n >= GIVEN_UP_AFTER_LAPSES]
 
 
 class PassHold:
     """One holder's hold: written as it starts (or with a regenerate's commands: `written`), renewed by this process's
     renewing thread every quarter of it (a slow pass never lets it lapse; it stops with the process), let go as the
     holder ends. A store error costs no pass: the holder goes on, the next renewal tries again, and a hold left
-    behind lapses into one more pass of its books."""
+    behind lapses into one more pass of its books. A pass running past `STALL_SECONDS` (a hung connection) gives
+    the books after it to the next tick (`given_up`); its own book stays held, its pass alive."""
 
     def __init__(self, ports: Ports, books: Sequence[str], *, holder: str | None = None, written: bool = False):
         self._ports = ports
         self.holder = holder or uuid.uuid4().hex
         self._held = list(dict.fromkeys(books))
         self._ended: list[str] = []
+        self._given_up: set[str] = set()
         self._lock = threading.Lock()  # the lists, between the holder's passes and the renewing thread
         self.renewed_at = self._progress = time.monotonic()
-        self._stalled = self._released = False
+        self._released = False
         if not written:
             try:
                 ports.book_state.hold_passes(self.holder, self._held, ports.clock() + HOLD_SECONDS)
@@ -48,6 +61,12 @@ class PassHold:
                 log.warning("[COMMAND-GATE] hold of %d pass(es) not written: %s", len(self._held), err)
                 return
         _renewer().add(self)
+
+    def starts(self, book: str) -> bool:
+        """The pass of `book` starts now, unless a stalled pass before it gave it to the tick (False)."""
+        with self._lock:
+            self._progress = time.monotonic()
+            return book not in self._given_up
 
     def ended(self, book: str) -> None:
         """The pass of `book` is over (done, or failed and due again): its hold goes at the next write."""
@@ -73,16 +92,18 @@ class PassHold:
         _renewer().discard(self)
 
     def renew(self) -> None:
-        """Called by the renewing thread: held on, the ended let go; a holder stalled past `STALL_SECONDS` let lapse."""
+        """Called by the renewing thread: held on, the ended let go, the books after a stalled pass given up."""
         self.renewed_at = time.monotonic()
+        given: list[str] = []
         with self._lock:
+            if self.renewed_at - self._progress > STALL_SECONDS and len(self._held) > 1:
+                running, *given = self._held  # passes run in the batch's order: the first held is the one running
+                self._given_up.update(given)
+                self._held = [running]
+                self._ended += given
             held, ended = list(self._held), list(self._ended)
-            stalled = self.renewed_at - self._progress > STALL_SECONDS
-        if stalled:
-            if not self._stalled:
-                self._stalled = True
-                log.warning("[COMMAND-GATE] no held pass ended in %.0f s: %d left to lapse", STALL_SECONDS, len(held))
-            held = []
+        if given:
+            self._give_to_tick(given)
         try:
             lost = self._ports.book_state.renew_passes(
                 self.holder, held, self._ports.clock() + HOLD_SECONDS, ended=ended
@@ -96,10 +117,18 @@ class PassHold:
         if lost and not released:  # a release that came between took them away, not the tick
             log.warning("[COMMAND-GATE] %d held pass(es) had lapsed: the tick sent them again", lost)
 
+    def _give_to_tick(self, books: list[str]) -> None:
+        try:
+            self._ports.book_state.set_due_all(books, self._ports.clock())
+        except StoreUnavailable as err:  # their holds are let go all the same: reconcile's round finds them
+            log.warning("[COMMAND-GATE] %d book(s) after a stalled pass not made due: %s", len(books), err)
+            return
+        log.warning("[COMMAND-GATE] a pass ran %.0f s: the %d book(s) after it due now", STALL_SECONDS, len(books))
+
 
 class _Renewer:
-    """One thread per process renews every hold of the process. *Why not one per holder:* a regenerate would start a
-    thread before its first dispatch, on the latency's path."""
+    """One thread per process renews every hold of the process. *Why not one per holder:* each regenerate would start
+    a thread before its first dispatch, on the latency's path (this one starts with the process's first hold)."""
 
     def __init__(self) -> None:
         self._holds: set[PassHold] = set()
@@ -131,10 +160,12 @@ class _Renewer:
 
 
 _renewers: dict[int, _Renewer] = {}  # by process: a forked pool process starts its own thread
+_renewers_lock = threading.Lock()  # a threads pool's processes ask for it at once
 
 
 def _renewer() -> _Renewer:
     pid = os.getpid()
-    if pid not in _renewers:
-        _renewers[pid] = _Renewer()
-    return _renewers[pid]
+    with _renewers_lock:
+        if pid not in _renewers:
+            _renewers[pid] = _Renewer()
+        return _renewers[pid]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from animastor_tasks.adapters.redis.cancel_flags import CancelFlagStore
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 from animastor_tasks.domain.keys import held_pass_member, parse_held_pass_member
+from animastor_tasks.errors import StoreUnavailable
 
 
 class DueIndexStore(CancelFlagStore):
@@ -49,25 +50,48 @@ class DueIndexStore(CancelFlagStore):
             self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.held_passes(), members))
 
     def renew_passes(self, holder: str, held: Sequence[str], until: float, *, ended: Sequence[str] = ()) -> int:
-        """`holder`'s passes of `held` held on until `until`, those of `ended` let go (`lua/hold_passes.lua`).
-        Returns how many of `held` had lapsed (the tick took them and sent their passes again)."""
+        """`holder`'s passes of `held` held on until `until`, those of `ended` let go (`lua/hold_passes.lua`) and their
+        lapses forgotten. Returns how many of `held` had lapsed (the tick took them and sent their passes again)."""
         members = [held_pass_member(holder, b) for b in (*ended, *held)]
         if not members:
             return 0
         args: list[str | int] = [repr(until), len(ended), *members]
-        key = self.conn.keys.held_passes()
-        return int(self.conn.run(lambda: self._hold_passes(keys=[key], args=args, client=self.conn.client)))
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            self._hold_passes(keys=[self.conn.keys.held_passes()], args=args, client=pipe)
+            if ended:
+                pipe.hdel(self.conn.keys.held_pass_lapses(), *ended)
+            return int(pipe.execute()[0])
 
     def let_go_passes(self, holder: str, books: Sequence[str]) -> None:
-        """`holder`'s passes of `books` are over."""
-        members = [held_pass_member(holder, b) for b in books]
-        if members:
-            self.conn.run(lambda: self.conn.client.zrem(self.conn.keys.held_passes(), *members))
+        """`holder`'s passes of `books` are over, their lapses forgotten."""
+        if books:
+            with self.conn.errors():
+                pipe = self.conn.client.pipeline(transaction=False)
+                pipe.zrem(self.conn.keys.held_passes(), *(held_pass_member(holder, b) for b in books))
+                pipe.hdel(self.conn.keys.held_pass_lapses(), *books)
+                pipe.execute()
 
-    def take_lapsed_passes(self, now: float) -> list[str]:
-        """The books whose held pass lapsed by `now` (its holder's process died), taken in one step."""
+    def take_lapsed_passes(self, now: float) -> dict[str, int]:
+        """The books whose held pass lapsed by `now` (its holder's process died), taken in one step, with how many
+        times in a row theirs did (1 where that count could not be written)."""
         taken = self._take_until(self.conn.keys.held_passes(), now)
-        return list(dict.fromkeys(parse_held_pass_member(member) for member in taken))
+        books = list(dict.fromkeys(parse_held_pass_member(member) for member in taken))
+        if not books:
+            return {}
+        try:
+            with self.conn.errors():
+                pipe = self.conn.client.pipeline(transaction=False)
+                for book in books:
+                    pipe.hincrby(self.conn.keys.held_pass_lapses(), book, 1)
+                counts = pipe.execute()
+        except StoreUnavailable:  # taken already: sent all the same
+            return dict.fromkeys(books, 1)
+        return {book: int(n) for book, n in zip(books, counts, strict=True)}
+
+    def forget_lapses(self, books: Sequence[str]) -> None:
+        if books:
+            self.conn.run(lambda: self.conn.client.hdel(self.conn.keys.held_pass_lapses(), *books))
 
     def _take_until(self, key: str, now: float) -> list[str]:
         with self.conn.errors():

@@ -1,0 +1,105 @@
+"""What the tick does with lost passes beyond sending them again: a pass that stalls gives the books after it to the
+tick; books lost once go in the usual batches, twice each alone, three times not at all (reconcile's round).
+
+Real Postgres, Redis and broker, as in test_lost_gate_batch.py (its helpers).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import pytest
+import redis
+
+from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.flow import gate, pass_hold
+from animastor_tasks.worker.wiring import Wiring
+
+from .test_due_index_lost import BOOKS, generating, tick
+from .test_elastic_share import run_control
+from .test_lost_gate_batch import HOLD, WorkerDied, dies_at, held, lost_passes, short_hold, workers_back
+
+__all__ = ["short_hold"]  # the fixture, used by name
+
+
+def queued_batches(rt: Wiring) -> list[list[str]]:
+    """The books of each gate batch waiting in the control queue, oldest first."""
+    client = redis.Redis.from_url(rt.settings.broker_url)
+    try:
+        raw = client.lrange(CONTROL_QUEUE, 0, -1)
+    finally:
+        client.close()
+    batches = []
+    for message in reversed(raw):
+        body = json.loads(message)
+        if body["headers"]["task"] == "animastor.gate_batch":
+            _, kwargs, _ = json.loads(base64.b64decode(body["body"]))
+            batches.append(kwargs["book_ids"])
+    return batches
+
+
+def test_a_stalled_pass_gives_the_books_after_it_to_the_tick(rt: Wiring, monkeypatch, short_hold) -> None:
+    """Renewed for as long as one pass hung, the books after it in the batch never got theirs; let lapse whole, the
+    book being passed was passed twice at once and counted lost, again every 80 s while its passes stayed slow."""
+    monkeypatch.setattr(pass_hold, "STALL_SECONDS", 2 * HOLD)
+    workers_back(rt)
+    tick(rt)
+    real, ticks, passes = gate.gate_pass, [], []
+
+    def hangs(ports, name, **kwargs):  # type: ignore[no-untyped-def]
+        passes.append(name)
+        if name == "b04" and not ticks:
+            time.sleep(4 * HOLD)
+            ticks.append(tick(rt))
+        return real(ports, name, **kwargs)
+
+    monkeypatch.setattr(gate, "gate_pass", hangs)
+    run_control(rt)  # the batch, then the one the tick sent meanwhile
+    assert sorted(ticks[0]) == BOOKS[5:]  # given to the tick; b04, its pass alive, stays held
+    assert sorted(passes) == BOOKS  # each passed once: the stalled batch skipped those it gave away
+    assert lost_passes(rt) is None and held(rt) == [] and all(generating(rt, b) for b in BOOKS)
+
+
+def test_an_outage_sends_its_lost_passes_in_the_usual_batches(rt: Wiring, short_hold) -> None:
+    """Each alone, 200 books lost with 4 killed control processes were 200 messages in one tick, not 4."""
+    books = [f"x{i:03d}" for i in range(120)]
+    for first in range(0, 120, 40):
+        pass_hold.PassHold(rt.ports, books[first : first + 40]).abandon()
+    time.sleep(HOLD + 0.1)
+    assert sorted(tick(rt)) == books
+    assert [len(b) for b in queued_batches(rt)] == [50, 50, 20]
+
+
+def test_a_book_whose_pass_kills_its_process_is_given_up(rt: Wiring, monkeypatch, short_hold, caplog) -> None:
+    """Never given up, it was sent alone every 25 s for ever, killing a control process each time."""
+    workers_back(rt)
+    tick(rt)
+    sent = []
+    for _ in range(3):
+        with monkeypatch.context() as dying:
+            dies_at(dying, "b04")
+            while True:  # each death stops the run; the messages behind it run on a successor
+                try:
+                    run_control(rt)
+                    break
+                except WorkerDied:
+                    continue
+        time.sleep(HOLD + 0.1)
+        tick(rt)
+        sent.append(queued_batches(rt))
+    assert sent[0] == [BOOKS]  # lost once: one batch (those passed in the last renewal's time among them)
+    assert sorted(sent[1]) == [[b] for b in BOOKS]  # twice: each alone
+    assert sent[2] == []  # b04 three times: given up; the others passed alone and were forgotten
+    assert "'b04': pass lost with its control process 3 times in a row" in caplog.text
+    assert not rt.redis.client.hgetall(rt.redis.keys.held_pass_lapses())
+    run_control(rt)
+    assert all(generating(rt, b) for b in BOOKS if b != "b04")
+
+
+@pytest.mark.parametrize("member", ["b00", "holder:b00"])
+def test_a_lapsed_member_of_either_shape_is_sent_again(rt: Wiring, member: str) -> None:
+    """A member of one book only (as 5cff974 wrote them) raised in the tick, and every hold lapsed then was lost."""
+    rt.redis.client.zadd(rt.redis.keys.held_passes(), {member: 0})
+    assert tick(rt) == ["b00"]
