@@ -207,7 +207,7 @@ def _passes(ports: Ports, books: Sequence[str], *, dispatch_work: bool, hold: Pa
     reports: list[PassReport] = []
     failed: list[str] = []
     for first in range(0, len(books), READ_AHEAD_BOOKS):
-        group = books[first : first + READ_AHEAD_BOOKS]
+        group = [b for b in books[first : first + READ_AHEAD_BOOKS] if hold is None or not hold.gave_up(b)]
         with collector.paused():
             read = _read_facts(ports, group)
         for book in group:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from animastor_tasks.domain import capacity
+from animastor_tasks.domain import capacity, lost_passes
 from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import no_worker_reason
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import pass_hold
 from animastor_tasks.ports import Ports
 
 log = logging.getLogger("animastor.dispatch")
@@ -168,21 +167,22 @@ def send_due_passes(ports: Ports, *also: str) -> list[str]:
     the broker refuses, and of those after it, are due again. *Why:* taken off the index first, they waited for
     reconcile's round to reach them (30 s, or several rounds), pairs the same tick had taken over among them."""
     now = ports.clock()
-    lapses = ports.book_state.take_lapsed_passes(now)  # held by a holder whose process died (flow/pass_hold.py)
+    lapsed, lapses = ports.book_state.take_lapsed_passes(now)  # their holder's process died (flow/pass_hold.py)
     try:
         due = ports.book_state.take_due(now)
     except Exception:
-        due_again(ports, list(lapses), now)
+        due_again(ports, lapsed, now)
         raise
-    batched, alone, given_up = pass_hold.sort_lapsed(lapses)
-    if given_up:
-        _give_up(ports, given_up)
-    if batched or alone:
-        log.warning("[DISPATCH] passes of %d book(s) lost with their holder's process: sent again", len(lapses))
-        ports.counters.add({"lost_pass": len(batched) + len(alone)})
-    books = list(dict.fromkeys([*due, *batched, *alone, *also]))
-    rest = [b for b in books if b not in alone]  # each of `alone` in a batch of its own: it may kill its process
-    batches = [[b] for b in alone] + [rest[first : first + BATCH_BOOKS] for first in range(0, len(rest), BATCH_BOOKS)]
+    plan = lost_passes.sort_passes([*due, *also], lapsed, lapses)
+    if plan.given_up:
+        _give_up(ports, plan.given_up, lapses)
+    resent = [b for b in lapsed if b not in plan.given_up]
+    if resent:
+        log.warning("[DISPATCH] passes of %d book(s) lost with their holder's process: sent again", len(resent))
+        ports.counters.add({"lost_pass": len(resent)})
+    books = [*plan.alone, *plan.batched]
+    batches = [[b] for b in plan.alone]
+    batches += [plan.batched[first : first + BATCH_BOOKS] for first in range(0, len(plan.batched), BATCH_BOOKS)]
     for sent, batch in enumerate(batches):
         try:
             ports.publisher.enqueue_gates(batch)
@@ -192,18 +192,15 @@ def send_due_passes(ports: Ports, *also: str) -> list[str]:
     return books
 
 
-def _give_up(ports: Ports, books: Sequence[str]) -> None:
-    """Books whose pass was lost with its process too many times in a row: left to reconcile's round."""
+def _give_up(ports: Ports, books: Sequence[str], lapses: Mapping[str, int]) -> None:
+    """Books whose passes were lost with their process too many times in a row: sent again only when something
+    else makes them due (reconcile's round, a regenerate), then alone."""
     log.error(
-        "[DISPATCH] book(s) %s: pass lost with its control process %d times in a row (does it kill it?); left to"
-        " reconcile's round",
-        ", ".join(repr(b) for b in books),
-        pass_hold.GIVEN_UP_AFTER_LAPSES,
+        "[DISPATCH] %s: pass lost with its control process that many times in a row (does it kill it?); sent again"
+        " only when something else makes it due, alone",
+        ", ".join(f"book={b!r} {lapses[b]} times" for b in books),
     )
-    try:
-        ports.book_state.forget_lapses(books)
-    except StoreUnavailable as err:
-        log.warning("[DISPATCH] lapses of %d book(s) not forgotten: %s", len(books), err)
+    ports.counters.add({"lost_pass_given_up": len(books)})
 
 
 def due_again(ports: Ports, books: Sequence[str], when: float) -> None:

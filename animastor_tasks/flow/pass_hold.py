@@ -25,33 +25,25 @@ log = logging.getLogger("animastor.gate")
 
 HOLD_SECONDS = 20.0  # how long a dead holder's books wait before the tick sends their passes again
 STALL_SECONDS = 60.0  # a pass running this long gives the books after it in its batch to the next tick
-ALONE_AFTER_LAPSES = 2  # a book whose pass was lost this many times in a row is sent in a batch of its own
-GIVEN_UP_AFTER_LAPSES = 3  # and then not sent again: reconcile's round comes to it
-
-
-def sort_lapsed(lapses: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
-    """The books whose held pass lapsed (-> how many times in a row): those sent in the usual batches, those sent
-    each alone, those given up. *Why:* each alone, a deploy's kill of K control workers sent 100*K messages in one
-    tick; never given up, a book whose pass kills its process killed one every 25 s for ever."""
-    batched = [b for b, n in lapses.items() if n < ALONE_AFTER_LAPSES]
-    alone = [b for b, n in lapses.items() if ALONE_AFTER_LAPSES <= n < GIVEN_UP_AFTER_LAPSES]
-    return batched, alone, [b for b, n in lapses.items() if n >= GIVEN_UP_AFTER_LAPSES]
 
 
 class PassHold:
     """One holder's hold: written as it starts (or with a regenerate's commands: `written`), renewed by this process's
     renewing thread every quarter of it (a slow pass never lets it lapse; it stops with the process), let go as the
-    holder ends. A store error costs no pass: the holder goes on, the next renewal tries again, and a hold left
-    behind lapses into one more pass of its books. A pass running past `STALL_SECONDS` (a hung connection) gives
-    the books after it to the next tick (`given_up`); its own book stays held, its pass alive."""
+    holder ends. A store error costs no pass: the next renewal tries the write again (a release's too), and a hold
+    left behind lapses into one more pass of its books. A pass running past `STALL_SECONDS` (a hung connection)
+    gives the books after it to the next tick: held until they are due, then skipped; its own book stays held,
+    its pass alive. A pass that ends forgets its book's lost passes (`domain/lost_passes.py`)."""
 
     def __init__(self, ports: Ports, books: Sequence[str], *, holder: str | None = None, written: bool = False):
         self._ports = ports
         self.holder = holder or uuid.uuid4().hex
-        self._held = list(dict.fromkeys(books))
-        self._ended: list[str] = []
+        self._held = list(dict.fromkeys(books))  # in the order of their passes
+        self._ended: list[str] = []  # whose members go at the next write
+        self._passed: list[str] = []  # whose lost passes are forgotten at the next write
         self._given_up: set[str] = set()
-        self._lock = threading.Lock()  # the lists, between the holder's passes and the renewing thread
+        self._to_give: list[str] = []  # given up, still held until they are due
+        self._lock = threading.Lock()  # all of the above, between the holder's passes and the renewing thread
         self.renewed_at = self._progress = time.monotonic()
         self._released = False
         if not written:
@@ -61,6 +53,11 @@ class PassHold:
                 log.warning("[COMMAND-GATE] hold of %d pass(es) not written: %s", len(self._held), err)
                 return
         _renewer().add(self)
+
+    def gave_up(self, book: str) -> bool:
+        """A stalled pass before it gave `book` to the tick."""
+        with self._lock:
+            return book in self._given_up
 
     def starts(self, book: str) -> bool:
         """The pass of `book` starts now, unless a stalled pass before it gave it to the tick (False)."""
@@ -74,18 +71,21 @@ class PassHold:
             if book in self._held:
                 self._held.remove(book)
                 self._ended.append(book)
+                self._passed.append(book)
             self._progress = time.monotonic()
 
     def release(self) -> None:
-        """The holder ended: every hold it wrote let go."""
-        _renewer().discard(self)
+        """The holder ended: every hold it wrote let go (tried again by the renewing thread should Redis refuse)."""
         with self._lock:
-            books, self._held, self._ended = [*self._ended, *self._held], [], []
-            self._released = True
+            self._ended, self._held, self._released = [*self._ended, *self._held], [], True
+            ended, passed = list(self._ended), list(self._passed)
         try:
-            self._ports.book_state.let_go_passes(self.holder, books)
+            self._ports.book_state.let_go_passes(self.holder, ended, passed=passed)
         except StoreUnavailable as err:
-            log.warning("[COMMAND-GATE] hold of %d pass(es) not let go, to lapse into a pass: %s", len(books), err)
+            log.warning("[COMMAND-GATE] hold of %d pass(es) not let go yet: %s", len(ended), err)
+            return
+        self._written(ended, passed)
+        _renewer().discard(self)
 
     def abandon(self) -> None:
         """The holder was cut short (its process is going): its holds lapse, and the tick sends its books again."""
@@ -94,36 +94,50 @@ class PassHold:
     def renew(self) -> None:
         """Called by the renewing thread: held on, the ended let go, the books after a stalled pass given up."""
         self.renewed_at = time.monotonic()
-        given: list[str] = []
         with self._lock:
-            if self.renewed_at - self._progress > STALL_SECONDS and len(self._held) > 1:
-                running, *given = self._held  # passes run in the batch's order: the first held is the one running
-                self._given_up.update(given)
-                self._held = [running]
-                self._ended += given
-            held, ended = list(self._held), list(self._ended)
-        if given:
-            self._give_to_tick(given)
+            waiting = [b for b in self._held if b not in self._given_up]
+            if self.renewed_at - self._progress > STALL_SECONDS and len(waiting) > 1:
+                running, *after = waiting  # passes run in the held order: the first of them is the one running
+                self._given_up.update(after)
+                self._to_give += after
+                log.warning(
+                    "[COMMAND-GATE] book=%r pass has run %.0f s (holder %s): the %d book(s) after it go to the tick",
+                    running, STALL_SECONDS, self.holder, len(after),
+                )  # fmt: skip
+            to_give = list(self._to_give)
+        if to_give and self._give_to_tick(to_give):
+            with self._lock:
+                self._held = [b for b in self._held if b not in to_give]
+                self._ended += to_give
+                self._to_give = [b for b in self._to_give if b not in to_give]
+        with self._lock:
+            held, ended, passed = list(self._held), list(self._ended), list(self._passed)
         try:
             lost = self._ports.book_state.renew_passes(
-                self.holder, held, self._ports.clock() + HOLD_SECONDS, ended=ended
+                self.holder, held, self._ports.clock() + HOLD_SECONDS, ended=ended, passed=passed
             )
         except StoreUnavailable as err:
             log.warning("[COMMAND-GATE] hold of %d pass(es) not renewed: %s", len(held), err)
             return
-        with self._lock:
-            self._ended = self._ended[len(ended) :]
-            released = self._released
-        if lost and not released:  # a release that came between took them away, not the tick
+        if self._written(ended, passed):  # a release whose write failed: done now
+            _renewer().discard(self)
+        elif lost and not self._released:  # a release that came between took them away, not the tick
             log.warning("[COMMAND-GATE] %d held pass(es) had lapsed: the tick sent them again", lost)
 
-    def _give_to_tick(self, books: list[str]) -> None:
+    def _written(self, ended: list[str], passed: list[str]) -> bool:
+        """The members and counts just written taken off the lists; whether the holder is released and done."""
+        with self._lock:
+            self._ended = self._ended[len(ended) :]
+            self._passed = self._passed[len(passed) :]
+            return self._released and not self._ended
+
+    def _give_to_tick(self, books: list[str]) -> bool:
         try:
             self._ports.book_state.set_due_all(books, self._ports.clock())
-        except StoreUnavailable as err:  # their holds are let go all the same: reconcile's round finds them
-            log.warning("[COMMAND-GATE] %d book(s) after a stalled pass not made due: %s", len(books), err)
-            return
-        log.warning("[COMMAND-GATE] a pass ran %.0f s: the %d book(s) after it due now", STALL_SECONDS, len(books))
+        except StoreUnavailable as err:  # still held: the next renewal tries again
+            log.warning("[COMMAND-GATE] %d book(s) after a stalled pass not made due yet: %s", len(books), err)
+            return False
+        return True
 
 
 class _Renewer:

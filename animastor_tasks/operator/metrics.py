@@ -174,14 +174,19 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
     )
     lost_passes = CounterMetricFamily(
         "animastor_lost_gate_passes",
-        "Due books whose gate pass was lost with its batch (a control worker killed running it), sent again by the"
-        " tick once the batch's hold lapsed.",
+        "Books whose gate pass was lost with its holder (a control worker killed running a batch or a regenerate),"
+        " sent again by the tick once the hold lapsed.",
+    )
+    given_up = CounterMetricFamily(
+        "animastor_lost_gate_passes_given_up",
+        "Lost gate passes not sent again: their book's passes were lost with their process three times in a row (does"
+        " its pass kill it?); sent again, alone, only when something else makes the book due.",
     )
     # Known label values start at 0 so that rate() and alerts work from the first scrape.
     seen: dict[str, float] = {f"dispatch:{o}": 0.0 for o in Outcome if o != Outcome.DEFERRED}
     seen.update({f"{kind}:{stage}": 0.0 for kind in ("blocked", "lost_refill") for stage in stages})
     seen.update({f"job:{e}:{stage}": 0.0 for e in JOB_EVENTS for stage in stages})
-    seen["revoke:failed"] = seen["lost_pass"] = 0.0
+    seen["revoke:failed"] = seen["lost_pass"] = seen["lost_pass_given_up"] = 0.0
     seen.update({k: _number(v) for k, v in fields.items()})
     fence_total = 0.0
     for name, n in sorted(seen.items()):
@@ -201,8 +206,10 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
             revoke.add_metric([], n)
         elif name == "lost_pass":
             lost_passes.add_metric([], n)
+        elif name == "lost_pass_given_up":
+            given_up.add_metric([], n)
     fence.add_metric([], fence_total)
-    yield from (dispatch, fence, blocked, jobs, lost, lost_passes, revoke)
+    yield from (dispatch, fence, blocked, jobs, lost, lost_passes, given_up, revoke)
 
 
 def _histogram_families(fields: dict[str, str], stages: Iterable[str], now: float) -> Iterator[Metric]:

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import gate, pass_hold
 from animastor_tasks.worker.wiring import Wiring
 
@@ -72,30 +73,111 @@ def test_an_outage_sends_its_lost_passes_in_the_usual_batches(rt: Wiring, short_
     assert [len(b) for b in queued_batches(rt)] == [50, 50, 20]
 
 
+def killing(rt: Wiring, monkeypatch: pytest.MonkeyPatch, book: str) -> None:
+    """Run the control queue with `book`'s pass killing its process: each death stops a run, the messages behind
+    it run on a successor."""
+    with monkeypatch.context() as dying:
+        dies_at(dying, book)
+        while True:
+            try:
+                run_control(rt)
+                return
+            except WorkerDied:
+                continue
+
+
+def lapses(rt: Wiring) -> dict[str, str]:
+    return rt.redis.client.hgetall(rt.redis.keys.held_pass_lapses())
+
+
 def test_a_book_whose_pass_kills_its_process_is_given_up(rt: Wiring, monkeypatch, short_hold, caplog) -> None:
-    """Never given up, it was sent alone every 25 s for ever, killing a control process each time."""
+    """Never given up, it was sent alone every 25 s for ever, killing a control process each time; forgotten when
+    given up, reconcile's round brought it back counted from 1, in a batch with other books."""
     workers_back(rt)
     tick(rt)
     sent = []
     for _ in range(3):
-        with monkeypatch.context() as dying:
-            dies_at(dying, "b04")
-            while True:  # each death stops the run; the messages behind it run on a successor
-                try:
-                    run_control(rt)
-                    break
-                except WorkerDied:
-                    continue
+        killing(rt, monkeypatch, "b04")
         time.sleep(HOLD + 0.1)
         tick(rt)
         sent.append(queued_batches(rt))
     assert sent[0] == [BOOKS]  # lost once: one batch (those passed in the last renewal's time among them)
     assert sorted(sent[1]) == [[b] for b in BOOKS]  # twice: each alone
     assert sent[2] == []  # b04 three times: given up; the others passed alone and were forgotten
-    assert "'b04': pass lost with its control process 3 times in a row" in caplog.text
-    assert not rt.redis.client.hgetall(rt.redis.keys.held_pass_lapses())
+    assert "book='b04' 3 times: pass lost with its control process" in caplog.text
+    assert lapses(rt) == {"b04": "3"}
+    rt.counters.flush()
+    assert rt.redis.client.hget(rt.redis.keys.metrics(), "lost_pass_given_up") == "1"
     run_control(rt)
     assert all(generating(rt, b) for b in BOOKS if b != "b04")
+    rt.ports.book_state.set_due("b04", 0)  # reconcile's round, a regenerate: sent, and alone
+    tick(rt)
+    assert queued_batches(rt) == [["b04"]]
+
+
+def test_an_error_is_no_pass_and_forgets_no_lost_one(rt: Wiring, monkeypatch, short_hold) -> None:
+    """A batch that raised let go of every book's count, those it never passed among them: a book whose pass kills
+    its process started again from 1."""
+    workers_back(rt)
+    tick(rt)
+    rt.redis.client.hset(rt.redis.keys.held_pass_lapses(), "b04", 2)  # lost twice before this batch
+    real = gate.gate_pass
+
+    def broken(ports, name, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "b01":
+            raise RuntimeError("a bug in a pass")
+        return real(ports, name, **kwargs)
+
+    with monkeypatch.context() as failing, pytest.raises(RuntimeError):
+        failing.setattr(gate, "gate_pass", broken)
+        run_control(rt)
+    assert held(rt) == [] and lapses(rt) == {"b04": "2"}
+
+
+def test_a_give_away_whose_due_write_failed_is_tried_again(rt: Wiring, monkeypatch, short_hold) -> None:
+    """The books after a stalled pass were let go all the same: not due, not held, never passed until reconcile."""
+    monkeypatch.setattr(pass_hold, "STALL_SECONDS", 2 * HOLD)
+    workers_back(rt)
+    tick(rt)
+    real_due, real_pass, failed = rt.ports.book_state.set_due_all, gate.gate_pass, []
+
+    def due_once_failing(books, when):  # type: ignore[no-untyped-def]
+        if not failed:
+            failed.append(list(books))
+            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset by peer")
+        return real_due(books, when)
+
+    def hangs(ports, name, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "b04" and not failed:
+            time.sleep(4 * HOLD)
+        return real_pass(ports, name, **kwargs)
+
+    monkeypatch.setattr(rt.ports.book_state, "set_due_all", due_once_failing)
+    monkeypatch.setattr(gate, "gate_pass", hangs)
+    run_control(rt)
+    assert failed == [BOOKS[5:]]
+    tick(rt)
+    run_control(rt)
+    assert all(generating(rt, b) for b in BOOKS) and held(rt) == []
+
+
+def test_a_release_redis_refused_is_tried_again(rt: Wiring, monkeypatch, short_hold) -> None:
+    """Let lapse, the passes of a batch that ended well were sent again and counted lost; three such batches gave
+    healthy books up."""
+    workers_back(rt)
+    tick(rt)
+    real, failed = rt.ports.book_state.let_go_passes, []
+
+    def let_go_once_failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not failed:
+            failed.append(True)
+            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset by peer")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rt.ports.book_state, "let_go_passes", let_go_once_failing)
+    run_control(rt)
+    time.sleep(HOLD + 0.1)
+    assert failed and held(rt) == [] and tick(rt) == [] and lost_passes(rt) is None
 
 
 @pytest.mark.parametrize("member", ["b00", "holder:b00"])

@@ -49,49 +49,62 @@ class DueIndexStore(CancelFlagStore):
         if members:
             self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.held_passes(), members))
 
-    def renew_passes(self, holder: str, held: Sequence[str], until: float, *, ended: Sequence[str] = ()) -> int:
-        """`holder`'s passes of `held` held on until `until`, those of `ended` let go (`lua/hold_passes.lua`) and their
-        lapses forgotten. Returns how many of `held` had lapsed (the tick took them and sent their passes again)."""
+    def renew_passes(
+        self,
+        holder: str,
+        held: Sequence[str],
+        until: float,
+        *,
+        ended: Sequence[str] = (),
+        passed: Sequence[str] = (),
+    ) -> int:
+        """`holder`'s passes of `held` held on until `until`, those of `ended` let go (`lua/hold_passes.lua`), the
+        lost passes of `passed` forgotten. Returns how many of `held` had lapsed (the tick sent them again)."""
         members = [held_pass_member(holder, b) for b in (*ended, *held)]
-        if not members:
+        if not members and not passed:
             return 0
         args: list[str | int] = [repr(until), len(ended), *members]
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             self._hold_passes(keys=[self.conn.keys.held_passes()], args=args, client=pipe)
-            if ended:
-                pipe.hdel(self.conn.keys.held_pass_lapses(), *ended)
+            if passed:
+                pipe.hdel(self.conn.keys.held_pass_lapses(), *passed)
             return int(pipe.execute()[0])
 
-    def let_go_passes(self, holder: str, books: Sequence[str]) -> None:
-        """`holder`'s passes of `books` are over, their lapses forgotten."""
-        if books:
+    def let_go_passes(self, holder: str, books: Sequence[str], *, passed: Sequence[str] = ()) -> None:
+        """`holder`'s passes of `books` are over, the lost passes of `passed` forgotten."""
+        if books or passed:
             with self.conn.errors():
                 pipe = self.conn.client.pipeline(transaction=False)
-                pipe.zrem(self.conn.keys.held_passes(), *(held_pass_member(holder, b) for b in books))
-                pipe.hdel(self.conn.keys.held_pass_lapses(), *books)
+                if books:
+                    pipe.zrem(self.conn.keys.held_passes(), *(held_pass_member(holder, b) for b in books))
+                if passed:
+                    pipe.hdel(self.conn.keys.held_pass_lapses(), *passed)
                 pipe.execute()
 
-    def take_lapsed_passes(self, now: float) -> dict[str, int]:
-        """The books whose held pass lapsed by `now` (its holder's process died), taken in one step, with how many
-        times in a row theirs did (1 where that count could not be written)."""
-        taken = self._take_until(self.conn.keys.held_passes(), now)
+    def take_lapsed_passes(self, now: float) -> tuple[list[str], dict[str, int]]:
+        """The books whose held pass lapsed by `now` (its holder's process died), taken in one step, and how many
+        passes in a row each book still counted lost (the lapsed ones' counted up; one more where the count could
+        not be written)."""
+        key = self.conn.keys.held_passes()
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=True)
+            pipe.zrangebyscore(key, "-inf", now)
+            pipe.zremrangebyscore(key, "-inf", now)
+            pipe.hgetall(self.conn.keys.held_pass_lapses())
+            taken, _, counted = pipe.execute()
+        lapses = {str(b): int(n) for b, n in counted.items()}
         books = list(dict.fromkeys(parse_held_pass_member(member) for member in taken))
-        if not books:
-            return {}
-        try:
-            with self.conn.errors():
-                pipe = self.conn.client.pipeline(transaction=False)
-                for book in books:
-                    pipe.hincrby(self.conn.keys.held_pass_lapses(), book, 1)
-                counts = pipe.execute()
-        except StoreUnavailable:  # taken already: sent all the same
-            return dict.fromkeys(books, 1)
-        return {book: int(n) for book, n in zip(books, counts, strict=True)}
-
-    def forget_lapses(self, books: Sequence[str]) -> None:
         if books:
-            self.conn.run(lambda: self.conn.client.hdel(self.conn.keys.held_pass_lapses(), *books))
+            try:
+                with self.conn.errors():
+                    pipe = self.conn.client.pipeline(transaction=False)
+                    for book in books:
+                        pipe.hincrby(self.conn.keys.held_pass_lapses(), book, 1)
+                    lapses.update(zip(books, map(int, pipe.execute()), strict=True))
+            except StoreUnavailable:  # taken already: sent all the same
+                lapses.update({b: lapses.get(b, 0) + 1 for b in books})
+        return books, lapses
 
     def _take_until(self, key: str, now: float) -> list[str]:
         with self.conn.errors():
