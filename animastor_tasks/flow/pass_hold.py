@@ -76,16 +76,17 @@ class PassHold:
 
     def release(self) -> None:
         """The holder ended: every hold it wrote let go (tried again by the renewing thread should Redis refuse)."""
-        with self._lock:
-            self._ended, self._held, self._released = [*self._ended, *self._held], [], True
+        with self._lock:  # books given up whose due write failed stay held: the renewing thread writes it
+            self._ended += [b for b in self._held if b not in self._to_give]
+            self._held, self._released = [b for b in self._held if b in self._to_give], True
             ended, passed = list(self._ended), list(self._passed)
         try:
             self._ports.book_state.let_go_passes(self.holder, ended, passed=passed)
         except StoreUnavailable as err:
             log.warning("[COMMAND-GATE] hold of %d pass(es) not let go yet: %s", len(ended), err)
             return
-        self._written(ended, passed)
-        _renewer().discard(self)
+        if self._written(ended, passed):
+            _renewer().discard(self)
 
     def abandon(self) -> None:
         """The holder was cut short (its process is going): its holds lapse, and the tick sends its books again."""
@@ -129,7 +130,7 @@ class PassHold:
         with self._lock:
             self._ended = self._ended[len(ended) :]
             self._passed = self._passed[len(passed) :]
-            return self._released and not self._ended
+            return self._released and not self._ended and not self._held
 
     def _give_to_tick(self, books: list[str]) -> bool:
         try:

@@ -180,6 +180,7 @@ def _first_pass(ports: Ports, book: str, hold: PassHold) -> Iterator[None]:
     except BaseException:  # the process is going: the hold lapses, and the tick passes the book
         hold.abandon()
         raise
+    hold.ended(book)  # a pass of it ended: its lost passes, if any, are forgotten
     hold.release()
 
 

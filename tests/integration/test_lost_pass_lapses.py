@@ -16,10 +16,12 @@ import redis
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import gate, pass_hold
+from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
 
+from .helpers import make_book
 from .test_due_index_lost import BOOKS, generating, tick
-from .test_elastic_share import run_control
+from .test_elastic_share import lane, run_control
 from .test_lost_gate_batch import HOLD, WorkerDied, dies_at, held, lost_passes, short_hold, workers_back
 
 __all__ = ["short_hold"]  # the fixture, used by name
@@ -159,6 +161,42 @@ def test_a_give_away_whose_due_write_failed_is_tried_again(rt: Wiring, monkeypat
     tick(rt)
     run_control(rt)
     assert all(generating(rt, b) for b in BOOKS) and held(rt) == []
+
+
+def test_a_give_away_whose_due_write_failed_outlives_its_batch(rt: Wiring, monkeypatch, short_hold) -> None:
+    """The stalled pass returned before the next renewal: the batch's release let the given books go, not due nor
+    held, their work waiting for reconcile's round."""
+    monkeypatch.setattr(pass_hold, "STALL_SECONDS", 2 * HOLD)
+    workers_back(rt)
+    tick(rt)
+    real_due, real_pass, failed = rt.ports.book_state.set_due_all, gate.gate_pass, []
+
+    def due_once_failing(books, when):  # type: ignore[no-untyped-def]
+        if not failed:
+            failed.append(list(books))
+            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset by peer")
+        return real_due(books, when)
+
+    def hangs_until_the_give_away_failed(ports, name, **kwargs):  # type: ignore[no-untyped-def]
+        while name == "b04" and not failed:
+            time.sleep(0.01)
+        return real_pass(ports, name, **kwargs)
+
+    monkeypatch.setattr(rt.ports.book_state, "set_due_all", due_once_failing)
+    monkeypatch.setattr(gate, "gate_pass", hangs_until_the_give_away_failed)
+    run_control(rt)
+    time.sleep(HOLD / 2)  # the renewing thread writes it
+    assert failed == [BOOKS[5:]] and sorted(tick(rt)) == BOOKS[5:]
+    run_control(rt)
+    assert all(generating(rt, b) for b in BOOKS) and held(rt) == []
+
+
+def test_a_regenerate_whose_pass_ended_forgets_the_books_lost_passes(rt: Wiring, short_hold) -> None:
+    lane(rt, lane_limit=4)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    rt.redis.client.hset(rt.redis.keys.held_pass_lapses(), "b", 3)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    assert generating(rt, "b") and lapses(rt) == {}
 
 
 def test_a_release_redis_refused_is_tried_again(rt: Wiring, monkeypatch, short_hold) -> None:
