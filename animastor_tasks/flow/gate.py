@@ -189,17 +189,8 @@ def gate_batch(ports: Ports, books: Sequence[str], *, dispatch_work: bool = True
     `dispatch_work=False`: reconcile's passes, which release and judge but dispatch nothing."""
     if not dispatch_work:
         return _passes(ports, books, dispatch_work=False, hold=None)
-    hold = PassHold(ports, books)  # the passes are sent again should this batch's worker die
-    try:
-        reports = _passes(ports, books, dispatch_work=True, hold=hold)
-    except Exception:  # an error, not a death: its books wait for reconcile's round, not for a pass every hold
-        hold.release()
-        raise
-    except BaseException:  # the process is going (a shutdown cut the batch short): its holds lapse
-        hold.abandon()
-        raise
-    hold.release()
-    return reports
+    with PassHold(ports, books) as hold:  # the passes are sent again should this batch's worker die
+        return _passes(ports, books, dispatch_work=True, hold=hold)
 
 
 def _passes(ports: Ports, books: Sequence[str], *, dispatch_work: bool, hold: PassHold | None) -> list[PassReport]:

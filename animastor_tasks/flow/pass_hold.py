@@ -54,6 +54,17 @@ class PassHold:
                 return
         _renewer().add(self)
 
+    def __enter__(self) -> PassHold:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """An error lets the holds go (sent again every hold, a pass failing the same way would run for ever); the
+        process going (a BaseException: a shutdown cut the holder short) leaves them to lapse."""
+        if kind is None or issubclass(kind, Exception):
+            self.release()
+        else:
+            self.abandon()
+
     def gave_up(self, book: str) -> bool:
         """A stalled pass before it gave `book` to the tick."""
         with self._lock:

@@ -171,17 +171,13 @@ def _start_work(
 def _first_pass(ports: Ports, book: str, hold: PassHold) -> Iterator[None]:
     """The first pass under its hold, let go as it ends. One that raised leaves the book due for the tick's next
     pass: its commands are written. *Why:* left held, the book waited 20 s and was counted as a lost pass."""
-    try:
-        yield
-    except Exception:
-        _due_now(ports, book, None)
-        hold.release()
-        raise
-    except BaseException:  # the process is going: the hold lapses, and the tick passes the book
-        hold.abandon()
-        raise
-    hold.ended(book)  # a pass of it ended: its lost passes, if any, are forgotten
-    hold.release()
+    with hold:
+        try:
+            yield
+        except Exception:
+            _due_now(ports, book, None)
+            raise
+        hold.ended(book)  # a pass of it ended: its lost passes, if any, are forgotten
 
 
 def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[Pair]) -> None:
@@ -196,11 +192,11 @@ def _first_dispatch(ports: Ports, book: str, snap: Snapshot | None, pairs: list[
             # It read nothing (a store did not answer): the tick's next pass does its work. Left as it was, the book
             # reached the due index through no one, the new work waiting for reconcile's round to come to it.
             _due_now(ports, book, snap.due_at)
-    else:
-        report = refill.refill(ports, book)
-        judged = report.denied.keys() | set(report.authorized)
-        if report.error or not judged.issuperset(pairs):
-            _due_now(ports, book, None)
+        return
+    report = refill.refill(ports, book)
+    judged = report.denied.keys() | set(report.authorized)
+    if report.error or not judged.issuperset(pairs):
+        _due_now(ports, book, None)
 
 
 def _due_now(ports: Ports, book: str, due_at: float | None) -> None:
