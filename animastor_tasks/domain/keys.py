@@ -22,6 +22,9 @@ widens to another book).
 | ``P:active:B`` (members ``C:S``)              | set    | while a scene has queued or running work  |
 | ``P:active-books:due`` (members ``B``, score  | zset   | while B has pending work; the tick takes  |
 |   = when B next needs a gate pass, unix s)    |        | the entries that are due                  |
+| ``P:active-books:due:held`` (members          | zset   | while a batch or a regenerate runs B's    |
+|   ``HOLDER:B``, score = when the hold lapses) |        | pass; the tick takes lapsed ones          |
+| ``P:active-books:due:lapses`` (B -> count)    | hash   | from B's lost pass until a pass of B ends |
 | ``P:lease:B:C:S:STAGE``                       | string | queued: as long as ``P:queued:ID``; from  |
 |                                               |        | the job's start the stage's lease TTL,    |
 |                                               |        | renewed by the job (domain/liveness.py)   |

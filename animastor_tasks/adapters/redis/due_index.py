@@ -1,8 +1,9 @@
-"""The due index (which books need a gate pass, and from when) and the holds of the passes a batch runs.
+"""The due index (which books need a gate pass, and from when) and the holds of the passes a batch or a regenerate
+runs (flow/pass_hold.py).
 
-A tick takes its due books off the index and sends their passes; a batch holds them while it runs, so a batch lost
+A tick takes its due books off the index and sends their passes; a holder holds them while it runs, so one lost
 with its control worker (control tasks are acknowledged when they start) leaves holds that lapse, and the tick sends
-those passes again (`take_lapsed_passes`).
+those passes again (`take_lapsed_passes`, with how many of each book's were lost in a row).
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ class DueIndexStore(CancelFlagStore):
     def take_due(self, now: float) -> list[str]:
         """The books due by `now`, taken off the index in one step (their passes put them back as needed),
         so a book is asked for once however many ticks pass before its pass runs."""
-        return self._take_until(self.conn.keys.due(), now)
+        key = self.conn.keys.due()
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=True)
+            pipe.zrangebyscore(key, "-inf", now)
+            pipe.zremrangebyscore(key, "-inf", now)
+            books, _ = pipe.execute()
+        return [str(b) for b in books]
 
     def hold_passes(self, holder: str, books: Sequence[str], until: float) -> None:
         """`holder`'s passes of `books` are under way until `until`."""
@@ -105,11 +112,3 @@ class DueIndexStore(CancelFlagStore):
             except StoreUnavailable:  # taken already: sent all the same
                 lapses.update({b: lapses.get(b, 0) + 1 for b in books})
         return books, lapses
-
-    def _take_until(self, key: str, now: float) -> list[str]:
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=True)
-            pipe.zrangebyscore(key, "-inf", now)
-            pipe.zremrangebyscore(key, "-inf", now)
-            books, _ = pipe.execute()
-        return [str(b) for b in books]
