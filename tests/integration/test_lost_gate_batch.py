@@ -62,6 +62,20 @@ def dies_at(monkeypatch: pytest.MonkeyPatch, book: str) -> list[str]:
     return passed
 
 
+def refuses_once(rt: Wiring, monkeypatch: pytest.MonkeyPatch, method: str) -> list[tuple[object, ...]]:
+    """`rt.ports.book_state.<method>` refuses its first call (Redis reset the connection); that call's arguments."""
+    real, refused = getattr(rt.ports.book_state, method), []
+
+    def once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not refused:
+            refused.append(args)
+            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset by peer")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rt.ports.book_state, method, once)
+    return refused
+
+
 @pytest.fixture
 def short_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pass_hold, "HOLD_SECONDS", HOLD)
@@ -227,20 +241,13 @@ def test_a_renewal_that_failed_does_not_send_a_finished_batch_again(rt: Wiring, 
     had passed was sent again and counted as lost."""
     workers_back(rt)
     tick(rt)
-    real_renew, real_pass, failed = rt.ports.book_state.renew_passes, gate.gate_pass, []
-
-    def renew_once_failing(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if not failed:
-            failed.append(True)
-            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset by peer")
-        return real_renew(*args, **kwargs)
+    real_pass, failed = gate.gate_pass, refuses_once(rt, monkeypatch, "renew_passes")
 
     def slow(ports, name, **kwargs):  # type: ignore[no-untyped-def]
         if name == "b04":
             time.sleep(HOLD)  # two renewals
         return real_pass(ports, name, **kwargs)
 
-    monkeypatch.setattr(rt.ports.book_state, "renew_passes", renew_once_failing)
     monkeypatch.setattr(gate, "gate_pass", slow)
     run_control(rt)
     time.sleep(HOLD + 0.1)

@@ -14,7 +14,6 @@ import pytest
 import redis
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
-from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import gate, pass_hold
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
@@ -22,7 +21,16 @@ from animastor_tasks.worker.wiring import Wiring
 from .helpers import make_book
 from .test_due_index_lost import BOOKS, generating, tick
 from .test_elastic_share import lane, run_control
-from .test_lost_gate_batch import HOLD, WorkerDied, dies_at, held, lost_passes, short_hold, workers_back
+from .test_lost_gate_batch import (
+    HOLD,
+    WorkerDied,
+    dies_at,
+    held,
+    lost_passes,
+    refuses_once,
+    short_hold,
+    workers_back,
+)
 
 __all__ = ["short_hold"]  # the fixture, used by name
 
@@ -141,23 +149,16 @@ def test_a_give_away_whose_due_write_failed_is_tried_again(rt: Wiring, monkeypat
     monkeypatch.setattr(pass_hold, "STALL_SECONDS", 2 * HOLD)
     workers_back(rt)
     tick(rt)
-    real_due, real_pass, failed = rt.ports.book_state.set_due_all, gate.gate_pass, []
-
-    def due_once_failing(books, when):  # type: ignore[no-untyped-def]
-        if not failed:
-            failed.append(list(books))
-            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset by peer")
-        return real_due(books, when)
+    real_pass, failed = gate.gate_pass, refuses_once(rt, monkeypatch, "set_due_all")
 
     def hangs(ports, name, **kwargs):  # type: ignore[no-untyped-def]
         if name == "b04" and not failed:
             time.sleep(4 * HOLD)
         return real_pass(ports, name, **kwargs)
 
-    monkeypatch.setattr(rt.ports.book_state, "set_due_all", due_once_failing)
     monkeypatch.setattr(gate, "gate_pass", hangs)
     run_control(rt)
-    assert failed == [BOOKS[5:]]
+    assert [list(books) for books, _ in failed] == [BOOKS[5:]]
     tick(rt)
     run_control(rt)
     assert all(generating(rt, b) for b in BOOKS) and held(rt) == []
@@ -169,24 +170,17 @@ def test_a_give_away_whose_due_write_failed_outlives_its_batch(rt: Wiring, monke
     monkeypatch.setattr(pass_hold, "STALL_SECONDS", 2 * HOLD)
     workers_back(rt)
     tick(rt)
-    real_due, real_pass, failed = rt.ports.book_state.set_due_all, gate.gate_pass, []
-
-    def due_once_failing(books, when):  # type: ignore[no-untyped-def]
-        if not failed:
-            failed.append(list(books))
-            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset by peer")
-        return real_due(books, when)
+    real_pass, failed = gate.gate_pass, refuses_once(rt, monkeypatch, "set_due_all")
 
     def hangs_until_the_give_away_failed(ports, name, **kwargs):  # type: ignore[no-untyped-def]
         while name == "b04" and not failed:
             time.sleep(0.01)
         return real_pass(ports, name, **kwargs)
 
-    monkeypatch.setattr(rt.ports.book_state, "set_due_all", due_once_failing)
     monkeypatch.setattr(gate, "gate_pass", hangs_until_the_give_away_failed)
     run_control(rt)
     time.sleep(HOLD / 2)  # the renewing thread writes it
-    assert failed == [BOOKS[5:]] and sorted(tick(rt)) == BOOKS[5:]
+    assert [list(books) for books, _ in failed] == [BOOKS[5:]] and sorted(tick(rt)) == BOOKS[5:]
     run_control(rt)
     assert all(generating(rt, b) for b in BOOKS) and held(rt) == []
 
@@ -204,15 +198,7 @@ def test_a_release_redis_refused_is_tried_again(rt: Wiring, monkeypatch, short_h
     healthy books up."""
     workers_back(rt)
     tick(rt)
-    real, failed = rt.ports.book_state.let_go_passes, []
-
-    def let_go_once_failing(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if not failed:
-            failed.append(True)
-            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset by peer")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(rt.ports.book_state, "let_go_passes", let_go_once_failing)
+    failed = refuses_once(rt, monkeypatch, "let_go_passes")
     run_control(rt)
     time.sleep(HOLD + 0.1)
     assert failed and held(rt) == [] and tick(rt) == [] and lost_passes(rt) is None
