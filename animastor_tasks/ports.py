@@ -24,6 +24,7 @@ from animastor_tasks.records import (  # re-exported: the flows and adapters imp
     CommandContext,
     CommandRow,
     Committed,
+    DuePasses,
     GateRows,
     GeneratingRow,
     GenerationRequest,
@@ -165,13 +166,12 @@ class BookState(Protocol):
     def set_due(self, book: str, when: float) -> None: ...  # an earlier entry stands
     def set_due_all(self, books: Sequence[str], when: float) -> None: ...  # `set_due` of each, one round trip
     def clear_due(self, book: str, seen: float) -> None: ...  # only while the entry is still `seen`
-    def take_due(self, now: float) -> list[str]: ...
+    def take_due(self, now: float) -> DuePasses: ...  # and the lapsed holds, in one step
     def hold_passes(self, holder: str, books: Sequence[str], until: float) -> None: ...  # flow/pass_hold.py
     def renew_passes(  # how many of `held` had lapsed; `passed`: their lost passes forgotten
         self, holder: str, held: Sequence[str], until: float, *, ended: Sequence[str] = (), passed: Sequence[str] = ()
     ) -> int: ...
     def let_go_passes(self, holder: str, books: Sequence[str], *, passed: Sequence[str] = ()) -> None: ...
-    def take_lapsed_passes(self, now: float) -> tuple[list[str], dict[str, int]]: ...  # and book -> lost in a row
     def presence_unsure_since(self, now: float | None = None) -> float: ...
     def server_started_at(self) -> float: ...  # when the Redis server started (-inf: it does not say)
     def cancel_flag_set(self, book: str) -> bool: ...

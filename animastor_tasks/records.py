@@ -98,6 +98,16 @@ class Committed:
 
 
 @dataclass(frozen=True)
+class DuePasses:
+    """What a tick takes in one step: the books due, those whose held pass lapsed (its holder's process died,
+    flow/pass_hold.py), and how many passes in a row each book still counts lost (the lapsed ones' counted up)."""
+
+    due: list[str]
+    lapsed: list[str]
+    lapses: dict[str, int]
+
+
+@dataclass(frozen=True)
 class RunRecorded:
     """What a job's run told its queue's breaker (`Breaker.breaker_record_run`). `state`: the breaker's answer
     ('closed', 'open', 'reopened', 'recovered' or 'host'; None: nothing to record, or Redis did not answer).

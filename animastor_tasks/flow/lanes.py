@@ -167,13 +167,9 @@ def send_due_passes(ports: Ports, *also: str) -> list[str]:
     the broker refuses, and of those after it, are due again. *Why:* taken off the index first, they waited for
     reconcile's round to reach them (30 s, or several rounds), pairs the same tick had taken over among them."""
     now = ports.clock()
-    lapsed, lapses = ports.book_state.take_lapsed_passes(now)  # their holder's process died (flow/pass_hold.py)
-    try:
-        due = ports.book_state.take_due(now)
-    except Exception:
-        due_again(ports, lapsed, now)
-        raise
-    plan = lost_passes.sort_passes([*due, *also], lapsed, lapses)
+    taken = ports.book_state.take_due(now)  # with the passes lost with their holder's process (flow/pass_hold.py)
+    lapsed, lapses = taken.lapsed, taken.lapses
+    plan = lost_passes.sort_passes([*taken.due, *also], lapsed, lapses)
     if plan.given_up:
         _give_up(ports, plan.given_up, lapses)
     resent = [b for b in lapsed if b not in plan.given_up]

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import gate, pass_hold
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.worker.wiring import Wiring
@@ -209,3 +210,18 @@ def test_a_lapsed_member_of_either_shape_is_sent_again(rt: Wiring, member: str) 
     """A member of one book only (as 5cff974 wrote them) raised in the tick, and every hold lapsed then was lost."""
     rt.redis.client.zadd(rt.redis.keys.held_passes(), {member: 0})
     assert tick(rt) == ["b00"]
+
+
+def test_a_tick_whose_take_redis_refused_still_gives_up_a_book(rt: Wiring, monkeypatch, short_hold, caplog) -> None:
+    """The lapsed holds were taken in one step and the due books in another: the second refused, the lapsed books
+    went back on the due index, and a book lost a third time was sent again, alone, by the next tick."""
+    workers_back(rt)
+    rt.redis.client.zrem(rt.redis.keys.due(), "b04")  # its pass under way: off the index, held
+    rt.redis.client.hset(rt.redis.keys.held_pass_lapses(), "b04", 2)  # lost twice before
+    pass_hold.PassHold(rt.ports, ["b04"]).abandon()
+    time.sleep(HOLD + 0.1)
+    refuses_once(rt, monkeypatch, "take_due")
+    with pytest.raises(StoreUnavailable):
+        tick(rt)
+    assert sorted(tick(rt)) == [b for b in BOOKS if b != "b04"] and "b04" not in str(queued_batches(rt))
+    assert "book='b04' 3 times: pass lost with its control process" in caplog.text and lapses(rt) == {"b04": "3"}

@@ -65,6 +65,6 @@ def test_a_takeover_s_two_slots_go_back_to_the_reader_s_two_dead_interactive_job
         rt.redis.client.delete(rt.redis.keys.lease("reader", "ch1", scene, "audio"), rt.redis.keys.queued(dispatch_id))
     takeover.on_tick(rt.ports)
     run_control(rt, newest_first=ORDERS[order])
-    for book in rt.ports.book_state.take_due(rt.ports.clock()):
+    for book in rt.ports.book_state.take_due(rt.ports.clock()).due:
         gate.gate_pass(rt.ports, book)
     assert running(rt, "reader", "bulk") == {"reader": 2}

@@ -23,7 +23,7 @@ def _tick_takes_over(rt: Wiring) -> None:
     """The tick's takeover, the refill it hands the freed slot to, then the tick's due passes."""
     takeover.on_tick(rt.ports)
     run_control(rt)
-    for book in rt.ports.book_state.take_due(rt.ports.clock()):
+    for book in rt.ports.book_state.take_due(rt.ports.clock()).due:
         gate.gate_pass(rt.ports, book)
 
 

@@ -3,7 +3,7 @@ runs (flow/pass_hold.py).
 
 A tick takes its due books off the index and sends their passes; a holder holds them while it runs, so one lost
 with its control worker (control tasks are acknowledged when they start) leaves holds that lapse, and the tick sends
-those passes again (`take_lapsed_passes`, with how many of each book's were lost in a row).
+those passes again (`take_due`, with how many of each book's were lost in a row).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from animastor_tasks.adapters.redis.cancel_flags import CancelFlagStore
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 from animastor_tasks.domain.keys import held_pass_member, parse_held_pass_member
 from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.records import DuePasses
 
 
 class DueIndexStore(CancelFlagStore):
@@ -38,17 +39,6 @@ class DueIndexStore(CancelFlagStore):
         self.conn.run(
             lambda: self._due_clear(keys=[self.conn.keys.due()], args=[book, repr(seen)], client=self.conn.client)
         )
-
-    def take_due(self, now: float) -> list[str]:
-        """The books due by `now`, taken off the index in one step (their passes put them back as needed),
-        so a book is asked for once however many ticks pass before its pass runs."""
-        key = self.conn.keys.due()
-        with self.conn.errors():
-            pipe = self.conn.client.pipeline(transaction=True)
-            pipe.zrangebyscore(key, "-inf", now)
-            pipe.zremrangebyscore(key, "-inf", now)
-            books, _ = pipe.execute()
-        return [str(b) for b in books]
 
     def hold_passes(self, holder: str, books: Sequence[str], until: float) -> None:
         """`holder`'s passes of `books` are under way until `until`."""
@@ -89,26 +79,30 @@ class DueIndexStore(CancelFlagStore):
                     pipe.hdel(self.conn.keys.held_pass_lapses(), *passed)
                 pipe.execute()
 
-    def take_lapsed_passes(self, now: float) -> tuple[list[str], dict[str, int]]:
-        """The books whose held pass lapsed by `now` (its holder's process died), taken in one step, and how many
-        passes in a row each book still counted lost (the lapsed ones' counted up; one more where the count could
-        not be written)."""
-        key = self.conn.keys.held_passes()
+    def take_due(self, now: float) -> DuePasses:
+        """The books due by `now` and those whose held pass lapsed by then, taken off the index and the holds in one
+        step (their passes put them back as needed), so a book is asked for once however many ticks pass before its
+        pass runs. *Why one step:* the holds taken, a refused take of the due books put the lapsed ones back on the
+        index, and a book given up for its third lost pass went again, alone, at the next tick. The lapsed books'
+        counts go up in a second round trip (one more each, here, where Redis refuses it: taken, they are sent)."""
+        due, held, counts = self.conn.keys.due(), self.conn.keys.held_passes(), self.conn.keys.held_pass_lapses()
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
-            pipe.zrangebyscore(key, "-inf", now)
-            pipe.zremrangebyscore(key, "-inf", now)
-            pipe.hgetall(self.conn.keys.held_pass_lapses())
-            taken, _, counted = pipe.execute()
+            pipe.zrangebyscore(due, "-inf", now)
+            pipe.zremrangebyscore(due, "-inf", now)
+            pipe.zrangebyscore(held, "-inf", now)
+            pipe.zremrangebyscore(held, "-inf", now)
+            pipe.hgetall(counts)
+            books, _, taken, _, counted = pipe.execute()
         lapses = {str(b): int(n) for b, n in counted.items()}
-        books = list(dict.fromkeys(parse_held_pass_member(member) for member in taken))
-        if books:
+        lapsed = list(dict.fromkeys(parse_held_pass_member(member) for member in taken))
+        if lapsed:
             try:
                 with self.conn.errors():
                     pipe = self.conn.client.pipeline(transaction=False)
-                    for book in books:
-                        pipe.hincrby(self.conn.keys.held_pass_lapses(), book, 1)
-                    lapses.update(zip(books, map(int, pipe.execute()), strict=True))
-            except StoreUnavailable:  # taken already: sent all the same
-                lapses.update({b: lapses.get(b, 0) + 1 for b in books})
-        return books, lapses
+                    for book in lapsed:
+                        pipe.hincrby(counts, book, 1)
+                    lapses.update(zip(lapsed, map(int, pipe.execute()), strict=True))
+            except StoreUnavailable:
+                lapses.update({b: lapses.get(b, 0) + 1 for b in lapsed})
+        return DuePasses([str(b) for b in books], lapsed, lapses)
