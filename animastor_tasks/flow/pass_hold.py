@@ -30,10 +30,10 @@ STALL_SECONDS = 60.0  # a pass running this long gives the books after it in its
 class PassHold:
     """One holder's hold: written as it starts (or with a regenerate's commands: `written`), renewed by this process's
     renewing thread every quarter of it (a slow pass never lets it lapse; it stops with the process), let go as the
-    holder ends. A store error costs no pass: the next renewal tries the write again (a release's too), and a hold
-    left behind lapses into one more pass of its books. A pass running past `STALL_SECONDS` (a hung connection)
-    gives the books after it to the next tick: held until they are due, then skipped; its own book stays held,
-    its pass alive. A pass that ends forgets its book's lost passes (`domain/lost_passes.py`)."""
+    holder ends. A store error costs no pass: the next renewal tries the write again (the first one's, a release's),
+    and a hold left behind lapses into one more pass of its books. A pass running past `STALL_SECONDS` (a hung
+    connection) gives the books after it to the next tick: held until they are due, then skipped; its own book
+    stays held, its pass alive. A pass that ends forgets its book's lost passes (`domain/lost_passes.py`)."""
 
     def __init__(self, ports: Ports, books: Sequence[str], *, holder: str | None = None, written: bool = False):
         self._ports = ports
@@ -46,12 +46,13 @@ class PassHold:
         self._lock = threading.Lock()  # all of the above, between the holder's passes and the renewing thread
         self.renewed_at = self._progress = time.monotonic()
         self._released = False
+        self._unwritten = not written  # the renewing thread writes the hold a refusal kept from being written here
         if not written:
             try:
                 ports.book_state.hold_passes(self.holder, self._held, ports.clock() + HOLD_SECONDS)
-            except StoreUnavailable as err:  # nothing held: a death now leaves these books to reconcile's round
-                log.warning("[COMMAND-GATE] hold of %d pass(es) not written: %s", len(self._held), err)
-                return
+                self._unwritten = False
+            except StoreUnavailable as err:  # a death before the renewal writes it leaves these books to reconcile
+                log.warning("[COMMAND-GATE] hold of %d pass(es) not written yet: %s", len(self._held), err)
         _renewer().add(self)
 
     def __enter__(self) -> PassHold:
@@ -122,12 +123,13 @@ class PassHold:
                 self._held = [b for b in self._held if b not in to_give]
                 self._ended += to_give
                 self._to_give = [b for b in self._to_give if b not in to_give]
+        until = self._ports.clock() + HOLD_SECONDS
         with self._lock:
             held, ended, passed = list(self._held), list(self._ended), list(self._passed)
+            if self._unwritten and not self._write_first(held, until):
+                return
         try:
-            lost = self._ports.book_state.renew_passes(
-                self.holder, held, self._ports.clock() + HOLD_SECONDS, ended=ended, passed=passed
-            )
+            lost = self._ports.book_state.renew_passes(self.holder, held, until, ended=ended, passed=passed)
         except StoreUnavailable as err:
             log.warning("[COMMAND-GATE] hold of %d pass(es) not renewed: %s", len(held), err)
             return
@@ -135,6 +137,17 @@ class PassHold:
             _renewer().discard(self)
         elif lost and not self._released:  # a release that came between took them away, not the tick
             log.warning("[COMMAND-GATE] %d held pass(es) had lapsed: the tick sent them again", lost)
+
+    def _write_first(self, held: list[str], until: float) -> bool:
+        """The hold a refusal kept from being written as the holder started (never taken by the tick, so written now,
+        not only renewed), under the holder's lock: a release cannot come between and leave it behind."""
+        try:
+            self._ports.book_state.hold_passes(self.holder, held, until)
+        except StoreUnavailable as err:
+            log.warning("[COMMAND-GATE] hold of %d pass(es) not written yet: %s", len(held), err)
+            return False
+        self._unwritten = False
+        return True
 
     def _written(self, ended: list[str], passed: list[str]) -> bool:
         """The members and counts just written taken off the lists; whether the holder is released and done."""

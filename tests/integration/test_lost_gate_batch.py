@@ -252,3 +252,26 @@ def test_a_renewal_that_failed_does_not_send_a_finished_batch_again(rt: Wiring, 
     run_control(rt)
     time.sleep(HOLD + 0.1)
     assert failed and held(rt) == [] and tick(rt) == [] and lost_passes(rt) is None
+
+
+def test_a_hold_whose_first_write_redis_refused_is_written_by_the_renewal(rt: Wiring, monkeypatch, short_hold) -> None:
+    """Refused as its batch started, the hold was never written: the worker died, and the books it had not passed
+    yet waited for reconcile's round (nor did a pass that stalled give the books after it to the tick)."""
+    workers_back(rt)
+    assert sorted(tick(rt)) == BOOKS
+    refused, real = refuses_once(rt, monkeypatch, "hold_passes"), gate.gate_pass
+
+    def dies_late(ports, name, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "b04":
+            time.sleep(HOLD)  # the renewing thread's turns
+            raise WorkerDied(name)
+        return real(ports, name, **kwargs)
+
+    with monkeypatch.context() as dying, pytest.raises(WorkerDied):
+        dying.setattr(gate, "gate_pass", dies_late)
+        run_control(rt)
+    assert refused and held(rt) == BOOKS[4:]
+    time.sleep(HOLD + 0.1)
+    assert sorted(tick(rt)) == BOOKS[4:]
+    run_control(rt)
+    assert all(generating(rt, book) for book in BOOKS) and held(rt) == []
