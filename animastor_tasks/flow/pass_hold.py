@@ -12,6 +12,7 @@ sends a batch, so a control queue that is behind queues no pass twice. Each hold
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -46,13 +47,16 @@ class PassHold:
         self._lock = threading.Lock()  # all of the above, between the holder's passes and the renewing thread
         self.renewed_at = self._progress = time.monotonic()
         self._released = False
-        self._unwritten = not written  # the renewing thread writes the hold a refusal kept from being written here
+        self._write_by: float | None = None  # until when the renewing thread may write a hold a refusal kept back
         if not written:
+            now = ports.clock()
             try:
-                ports.book_state.hold_passes(self.holder, self._held, ports.clock() + HOLD_SECONDS)
-                self._unwritten = False
+                ports.book_state.hold_passes(self.holder, self._held, now + HOLD_SECONDS)
             except StoreUnavailable as err:  # a death before the renewal writes it leaves these books to reconcile
                 log.warning("[COMMAND-GATE] hold of %d pass(es) not written yet: %s", len(self._held), err)
+                # Later, a write whose answer was lost may have lapsed into a pass the tick sent again: written back,
+                # that book's pass would run twice.
+                self._write_by = now + HOLD_SECONDS / 2
         _renewer().add(self)
 
     def __enter__(self) -> PassHold:
@@ -126,8 +130,9 @@ class PassHold:
         until = self._ports.clock() + HOLD_SECONDS
         with self._lock:
             held, ended, passed = list(self._held), list(self._ended), list(self._passed)
-            if self._unwritten and not self._write_first(held, until):
-                return
+        first = self._write_by
+        if first is not None and (not self._write_first(held, until, first) or not (ended or passed)):
+            return  # not written, or written and nothing more to write
         try:
             lost = self._ports.book_state.renew_passes(self.holder, held, until, ended=ended, passed=passed)
         except StoreUnavailable as err:
@@ -138,15 +143,29 @@ class PassHold:
         elif lost and not self._released:  # a release that came between took them away, not the tick
             log.warning("[COMMAND-GATE] %d held pass(es) had lapsed: the tick sent them again", lost)
 
-    def _write_first(self, held: list[str], until: float) -> bool:
-        """The hold a refusal kept from being written as the holder started (never taken by the tick, so written now,
-        not only renewed), under the holder's lock: a release cannot come between and leave it behind."""
+    def _write_first(self, held: list[str], until: float, write_by: float) -> bool:
+        """The hold a refusal kept from being written as the holder started: written now (never taken by the tick,
+        so written, not only renewed), while no answer lost with an earlier write can have lapsed into a pass the
+        tick sent again. Too late, the holder holds nothing: a death leaves its books to reconcile's round."""
+        if self._ports.clock() >= write_by:
+            if write_by > -math.inf:
+                log.warning("[COMMAND-GATE] hold of %d pass(es) never written: left to reconcile", len(held))
+                self._write_by = -math.inf
+            return False
         try:
             self._ports.book_state.hold_passes(self.holder, held, until)
         except StoreUnavailable as err:
             log.warning("[COMMAND-GATE] hold of %d pass(es) not written yet: %s", len(held), err)
             return False
-        self._unwritten = False
+        with self._lock:
+            self._write_by = None
+            # Passes that ended since `held` was read: their members go (again: a release may have taken them away
+            # before this write put them back), and a holder released meanwhile is renewed once more to do it.
+            late = [b for b in held if b not in self._held]
+            self._ended += late
+            released = self._released
+        if late and released:
+            _renewer().add(self)
         return True
 
     def _written(self, ended: list[str], passed: list[str]) -> bool:

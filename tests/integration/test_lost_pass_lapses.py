@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 
 import pytest
@@ -225,3 +226,51 @@ def test_a_tick_whose_take_redis_refused_still_gives_up_a_book(rt: Wiring, monke
         tick(rt)
     assert sorted(tick(rt)) == [b for b in BOOKS if b != "b04"] and "b04" not in str(queued_batches(rt))
     assert "book='b04' 3 times: pass lost with its control process" in caplog.text and lapses(rt) == {"b04": "3"}
+
+
+def test_a_first_write_whose_answer_was_lost_is_not_written_back_taken(rt: Wiring, monkeypatch, short_hold) -> None:
+    """The write landed, its answer lost, and Redis refused the renewal's tries until the hold lapsed: the tick sent
+    the book again, then the renewal wrote the hold back, and the book's pass ran twice (counted lost twice, should
+    its holder die)."""
+    real, calls, allow = rt.ports.book_state.hold_passes, [], threading.Event()
+
+    def answer_lost(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args)
+        if len(calls) == 1 or not allow.is_set():
+            if len(calls) == 1:
+                real(*args, **kwargs)
+            raise StoreUnavailable("redis", rt.settings.redis_url, "Timeout reading from socket")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rt.ports.book_state, "hold_passes", answer_lost)
+    hold = pass_hold.PassHold(rt.ports, ["b00"])
+    time.sleep(HOLD + 0.2)
+    assert tick(rt) == ["b00"] and held(rt) == []  # lapsed: taken, sent again
+    allow.set()
+    time.sleep(HOLD / 2)  # the renewing thread's turns
+    assert held(rt) == []
+    hold.release()
+
+
+def test_a_slow_first_write_by_the_renewal_holds_up_no_pass(rt: Wiring, monkeypatch, short_hold) -> None:
+    """Written under the holder's lock, a write hung on a dead connection (5 s, Redis's socket timeout) held up each
+    pass's start and end as long."""
+    real, calls, writing = rt.ports.book_state.hold_passes, [], threading.Event()
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args)
+        if len(calls) == 1:
+            raise StoreUnavailable("redis", rt.settings.redis_url, "connection reset by peer")
+        writing.set()
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rt.ports.book_state, "hold_passes", slow)
+    with pass_hold.PassHold(rt.ports, ["b00", "b01"]) as hold:
+        assert writing.wait(5)
+        started = time.monotonic()
+        assert hold.starts("b00")
+        hold.ended("b00")
+        assert time.monotonic() - started < 0.5
+    time.sleep(2.0 + HOLD)  # the write lands after the release: the renewal takes it away again
+    assert held(rt) == []

@@ -14,7 +14,7 @@ from animastor_tasks.adapters.redis.cancel_flags import CancelFlagStore
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 from animastor_tasks.domain.keys import held_pass_member, parse_held_pass_member
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.records import DuePasses
+from animastor_tasks.ports import DuePasses
 
 
 class DueIndexStore(CancelFlagStore):
