@@ -1,13 +1,15 @@
 """Issue 7, item 11: hostile or broken messages on the control queue, published with kombu directly.
 
 A pickle-serialized regenerate (must never be deserialized, let alone run), a body that is not JSON, a
-regenerate with wrong kwargs and one with wrongly typed kwargs, an unknown task name, and a ~10 MB payload.
+regenerate with wrong kwargs and one with wrongly typed kwargs, an unknown task name, a ~10 MB payload, and
+bodies that are JSON but not `[args, kwargs, options]` (on a GPU queue too).
 Each is rejected and logged by the control worker, nothing is written for any of them, the worker process
 keeps running (same pid) and a regenerate sent afterwards completes.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -16,6 +18,7 @@ import pytest
 from kombu import Connection, Exchange, Producer, Queue
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.worker.message_shape import SHAPE
 from tests.e2e.harness import wait_for
 from tests.integration.helpers import make_book
 
@@ -48,8 +51,8 @@ def _headers(task: str, task_id: str) -> dict[str, Any]:
 def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_stack, figure) -> None:
     stack = make_stack()
     cluster = stack.cluster
-    control = cluster.control(wait=False)
-    cluster.wait_ready(control, cluster.gpu("audio", wait=False))
+    control, gpu = cluster.control(wait=False), cluster.gpu("audio", wait=False)
+    cluster.wait_ready(control, gpu)
     book = make_book("bad-messages", chapters=1, scenes=3)
     stack.rt.catalog.import_book(book)
     good = {"book_id": book.book_id, "stages": ["audio"], "scenes": None, "command_id": None, "force": True}
@@ -80,6 +83,11 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
             "[{id}] raised unexpected: InvalidCommand('book_id: must be a string",
         ),
         ("unknown task", "animastor.nope", good, "json", "Received unregistered task of type 'animastor.nope'"),
+        # Bodies that are not [args, kwargs, options]: each killed the worker, and every worker started after it.
+        ("kwargs as body", "animastor.regenerate", json.dumps(good).encode(), None, f"{SHAPE}, got an object"),
+        ("null body", "animastor.cancel", b"null", None, f"{SHAPE}, got null"),
+        ("number body", "animastor.tick", b"5", None, f"{SHAPE}, got a number"),
+        ("kwargs a list", "animastor.regenerate", b'[[], ["x"], {}]', None, f"{SHAPE}; its kwargs are a list of 1"),
         (
             "10 MB payload",
             "animastor.regenerate",
@@ -93,6 +101,16 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
     sent = time.monotonic()
     with Connection(stack.env["ANIMASTOR_BROKER_URL"], connect_timeout=5) as conn:
         producer = Producer(conn.channel())
+        gpu_queue = Queue("gpu.audio", Exchange("gpu.audio", type="direct"), routing_key="gpu.audio")
+        producer.publish(
+            json.dumps({"book_id": book.book_id}).encode(),
+            exchange=gpu_queue.exchange,
+            routing_key=gpu_queue.routing_key,
+            declare=[gpu_queue],
+            headers=_headers("animastor.generate.audio", str(uuid.uuid4())),
+            content_type="application/json",
+            content_encoding="utf-8",
+        )
         for label, task, payload, serializer, _ in cases:
             task_id = ids[label] = str(uuid.uuid4())
             if isinstance(payload, bytes):
@@ -119,13 +137,15 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
         text = needle.replace("{id}", ids[label])
         wait_for(lambda n=text: logged(n), 30, what=f"control worker logs the rejection of the {label} message")
     handled = time.monotonic() - sent
-    for label in ("wrong kwargs", "wrong types", "10 MB payload"):
+    for label in ("wrong kwargs", "wrong types", "10 MB payload", "kwargs as body", "null body", "kwargs a list"):
         result = stack.client.app.AsyncResult(ids[label])
         assert wait_for(lambda r=result: r.state == "FAILURE", 10, what=f"{label}: stored as a failure"), label
         result.forget()
     broker = stack.rt.redis.client
     wait_for(lambda: broker.llen(CONTROL_QUEUE) == 0, 10, what="control queue drained")
     assert control.alive(), control.tail()
+    wait_for(lambda: f"animastor.generate.audio: {SHAPE}, got an object" in gpu.log(), 30, what="GPU worker refuses")
+    assert gpu.alive(), gpu.tail()
     assert stack.rt.ports.commands.commands(book=book.book_id) == [], "a rejected message wrote a command"
     assert stack.query("SELECT count(*) FROM commands")[0][0] == 0
 
