@@ -118,6 +118,18 @@ def book() -> None:
     """Books: import and re-import."""
 
 
+MAX_BOOK_BYTES = 256 << 20  # a book of 50,000 scenes is about 50 MB
+
+
+def _read_book_file(path: Path) -> bytes:
+    """At most one byte more than a book may be. *Why:* read whole, a wrong path (`/dev/zero`, a disk image) or an
+    endless standard input took the host's memory until the kernel killed a process, maybe not this one."""
+    if str(path) == "-":
+        return sys.stdin.buffer.read(MAX_BOOK_BYTES + 1)
+    with path.open("rb") as handle:
+        return handle.read(MAX_BOOK_BYTES + 1)
+
+
 @book.command("import")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -127,9 +139,11 @@ def book_import(path: Path, as_json: bool) -> None:
     from animastor_tasks.errors import InvalidBook
 
     try:
-        raw = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+        raw = _read_book_file(path)
     except OSError as err:
         raise InvalidBook(f"cannot read {str(path)!r}: {err.strerror}") from err
+    if len(raw) > MAX_BOOK_BYTES:
+        raise InvalidBook(f"{str(path)!r} is larger than {MAX_BOOK_BYTES >> 20} MiB, the most a book file may be")
     rt = _wired()
     summary = rt.catalog.import_book(parse_book_json(raw))
     if summary.removed_jobs:  # their scenes are gone: their jobs stop rather than run on into a refused commit

@@ -113,6 +113,9 @@ def test_cli_import_and_bad_input_writes_nothing(rt, tmp_path) -> None:
     broken = _cli("book", "import", "-", stdin="{not json")
     assert broken.returncode == 2 and "line 1" in broken.stderr
 
+    endless = _cli("book", "import", "/dev/zero")  # read whole, it took the host's memory until the OOM killer came
+    assert endless.returncode == 2 and "'/dev/zero' is larger than 256 MiB" in endless.stderr, endless.stderr
+
 
 def test_cli_store_down_exits_3_without_password(rt, tmp_path) -> None:
     path = tmp_path / "book.json"
