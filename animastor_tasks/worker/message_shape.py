@@ -5,7 +5,8 @@ message. A body that was the kwargs object itself (what a service not written in
 `docs/schemas`), `null`, a number or `[]` killed the worker, and the message, restored unacknowledged, killed
 every worker started after it: the queue's traffic (regenerate, cancel, the tick) stopped until someone
 deleted the message by hand. Refused, it is logged with its body (Celery's `Received invalid task message`),
-dropped, and its id stored as failed with the reason, so a caller waiting for its answer learns why.
+dropped, and its id stored as failed with the reason (as is any message Celery refuses as invalid), so a caller
+waiting for its answer learns why.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from celery import Task
+from celery import Task, signals
 from celery.exceptions import InvalidTaskError
 from celery.worker.strategy import default
 
@@ -56,21 +57,23 @@ def checked(task: Task, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
         if body is None:  # protocol 2: the body is decoded here, as the default strategy would decode it
             problem = body_problem(message.payload)
             if problem is not None:
-                refused = InvalidCommand(f"{task.name}: {problem}")
-                _store_failure(task, message.headers.get("id"), refused)
-                raise InvalidTaskError(str(refused))
+                raise InvalidTaskError(f"{task.name}: {problem}")
         return handle(message, body, *args, **more)
 
     return on_message
 
 
-def _store_failure(task: Task, task_id: Any, err: InvalidCommand) -> None:
-    if not isinstance(task_id, str):
+@signals.task_rejected.connect
+def store_refusal(sender: Any = None, message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
+    """A message Celery refused as invalid (this shape, pickle, kwargs not a mapping): its id stored as failed with
+    the reason, so a caller waiting for the answer learns why rather than waiting out its timeout."""
+    task_id = getattr(message, "headers", {}).get("id")
+    if exc is None or not isinstance(task_id, str):
         return
     try:
-        task.backend.mark_as_failure(task_id, err)
-    except Exception as store_err:  # the refusal is logged all the same; only the caller's answer is lost
-        log.warning("[WORKER] refusal of task %s not stored: %s", task_id, store_err)
+        sender.app.backend.mark_as_failure(task_id, InvalidCommand(str(exc)))
+    except Exception as err:  # the refusal is logged all the same; only the caller's answer is lost
+        log.warning("[WORKER] refusal of task %s not stored: %s", task_id, err)
 
 
 class ShapeCheckedTask(Task):

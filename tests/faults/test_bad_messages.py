@@ -137,9 +137,11 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
         text = needle.replace("{id}", ids[label])
         wait_for(lambda n=text: logged(n), 30, what=f"control worker logs the rejection of the {label} message")
     handled = time.monotonic() - sent
-    for label in ("wrong kwargs", "wrong types", "10 MB payload", "kwargs as body", "null body", "kwargs a list"):
+    stored = ("pickle", "wrong kwargs", "wrong types", "10 MB payload", "kwargs as body", "null body", "kwargs a list")
+    for label in stored:
         result = stack.client.app.AsyncResult(ids[label])
         assert wait_for(lambda r=result: r.state == "FAILURE", 10, what=f"{label}: stored as a failure"), label
+        assert label != "kwargs as body" or f"{SHAPE}, got an object" in str(result.result), result.result
         result.forget()
     broker = stack.rt.redis.client
     wait_for(lambda: broker.llen(CONTROL_QUEUE) == 0, 10, what="control queue drained")
