@@ -18,7 +18,7 @@ from animastor_tasks.adapters.redis import counters
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, redact_url
-from animastor_tasks.worker import chain, flower_settings, lost, message_shape, tracing, warm
+from animastor_tasks.worker import chain, flower_settings, lost, tracing, warm
 from animastor_tasks.worker.logs import LogSetup
 from animastor_tasks.worker.presence import PresenceStep, StartingPresenceStep
 
@@ -30,7 +30,7 @@ except ConfigError as err:  # a worker or beat with a bad setting stops here, wi
     sys.stderr.write(f"animastor-tasks: {err}\n")
     raise SystemExit(2) from err
 
-app = Celery("animastor_tasks", include=["animastor_tasks.worker.tasks"], task_cls=message_shape.ShapeCheckedTask)
+app = Celery("animastor_tasks", include=["animastor_tasks.worker.tasks"])
 app.config_from_object("celeryconfig", force=True)
 flower_settings.guard_flower_command()  # `celery -A animastor_tasks flower`, from any directory: auth or exit 2
 app.steps["worker"].add(StartingPresenceStep)  # beats before the consumer can (worker/presence.py)

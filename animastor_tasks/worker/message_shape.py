@@ -1,12 +1,14 @@
-"""A task message whose body is not Celery's `[args, kwargs, options]` is refused, not fatal.
+"""A task message Celery cannot unpack is refused, not fatal (`guarded`, in the worker's consumer).
 
-*Why:* Celery unpacks a message's body in the worker's main process, outside every handler of a bad
-message. A body that was the kwargs object itself (what a service not written in Python sends, reading
-`docs/schemas`), `null`, a number or `[]` killed the worker, and the message, restored unacknowledged, killed
-every worker started after it: the queue's traffic (regenerate, cancel, the tick) stopped until someone
-deleted the message by hand. Refused, it is logged with its body (Celery's `Received invalid task message`),
-dropped, and its id stored as failed with the reason (as is any message Celery refuses as invalid), so a caller
-waiting for its answer learns why.
+*Why:* Celery unpacks a message in the worker's main process, outside every handler of a bad message. A
+body that was the kwargs object itself (what a service not written in Python sends, reading `docs/schemas`),
+`null`, a number or `[]`, an `id` header that was a list or a `timelimit` that was a number killed the worker,
+and the message, restored unacknowledged, killed every worker started after it: the queue's traffic
+(regenerate, cancel, the tick) stopped until someone deleted the message by hand. One without an `id` was
+worse on Redis, whose transport takes a KeyError for a lost connection: the worker reconnected for ever.
+Refused, the message is logged with its body (Celery's `Received invalid task message`) and dropped, and its
+id stored as failed with the reason (as is any message Celery refuses as invalid), so a caller waiting for
+its answer learns why.
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from celery import Task, signals
+from celery import signals
 from celery.exceptions import InvalidTaskError
-from celery.worker.strategy import default
 
 from animastor_tasks.errors import InvalidCommand
 
@@ -26,11 +27,73 @@ log = logging.getLogger("animastor.worker")
 SHAPE = "its body must be the JSON list [args, kwargs, options]: [[], {...the task's kwargs...}, {}]"
 
 
-def body_problem(body: Any) -> str | None:
-    """What is wrong with a decoded protocol-2 body (None: nothing). A mapping with `args` is Celery's hybrid
-    protocol-1 body, which Celery checks itself."""
-    if isinstance(body, dict) and "args" in body:
+def guarded(consumer: Any, received: Callable[[Any], None]) -> Callable[[Any], None]:
+    """`received` (Celery's handler of a task message) behind the checks below, a refusal as Celery refuses."""
+
+    def on_task_received(message: Any) -> None:
+        problem = message_problem(message)
+        if problem is not None:
+            consumer.on_invalid_task(None, message, InvalidTaskError(problem))
+            return
+        received(message)
+
+    return on_task_received
+
+
+def message_problem(message: Any) -> str | None:
+    """What keeps Celery from unpacking a message (None: nothing, or what Celery refuses by itself: a body it
+    cannot decode, a serializer it does not accept, a message that names no task)."""
+    headers = message.headers
+    if not isinstance(headers, dict):
         return None
+    try:
+        body = message.payload
+    except Exception:
+        return None
+    if "task" not in headers:  # protocol 1: the task, its id and its arguments in the body
+        if not isinstance(body, dict) or "task" not in body:
+            return None
+        return _named(body.get("task"), _id_problem(body) or _hybrid_problem(body))
+    return _named(headers["task"], header_problem(headers) or body_problem(body))
+
+
+def _named(task: Any, problem: str | None) -> str | None:
+    if not isinstance(task, str):  # Celery looks it up in a dict: a list was a TypeError
+        return f"its task name must be a string, got {_kind(task)}"
+    return None if problem is None else f"{task}: {problem}"
+
+
+def header_problem(headers: dict[str, Any]) -> str | None:
+    """What is wrong with a protocol-2 message's headers, besides its task's name, that Celery would fail on (None:
+    nothing)."""
+    if problem := _id_problem(headers):
+        return problem
+    limits = headers.get("timelimit")
+    numbers = (int, float)
+    if limits is not None and not (
+        isinstance(limits, list | tuple)
+        and len(limits) == 2
+        and all(x is None or (isinstance(x, numbers) and not isinstance(x, bool)) for x in limits)
+    ):
+        return f"its timelimit header must be [hard, soft], each seconds or null, got {_kind(limits)}"
+    stamped = headers.get("stamped_headers")
+    if stamped is not None and not (isinstance(stamped, list | tuple) and all(isinstance(s, str) for s in stamped)):
+        return f"its stamped_headers header must be a list of names, got {_kind(stamped)}"
+    return None
+
+
+def _id_problem(fields: dict[str, Any]) -> str | None:
+    task_id = fields.get("id")
+    if isinstance(task_id, str) and task_id:
+        return None
+    got = "none" if "id" not in fields else "an empty string" if task_id == "" else _kind(task_id)
+    return f"its id must be the task's id, a string, got {got}"
+
+
+def body_problem(body: Any) -> str | None:
+    """What is wrong with a decoded protocol-2 body (None: nothing)."""
+    if isinstance(body, dict) and "args" in body:  # Celery's hybrid of protocols 1 and 2
+        return _hybrid_problem(body)
     if not isinstance(body, list | tuple) or len(body) != 3:
         return f"{SHAPE}, got {_kind(body)}"
     args, kwargs, options = body
@@ -43,40 +106,29 @@ def body_problem(body: Any) -> str | None:
     return None
 
 
+def _hybrid_problem(body: dict[str, Any]) -> str | None:
+    if not isinstance(body.get("args", ()), list | tuple):
+        return f"its args must be a list, got {_kind(body['args'])}"
+    if not isinstance(body.get("kwargs", {}), dict):
+        return f"its kwargs must be an object, got {_kind(body['kwargs'])}"
+    return None
+
+
 def _kind(value: Any) -> str:
     if isinstance(value, list | tuple):
         return f"a list of {len(value)}"
     return {dict: "an object", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
 
 
-def checked(task: Task, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
-    """Celery's default strategy, behind a check of the body's shape (`Task.Strategy`)."""
-    handle = default(task, app, consumer, **kwargs)
-
-    def on_message(message: Any, body: Any, *args: Any, **more: Any) -> Any:
-        if body is None:  # protocol 2: the body is decoded here, as the default strategy would decode it
-            problem = body_problem(message.payload)
-            if problem is not None:
-                raise InvalidTaskError(f"{task.name}: {problem}")
-        return handle(message, body, *args, **more)
-
-    return on_message
-
-
 @signals.task_rejected.connect
 def store_refusal(sender: Any = None, message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
-    """A message Celery refused as invalid (this shape, pickle, kwargs not a mapping): its id stored as failed with
-    the reason, so a caller waiting for the answer learns why rather than waiting out its timeout."""
-    task_id = getattr(message, "headers", {}).get("id")
-    if exc is None or not isinstance(task_id, str):
+    """A message Celery refused as invalid (these, pickle, kwargs not a mapping): its id stored as failed with the
+    reason, so a caller waiting for the answer learns why rather than waiting out its timeout."""
+    headers = getattr(message, "headers", None)
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    if exc is None or not isinstance(task_id, str) or not task_id:
         return
     try:
         sender.app.backend.mark_as_failure(task_id, InvalidCommand(str(exc)))
     except Exception as err:  # the refusal is logged all the same; only the caller's answer is lost
         log.warning("[WORKER] refusal of task %s not stored: %s", task_id, err)
-
-
-class ShapeCheckedTask(Task):
-    """Every task of the app: its messages' bodies are checked before Celery unpacks them."""
-
-    Strategy = f"{__name__}:checked"

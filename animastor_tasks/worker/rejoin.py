@@ -21,11 +21,15 @@ event loop's thread, where every channel operation happens). The Redis broker fe
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from celery import bootsteps
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
+from vine import promise
+
+from animastor_tasks.worker import message_shape
 
 RECONNECT_INTERVAL_MAX = 1.0
 
@@ -51,8 +55,8 @@ class HoldBackStep(bootsteps.StartStopStep):
 
 
 class RejoiningConsumer(Consumer):
-    """Celery's consumer with a flat reconnect interval and a prefetch that counts the jobs of lost channels
-    (selected by `worker_consumer`)."""
+    """Celery's consumer with a flat reconnect interval, a prefetch that counts the jobs of lost channels and a
+    refusal of the messages it cannot unpack (`message_shape.guarded`) (selected by `worker_consumer`)."""
 
     class Blueprint(Consumer.Blueprint):
         default_steps = [*Consumer.Blueprint.default_steps, f"{__name__}:HoldBackStep"]
@@ -60,6 +64,9 @@ class RejoiningConsumer(Consumer):
     held_back: frozenset[str] = frozenset()  # task queues not consumed meanwhile (read by worker/presence.py)
     _counted = 0  # processes held by jobs of lost channels that the prefetch now leaves out
     _following = False  # AMQP with a channel-wide prefetch, reconnected: `_counted` is kept up to date
+
+    def create_task_handler(self, promise: Any = promise) -> Callable[[Any], None]:
+        return message_shape.guarded(self, super().create_task_handler(promise))
 
     def ensure_connected(self, conn: Any) -> Any:
         ensure = conn.ensure_connection

@@ -49,7 +49,6 @@ from animastor_tasks.ports import Ports
 from animastor_tasks.worker import chain, wiring
 from animastor_tasks.worker.app import app, settings
 from animastor_tasks.worker.lost import GenerateRequest
-from animastor_tasks.worker.message_shape import ShapeCheckedTask
 
 log = logging.getLogger("animastor.worker")
 
@@ -77,7 +76,7 @@ def _call_as_schema_says(task: str, unknown: dict[str, Any], **required: Any) ->
         raise InvalidCommand(f"{task}: unknown argument(s) {', '.join(sorted(unknown))}")
 
 
-class CallerTask(ShapeCheckedTask):
+class CallerTask(Task):
     """A task other services send: a call its signature cannot take (more positional arguments than it has, one given
     twice) is the `InvalidCommand` it says, before anything runs. *Why:* Python's own TypeError reached the caller."""
 

@@ -25,6 +25,7 @@ from tests.integration.helpers import make_book
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
 HUGE = 10 * 1024 * 1024
+DROP = object()  # a header left out
 
 
 def _headers(task: str, task_id: str) -> dict[str, Any]:
@@ -58,7 +59,7 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
     good = {"book_id": book.book_id, "stages": ["audio"], "scenes": None, "command_id": None, "force": True}
 
     # (label, task name, kwargs or raw body, serializer, what the control worker must log for it)
-    cases: list[tuple[str, str, Any, str | None, str]] = [
+    cases: list[tuple[str, str | dict[str, Any] | None, Any, str | None, str]] = [
         (
             "pickle",
             "animastor.regenerate",
@@ -88,6 +89,13 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
         ("null body", "animastor.cancel", b"null", None, f"{SHAPE}, got null"),
         ("number body", "animastor.tick", b"5", None, f"{SHAPE}, got a number"),
         ("kwargs a list", "animastor.regenerate", b'[[], ["x"], {}]', None, f"{SHAPE}; its kwargs are a list of 1"),
+        # Headers Celery fails on: each killed the worker (without an id, on Redis, it reconnected for ever).
+        ("no id", {"id": DROP}, b"[[], {}, {}]", None, "tick: its id must be the task's id, a string, got none"),
+        ("id a list", {"id": ["x"]}, b"[[], {}, {}]", None, "its id must be the task's id, a string, got a list of 1"),
+        ("timelimit a number", {"timelimit": 5}, b"[[], {}, {}]", None, "its timelimit header must be [hard, soft]"),
+        ("stamps a number", {"stamped_headers": 5}, b"[[], {}, {}]", None, "its stamped_headers header must be a list"),
+        ("task a list", {"task": ["x"]}, b"[[], {}, {}]", None, "its task name must be a string, got a list of 1"),
+        ("protocol 1, no id", None, b'{"task": "animastor.reconcile", "kwargs": {}}', None, "reconcile: its id must"),
         (
             "10 MB payload",
             "animastor.regenerate",
@@ -119,12 +127,18 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
             else:
                 body = ((), payload, {"callbacks": None, "errbacks": None, "chain": None, "chord": None})
                 options = {"serializer": serializer}
+            if task is None:  # protocol 1: everything in the body
+                headers = {}
+            elif isinstance(task, dict):  # a tick's headers, these changed
+                headers = {k: v for k, v in {**_headers("animastor.tick", task_id), **task}.items() if v is not DROP}
+            else:
+                headers = _headers(task, task_id)
             producer.publish(
                 body,
                 exchange=queue.exchange,
                 routing_key=queue.routing_key,
                 declare=[queue],
-                headers=_headers(task, task_id),
+                headers=headers,
                 correlation_id=task_id,
                 **options,
             )
