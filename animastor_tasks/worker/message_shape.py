@@ -50,10 +50,11 @@ def message_problem(message: Any) -> str | None:
         body = message.payload
     except Exception:
         return None
-    if "task" not in headers:  # protocol 1: the task, its id and its arguments in the body
-        if not isinstance(body, dict) or "task" not in body:
-            return None
-        return _named(body.get("task"), _id_problem(body) or _hybrid_problem(body))
+    if isinstance(body, dict) and ("task" not in headers or "args" in body):
+        # Protocol 1, or Celery's hybrid of 1 and 2: the task, its id, its limits and its arguments in the body.
+        return _named(body.get("task"), header_problem(body) or _hybrid_problem(body))
+    if "task" not in headers:
+        return None
     return _named(headers["task"], header_problem(headers) or body_problem(body))
 
 
@@ -64,8 +65,8 @@ def _named(task: Any, problem: str | None) -> str | None:
 
 
 def header_problem(headers: dict[str, Any]) -> str | None:
-    """What is wrong with a protocol-2 message's headers, besides its task's name, that Celery would fail on (None:
-    nothing)."""
+    """What is wrong with a message's headers (a protocol-1 body's fields), besides its task's name, that Celery would
+    fail on (None: nothing)."""
     if problem := _id_problem(headers):
         return problem
     limits = headers.get("timelimit")
@@ -92,8 +93,6 @@ def _id_problem(fields: dict[str, Any]) -> str | None:
 
 def body_problem(body: Any) -> str | None:
     """What is wrong with a decoded protocol-2 body (None: nothing)."""
-    if isinstance(body, dict) and "args" in body:  # Celery's hybrid of protocols 1 and 2
-        return _hybrid_problem(body)
     if not isinstance(body, list | tuple) or len(body) != 3:
         return f"{SHAPE}, got {_kind(body)}"
     args, kwargs, options = body

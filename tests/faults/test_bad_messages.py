@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
 HUGE = 10 * 1024 * 1024
 DROP = object()  # a header left out
+PROTOCOL_1_TIMELIMIT = b'{"task": "animastor.gate_batch", "id": "p1", "args": [], "kwargs": {}, "timelimit": 5}'
 
 
 def _headers(task: str, task_id: str) -> dict[str, Any]:
@@ -96,6 +97,7 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
         ("stamps a number", {"stamped_headers": 5}, b"[[], {}, {}]", None, "its stamped_headers header must be a list"),
         ("task a list", {"task": ["x"]}, b"[[], {}, {}]", None, "its task name must be a string, got a list of 1"),
         ("protocol 1, no id", None, b'{"task": "animastor.reconcile", "kwargs": {}}', None, "reconcile: its id must"),
+        ("protocol 1, timelimit", None, PROTOCOL_1_TIMELIMIT, None, "gate_batch: its timelimit header must be"),
         (
             "10 MB payload",
             "animastor.regenerate",

@@ -15,7 +15,6 @@ from animastor_tasks.worker.message_shape import SHAPE, body_problem, message_pr
         [[], {"book_id": "b"}, {}],
         [["b"], {}, None],
         ((), {}, {"callbacks": None}),
-        {"args": [], "kwargs": {}},  # Celery's hybrid protocol-1 body: Celery checks it itself
     ],
 )
 def test_a_body_celery_can_unpack_passes(body: Any) -> None:
@@ -74,6 +73,7 @@ _BODY = [[], {}, {}]
         _Message(_headers(timelimit=[10, 5.5], stamped_headers=["a"]), _BODY),
         _Message(_headers(timelimit=_DROP, stamped_headers=_DROP), _BODY),
         _Message({}, {"task": "animastor.tick", "id": "t1", "args": [], "kwargs": {}}),  # protocol 1
+        _Message(_headers(), {"task": "animastor.tick", "id": "t1", "args": [], "timelimit": [5, None]}),  # hybrid
         _Message(_headers(), ValueError("undecodable")),  # Celery refuses it itself, saying why
         _Message(None, _BODY),  # no headers: Celery's own "unknown message"
         _Message({}, [1, 2]),  # protocol 1 naming no task: the same
@@ -97,8 +97,11 @@ def test_a_message_celery_can_take_passes(message: _Message) -> None:
         (_Message(_headers(stamped_headers=[1]), _BODY), "got a list of 1"),
         (_Message(_headers(task=["x"]), _BODY), "its task name must be a string, got a list of 1"),
         (_Message(_headers(), {"book_id": "b"}), f"animastor.tick: {SHAPE}, got an object"),
-        (_Message(_headers(), {"args": 5}), "animastor.tick: its args must be a list, got a number"),
-        (_Message(_headers(), {"args": [], "kwargs": [1]}), "its kwargs must be an object, got a list of 1"),
+        (_Message(_headers(), {"task": "animastor.tick", "id": "t1", "args": 5}), "its args must be a list, got a num"),
+        (_Message(_headers(), {"task": "animastor.tick", "id": "t1", "args": [], "kwargs": [1]}), "kwargs must be"),
+        (_Message(_headers(), {"task": "animastor.tick", "id": "t1", "args": [], "timelimit": 5}), "timelimit header"),
+        (_Message(_headers(), {"args": []}), "its task name must be a string, got null"),  # hybrid: the body's task
+        (_Message({}, {"task": "animastor.tick", "id": "t1", "timelimit": 5}), "animastor.tick: its timelimit header"),
         (_Message({}, {"task": "animastor.tick", "kwargs": {}}), "animastor.tick: its id must be the task's id"),
         (_Message({}, {"task": ["x"], "id": "t1"}), "its task name must be a string, got a list of 1"),
     ],
