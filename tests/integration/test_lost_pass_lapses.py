@@ -146,12 +146,18 @@ def test_an_error_is_no_pass_and_forgets_no_lost_one(rt: Wiring, monkeypatch, sh
     assert held(rt) == [] and lapses(rt) == {"b04": "2"}
 
 
-def test_a_give_away_whose_due_write_failed_is_tried_again(rt: Wiring, monkeypatch, short_hold) -> None:
-    """The books after a stalled pass were let go all the same: not due, not held, never passed until reconcile."""
+def give_away_refused(rt: Wiring, monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
+    """Every book due and its batch sent, a pass stalled after 2 holds to give the books after it away, and the
+    first due write of them refused (that write's arguments, once made)."""
     monkeypatch.setattr(pass_hold, "STALL_SECONDS", 2 * HOLD)
     workers_back(rt)
     tick(rt)
-    real_pass, failed = gate.gate_pass, refuses_once(rt, monkeypatch, "set_due_all")
+    return refuses_once(rt, monkeypatch, "set_due_all")
+
+
+def test_a_give_away_whose_due_write_failed_is_tried_again(rt: Wiring, monkeypatch, short_hold) -> None:
+    """The books after a stalled pass were let go all the same: not due, not held, never passed until reconcile."""
+    real_pass, failed = gate.gate_pass, give_away_refused(rt, monkeypatch)
 
     def hangs(ports, name, **kwargs):  # type: ignore[no-untyped-def]
         if name == "b04" and not failed:
@@ -169,10 +175,7 @@ def test_a_give_away_whose_due_write_failed_is_tried_again(rt: Wiring, monkeypat
 def test_a_give_away_whose_due_write_failed_outlives_its_batch(rt: Wiring, monkeypatch, short_hold) -> None:
     """The stalled pass returned before the next renewal: the batch's release let the given books go, not due nor
     held, their work waiting for reconcile's round."""
-    monkeypatch.setattr(pass_hold, "STALL_SECONDS", 2 * HOLD)
-    workers_back(rt)
-    tick(rt)
-    real_pass, failed = gate.gate_pass, refuses_once(rt, monkeypatch, "set_due_all")
+    real_pass, failed = gate.gate_pass, give_away_refused(rt, monkeypatch)
 
     def hangs_until_the_give_away_failed(ports, name, **kwargs):  # type: ignore[no-untyped-def]
         while name == "b04" and not failed:
