@@ -73,6 +73,7 @@ widens to another book).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -82,6 +83,9 @@ from animastor_tasks.domain.vocabulary import DeferralBucket
 
 SEP = ":"
 DEFER_BUCKETS: tuple[str, ...] = tuple(DeferralBucket)
+
+
+_unquoted = re.compile(r"[A-Za-z0-9_.~-]*").fullmatch  # what `quote(..., safe="")` leaves as it is
 
 
 @lru_cache(maxsize=65536)
@@ -244,7 +248,10 @@ class Keyspace:
 
 
 def pair_member(chapter: str, scene: str, stage: str) -> str:
-    """Set/zset member naming one scene x stage inside a book-scoped key."""
+    """Set/zset member naming one scene x stage inside a book-scoped key. Ids of the characters `encode` keeps
+    as they are are joined as they are: three cache lookups a pair were an eighth of a big book's pass."""
+    if _unquoted(chapter + scene + stage):
+        return f"{chapter}{SEP}{scene}{SEP}{stage}"
     return SEP.join((encode(chapter), encode(scene), encode(stage)))
 
 

@@ -32,6 +32,16 @@ def test_pair_members_round_trip(t: tuple[str, str, str]) -> None:
     assert parse_pair_member(pair_member(*t)) == t
 
 
+IDS = ["ch-1.2_~Z", "a:b", "é", "50%", "x y", "*", "s\n"]
+
+
+@pytest.mark.parametrize("chapter", IDS)
+@pytest.mark.parametrize("scene", IDS)
+def test_a_pair_member_is_its_ids_encoded_whether_or_not_they_needed_it(chapter: str, scene: str) -> None:
+    for stage in IDS:
+        assert pair_member(chapter, scene, stage) == ":".join(encode(part) for part in (chapter, scene, stage))
+
+
 @given(component=HOSTILE)
 def test_encoded_component_has_no_separator_or_glob(component: str) -> None:
     encoded = encode(component)
