@@ -1,8 +1,8 @@
 """The gate pass of a book with more pairs in flight than a pass holds at once (`page.PAGE`).
 
 Its rows come from one statement through a server-side cursor, half a page at a time, and each read
-holds what Redis knows of its own pairs only (`pair_snapshot`). The next read and its snapshot are
-taken (`read_ahead`) while this one is decided, so a book of a million pairs costs the memory of one
+holds what Redis knows of its own pairs only (`pair_snapshot`). The next rows are read (`read_ahead`)
+while this read's snapshot is taken and decided, so a book of a million pairs costs the memory of one
 page: the rows come from one statement's snapshot anyway, and facts read a little early are as safe as
 a pass's own (see `gate._read_facts`). The lanes are counted again before each read after the first:
 once they are full, the rest defer their pairs without a claim transaction. The book's finished scenes leave
@@ -60,21 +60,16 @@ def run(ports: Ports, report: page.PassReport, *, dispatch_work: bool, full_lane
 
 
 def _pages(ports: Ports, book: str, now: float, queues: Sequence[str]) -> Iterator[tuple[GateRows, Snapshot]]:
-    """The book's pages, each with its snapshot; the next one is read while the caller decides this one.
-    The waits for Postgres and Redis (a third of a page's time) overlap the caller's work."""
+    """The book's pages, each with its snapshot. The next page's rows are read while this one's snapshot is
+    taken and the caller decides it: the server's work on the next rows (FETCH runs the statement) overlaps
+    this thread's. *Why:* one reader taking rows, then their snapshot, left the server idle while Redis was
+    asked: 9.0 us a pair of a 100,000-pair book, against 5.6 for a book read in one page."""
     pages = ports.assets.gate_row_pages(book, page.PAGE // 2)  # one read ahead: a page's rows at most
-
-    def read_next() -> tuple[GateRows, Snapshot] | None:
-        rows = next(pages, None)
-        if rows is None:
-            return None
-        return rows, ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
-
-    ahead = read_ahead.submit(read_next)
+    ahead = read_ahead.submit(lambda: next(pages, None))
     try:
-        while (read := ahead.result()) is not None:
-            ahead = read_ahead.submit(read_next)
-            yield read
+        while (rows := ahead.result()) is not None:
+            ahead = read_ahead.submit(lambda: next(pages, None))
+            yield rows, ports.book_state.pair_snapshot(book, [i.pair for i in rows.in_flight], now, queues)
     finally:  # once the reader has stopped: the cursor's transaction ends in this thread
         wait([ahead])
         pages.close()

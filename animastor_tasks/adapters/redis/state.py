@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 import redis
@@ -55,6 +56,7 @@ class BookStateStore(DueIndexStore):
         self._data_lost_at = float("-inf")
         self._book_reads_if_small = conn.client.register_script(_script("book_reads_if_small"))
         self._drop_if_idle = conn.client.register_script(_script("drop_if_idle"))
+        self._pair_facts = _script("pair_facts")  # EVAL in a pipeline: a registered script asks SCRIPT EXISTS first
 
     # -- one read for a whole gate pass ---------------------------------------
     def book_snapshots(
@@ -106,32 +108,20 @@ class BookStateStore(DueIndexStore):
         """What `book_snapshots` says, of a few pairs only and in one round trip whatever the book's size: a
         refill looks at its candidates, not at every deferral of the book. `active` is left empty."""
         keys = self.conn.keys
-        members = [pair_member(*p) for p in pairs]
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
             self._read_queues(pipe, queues, now, WAITERS_READ)
             pipe.exists(keys.cancel_flag(book))
             pipe.zscore(keys.due(), book)
-            if members:
-                pipe.smismember(keys.force_set(book), members)
-                for bucket in DEFER_BUCKETS:
-                    pipe.zmscore(keys.deferrals(book, bucket), members)
+            if pairs:
+                facts = [keys.force_set(book), *(keys.deferrals(book, bucket) for bucket in DEFER_BUCKETS)]
+                pipe.eval(self._pair_facts, len(facts), *facts, repr(now), *[pair_member(*p) for p in pairs])
             replies = pipe.execute()
-        per_queue, (cancel, due_at, *sets) = self._split_replies(replies, queues, now)
-        forced = {pair for pair, hit in zip(pairs, sets[0], strict=True) if hit} if members else set()
-        live_ends = (
-            [  # per bucket: each candidate's deferral end, if it is still deferred there
-                {
-                    pair: float(end)
-                    for pair, end in zip(pairs, scores, strict=True)
-                    if end is not None and float(end) > now
-                }
-                for scores in sets[1:]
-            ]
-            or [{} for _ in DEFER_BUCKETS]
-        )
-        deferred = [set(ends) for ends in live_ends]
-        live = [end for ends in live_ends for end in ends.values()]
+        per_queue, (cancel, due_at, *found) = self._split_replies(replies, queues, now)
+        forced_at, *in_buckets = found[0] if found else [[]] + [[None] for _ in DEFER_BUCKETS]
+        forced = {pairs[i] for i in forced_at}
+        deferred = [{pairs[i] for i in islice(places, 1, None)} for places in in_buckets]
+        live = [float(places[0]) for places in in_buckets if places[0] is not None]  # each bucket's first end
         return self._snapshot(now, queues, per_queue, cancel, due_at, forced, set(), deferred, live)
 
     def _read_queues(self, pipe: Any, queues: Sequence[str], now: float, waiters: int) -> None:
