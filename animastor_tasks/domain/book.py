@@ -19,6 +19,7 @@ import json
 import re
 import reprlib
 import unicodedata
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -330,14 +331,13 @@ class _KeyedObject(dict[str, Any]):
 def _pairs_hook(pairs: list[tuple[str, Any]]) -> _KeyedObject:
     obj = _KeyedObject(pairs)
     if len(obj) != len(pairs):
-        seen: set[str] = set()
-        repeated: list[str] = []
-        for key, _ in pairs:
-            if key in seen:
-                repeated.append(key)
-            seen.add(key)
-        obj.duplicate_keys = tuple(repeated)
+        given = Counter(key for key, _ in pairs)
+        obj.duplicate_keys = tuple(key for key in given if given[key] > 1)
     return obj
+
+
+def _not_a_number(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows (JSON has no NaN or Infinity)")
 
 
 def _line_col(text: str, index: int) -> tuple[int, int]:
@@ -367,15 +367,15 @@ def parse_book_json(raw: str | bytes) -> Book:
         raise InvalidBook(f"book file must be text or bytes, not {type(raw).__name__}")
     text = text.removeprefix("\ufeff")
     try:
-        doc = json.loads(text, object_pairs_hook=_pairs_hook)
+        doc = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_not_a_number)
     except json.JSONDecodeError as exc:
         raise InvalidBook(
             f"book file is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno} (char {exc.pos})"
         ) from None
     except RecursionError:
         raise InvalidBook("book file is not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # e.g. an integer literal longer than Python's digit limit
-        raise InvalidBook(f"book file is not valid JSON: {exc}") from None
+    except ValueError as exc:  # NaN, or an integer longer than Python's digit limit (not its advice to raise it)
+        raise InvalidBook(f"book file is not valid JSON: {str(exc).partition('; use sys.')[0]}") from None
     return parse_book(doc)
 
 

@@ -372,6 +372,22 @@ def test_deeply_nested_json_is_refused() -> None:
         parse_book_json("[" * 100_000 + "]" * 100_000)
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_number_json_has_not_is_refused_wherever_it_stands(constant: str) -> None:
+    doc = json.dumps(valid_doc()).replace('"chapters"', f'"extra": [{constant}], "chapters"')
+    with pytest.raises(InvalidBook, match=f"^book file is not valid JSON: {constant} is not a number JSON allows"):
+        parse_book_json(doc)
+
+
+def test_an_integer_too_long_to_read_is_refused_without_pythons_advice() -> None:
+    with pytest.raises(InvalidBook) as info:
+        parse_book_json('{"extra": ' + "7" * 5000 + "}")
+    assert str(info.value) == (
+        "book file is not valid JSON: Exceeds the limit (4300 digits) for integer string conversion:"
+        " value has 5000 digits"
+    )
+
+
 def test_json_not_an_object_is_refused() -> None:
     with pytest.raises(InvalidBook, match=r"^book: must be a JSON object, not array, got \[1, 2\]$"):
         parse_book_json("[1, 2]")
