@@ -21,7 +21,8 @@
 The tasks only this runtime sends (all but regenerate, cancel and gate) take, and log, kwargs they do not know:
 a newer version's message to an older worker during a rolling deploy runs rather than failing with a
 TypeError (a refill lost so left its slot idle until reconcile). The three a caller sends refuse one: it is
-the caller's intent (a misspelt `lane` ran a whole gate pass).
+the caller's intent (a misspelt `lane` ran a whole gate pass). The runtime's own refuse a kwarg of another type
+than they are sent (`_as_sent`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Reject
 
+from animastor_tasks.domain.book import show_value
 from animastor_tasks.domain.liveness import delivery_holder
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.errors import DeliveryNotStarted, InvalidCommand
@@ -74,6 +76,18 @@ def _call_as_schema_says(task: str, unknown: dict[str, Any], **required: Any) ->
         raise InvalidCommand(f"{task}: missing required argument(s) {', '.join(missing)}")
     if unknown:
         raise InvalidCommand(f"{task}: unknown argument(s) {', '.join(sorted(unknown))}")
+
+
+def _as_sent(task: str, **fields: tuple[object, Any]) -> None:
+    """The kwargs of a task only this runtime sends are of the types it sends them in, or the message is refused as
+    an `InvalidCommand` naming the field, before anything is read. *Why:* a hand-written one failed deep inside
+    (`operator does not exist: text = smallint`, `unhashable type: 'list'`), and a string of book ids was passed as a
+    book per character."""
+    for name, (value, kind) in fields.items():
+        kinds = getattr(kind, "__args__", (kind,))  # `str | None`: (str, NoneType)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # True is an int too
+            names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise InvalidCommand(f"{task}: {name} must be {names}, got {show_value(value)}")
 
 
 class CallerTask(Task):
@@ -132,6 +146,9 @@ def refill_task(
     **newer: Any,
 ) -> dict[str, Any]:
     _newer("animastor.refill", newer)
+    optional = str | None
+    _as_sent("animastor.refill", book_id=(book_id, str), lane=(lane, optional), freed=(freed, optional),
+             slots=(slots, int | None), batch=(batch, optional))  # fmt: skip
     if slots is not None and lane is not None:  # handed that many free slots of `lane` (`batch`: with other books)
         report = refill.refill(ports(), book_id, lane, slots_of=lane, slots=max(1, int(slots)), batch=batch)
     else:
@@ -152,6 +169,8 @@ def _pass_result(book_id: str, report: gate.PassReport) -> dict[str, Any]:
 @app.task(name="animastor.gate_batch", ignore_result=True)
 def gate_batch(book_ids: list[str], **newer: Any) -> int:
     _newer("animastor.gate_batch", newer)
+    _as_sent("animastor.gate_batch", book_ids=(book_ids, list))
+    _as_sent("animastor.gate_batch", **{f"book_ids[{n}]": (book, str) for n, book in enumerate(book_ids)})
     return len(gate.gate_batch(ports(), book_ids))
 
 
@@ -188,6 +207,9 @@ def _register_generate(spec: StageSpec) -> None:
         **newer: Any,
     ) -> dict[str, Any]:
         _newer(spec.task_name, newer)
+        ids = {"book_id": book_id, "chapter_id": chapter_id, "scene_id": scene_id, "stage": stage}
+        _as_sent(spec.task_name, **{k: (v, str) for k, v in ids.items()}, dispatch_id=(dispatch_id, str),
+                 fencing_token=(fencing_token, int))  # fmt: skip
         worker = delivery_holder(self.request.hostname or "unknown", os.getpid())
 
         def run(job_ports: Ports, job: Job, progress: Callable[[float], None], later: Later) -> dict[str, Any]:
