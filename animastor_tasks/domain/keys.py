@@ -251,7 +251,7 @@ def pair_member(chapter: str, scene: str, stage: str) -> str:
     """Set/zset member naming one scene x stage inside a book-scoped key. Ids of the characters `encode` keeps
     as they are are joined as they are: three cache lookups a pair were an eighth of a big book's pass."""
     if _unquoted(chapter + scene + stage):
-        return f"{chapter}{SEP}{scene}{SEP}{stage}"
+        return SEP.join((chapter, scene, stage))  # not an f-string: a str subclass's __format__ may differ
     return SEP.join((encode(chapter), encode(scene), encode(stage)))
 
 

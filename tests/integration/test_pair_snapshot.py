@@ -4,9 +4,13 @@ the deferral lasts, and the first deferral end. Real Redis; more pairs than Lua 
 
 from __future__ import annotations
 
+import re
 import time
 
+import pytest
+
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.worker.wiring import Wiring
 
 BOOK = "bo:ok*"
@@ -41,3 +45,10 @@ def test_a_deferral_that_ends_is_not_read_as_one(rt: Wiring) -> None:
     time.sleep(0.6)
     later = rt.ports.book_state.pair_snapshot("b", [pair], rt.ports.clock(), [])
     assert later.deferred[DEFER_BUCKETS[0]] == set() and later.first_deferral_end is None
+
+
+def test_a_key_of_another_type_is_named_in_the_error(rt: Wiring) -> None:
+    key = rt.redis.keys.deferrals("b", DEFER_BUCKETS[-1])
+    rt.redis.client.set(key, "not a sorted set")
+    with pytest.raises(StoreUnavailable, match=f"WRONGTYPE .*\\(ZMSCORE {re.escape(key)}\\)"):
+        rt.ports.book_state.pair_snapshot("b", [("c", "s", "audio")], rt.ports.clock(), [])

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import fnmatch
+from enum import Enum
 
 import pytest
 from hypothesis import given
@@ -82,3 +83,10 @@ def test_unknown_deferral_bucket_is_refused() -> None:
         keys.deferrals("b", "nope")
     with pytest.raises(ValueError, match="bucket"):
         keys.deferrals("b", "fence")  # no flow defers a fence rejection (domain/deferral.py)
+
+
+def test_a_pair_member_of_a_str_subclass_is_its_text() -> None:
+    class Stage(str, Enum):  # noqa: UP042 (the point: its format is "Stage.AUDIO", a StrEnum's its value)
+        AUDIO = "audio"
+
+    assert pair_member("c", "s", Stage.AUDIO) == "c:s:audio"

@@ -8,6 +8,13 @@ local now = tonumber(ARGV[1])
 local last = #ARGV
 local STEP = 1000 -- members per call: `unpack` puts them all on Lua's stack, which holds a few thousand
 local found = {}
+local function ask(command, k, first, upto) -- an error names the key (a key of another type: WRONGTYPE)
+    local reply = redis.pcall(command, KEYS[k], unpack(ARGV, first, upto))
+    if type(reply) == 'table' and reply.err then
+        return error({err = reply.err .. ' (' .. command .. ' ' .. KEYS[k] .. ')'})
+    end
+    return reply
+end
 for k = 1, #KEYS do
     local out = {}
     local first_end = nil
@@ -17,14 +24,14 @@ for k = 1, #KEYS do
     for first = 2, last, STEP do
         local upto = math.min(first + STEP - 1, last)
         if k == 1 then
-            local hits = redis.call('SMISMEMBER', KEYS[1], unpack(ARGV, first, upto))
+            local hits = ask('SMISMEMBER', 1, first, upto)
             for i = 1, #hits do
                 if hits[i] == 1 then
                     out[#out + 1] = first + i - 3
                 end
             end
         else
-            local ends = redis.call('ZMSCORE', KEYS[k], unpack(ARGV, first, upto))
+            local ends = ask('ZMSCORE', k, first, upto)
             for i = 1, upto - first + 1 do
                 local ends_at = ends[i] and tonumber(ends[i])
                 if ends_at and ends_at > now then
