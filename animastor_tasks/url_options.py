@@ -43,16 +43,22 @@ def _one_of(*values: str) -> Rule:
 
 NUMBER: Rule = (_number, "a finite number, 0 or more")
 WHOLE: Rule = (str.isdigit, "a whole number, 0 or more")
+# A socket's timeout and read size, a pool's size: 0 made redis-py's sockets non-blocking (every read failed: a
+# control worker took regenerates and Stop Alls off its queue and lost them) or its pool empty.
+TIMEOUT: Rule = (lambda value: _number(value) and float(value) > 0, "a finite number above 0")
+COUNT: Rule = (lambda value: value.isdigit() and int(value) > 0, "a whole number above 0")
 FLAG: Rule = (lambda value: value.lower() in ("true", "false", "yes", "no", "1", "0"), "true or false")
+# kombu hands an AMQP URL's `ssl` and `insist` on as text, and any text is true: `?ssl=false` turned TLS on.
+ON: Rule = (lambda value: value.lower() in ("true", "yes", "1"), "true (kombu reads any value as true: leave it out)")
 TEXT: Rule = (lambda value: True, "")
 
 REDIS_PY: dict[str, Rule] = {  # what redis-py's pool and connections take from a URL, with the types it reads
     "db": WHOLE,
-    "socket_timeout": NUMBER,
-    "socket_connect_timeout": NUMBER,
-    "socket_read_size": WHOLE,
+    "socket_timeout": TIMEOUT,
+    "socket_connect_timeout": TIMEOUT,
+    "socket_read_size": COUNT,
     "health_check_interval": WHOLE,
-    "max_connections": WHOLE,
+    "max_connections": COUNT,
     "retry_on_timeout": FLAG,
     # redis-py's exception class names, comma-separated (it reads the names themselves)
     "retry_on_error": (lambda value: all(n.strip().isidentifier() for n in value.strip("[]").split(",")), "names"),
@@ -86,10 +92,11 @@ KOMBU_TLS: dict[str, Rule] = {
 KOMBU_SOCKET: dict[str, Rule] = {"virtual_host": WHOLE, **KOMBU_TLS}  # a host URL's database is its path only
 KOMBU_AMQP: dict[str, Rule] = {
     "heartbeat": NUMBER,
-    "connect_timeout": NUMBER,
+    # kombu hands it on as text, and every connection failed (a TypeError in the client, the worker and beat)
+    "connect_timeout": (lambda value: False, "left out: kombu passes it on as text, which no connection can use"),
     "login_method": _one_of("AMQPLAIN", "PLAIN", "EXTERNAL", "GSSAPI"),
-    "ssl": FLAG,
-    "insist": FLAG,
+    "ssl": ON,
+    "insist": ON,
     **KOMBU_TLS,
 }
 

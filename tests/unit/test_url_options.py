@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from animastor_tasks.errors import ConfigError
 from animastor_tasks.url_options import KOMBU_AMQP, KOMBU_SOCKET, KOMBU_TLS, redis_py_options
 
 SAMPLES = {  # one value of each option that the checks accept
@@ -40,10 +41,9 @@ SAMPLES = {  # one value of each option that the checks accept
     "ssl_ciphers": "HIGH",
     "virtual_host": "3",
     "heartbeat": "30",
-    "connect_timeout": "4",
     "login_method": "PLAIN",
     "ssl": "true",
-    "insist": "false",
+    "insist": "true",
 }
 BASES = {"redis": "redis://127.0.0.1:1/0", "rediss": "rediss://127.0.0.1:1/0", "unix": "unix:///run/r.sock"}
 
@@ -70,7 +70,47 @@ def test_every_option_let_through_is_one_kombu_reads(base: str, rules: dict[str,
     import kombu
 
     for option in rules:
-        kombu.Connection(f"{base}?{option}={SAMPLES[option]}")
+        if option != "connect_timeout":
+            kombu.Connection(f"{base}?{option}={SAMPLES[option]}")
+
+
+@pytest.mark.parametrize(
+    ("url", "refusal"),
+    [
+        ("redis://h:1/0?socket_timeout=0", "socket_timeout must be a finite number above 0"),
+        ("redis://h:1/0?socket_connect_timeout=0.0", "socket_connect_timeout must be a finite number above 0"),
+        ("redis://h:1/0?socket_read_size=0", "socket_read_size must be a whole number above 0"),
+        ("redis://h:1/0?max_connections=0", "max_connections must be a whole number above 0"),
+    ],
+)
+def test_a_redis_option_no_socket_or_pool_can_work_with_is_refused(url: str, refusal: str) -> None:
+    from animastor_tasks.config import Settings
+
+    with pytest.raises(ConfigError, match=refusal):
+        Settings.from_env({"ANIMASTOR_REDIS_URL": url})
+
+
+@pytest.mark.parametrize(
+    ("query", "refusal"),
+    [
+        ("connect_timeout=5", "connect_timeout must be left out: kombu passes it on as text"),
+        ("ssl=false", "ssl must be true \\(kombu reads any value as true"),
+        ("ssl=0", "ssl must be true"),
+        ("insist=no", "insist must be true"),
+    ],
+)
+def test_an_amqp_option_kombu_would_misread_is_refused(query: str, refusal: str) -> None:
+    from animastor_tasks.config import Settings
+
+    with pytest.raises(ConfigError, match=refusal):
+        Settings.from_env({"ANIMASTOR_BROKER_URL": f"amqp://guest:guest@127.0.0.1:5672//?{query}"})
+
+
+def test_the_amqp_flags_let_through_are_read_as_true_and_the_heartbeat_as_a_number() -> None:
+    import kombu
+
+    conn = kombu.Connection(f"amqp://u:p@h:1//?ssl={SAMPLES['ssl']}&insist=1&heartbeat=30")
+    assert conn.ssl and conn.insist and conn.heartbeat == 30.0
 
 
 @pytest.mark.parametrize("option", ["retry_on_error=TimeoutError", "legacy_responses=true"])
