@@ -15,6 +15,7 @@ from typing import Any, Literal, cast, overload
 from urllib.parse import urlsplit
 
 import redis
+from amqp.exceptions import AMQPError
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
@@ -96,8 +97,9 @@ class Client:
                 retry=True,
                 retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
             )
-        except (OperationalError, OSError, redis.RedisError) as err:
-            # A write that timed out may have reached the broker: the task may run.
+        except (OperationalError, OSError, redis.RedisError, AMQPError) as err:
+            # A write that timed out may have reached the broker: the task may run. AMQPError: RabbitMQ refused the
+            # login or the vhost (AccessRefused, NotAllowed), which kombu does not wrap.
             detail = f"{str(err) or type(err).__name__}{_resend(command_id)}"
             raise StoreUnavailable("broker", self.settings.broker_url, detail) from err
         except RuntimeError as err:

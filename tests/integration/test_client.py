@@ -43,6 +43,23 @@ def test_cli_regenerate_with_broker_down_exits_3(settings) -> None:
     assert time.monotonic() - started < 15
 
 
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("amqp://guest:wrong-password@127.0.0.1:5672//", "ACCESS_REFUSED"),
+        ("amqp://guest:guest@127.0.0.1:5672/no-such-vhost", "NOT_ALLOWED"),
+    ],
+)
+def test_a_broker_that_refuses_the_login_or_the_vhost_is_a_broker_error(settings, url: str, said: str) -> None:
+    """py-amqp's AccessRefused and NotAllowed are no OperationalError: the CLI printed a 91-line traceback and
+    exited 1, and a cancel's note that it may not have been applied was missing."""
+    client = Client(replace(settings, broker_url=url), timeout=5)
+    with pytest.raises(StoreUnavailable) as info:
+        client.cancel("b1")
+    client.close()
+    assert info.value.store == "broker" and said in str(info.value) and "wrong-password" not in str(info.value)
+
+
 def test_no_control_worker_times_out_with_a_clear_message(rt, settings) -> None:
     client = Client(settings, timeout=1)
     with pytest.raises(AnimastorError, match=r"no answer within 1s; is a control worker consuming animastor\.control"):
