@@ -92,7 +92,9 @@ def _as_sent(task: str, **fields: tuple[object, Any]) -> None:
 
 class CallerTask(Task):
     """A task other services send: a call its signature cannot take (more positional arguments than it has, one given
-    twice) is the `InvalidCommand` it says, before anything runs. *Why:* Python's own TypeError reached the caller."""
+    twice) is the `InvalidCommand` it says, before anything runs. *Why:* Python's own TypeError reached the caller.
+    Each refusal is `throws`: the caller's error, logged at INFO without a traceback (a caller could fill the error
+    log with them)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -107,7 +109,7 @@ def _signature(task: Task) -> inspect.Signature:
     return inspect.signature(task.run)
 
 
-@app.task(name="animastor.regenerate", base=CallerTask)
+@app.task(name="animastor.regenerate", base=CallerTask, throws=(InvalidCommand,))
 def regenerate(
     book_id: Any = MISSING,
     stages: Any = MISSING,
@@ -121,13 +123,13 @@ def regenerate(
     return regenerate_flow.regenerate(ports(), book_id, stages, scenes, command_id, force, priority)
 
 
-@app.task(name="animastor.cancel", base=CallerTask)
+@app.task(name="animastor.cancel", base=CallerTask, throws=(InvalidCommand,))
 def cancel(book_id: Any = MISSING, reason: str | None = None, **unknown: Any) -> dict[str, Any]:
     _call_as_schema_says("animastor.cancel", unknown, book_id=book_id)
     return cancel_flow.cancel(ports(), book_id, reason)
 
 
-@app.task(name="animastor.gate", base=CallerTask)
+@app.task(name="animastor.gate", base=CallerTask, throws=(InvalidCommand,))
 def gate_task(book_id: Any = MISSING, lane: str | None = None, **unknown: Any) -> dict[str, Any]:
     # Sent by callers only (the runtime hands slots through animastor.refill): held to its schema, as regenerate.
     _call_as_schema_says("animastor.gate", unknown, book_id=book_id)

@@ -74,7 +74,7 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
             "animastor.regenerate",
             {"book": book.book_id, "stage": "audio"},
             "json",
-            "[{id}] raised unexpected: InvalidCommand('animastor.regenerate: missing required argument(s) book_id,"
+            "[{id}] raised expected: InvalidCommand('animastor.regenerate: missing required argument(s) book_id,"
             " stages')",
         ),
         (
@@ -82,7 +82,7 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
             "animastor.regenerate",
             {"book_id": 42, "stages": "audio"},
             "json",
-            "[{id}] raised unexpected: InvalidCommand('book_id: must be a string",
+            "[{id}] raised expected: InvalidCommand('book_id: must be a string",
         ),
         ("unknown task", "animastor.nope", good, "json", "Received unregistered task of type 'animastor.nope'"),
         # Bodies that are not [args, kwargs, options]: each killed the worker, and every worker started after it.
@@ -103,7 +103,7 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
             "animastor.regenerate",
             {"book_id": "x" * HUGE, "stages": ["audio"]},
             "json",
-            '[{id}] raised unexpected: InvalidCommand("book_id: must be at most 200 characters (has 10485760)',
+            '[{id}] raised expected: InvalidCommand("book_id: must be at most 200 characters (has 10485760)',
         ),
     ]
     queue = Queue(CONTROL_QUEUE, Exchange(CONTROL_QUEUE, type="direct"), routing_key=CONTROL_QUEUE)

@@ -1,4 +1,5 @@
-"""The tasks only this runtime sends (refill, gate_batch, generate.<stage>) refuse kwargs of another type than the
+"""A caller's refused command is its error, not the worker's: logged at INFO without a traceback. The tasks only this
+runtime sends (refill, gate_batch, generate.<stage>) refuse kwargs of another type than the
 runtime sends, naming the field, before anything is read or written; the message of the right shape that follows
 runs as before. *Why:* a hand-written one failed deep inside (`operator does not exist: text = smallint`,
 `unhashable type: 'list'`), and a string of book ids was passed as a book per character."""
@@ -74,3 +75,22 @@ def test_a_job_of_another_shape_is_refused_and_its_own_runs(
         task.run(**{**fields, field: value})
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
     assert task.run(**fields)["outcome"] == "ready"
+
+
+@pytest.mark.parametrize(
+    ("task", "kwargs"),
+    [
+        ("animastor.regenerate", {"book_id": "x", "stages": ["video"]}),
+        ("animastor.cancel", {"book_id": "no such book"}),
+        ("animastor.gate", {"book_id": "x", "lane": 5}),
+    ],
+)
+def test_a_callers_refused_command_is_no_worker_error(rt: Wiring, caplog, task: str, kwargs: Any) -> None:
+    """Logged as ERROR with a full traceback: any caller could fill the worker's error log."""
+    rt.catalog.import_book(make_book("x", chapters=1, scenes=1))
+    caplog.set_level("INFO", logger="celery.app.trace")
+    result = app.tasks[task].apply(kwargs=kwargs)
+    assert isinstance(result.result, InvalidCommand)
+    [record] = [r for r in caplog.records if r.name == "celery.app.trace"]
+    assert record.levelname == "INFO" and "raised expected: InvalidCommand" in record.getMessage()
+    assert record.exc_info is None
