@@ -20,12 +20,15 @@ from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlspli
 from animastor_tasks.domain.deferral import DeferralWindows
 from animastor_tasks.domain.registry import MediaRegistry, StageSpec, registry_from_table
 from animastor_tasks.errors import ConfigError, redact_url
-from animastor_tasks.url_options import check_broker_options, check_redis_options
+from animastor_tasks.url_options import check_broker_options, check_redis_options, check_redis_path
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/animastor"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_RETENTION_DAYS = 36_500
 DAY = 86_400.0  # seconds
+# The most a number setting may be (31 years of seconds): a larger one passed start-up, then failed where used, as a
+# store down (`ANIMASTOR_FORCE_TTL_SECONDS=1e20`: every regenerate, Redis's EXPIRE out of range).
+MOST = 1_000_000_000
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules
@@ -168,7 +171,7 @@ def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ..
     if parts.scheme not in ("unix", "redis+socket") and not parts.hostname and "host=" not in parts.query:
         raise ConfigError(f"{name}={redact_url(value)!r} names no host")
     if parts.scheme in ("redis", "rediss"):
-        _check_redis_url(name, value, parts.path)
+        check_redis_path(name, value)
     if name == "ANIMASTOR_REDIS_URL":
         check_redis_options(name, value)
     return value
@@ -185,18 +188,7 @@ def _unreadable(value: str, err: ValueError) -> str:
     return f"its login cannot be read (the parser's words are not shown, they may quote the password): {hint}"
 
 
-def _check_redis_url(name: str, value: str, path: str) -> None:
-    """A database that is a number. *Why:* redis-py takes a path that is no number (`/animastor`, as a
-    namespace) as database 0, another application's maybe. (Its options: `url_options`.)"""
-    database = path.lstrip("/")
-    if path.count("/") > 1 or (database and not database.isdigit()):
-        raise ConfigError(f"{name}={redact_url(value)!r}: the path must be a database number, as in /0")
-    queried = dict(parse_qsl(urlsplit(value).query)).get("db", "")  # redis-py reads it over the path, kombu never
-    if database and queried.isdigit() and int(queried) != int(database):
-        raise ConfigError(f"{name}={redact_url(value)!r}: its path and ?db= name different databases; give one")
-
-
-def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float, maximum: float = math.inf) -> float:
+def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float, maximum: float = MOST) -> float:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return float(default)

@@ -113,6 +113,18 @@ def check_redis_options(name: str, url: str) -> None:
     _check_certificate_named(name, url)
 
 
+def check_redis_path(name: str, url: str) -> None:
+    """A database that is a number. *Why:* redis-py takes a path that is no number (`/animastor`, as a
+    namespace) as database 0, another application's maybe."""
+    path = urlsplit(url).path
+    database = path.lstrip("/")
+    if path.count("/") > 1 or (database and not database.isdigit()):
+        raise ConfigError(f"{name}={redact_url(url)!r}: the path must be a database number, as in /0")
+    queried = dict(parse_qsl(urlsplit(url).query)).get("db", "")  # redis-py reads it over the path, kombu never
+    if database and queried.isdigit() and int(queried) != int(database):
+        raise ConfigError(f"{name}={redact_url(url)!r}: its path and ?db= name different databases; give one")
+
+
 def check_broker_options(name: str, url: str) -> None:
     """The options of the broker URL, as kombu's Connection reads them."""
     scheme = urlsplit(url).scheme

@@ -84,14 +84,28 @@ class MediaRegistry:
 
 
 def _positive_int(stage: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"stage {stage!r}: {key} must be a positive integer, got {value!r}")
+    """1 to a billion. *Why the bound:* past it, a lease's expiry or a limit's count overflowed Redis's or Postgres's
+    integers where used: a `lease_ttl` of 1e17 had every job of the stage requeued for ever as 'redis unavailable'."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000_000:
+        raise ValueError(f"stage {stage!r}: {key} must be a whole number from 1 to 1,000,000,000, got {value!r}")
     return value
 
 
 def _text(stage: str, key: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"stage {stage!r}: {key} must be a non-empty string, got {value!r}")
+    return value
+
+
+_TOKEN = r"[A-Za-z0-9!#$&^_.+-]+"
+_MEDIA_TYPE = re.compile(rf"{_TOKEN}/{_TOKEN}(?: *; *{_TOKEN}=(?:{_TOKEN}|\"[ !#-~]*\"))*")
+
+
+def _media_type(stage: str, value: Any) -> str:
+    """`type/subtype`, with parameters if any (RFC 6838's characters). *Why:* it is sent as an HTTP header and
+    stored as the artifact's Content-Type: one with a line break let the worker start, and every job failed."""
+    if not isinstance(value, str) or not _MEDIA_TYPE.fullmatch(value):
+        raise ValueError(f"stage {stage!r}: media_type must be a media type such as 'audio/wav', got {value!r}")
     return value
 
 
@@ -159,7 +173,7 @@ def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
                 name=name,
                 queue=queue,
                 input_field=input_field,
-                media_type=_text(name, "media_type", entry.get("media_type", "application/octet-stream")),
+                media_type=_media_type(name, entry.get("media_type", "application/octet-stream")),
                 lease_ttl=_positive_int(name, "lease_ttl", entry.get("lease_ttl", 120)),
                 lane_limit=_positive_int(name, "lane_limit", entry.get("lane_limit", 8)),
                 book_quota=_positive_int(name, "book_quota", entry.get("book_quota", 4)),

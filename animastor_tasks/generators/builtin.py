@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import random
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from animastor_tasks.errors import GenerationStopped, GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media, number_param
@@ -40,6 +40,7 @@ class BuiltinGenerator:
     def __init__(self, spec: StageSpec, settings: Settings) -> None:
         self.spec = spec
         self.settings = settings
+        _knobs(spec.params)  # a bad one stops the worker's start, not each job (`refuse_generators_not_built`)
 
     def generate(
         self,
@@ -47,10 +48,7 @@ class BuiltinGenerator:
         should_stop: Callable[[], bool],
         progress: Callable[[float], None],
     ) -> Media:
-        params = request.params
-        steps = int(number_param(params, "steps", 4, minimum=1, maximum=100_000, integer=True))
-        step_seconds = number_param(params, "step_seconds", 0.0, minimum=0.0, maximum=3600.0)
-        fail_rate = number_param(params, "fail_rate", 0.0, minimum=0.0, maximum=1.0)
+        steps, step_seconds, fail_rate = _knobs(request.params)
         # Draw once per attempt so fail_rate is the probability that an attempt fails.
         fail_at = steps // 2 if fail_rate > 0 and random.random() < fail_rate else None
 
@@ -87,3 +85,10 @@ class BuiltinGenerator:
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(SLICE_SECONDS, left))
             self._check_stop(should_stop, request)
+
+
+def _knobs(params: Mapping[str, Any]) -> tuple[int, float, float]:
+    """(steps, step_seconds, fail_rate); a bad one is a GeneratorError naming it."""
+    steps = int(number_param(params, "steps", 4, minimum=1, maximum=100_000, integer=True))
+    step_seconds = number_param(params, "step_seconds", 0.0, minimum=0.0, maximum=3600.0)
+    return steps, step_seconds, number_param(params, "fail_rate", 0.0, minimum=0.0, maximum=1.0)

@@ -55,6 +55,7 @@ class HttpGenerator:
     def __init__(self, spec: StageSpec, settings: Settings) -> None:
         self.spec = spec
         self.endpoint = check_endpoint(spec.name, self.name, spec.endpoint)
+        Limits.from_params(spec.params)  # a bad limit stops the worker's start, not each job
         self._api_key = settings.inference_api_key
         self._transport = Transport(spec.name, self.endpoint, self._api_key)
 

@@ -91,6 +91,14 @@ class OpenAIGenerator:
         self.url = route_url(spec.name, self.name, spec.endpoint, self.route)
         self._api_key = settings.inference_api_key
         self._transport = Transport(spec.name, self.url, self._api_key)
+        # The stage's params, read as each job reads them: a bad or missing one stops the worker's start
+        # (`refuse_generators_not_built`). *Why:* the worker started healthy and failed every job `misconfigured`.
+        Limits.from_params(spec.params, retries=DEFAULT_RETRIES)
+        self._fields(spec.params)
+
+    def _fields(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The body fields this generator sets itself from `params` (each checked)."""
+        raise NotImplementedError
 
     def _params(self, request: GenerationRequest) -> dict[str, Any]:
         return {**self.spec.params, **request.params}

@@ -12,7 +12,8 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import requests
 
@@ -52,16 +53,18 @@ class OpenAIImagesGenerator(OpenAIGenerator):
         progress: Callable[[float], None],
     ) -> Media:
         params = self._params(request)
-        model = string_param(params, "model", None)
-        string_param(params, "response_format", "b64_json", choices=("b64_json",))
-        body = {**self._extra_fields(params), "model": model, "prompt": request.input, "n": 1}
-        if "size" in params:
-            body["size"] = string_param(params, "size", None, pattern=SIZE_PATTERN)
-        body["response_format"] = "b64_json"
+        body = {**self._extra_fields(params), **self._fields(params), "prompt": request.input}
         _, raw = self._post(body, "application/json", params, request, should_stop, progress, self._check_type)
         media = self._decode(raw)
         progress(1.0)
         return media
+
+    def _fields(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        fields: dict[str, Any] = {"model": string_param(params, "model", None), "n": 1}
+        string_param(params, "response_format", "b64_json", choices=("b64_json",))
+        if "size" in params:
+            fields["size"] = string_param(params, "size", None, pattern=SIZE_PATTERN)
+        return {**fields, "response_format": "b64_json"}
 
     def _check_type(self, response: requests.Response) -> str:
         got = media_type_of(response)

@@ -7,7 +7,7 @@ this route, so they need no adapter of their own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import requests
@@ -65,16 +65,9 @@ class OpenAISpeechGenerator(OpenAIGenerator):
         progress: Callable[[float], None],
     ) -> Media:
         params = self._params(request)
-        model = string_param(params, "model", None)
-        voice = string_param(params, "voice", "alloy")
+        fields = self._fields(params)
         response_format, media_type = self._response_format(params)
-        body = {
-            **self._extra_fields(params),
-            "model": model,
-            "input": request.input,
-            "voice": voice,
-            "response_format": response_format,
-        }
+        body = {**self._extra_fields(params), **fields, "input": request.input}
         _, data = self._post(
             body, f"{media_type}, application/json", params, request, should_stop, progress, self._check_type
         )
@@ -94,7 +87,11 @@ class OpenAISpeechGenerator(OpenAIGenerator):
         progress(1.0)
         return Media(data, media_type)
 
-    def _response_format(self, params: dict[str, Any]) -> tuple[str, str]:
+    def _fields(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        model, voice = string_param(params, "model", None), string_param(params, "voice", "alloy")
+        return {"model": model, "voice": voice, "response_format": self._response_format(params)[0]}
+
+    def _response_format(self, params: Mapping[str, Any]) -> tuple[str, str]:
         """(response_format, media type stored); the format must give the stage's media type."""
         stage_type = _ALIASES.get(self.spec.media_type.lower(), self.spec.media_type.lower())
         default = next((fmt for fmt, kind in FORMATS.items() if kind == stage_type), "wav")

@@ -90,6 +90,16 @@ def test_a_third_stage_is_configuration_only() -> None:
         ({"ANIMASTOR_STAGES": '{"audio": {"params": {"speed": -Infinity}}}'}, "-Infinity"),
         ({"ANIMASTOR_STAGES": '{"audio": {"params": {"cfg": [1, Infinity]}}}'}, "Infinity"),
         ({"ANIMASTOR_STAGES": '{"audio": {"params": {"speed": 1e400}}}'}, "1e400"),
+        # Past what Redis's expiries and Postgres's integers hold: started, then failed where used ("redis down").
+        ({"ANIMASTOR_FORCE_TTL_SECONDS": "1e20"}, "ANIMASTOR_FORCE_TTL_SECONDS='1e20' must be at most 1e+09"),
+        ({"ANIMASTOR_PRESENCE_TTL_SECONDS": "1e11"}, "ANIMASTOR_PRESENCE_TTL_SECONDS"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"lease_ttl": 100000000000000000}}'}, "lease_ttl must be a whole number"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"lane_limit": 1e23}}'}, "lane_limit must be a whole number"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"lane_limit": 100000000000000000000000}}'}, "from 1 to 1,000,000,000"),
+        # A media type is an HTTP header and a Content-Type: a line break started the worker, and every job failed.
+        ({"ANIMASTOR_STAGES": '{"audio": {"media_type": "audio/wav\\r\\nX-Evil: 1"}}'}, "media_type must be a media"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"media_type": "audio/w\u00e9v"}}'}, "media_type must be a media"),
+        ({"ANIMASTOR_STAGES": '{"audio": {"media_type": "audio"}}'}, "media_type must be a media"),
         # The endpoint was ignored: placeholder images stored as ready, the inference server never called.
         ({"ANIMASTOR_STAGES": '{"image": {"generator": "builtin", "endpoint": "http://gpu-box:8765/v1"}}'}, "builtin"),
     ],

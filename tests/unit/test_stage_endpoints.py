@@ -4,7 +4,9 @@ and a generator this host does not have installed (the GPU worker of that stage)
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +73,45 @@ def test_a_gpu_worker_whose_generator_is_not_installed_refuses_to_start(tmp_path
     done = start_with_a_generator_not_installed(argv, tmp_path)
     assert done.returncode == 2, done.stderr
     assert "generator 'htp' is not installed" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("stage", "refusal"),
+    [
+        ({"params": {"fail_rate": 5}}, "param 'fail_rate' must be a number between 0.0 and 1.0, got 5"),
+        ({"params": {"steps": 0}}, "param 'steps' must be an integer between 1"),
+        ({"generator": "openai-speech", "endpoint": "http://gpu:8000/v1"}, "param 'model' is required"),
+        (
+            {"generator": "openai-speech", "endpoint": "http://gpu:8000/v1", "params": {"model": "m", "voice": 3}},
+            "param 'voice' must be a non-empty string",
+        ),
+        (
+            {"generator": "openai-images", "endpoint": "http://gpu:8000/v1", "params": {"model": "m", "size": "big"}},
+            "param 'size' must be a string matching",
+        ),
+        ({"endpoint": "http://gpu:8000/x", "params": {"read_timeout": -1}}, "param 'read_timeout' must be a number"),
+        (
+            {"generator": "openai-images", "endpoint": "http://gpu:8000/v1", "params": {"model": "m", "retries": 99}},
+            "param 'retries' must be an integer between 0 and 10",
+        ),
+    ],
+)
+def test_a_stage_param_its_generator_refuses_stops_the_workers_start(stage: dict[str, object], refusal: str) -> None:
+    """Read first by each job: the worker started healthy and failed every job of the stage `misconfigured`."""
+    from animastor_tasks.generators import GeneratorError, load_generator
+
+    settings = Settings.from_env({"ANIMASTOR_STAGES": json.dumps({"audio": {"media_type": "audio/wav", **stage}})})
+    with pytest.raises(GeneratorError, match=re.escape(refusal)):
+        load_generator(settings.registry.get("audio"), settings)
+
+
+def test_the_params_a_generator_takes_pass_its_start() -> None:
+    from animastor_tasks.generators import load_generator
+
+    stages = {
+        "audio": {"generator": "openai-speech", "endpoint": "http://g:1/v1", "params": {"model": "m", "speed": 1.5}},
+        "image": {"generator": "openai-images", "endpoint": "http://g:1/v1", "params": {"model": "m", "size": "64x64"}},
+        "video": {"params": {"fail_rate": 0.5, "steps": 2}},
+    }
+    settings = Settings.from_env({"ANIMASTOR_STAGES": json.dumps(stages)})
+    assert all(load_generator(spec, settings) for spec in settings.stages)
