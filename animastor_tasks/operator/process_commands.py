@@ -122,6 +122,7 @@ def worker(
 
     settings = Settings.from_env()
     level = _log_level(loglevel)
+    _refuse_overrides(celery_args, gpus=bool(gpus))
     if stage is None:
         if gpus:  # a GPU host's worker with its stage forgotten: never a control worker there
             raise click.UsageError("--gpus is for a GPU worker: name its --stage")
@@ -153,6 +154,22 @@ def worker(
         "--without-gossip",
         *celery_args,
     )
+
+
+def _refuse_overrides(celery_args: tuple[str, ...], *, gpus: bool) -> None:
+    """Celery options that would undo what this command sets, passed on last, are refused. *Why:* `--stage audio -Q
+    animastor.control` started a control worker named audio, `-X gpu.audio` one consuming nothing, and `--gpus 0,1 -c
+    4` two processes on each GPU."""
+    owned = {"-Q": "--queues", "-X": "--exclude-queues", **({"-c": "--concurrency"} if gpus else {})}
+    for arg in celery_args:
+        for short, long in owned.items():
+            if arg == long or arg.startswith(f"{long}=") or (arg.startswith(short) and not arg.startswith("--")):
+                why = (
+                    "one pool process per GPU of --gpus"
+                    if short == "-c"
+                    else "the queue of --stage, or the control one"
+                )
+                raise click.UsageError(f"{arg}: the worker command sets {long} itself ({why})")
 
 
 @click.command(context_settings={"ignore_unknown_options": True})

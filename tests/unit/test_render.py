@@ -185,6 +185,39 @@ def test_gpu_ids_that_would_share_a_gpu_or_name_none_are_refused(monkeypatch) ->
     assert os.environ["ANIMASTOR_GPU_IDS"] == "3,GPU-8f2a,MIG-1c/0"
 
 
+def test_celery_options_that_undo_the_workers_own_are_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Passed on last, they won: `-Q animastor.control` made a control worker of `--stage audio`, `-X gpu.audio` one
+    consuming nothing, `--gpus 0,1 -c 4` two processes on each GPU."""
+    from click.testing import CliRunner
+
+    from animastor_tasks.operator import process_commands
+    from animastor_tasks.operator.cli import main
+
+    started: list[tuple[str, ...]] = []
+    monkeypatch.setattr(process_commands, "_exec_celery", lambda *args: started.append(args))
+    monkeypatch.delenv("ANIMASTOR_GPU_IDS", raising=False)
+    for extra in (
+        ["-Q", "animastor.control"],
+        ["-Qgpu.image"],
+        ["--queues=x"],
+        ["-X", "gpu.audio"],
+        ["--exclude-queues", "q"],
+    ):
+        for own in (["--stage", "audio"], []):
+            result = CliRunner().invoke(main, ["worker", *own, *extra])
+            assert result.exit_code == 2 and "the worker command sets" in result.output, (extra, result.output)
+    for extra in (["-c", "4"], ["-c4"], ["--concurrency=4"]):
+        result = CliRunner().invoke(main, ["worker", "--stage", "audio", "--gpus", "0,1", *extra])
+        assert result.exit_code == 2 and "one pool process per GPU" in result.output, (extra, result.output)
+    assert started == []
+    result = CliRunner().invoke(
+        main, ["worker", "--stage", "audio", "-c", "2", "-P", "prefork", "--max-tasks-per-child=9"]
+    )
+    assert result.exit_code == 0, result.output
+    [argv] = started  # a GPU worker's own -c without --gpus (CPU inference) is still the operator's to give
+    assert argv[-5:] == ("-c", "2", "-P", "prefork", "--max-tasks-per-child=9")
+
+
 def test_gpu_ids_without_a_stage_are_refused_rather_than_start_a_control_worker(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`worker --gpus 0,1` with `--stage` forgotten started the control worker on the GPU host, the ids ignored."""
     from click.testing import CliRunner
