@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlspli
 from animastor_tasks.domain.deferral import DeferralWindows
 from animastor_tasks.domain.registry import MediaRegistry, StageSpec, registry_from_table
 from animastor_tasks.errors import ConfigError, redact_url
-from animastor_tasks.url_options import check_broker_options, check_redis_options, check_redis_path
+from animastor_tasks.url_options import check_broker_options, check_redis_options, check_redis_path, why_unreadable
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/animastor"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -161,11 +161,13 @@ class Settings:
 
 def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ...]) -> str:
     value = env.get(name, "").strip() or default
+    if not value.isprintable():  # not shown: it may hold a password. *Why:* a UnicodeEncodeError traceback, exit 1
+        raise ConfigError(f"{name} holds a byte that is not UTF-8 or a control character: percent-encode it (%E9)")
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError as err:
-        raise ConfigError(f"{name}={redact_url(value)!r} is not a valid URL: {_unreadable(value, err)}") from err
+        raise ConfigError(f"{name}={redact_url(value)!r} is not a valid URL: {why_unreadable(value, err)}") from err
     if parts.scheme not in schemes:
         raise ConfigError(f"{name}={redact_url(value)!r} must use one of the schemes {', '.join(schemes)}")
     if parts.scheme not in ("unix", "redis+socket") and not parts.hostname and "host=" not in parts.query:
@@ -175,17 +177,6 @@ def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ..
     if name == "ANIMASTOR_REDIS_URL":
         check_redis_options(name, value)
     return value
-
-
-def _unreadable(value: str, err: ValueError) -> str:
-    """Why the URL parser refused `value`. *Why not its words:* with a login in the URL they quote it, a password
-    cut where an unencoded `#`, `?` or `/` ended the authority early (`Port could not be cast ... 'Xy3'`)."""
-    if "@" not in value:
-        return str(err)
-    hint = "a password's '/', '?', '#', '@', ':', '%' and blanks must be percent-encoded (%2F %3F %23 %40 %3A %25 %20)"
-    if str(err).startswith("Port out of range"):  # its words quote nothing: a port, or digits a password cut short
-        return f"its port is out of range 0-65535 (or its password was cut short: {hint})"
-    return f"its login cannot be read (the parser's words are not shown, they may quote the password): {hint}"
 
 
 def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float, maximum: float = MOST) -> float:
@@ -243,7 +234,7 @@ def _prefix(env: Mapping[str, str]) -> str:
 def _artifact_store(env: Mapping[str, str]) -> dict[str, Any]:
     """ANIMASTOR_ARTIFACT_URL: a directory, `file:///dir` or `s3://bucket/prefix`; unset, the directory
     ANIMASTOR_ARTIFACT_ROOT (default `artifacts`). Checked here so that a typo stops the process at start."""
-    root = Path(env.get("ANIMASTOR_ARTIFACT_ROOT", "").strip() or "artifacts").expanduser()
+    root = _directory("ANIMASTOR_ARTIFACT_ROOT", env.get("ANIMASTOR_ARTIFACT_ROOT", "").strip() or "artifacts")
     raw = env.get("ANIMASTOR_ARTIFACT_URL", "").strip()
     if not raw:
         return {"artifact_root": root}
@@ -253,21 +244,32 @@ def _artifact_store(env: Mapping[str, str]) -> dict[str, Any]:
             raise ConfigError(
                 f"{name}={redact_url(raw)!r} must be a directory, file:///directory or s3://bucket/prefix"
             )
-        return {"artifact_root": Path(raw).expanduser()}
+        return {"artifact_root": _directory(name, raw)}
     try:
         parts = urlsplit(raw)
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError as err:
-        raise ConfigError(f"{name}={redact_url(raw)!r} is not a valid URL: {_unreadable(raw, err)}") from err
+        raise ConfigError(f"{name}={redact_url(raw)!r} is not a valid URL: {why_unreadable(raw, err)}") from err
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/") or parts.query or parts.fragment:
             raise ConfigError(f"{name}={redact_url(raw)!r} must be file:///absolute/directory")
-        return {"artifact_root": Path(unquote(parts.path))}
+        return {"artifact_root": _directory(name, unquote(parts.path))}
     if parts.scheme == "s3":
         split_s3_url(raw)  # raises ConfigError naming what is wrong
         _endpoint(env)
         return {"artifact_root": root, "artifact_url": raw.rstrip("/")}
     raise ConfigError(f"{name}={redact_url(raw)!r} must be a directory, file:///directory or s3://bucket/prefix")
+
+
+def _directory(name: str, path: str) -> Path:
+    """*Why:* `~nosuchuser/x` was a RuntimeError traceback from every command, and a NUL (`file:///a%00b`) passed
+    the start-up checks and failed every job, the pair left generating."""
+    try:
+        if "\x00" not in path:
+            return Path(path).expanduser()
+    except RuntimeError as err:  # a user that does not exist
+        raise ConfigError(f"{name}={path!r}: {err}") from None
+    raise ConfigError(f"{name}={path!r}: a directory's name cannot hold a NUL character")
 
 
 def split_s3_url(url: str) -> tuple[str, str]:

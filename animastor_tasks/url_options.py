@@ -154,3 +154,14 @@ def _check(name: str, url: str, rules: dict[str, Rule], client: str) -> None:
         readable, takes = rules[option]
         if not readable(value):
             raise ConfigError(f"{name}={redact_url(url)!r}: {option} must be {takes}")
+
+
+def why_unreadable(value: str, err: ValueError) -> str:
+    """Why the URL parser refused `value`. *Why not its words:* with a login in the URL they quote it, a password
+    cut where an unencoded `#`, `?` or `/` ended the authority early (`Port could not be cast ... 'Xy3'`)."""
+    if "@" not in value:
+        return str(err)
+    hint = "a password's '/', '?', '#', '@', ':', '%' and blanks must be percent-encoded (%2F %3F %23 %40 %3A %25 %20)"
+    if str(err).startswith("Port out of range"):  # its words quote nothing: a port, or digits a password cut short
+        return f"its port is out of range 0-65535 (or its password was cut short: {hint})"
+    return f"its login cannot be read (the parser's words are not shown, they may quote the password): {hint}"

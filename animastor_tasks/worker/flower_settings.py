@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ipaddress as _ipaddress
 import os as _os
+import socket as _socket
 import sys as _sys
 from collections.abc import Mapping as _Mapping
 from collections.abc import Sequence as _Sequence
@@ -61,6 +62,10 @@ def flower_options(env: _Mapping[str, str]) -> dict[str, _Any]:
     if not 1 <= port <= 65535:
         raise Refused(f"ANIMASTOR_FLOWER_PORT={raw_port!r} must be between 1 and 65535")
 
+    try:  # *Why:* one this host cannot listen on was a socket.gaierror traceback from Flower, exit 1
+        _socket.getaddrinfo(address, port, type=_socket.SOCK_STREAM, flags=_socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as err:
+        raise Refused(f"ANIMASTOR_FLOWER_ADDRESS={address!r} is no address this host can listen on: {err}") from None
     options: dict[str, _Any] = {"address": address, "port": port, "max_tasks": 10000}
     credentials = env.get("ANIMASTOR_FLOWER_BASIC_AUTH", "")
     if credentials.strip():

@@ -91,3 +91,12 @@ def test_the_image_carries_the_flower_settings() -> None:
     copied = [line for line in dockerfile.splitlines() if line.startswith("COPY ")]
     assert any("flowerconfig.py" in line.split() for line in copied)
     assert "FLOWER_CONF=/app/flowerconfig.py" in dockerfile
+
+
+@pytest.mark.parametrize("address", ["not an address", "999.1.1.1"])
+def test_an_address_flower_cannot_listen_on_is_refused_before_it_starts(address: str) -> None:
+    """Flower itself failed on it with a socket.gaierror traceback (exit 1); the metrics exporter already refused."""
+    env = {"ANIMASTOR_FLOWER_ADDRESS": address, "ANIMASTOR_FLOWER_BASIC_AUTH": "ops:pw"}
+    with pytest.raises(flower_settings.Refused, match=f"ANIMASTOR_FLOWER_ADDRESS='{address}' is no address"):
+        flower_settings.flower_options(env)
+    assert flower_settings.flower_options({**env, "ANIMASTOR_FLOWER_ADDRESS": "0.0.0.0"})["address"] == "0.0.0.0"

@@ -100,6 +100,13 @@ def test_a_third_stage_is_configuration_only() -> None:
         ({"ANIMASTOR_STAGES": '{"audio": {"media_type": "audio/wav\\r\\nX-Evil: 1"}}'}, "media_type must be a media"),
         ({"ANIMASTOR_STAGES": '{"audio": {"media_type": "audio/w\u00e9v"}}'}, "media_type must be a media"),
         ({"ANIMASTOR_STAGES": '{"audio": {"media_type": "audio"}}'}, "media_type must be a media"),
+        # A traceback (exit 1) from every command; a NUL passed start-up and failed every job, its pair left generating.
+        ({"ANIMASTOR_ARTIFACT_ROOT": "~no-such-user-here/x"}, "ANIMASTOR_ARTIFACT_ROOT='~no-such-user-here/x'"),
+        ({"ANIMASTOR_ARTIFACT_URL": "~no-such-user-here/x"}, "ANIMASTOR_ARTIFACT_URL='~no-such-user-here/x'"),
+        ({"ANIMASTOR_ARTIFACT_URL": "file:///tmp/a%00b"}, "cannot hold a NUL character"),
+        # A byte that is not UTF-8 (read as a lone surrogate): a UnicodeEncodeError traceback, the password unshown.
+        ({"ANIMASTOR_DATABASE_URL": "postgresql://u:S3cret\udce9@h/db"}, "ANIMASTOR_DATABASE_URL holds a byte"),
+        ({"ANIMASTOR_REDIS_URL": "redis://:S3cret\udce9@h/0"}, "ANIMASTOR_REDIS_URL holds a byte that is not UTF-8"),
         # The endpoint was ignored: placeholder images stored as ready, the inference server never called.
         ({"ANIMASTOR_STAGES": '{"image": {"generator": "builtin", "endpoint": "http://gpu-box:8765/v1"}}'}, "builtin"),
     ],
@@ -107,7 +114,7 @@ def test_a_third_stage_is_configuration_only() -> None:
 def test_bad_settings_name_the_variable(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         Settings.from_env(env)
-    assert needle in str(info.value)
+    assert needle in str(info.value) and "S3cret" not in str(info.value)
 
 
 def test_password_never_shown() -> None:
