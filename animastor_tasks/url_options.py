@@ -51,6 +51,8 @@ FLAG: Rule = (lambda value: value.lower() in ("true", "false", "yes", "no", "1",
 # kombu hands an AMQP URL's `ssl` and `insist` on as text, and any text is true: `?ssl=false` turned TLS on.
 ON: Rule = (lambda value: value.lower() in ("true", "yes", "1"), "true (kombu reads any value as true: leave it out)")
 TEXT: Rule = (lambda value: True, "")
+# What Redis takes as a client's name or library: its refusal of a blank came at every connection, as Redis down.
+NAME: Rule = (lambda value: all("!" <= ch <= "~" for ch in value), "printable ASCII without blanks")
 
 REDIS_PY: dict[str, Rule] = {  # what redis-py's pool and connections take from a URL, with the types it reads
     "db": WHOLE,
@@ -64,9 +66,9 @@ REDIS_PY: dict[str, Rule] = {  # what redis-py's pool and connections take from 
     "retry_on_error": (lambda value: all(n.strip().isidentifier() for n in value.strip("[]").split(",")), "names"),
     "legacy_responses": FLAG,
     "protocol": _one_of("2", "3"),
-    "client_name": TEXT,
-    "lib_name": TEXT,
-    "lib_version": TEXT,
+    "client_name": NAME,
+    "lib_name": NAME,
+    "lib_version": NAME,
     "username": TEXT,
     "password": TEXT,
     "encoding": (_known(codecs.lookup), "a Python codec"),

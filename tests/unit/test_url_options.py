@@ -81,6 +81,8 @@ def test_every_option_let_through_is_one_kombu_reads(base: str, rules: dict[str,
         ("redis://h:1/0?socket_connect_timeout=0.0", "socket_connect_timeout must be a finite number above 0"),
         ("redis://h:1/0?socket_read_size=0", "socket_read_size must be a whole number above 0"),
         ("redis://h:1/0?max_connections=0", "max_connections must be a whole number above 0"),
+        ("redis://h:1/0?client_name=a%20b", "client_name must be printable ASCII without blanks"),
+        ("redis://h:1/0?lib_name=%C3%A9", "lib_name must be printable ASCII without blanks"),
     ],
 )
 def test_a_redis_option_no_socket_or_pool_can_work_with_is_refused(url: str, refusal: str) -> None:
