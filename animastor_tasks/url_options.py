@@ -43,15 +43,15 @@ def _one_of(*values: str) -> Rule:
 
 NUMBER: Rule = (_number, "a finite number, 0 or more")
 WHOLE: Rule = (str.isdigit, "a whole number, 0 or more")
-# A socket's timeout and read size, a pool's size: 0 made redis-py's sockets non-blocking (every read failed: a
-# control worker took regenerates and Stop Alls off its queue and lost them) or its pool empty.
+# A socket's timeout and read size: 0 made redis-py's sockets non-blocking (every read failed: a control worker took
+# regenerates and Stop Alls off its queue and lost them).
 TIMEOUT: Rule = (lambda value: _number(value) and float(value) > 0, "a finite number above 0")
 COUNT: Rule = (lambda value: value.isdigit() and int(value) > 0, "a whole number above 0")
 FLAG: Rule = (lambda value: value.lower() in ("true", "false", "yes", "no", "1", "0"), "true or false")
-# kombu hands an AMQP URL's `ssl` and `insist` on as text, and any text is true: `?ssl=false` turned TLS on.
+# kombu hands an AMQP URL's `ssl` on as text, and any text is true: `?ssl=false` turned TLS on.
 ON: Rule = (lambda value: value.lower() in ("true", "yes", "1"), "true (kombu reads any value as true: leave it out)")
 TEXT: Rule = (lambda value: True, "")
-# What Redis takes as a client's name or library: its refusal of a blank came at every connection, as Redis down.
+# What Redis takes as a client's name: its refusal of a blank came at every connection, reported as Redis down.
 NAME: Rule = (lambda value: all("!" <= ch <= "~" for ch in value), "printable ASCII without blanks")
 
 REDIS_PY: dict[str, Rule] = {  # what redis-py's pool and connections take from a URL, with the types it reads
@@ -60,15 +60,15 @@ REDIS_PY: dict[str, Rule] = {  # what redis-py's pool and connections take from 
     "socket_connect_timeout": TIMEOUT,
     "socket_read_size": COUNT,
     "health_check_interval": WHOLE,
-    "max_connections": COUNT,
+    "max_connections": WHOLE,  # 0: redis-py's default (100)
     "retry_on_timeout": FLAG,
     # redis-py's exception class names, comma-separated (it reads the names themselves)
     "retry_on_error": (lambda value: all(n.strip().isidentifier() for n in value.strip("[]").split(",")), "names"),
     "legacy_responses": FLAG,
     "protocol": _one_of("2", "3"),
     "client_name": NAME,
-    "lib_name": NAME,
-    "lib_version": NAME,
+    "lib_name": TEXT,  # CLIENT SETINFO: a refusal is ignored by redis-py
+    "lib_version": TEXT,
     "username": TEXT,
     "password": TEXT,
     "encoding": (_known(codecs.lookup), "a Python codec"),
@@ -98,7 +98,7 @@ KOMBU_AMQP: dict[str, Rule] = {
     "connect_timeout": (lambda value: False, "left out: kombu passes it on as text, which no connection can use"),
     "login_method": _one_of("AMQPLAIN", "PLAIN", "EXTERNAL", "GSSAPI"),
     "ssl": ON,
-    "insist": ON,
+    "insist": FLAG,  # py-amqp ignores it, whatever its value
     **KOMBU_TLS,
 }
 

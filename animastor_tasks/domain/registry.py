@@ -97,12 +97,13 @@ def _text(stage: str, key: str, value: Any) -> str:
     return value
 
 
-_TOKEN = r"[A-Za-z0-9!#$&^_.+-]+"
-_MEDIA_TYPE = re.compile(rf"{_TOKEN}/{_TOKEN}(?: *; *{_TOKEN}=(?:{_TOKEN}|\"[ !#-~]*\"))*")
+_TOKEN = r"[A-Za-z0-9!#$%&'*+.^_`|~-]+"  # RFC 9110's, as are the parameters and quoted strings below
+_QUOTED = r'"(?:[\t !#-\[\]-~]|\\[\t -~])*"'
+_MEDIA_TYPE = re.compile(rf"{_TOKEN}/{_TOKEN}(?:[ \t]*;[ \t]*(?:{_TOKEN}=(?:{_TOKEN}|{_QUOTED}))?)*")
 
 
 def _media_type(stage: str, value: Any) -> str:
-    """`type/subtype`, with parameters if any (RFC 6838's characters). *Why:* it is sent as an HTTP header and
+    """`type/subtype`, with parameters if any (RFC 9110). *Why:* it is sent as an HTTP header and
     stored as the artifact's Content-Type: one with a line break let the worker start, and every job failed."""
     if not isinstance(value, str) or not _MEDIA_TYPE.fullmatch(value):
         raise ValueError(f"stage {stage!r}: media_type must be a media type such as 'audio/wav', got {value!r}")

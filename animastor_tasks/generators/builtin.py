@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from animastor_tasks.domain.media_types import base_type
 from animastor_tasks.errors import GenerationStopped, GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media, number_param
 from animastor_tasks.generators.media import render_png, synthesize_wav
@@ -66,7 +67,7 @@ class BuiltinGenerator:
         return self._render(request.input)
 
     def _render(self, text: str) -> Media:
-        media_type = self.spec.media_type.lower()
+        media_type = base_type(self.spec.media_type)
         if media_type in WAV_TYPES:
             return Media(synthesize_wav(text), "audio/wav")
         if media_type in PNG_TYPES:

@@ -97,7 +97,7 @@ class HttpGenerator:
         """The body must be the stage's media type (any but a server's error page, for a stage of bytes): JSON or
         HTML here means a confused server, or one that answered its error under 200."""
         got = base_type(response.headers.get("Content-Type", ""))
-        want = self.spec.media_type.lower()
+        want = base_type(self.spec.media_type)  # its parameters, if any, are the stage's to store
         if got == "application/json" and want != got:
             raise self._transport.json_instead(response, repr(want))
         if want == "application/octet-stream" and got not in ERROR_PAGE_TYPES:

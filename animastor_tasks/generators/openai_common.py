@@ -97,8 +97,8 @@ class OpenAIGenerator:
         self._fields(spec.params)
 
     def _fields(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """The body fields this generator sets itself from `params` (each checked)."""
-        raise NotImplementedError
+        """The body fields this generator sets itself from `params`, each checked (none here: a subclass's own)."""
+        return {}
 
     def _params(self, request: GenerationRequest) -> dict[str, Any]:
         return {**self.spec.params, **request.params}

@@ -17,7 +17,7 @@ from typing import Any
 
 import requests
 
-from animastor_tasks.domain.media_types import JPEG_TYPES
+from animastor_tasks.domain.media_types import JPEG_TYPES, base_type
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.media import PNG_SIGNATURE, CutShort, check_known_media
@@ -106,7 +106,7 @@ class OpenAIImagesGenerator(OpenAIGenerator):
         if not data:
             raise self._fail("answered an empty image", retryable=True)  # its answer to whatever it is sent
         found = next((kind for kind, test in _MAGIC if test(data)), OCTET_STREAM)
-        want = self.spec.media_type.lower()
+        want = base_type(self.spec.media_type)
         named = "image/jpeg" if want in JPEG_TYPES else want  # a stage of `image/jpg` stores JPEGs too
         if want != OCTET_STREAM and found != named:  # the model's output type, whatever the scene
             raise self._fail(

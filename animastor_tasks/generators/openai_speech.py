@@ -12,7 +12,7 @@ from typing import Any
 
 import requests
 
-from animastor_tasks.domain.media_types import OGG_TYPES
+from animastor_tasks.domain.media_types import OGG_TYPES, base_type
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest, Media
 from animastor_tasks.generators.media import CutShort, NotMedia, check_known_media
@@ -93,7 +93,7 @@ class OpenAISpeechGenerator(OpenAIGenerator):
 
     def _response_format(self, params: Mapping[str, Any]) -> tuple[str, str]:
         """(response_format, media type stored); the format must give the stage's media type."""
-        stage_type = _ALIASES.get(self.spec.media_type.lower(), self.spec.media_type.lower())
+        stage_type = _ALIASES.get(base_type(self.spec.media_type), base_type(self.spec.media_type))
         default = next((fmt for fmt, kind in FORMATS.items() if kind == stage_type), "wav")
         fmt = string_param(params, "response_format", default, choices=FORMATS)
         if stage_type != OCTET_STREAM and FORMATS[fmt] != stage_type:

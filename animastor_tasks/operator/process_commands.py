@@ -159,16 +159,12 @@ def worker(
 def _refuse_overrides(celery_args: tuple[str, ...], *, gpus: bool) -> None:
     """Celery options that would undo what this command sets, passed on last, are refused. *Why:* `--stage audio -Q
     animastor.control` started a control worker named audio, `-X gpu.audio` one consuming nothing, and `--gpus 0,1 -c
-    4` two processes on each GPU."""
-    owned = {"-Q": "--queues", "-X": "--exclude-queues", **({"-c": "--concurrency"} if gpus else {})}
+    4` (or `--autoscale`) several processes on each GPU."""
+    per_gpu = {"-c": "--concurrency", "": "--autoscale"} if gpus else {}
     for arg in celery_args:
-        for short, long in owned.items():
-            if arg == long or arg.startswith(f"{long}=") or (arg.startswith(short) and not arg.startswith("--")):
-                why = (
-                    "one pool process per GPU of --gpus"
-                    if short == "-c"
-                    else "the queue of --stage, or the control one"
-                )
+        for short, long in {"-Q": "--queues", "-X": "--exclude-queues", **per_gpu}.items():
+            if arg == long or arg.startswith(f"{long}=") or (short and arg.startswith(short) and arg[1] != "-"):
+                why = "the queue of --stage, or the control one" if short in ("-Q", "-X") else "a process per GPU"
                 raise click.UsageError(f"{arg}: the worker command sets {long} itself ({why})")
 
 

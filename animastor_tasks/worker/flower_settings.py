@@ -62,10 +62,8 @@ def flower_options(env: _Mapping[str, str]) -> dict[str, _Any]:
     if not 1 <= port <= 65535:
         raise Refused(f"ANIMASTOR_FLOWER_PORT={raw_port!r} must be between 1 and 65535")
 
-    try:  # *Why:* one this host cannot listen on was a socket.gaierror traceback from Flower, exit 1
-        _socket.getaddrinfo(address, port, type=_socket.SOCK_STREAM, flags=_socket.AI_PASSIVE)
-    except (OSError, UnicodeError) as err:
-        raise Refused(f"ANIMASTOR_FLOWER_ADDRESS={address!r} is no address this host can listen on: {err}") from None
+    if (why := _cannot_listen_on(address)) is not None:  # *Why:* Flower's own traceback (gaierror, EADDRNOTAVAIL)
+        raise Refused(f"ANIMASTOR_FLOWER_ADDRESS={address!r} is no address this host can listen on: {why}")
     options: dict[str, _Any] = {"address": address, "port": port, "max_tasks": 10000}
     credentials = env.get("ANIMASTOR_FLOWER_BASIC_AUTH", "")
     if credentials.strip():
@@ -87,6 +85,23 @@ def flower_options(env: _Mapping[str, str]) -> dict[str, _Any]:
         "Flower needs authentication: set ANIMASTOR_FLOWER_BASIC_AUTH=user:password "
         "(or ANIMASTOR_FLOWER_DEV_NO_AUTH=1 for a loopback-only development instance)"
     )
+
+
+def _cannot_listen_on(address: str) -> str | None:
+    """Why no socket can be bound to `address` (a free port of it, at once let go), or None."""
+    try:
+        found = _socket.getaddrinfo(address, 0, type=_socket.SOCK_STREAM, flags=_socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as err:
+        return str(err)
+    why = "no address"
+    for family, kind, proto, _, where in found:
+        with _socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(where)
+                return None
+            except OSError as err:
+                why = str(err)
+    return why
 
 
 # Who can reach Flower is decided by the variables above alone: Flower reads its command line after this file,

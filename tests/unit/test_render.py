@@ -206,9 +206,9 @@ def test_celery_options_that_undo_the_workers_own_are_refused(monkeypatch) -> No
         for own in (["--stage", "audio"], []):
             result = CliRunner().invoke(main, ["worker", *own, *extra])
             assert result.exit_code == 2 and "the worker command sets" in result.output, (extra, result.output)
-    for extra in (["-c", "4"], ["-c4"], ["--concurrency=4"]):
+    for extra in (["-c", "4"], ["-c4"], ["--concurrency=4"], ["--autoscale=4,1"], ["--autoscale", "4,1"]):
         result = CliRunner().invoke(main, ["worker", "--stage", "audio", "--gpus", "0,1", *extra])
-        assert result.exit_code == 2 and "one pool process per GPU" in result.output, (extra, result.output)
+        assert result.exit_code == 2 and "a process per GPU" in result.output, (extra, result.output)
     assert started == []
     result = CliRunner().invoke(
         main, ["worker", "--stage", "audio", "-c", "2", "-P", "prefork", "--max-tasks-per-child=9"]

@@ -115,3 +115,24 @@ def test_the_params_a_generator_takes_pass_its_start() -> None:
     }
     settings = Settings.from_env({"ANIMASTOR_STAGES": json.dumps(stages)})
     assert all(load_generator(spec, settings) for spec in settings.stages)
+
+
+def test_a_media_type_with_parameters_is_compared_by_its_type_and_stored_whole() -> None:
+    """Parameters passed the check but not the generators: the builtin one made a hash blob of an `audio/wav; x=1`
+    stage, the http one refused every answer of `audio/ogg` for an `audio/ogg; codecs=opus` stage."""
+    import requests
+
+    from animastor_tasks.generators import GenerationRequest, load_generator
+
+    stages = {
+        "audio": {"media_type": "audio/wav;\tcodecs=1"},
+        "image": {"media_type": 'audio/ogg; codecs="opus"', "endpoint": "http://gpu:1/x"},
+    }
+    settings = Settings.from_env({"ANIMASTOR_STAGES": json.dumps(stages)})
+    builtin = load_generator(settings.registry.get("audio"), settings)
+    media = builtin.generate(GenerationRequest("b", "c", "s", "audio", "hello", {}), lambda: False, lambda _: None)
+    assert media.media_type == "audio/wav" and media.data[:4] == b"RIFF"
+    http = load_generator(settings.registry.get("image"), settings)
+    answer = requests.Response()
+    answer.headers["Content-Type"] = "audio/ogg"
+    assert http._check_media_type(answer) == 'audio/ogg; codecs="opus"'  # type: ignore[attr-defined]
