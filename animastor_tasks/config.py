@@ -86,7 +86,7 @@ class Settings:
             # At most a day: beat's schedule is a timedelta, and a period past its range failed every process.
             tick_seconds=_number(env, "ANIMASTOR_TICK_SECONDS", 5.0, minimum=0.1, maximum=DAY),
             reconcile_seconds=_number(env, "ANIMASTOR_RECONCILE_SECONDS", 30.0, minimum=0.5, maximum=DAY),
-            reconcile_pairs=_integer(env, "ANIMASTOR_RECONCILE_PAIRS", 100_000, minimum=1),
+            reconcile_pairs=_integer(env, "ANIMASTOR_RECONCILE_PAIRS", 100_000, minimum=1, maximum=2**53),
             presence_ttl_seconds=presence_ttl,
             # Unset, at least two presence TTLs: a longer TTL set before this setting existed stays valid.
             silent_worker_seconds=_number(
@@ -99,7 +99,7 @@ class Settings:
             breaker_cooldown_seconds=_number(env, "ANIMASTOR_BREAKER_COOLDOWN_SECONDS", 30.0, minimum=0.1),
             **_artifact_store(env),
             journal_retention_days=_retention_days(env, "ANIMASTOR_JOURNAL_RETENTION_DAYS", 7.0),
-            journal_max_rows=_integer(env, "ANIMASTOR_JOURNAL_MAX_ROWS", 1_000_000, minimum=100),
+            journal_max_rows=_integer(env, "ANIMASTOR_JOURNAL_MAX_ROWS", 1_000_000, minimum=100, maximum=2**53),
             command_retention_days=_retention_days(env, "ANIMASTOR_COMMAND_RETENTION_DAYS", 0.0),
             job_soft_time_limit=_integer(env, "ANIMASTOR_JOB_SOFT_TIME_LIMIT", 1800, minimum=1),
             job_time_limit=_integer(env, "ANIMASTOR_JOB_TIME_LIMIT", 1900, minimum=1),
@@ -202,9 +202,9 @@ def _retention_days(env: Mapping[str, str], name: str, default: float) -> float:
     return _number(env, name, default, minimum=0.0, maximum=MAX_RETENTION_DAYS)
 
 
-def _integer(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
+def _integer(env: Mapping[str, str], name: str, default: int, *, minimum: int, maximum: float = MOST) -> int:
     """A whole number: `2.5` is refused rather than silently truncated."""
-    value = _number(env, name, default, minimum=minimum)
+    value = _number(env, name, default, minimum=minimum, maximum=maximum)
     if not value.is_integer():
         raise ConfigError(f"{name}={env.get(name)!r} must be a whole number")
     return int(value)

@@ -350,3 +350,10 @@ def test_a_redis_broker_url_with_its_database_twice_is_refused() -> None:
     """kombu takes `virtual_host` from a socket URL only: beside a host URL's path it was a TypeError traceback."""
     with pytest.raises(ConfigError, match=r"ANIMASTOR_BROKER_URL.*virtual_host"):
         Settings.from_env({"ANIMASTOR_BROKER_URL": "redis://127.0.0.1:6379/0?virtual_host=2"})
+
+
+def test_a_count_setting_may_pass_a_billion() -> None:
+    """Rows and pairs are counted in bigints: the cap for seconds refused a journal of 5e9 rows (a review)."""
+    env = {"ANIMASTOR_JOURNAL_MAX_ROWS": "5000000000", "ANIMASTOR_RECONCILE_PAIRS": "10000000000"}
+    settings = Settings.from_env(env)
+    assert (settings.journal_max_rows, settings.reconcile_pairs) == (5_000_000_000, 10_000_000_000)
