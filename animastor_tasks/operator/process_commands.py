@@ -72,8 +72,9 @@ def up() -> None:
     finally:
         db.close()
     click.echo(f"postgres: migrations applied: {', '.join(applied)}" if applied else "postgres: schema up to date")
+    gpu = " and ".join(f"`animastor-tasks worker --stage {name}`" for name in settings.registry.names())
     click.echo(
-        "ready: start workers with `animastor-tasks worker` (control) and `animastor-tasks worker --stage audio`"
+        f"ready: start `animastor-tasks worker` (control), {gpu} (a GPU worker per stage) and `animastor-tasks beat`"
     )
 
 

@@ -7,6 +7,7 @@ Each view is built as a rich renderable first and printed second, so tests rende
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +39,7 @@ MISSING_CELL = (" ", "")
 # Above this many chapters one row per chapter gets too tall: each stage becomes one wrapped strip.
 CHAPTER_ROWS_MAX = 24
 RATE_WINDOW_SECONDS = 60.0
+PIPED_WIDTH = 250  # columns of a table printed to a pipe or a file
 
 
 class RateMeter:
@@ -78,6 +80,12 @@ def _duration(seconds: float | None) -> str:
         return "--:--"
     hours, rest = divmod(max(0, round(seconds)), 3600)  # a database clock ahead of this host: 0, not -1:59:55
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def _console() -> Console:
+    """Piped, as wide as a row needs. *Why:* Rich cut cells to 80 columns (`lighthouse-…`), so a `| grep` of a book
+    id found nothing."""
+    return Console() if sys.stdout.isatty() else Console(width=PIPED_WIDTH)
 
 
 def _bar(done: int, total: int, width: int = 20) -> Text:
@@ -204,7 +212,7 @@ def show_status(
     fetch: Callable[[], Mapping[str, Any]], *, watch: bool, interval: float, console: Console | None = None
 ) -> None:
     """Print the status once, or, watching, refresh it until every command is terminal (or Ctrl-C)."""
-    console = console or Console()
+    console = console or _console()
     data = fetch()
     if not watch:
         console.print(status_view(data))
@@ -246,7 +254,7 @@ def show_commands(rows: list[dict[str, Any]], console: Console | None = None) ->
             _done(p),
             f"{r['age_seconds']:.0f}s",
         )
-    (console or Console()).print(table)
+    (console or _console()).print(table)
 
 
 def _done(progress: Mapping[str, Any]) -> str:
@@ -353,12 +361,12 @@ def queues_table(rows: Sequence[QueueRow | Mapping[str, Any]]) -> Table:
 
 
 def show_queues(rows: Sequence[QueueRow | Mapping[str, Any]], console: Console | None = None) -> None:
-    (console or Console()).print(queues_table(rows))
+    (console or _console()).print(queues_table(rows))
 
 
 def watch_queues(fetch: Callable[[], Sequence[QueueRow]], *, interval: float, console: Console | None = None) -> None:
     """Refresh the queue overview every `interval` seconds until Ctrl-C."""
-    console = console or Console()
+    console = console or _console()
     try:
         table = queues_table(fetch())
         with Live(table, console=console, refresh_per_second=4) as live:

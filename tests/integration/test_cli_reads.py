@@ -194,3 +194,30 @@ def test_only_the_cli_s_own_commands_quiet_the_pool(command: str, quiet: bool) -
         assert (pool.level == logging.ERROR) is quiet
     finally:
         pool.setLevel(level)
+
+
+def test_up_names_the_workers_of_this_stage_table_and_beat(rt) -> None:
+    """It always said `worker --stage audio`: with a `tts` stage that command exits 2, and neither another stage's
+    worker nor beat was named, so image commands were BLOCKED and no tick ran."""
+    env = {**os.environ, "ANIMASTOR_STAGES": '{"tts": {"media_type": "audio/wav"}, "art": {"media_type": "image/png"}}'}
+    up = subprocess.run(
+        [sys.executable, "-m", "animastor_tasks.operator.cli", "up"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert up.returncode == 0, up.stderr
+    [ready] = [line for line in up.stdout.splitlines() if line.startswith("ready:")]
+    assert "--stage tts" in ready and "--stage art" in ready and "animastor-tasks beat" in ready, ready
+    assert "--stage audio" not in ready
+
+
+def test_a_table_printed_to_a_pipe_keeps_its_cells_whole(rt) -> None:
+    """Cut to 80 columns (`lighthouse-…`, `no_worker:ima…`): `commands | grep <book>` found nothing."""
+    book = "a-book-whose-id-is-long-enough-to-be-cut-" + "x" * 20
+    rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+    regenerate_flow.regenerate(rt.ports, book, ["audio", "image"])  # no worker: BLOCKED, its reason in the table
+    done = cli("commands")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(book) == 2 and "no_worker:image" in done.stdout, done.stdout
