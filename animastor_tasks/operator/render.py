@@ -10,7 +10,7 @@ import contextlib
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
@@ -222,18 +222,30 @@ def show_status(
     meter = RateMeter()
     meter.observe(data)
     try:
-        with Live(status_view(data, meter), console=console, refresh_per_second=4) as live:
+        with _frames(console, status_view(data, meter)) as show:
             while any(c["status"] not in NO_LONGER_ACTIVE for c in data["commands"]):
                 time.sleep(interval)
                 try:
                     data = fetch()
                 except StoreUnavailable as err:
-                    live.update(Group(status_view(data, meter), _refresh_failed(err)))
+                    show(Group(status_view(data, meter), _refresh_failed(err)))
                     continue
                 meter.observe(data)
-                live.update(status_view(data, meter))
+                show(status_view(data, meter))
     except KeyboardInterrupt:
         pass
+
+
+@contextlib.contextmanager
+def _frames(console: Console, first: RenderableType) -> Iterator[Callable[[RenderableType], None]]:
+    """How a watch shows each refresh: in place in a terminal; piped, a frame printed per refresh. *Why:* piped,
+    Live printed only its last frame as it ended, so a watch stopped by SIGTERM (`timeout 5 ... > f`) left nothing."""
+    if console.is_terminal:
+        with Live(first, console=console, refresh_per_second=4) as live:
+            yield live.update
+    else:
+        console.print(first)
+        yield console.print
 
 
 def _refresh_failed(err: StoreUnavailable) -> Text:
@@ -371,14 +383,14 @@ def watch_queues(fetch: Callable[[], Sequence[QueueRow]], *, interval: float, co
     console = console or _console()
     try:
         table = queues_table(fetch())
-        with Live(table, console=console, refresh_per_second=4) as live:
+        with _frames(console, table) as show:
             while True:
                 time.sleep(interval)
                 try:
                     table = queues_table(fetch())
                 except StoreUnavailable as err:
-                    live.update(Group(table, _refresh_failed(err)))
+                    show(Group(table, _refresh_failed(err)))
                     continue
-                live.update(Group(table, Text(time.strftime("updated %H:%M:%S"), style="grey50")))
+                show(Group(table, Text(time.strftime("updated %H:%M:%S"), style="grey50")))
     except KeyboardInterrupt:
         pass

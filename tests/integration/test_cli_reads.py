@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -221,3 +222,21 @@ def test_a_table_printed_to_a_pipe_keeps_its_cells_whole(rt) -> None:
     done = cli("commands")
     assert done.returncode == 0, done.stderr
     assert done.stdout.count(book) == 2 and "no_worker:image" in done.stdout, done.stdout
+
+
+def test_a_watch_into_a_pipe_prints_each_refresh_and_keeps_them_when_stopped(rt) -> None:
+    """Rich's live view printed only its last frame as it ended: `timeout 5 animastor-tasks queues --watch > f`,
+    stopped by SIGTERM, left the file empty."""
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "animastor_tasks.operator.cli", "queues", "--watch", "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
+    try:
+        time.sleep(3.0)
+    finally:
+        watch.terminate()
+        out, _ = watch.communicate(timeout=30)
+    assert out.count("gpu.audio") >= 3 and "updated " in out, out
