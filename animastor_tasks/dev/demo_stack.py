@@ -130,7 +130,7 @@ class DemoStack:
         sup.start(CONTROL_NAME, worker_argv(CONTROL_QUEUE, "control@%h", concurrency=2))
         for spec in stages.stages:
             self.start_worker(spec.name)
-        sup.start(BEAT_NAME, celery_argv("beat", "-l", log_level(), "-s", str(self.dir / "celerybeat-schedule")))
+        sup.start(BEAT_NAME, celery_argv("beat", "-l", log_level()))  # its scheduler keeps no file
         # `animastor-tasks flower`: the packaged settings and their auth rules, as an operator starts it.
         sup.start(FLOWER_NAME, [sys.executable, "-m", "animastor_tasks.operator.cli", "flower"], env=flower_env)
         sup.start(

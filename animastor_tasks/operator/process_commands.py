@@ -274,7 +274,7 @@ def metrics_cmd(address: str, port: int) -> None:
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Logs, beat schedule and generated Flower credentials (default: .animastor-local/demo).",
+    help="Logs and generated Flower credentials (default: .animastor-local/demo).",
 )
 def demo(keep_running: bool, run_dir: Path | None) -> None:
     """Start the whole stack, run a scripted story on the sample book, stop everything again."""
