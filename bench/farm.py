@@ -63,7 +63,7 @@ class Farm:
         self.gpu = list(gpu)
 
     def import_books(self, books: dict[str, int]) -> None:
-        from animastor_tasks.domain.book import parse_book_json
+        from animastor_tasks.domain.book_json import parse_book_json
 
         for book_id, scenes in books.items():
             self.rt.catalog.import_book(parse_book_json(book_json(book_id, scenes)))

@@ -70,7 +70,7 @@ def _supervisor(folder: Path) -> Supervisor:
 def run(ctx: Context) -> BenchResult:
     from animastor_tasks.client import Client
     from animastor_tasks.config import Settings
-    from animastor_tasks.domain.book import parse_book_json
+    from animastor_tasks.domain.book_json import parse_book_json
 
     result = BenchResult()
     books, scenes = (30, 3) if ctx.quick else (40, 3)

@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from animastor_tasks.domain.book import Book, parse_book_json
+from animastor_tasks.domain.book import Book
+from animastor_tasks.domain.book_json import parse_book_json
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate
 from animastor_tasks.flow import regenerate as regenerate_flow

@@ -9,7 +9,8 @@ from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from animastor_tasks.domain.book import Book, parse_book_json
+from animastor_tasks.domain.book import Book
+from animastor_tasks.domain.book_json import parse_book_json
 
 SAMPLE_BOOK_NAME = "sample_book.json"
 

@@ -15,11 +15,9 @@ See docs/book-format.md for the format and every limit.
 
 from __future__ import annotations
 
-import json
 import re
 import reprlib
 import unicodedata
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -320,63 +318,6 @@ def parse_book(doc: object) -> Book:
         chapters.append(Chapter(chapter_id, c_index, chapter_title, tuple(scenes)))
 
     return Book(book_id, title, tuple(chapters))
-
-
-class _KeyedObject(dict[str, Any]):
-    """A decoded JSON object that remembers keys it saw twice (JSON keeps the last silently)."""
-
-    duplicate_keys: tuple[str, ...] = ()
-
-
-def _pairs_hook(pairs: list[tuple[str, Any]]) -> _KeyedObject:
-    obj = _KeyedObject(pairs)
-    if len(obj) != len(pairs):
-        given = Counter(key for key, _ in pairs)
-        obj.duplicate_keys = tuple(key for key in given if given[key] > 1)
-    return obj
-
-
-def _not_a_number(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows (JSON has no NaN or Infinity)")
-
-
-def _line_col(text: str, index: int) -> tuple[int, int]:
-    line = text.count("\n", 0, index) + 1
-    return line, index - (text.rfind("\n", 0, index) + 1) + 1
-
-
-def parse_book_json(raw: str | bytes) -> Book:
-    """Decode a book file (UTF-8, optional BOM) and validate it; broken JSON names its line and column.
-
-    A key repeated inside one object is refused: JSON parsers disagree on which
-    copy wins, so the file is ambiguous.
-    """
-    if isinstance(raw, bytes | bytearray):
-        try:
-            text = bytes(raw).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            prefix = bytes(raw)[: exc.start].decode("utf-8", "replace")
-            line, col = _line_col(prefix, len(prefix))
-            raise InvalidBook(
-                f"book file is not valid UTF-8: byte {bytes(raw)[exc.start : exc.start + 1]!r} "
-                f"at line {line} column {col} (byte offset {exc.start})"
-            ) from None
-    elif isinstance(raw, str):
-        text = raw
-    else:
-        raise InvalidBook(f"book file must be text or bytes, not {type(raw).__name__}")
-    text = text.removeprefix("\ufeff")
-    try:
-        doc = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_not_a_number)
-    except json.JSONDecodeError as exc:
-        raise InvalidBook(
-            f"book file is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno} (char {exc.pos})"
-        ) from None
-    except RecursionError:
-        raise InvalidBook("book file is not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # NaN, or an integer longer than Python's digit limit (not its advice to raise it)
-        raise InvalidBook(f"book file is not valid JSON: {str(exc).partition('; use sys.')[0]}") from None
-    return parse_book(doc)
 
 
 # --------------------------------------------------------------------------- export and hashing

@@ -135,7 +135,7 @@ def _read_book_file(path: Path) -> bytes:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def book_import(path: Path, as_json: bool) -> None:
     """Import (or re-import) a book from a JSON file ('-' reads standard input). Queues nothing."""
-    from animastor_tasks.domain.book import parse_book_json
+    from animastor_tasks.domain.book_json import parse_book_json
     from animastor_tasks.errors import InvalidBook
 
     try:

@@ -20,9 +20,9 @@ from animastor_tasks.domain.book import (
     Scene,
     book_to_dict,
     parse_book,
-    parse_book_json,
     validate_id,
 )
+from animastor_tasks.domain.book_json import parse_book_json
 from animastor_tasks.domain.inputs import input_hash
 from animastor_tasks.errors import InvalidBook, InvalidCommand, InvalidInput
 
@@ -374,9 +374,14 @@ def test_deeply_nested_json_is_refused() -> None:
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_a_number_json_has_not_is_refused_wherever_it_stands(constant: str) -> None:
-    doc = json.dumps(valid_doc()).replace('"chapters"', f'"extra": [{constant}], "chapters"')
-    with pytest.raises(InvalidBook, match=f"^book file is not valid JSON: {constant} is not a number JSON allows"):
+    """Named where it stands, as other JSON errors are; a string holding the word is no such number."""
+    doc = '{"note": "NaN, Infinity",\n "extra": [1, ' + constant + "]," + json.dumps(valid_doc())[1:]
+    with pytest.raises(InvalidBook) as info:
         parse_book_json(doc)
+    assert str(info.value) == (
+        f"book file is not valid JSON: {constant} is not a number JSON allows (JSON has no NaN or Infinity)"
+        f" at line 2 column 15 (char {doc.index(constant, 30)})"
+    )
 
 
 def test_an_integer_too_long_to_read_is_refused_without_pythons_advice() -> None:
