@@ -227,8 +227,14 @@ class GateReads:
 
     def gate_row_pages(self, book: str, size: int) -> Generator[GateRows, None, None]:
         """`gate_rows` of one book, `size` pairs at a time (a server-side cursor of the same statement):
-        a pass over a book of a million pairs holds one page. Nothing for an unknown book."""
-        with self.db.transaction() as conn, conn.cursor(name="gate_rows") as cursor:
+        a pass over a book of a million pairs holds one page. Nothing for an unknown book.
+
+        The cursor is held past its transaction (WITH HOLD, made in autocommit): its rows are worked out at once
+        and no lock is kept while the pass reads them. *Why:* its transaction held asset_states for the whole pass;
+        a table lock asked for meanwhile (an ALTER TABLE, a VACUUM FULL) queued the pass's own next statement (the
+        lane count, a claim) behind it, a wait through the client that Postgres sees as no deadlock: the pass, and
+        every reader of the table, hung until the lock's asker gave up."""
+        with self.db.read() as conn, conn.cursor(name="gate_rows", withhold=True) as cursor:
             cursor.itersize = size
             # The list's statement: a cursor is planned once, and the one-book statement's plan for a cursor
             # (fast start) read a book of 100,000 pairs a third slower.
