@@ -67,9 +67,9 @@ def dispatch_pending(
 
     force = snap.force
     if now - snap.data_lost_at < ports.settings.force_ttl_seconds:
-        # Redis lost its data (the force set with it) less than a force window ago: the commands in
-        # Postgres still say which pairs were forced, so a forced pair is not settled as already completed.
-        force = force | {pair for pair, _ in ports.commands.forced_in_flight(book, ports.settings.force_ttl_seconds)}
+        # Redis lost the force set less than a force window ago: Postgres says which of these pairs were forced.
+        forced = ports.commands.forced_in_flight(book, ports.settings.force_ttl_seconds, [i.pair for i in todo])
+        force = force | {pair for pair, _ in forced}
 
     specs = {s: ports.settings.registry.get(s) for s in {i.stage for i in todo} if s in ports.settings.registry}
     unknown = {i.stage for i in todo} - specs.keys()

@@ -288,19 +288,21 @@ class CommandStore:
             journal.record(conn, "book.cancelled", book, detail)
         return cancelled, released, dispatched
 
-    def forced_in_flight(self, book: str, force_ttl: float) -> list[tuple[Pair, float]]:
-        """In-flight pairs whose newest active command is forced and younger than `force_ttl`, each with the
-        seconds left of that window: the force set lives in Redis, so after a Redis loss it is rebuilt from this."""
+    def forced_in_flight(self, book: str, force_ttl: float, pairs: Sequence[Pair]) -> list[tuple[Pair, float]]:
+        """Of `pairs`, those in flight whose newest active command is forced and younger than `force_ttl`, with the
+        seconds left of that window: the force set, after a Redis loss. *Why of pairs:* read of the whole book by each
+        page, a 100,000-pair book's pass read 2.2 million rows (5.9 s against 0.6) for a force window."""
         with self.db.read() as conn:
             rows = conn.execute(
                 "SELECT DISTINCT ON (t.chapter_id, t.scene_id, t.stage) t.chapter_id, t.scene_id, t.stage, c.force,"
                 " %s - extract(epoch FROM now() - c.created_at)"
-                " FROM commands c JOIN command_targets t ON t.command_id = c.command_id"
+                " FROM unnest(%s::text[], %s::text[], %s::text[]) AS u(chapter_id, scene_id, stage)"
+                " JOIN command_targets t USING (chapter_id, scene_id, stage) JOIN commands c USING (command_id)"
                 " JOIN asset_states a ON a.book_id = t.book_id AND a.chapter_id = t.chapter_id"
                 "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
-                " WHERE c.book_id = %s AND c.status = %s AND a.state = ANY(%s)"
+                " WHERE t.book_id = %s AND c.book_id = %s AND c.status = %s AND a.state = ANY(%s)"
                 " ORDER BY t.chapter_id, t.scene_id, t.stage, c.created_at DESC",
-                (force_ttl, book, ACTIVE, values(IN_FLIGHT)),
+                (force_ttl, *([p[i] for p in pairs] for i in range(3)), book, book, ACTIVE, values(IN_FLIGHT)),
             ).fetchall()
         return [((c, s, st), float(left)) for c, s, st, force, left in rows if force and left > 0]
 
