@@ -39,7 +39,7 @@ MISSING_CELL = (" ", "")
 # Above this many chapters one row per chapter gets too tall: each stage becomes one wrapped strip.
 CHAPTER_ROWS_MAX = 24
 RATE_WINDOW_SECONDS = 60.0
-PIPED_WIDTH = 250  # columns of a table printed to a pipe or a file
+PIPED_WIDTH = 4096  # columns printed to a pipe or a file: a row of the longest id and reason fits
 
 
 class RateMeter:
@@ -83,8 +83,8 @@ def _duration(seconds: float | None) -> str:
 
 
 def _console() -> Console:
-    """Piped, as wide as a row needs. *Why:* Rich cut cells to 80 columns (`lighthouse-…`), so a `| grep` of a book
-    id found nothing."""
+    """Piped, as wide as a row needs, whatever COLUMNS says. *Why:* Rich cut cells to 80 columns (`lighthouse-…`, or
+    a shell's exported COLUMNS), so a `| grep` of a book id found nothing."""
     return Console() if sys.stdout.isatty() else Console(width=PIPED_WIDTH)
 
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 
 from .helpers import advertise, cli, make_book
@@ -216,12 +217,13 @@ def test_up_names_the_workers_of_this_stage_table_and_beat(rt) -> None:
 
 def test_a_table_printed_to_a_pipe_keeps_its_cells_whole(rt) -> None:
     """Cut to 80 columns (`lighthouse-…`, `no_worker:ima…`): `commands | grep <book>` found nothing."""
-    book = "a-book-whose-id-is-long-enough-to-be-cut-" + "x" * 20
+    book = "a-book-whose-id-is-as-long-as-an-id-may-be-" + "x" * 157  # 200 characters
     rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
     regenerate_flow.regenerate(rt.ports, book, ["audio", "image"])  # no worker: BLOCKED, its reason in the table
+    cancel_flow.cancel(rt.ports, book, "r" * 1000)  # the longest reason, on every row
     done = cli("commands")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count(book) == 2 and "no_worker:image" in done.stdout, done.stdout
+    assert done.stdout.count(book) == 2 and done.stdout.count("r" * 1000) == 2, done.stdout
 
 
 def test_a_watch_into_a_pipe_prints_each_refresh_and_keeps_them_when_stopped(rt) -> None:
