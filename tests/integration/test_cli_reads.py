@@ -198,17 +198,11 @@ def test_only_the_cli_s_own_commands_quiet_the_pool(command: str, quiet: bool) -
         pool.setLevel(level)
 
 
-def test_up_names_the_workers_of_this_stage_table_and_beat(rt) -> None:
+def test_up_names_the_workers_of_this_stage_table_and_beat(rt, monkeypatch: pytest.MonkeyPatch) -> None:
     """It always said `worker --stage audio`: with a `tts` stage that command exits 2, and neither another stage's
     worker nor beat was named, so image commands were BLOCKED and no tick ran."""
-    env = {**os.environ, "ANIMASTOR_STAGES": '{"tts": {"media_type": "audio/wav"}, "art": {"media_type": "image/png"}}'}
-    up = subprocess.run(
-        [sys.executable, "-m", "animastor_tasks.operator.cli", "up"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    monkeypatch.setenv("ANIMASTOR_STAGES", '{"tts": {"media_type": "audio/wav"}, "art": {"media_type": "image/png"}}')
+    up = cli("up")
     assert up.returncode == 0, up.stderr
     [ready] = [line for line in up.stdout.splitlines() if line.startswith("ready:")]
     assert "--stage tts" in ready and "--stage art" in ready and "animastor-tasks beat" in ready, ready
