@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit
 
 from animastor_tasks.domain.deferral import DeferralWindows
-from animastor_tasks.domain.registry import MediaRegistry, StageSpec, registry_from_table
+from animastor_tasks.domain.registry import MOST, MediaRegistry, StageSpec, registry_from_table
 from animastor_tasks.errors import ConfigError, redact_url
 from animastor_tasks.url_options import check_broker_options, check_redis_options, check_redis_path, why_unreadable
 
@@ -26,9 +26,6 @@ DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/animastor"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_RETENTION_DAYS = 36_500
 DAY = 86_400.0  # seconds
-# The most a number setting may be (31 years of seconds): a larger one passed start-up, then failed where used, as a
-# store down (`ANIMASTOR_FORCE_TTL_SECONDS=1e20`: every regenerate, Redis's EXPIRE out of range).
-MOST = 1_000_000_000
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules

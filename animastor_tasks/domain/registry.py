@@ -83,11 +83,15 @@ class MediaRegistry:
         return any(s.name == name for s in self.stages)
 
 
+# The most a number setting may be (31 years of seconds), here and in `config`. *Why:* past it, a lease's expiry or a
+# limit's count overflowed Redis's or Postgres's integers where used: a `lease_ttl` of 1e17 had every job of the stage
+# requeued for ever, `ANIMASTOR_FORCE_TTL_SECONDS=1e20` failed every regenerate, both as 'redis unavailable'.
+MOST = 1_000_000_000
+
+
 def _positive_int(stage: str, key: str, value: Any) -> int:
-    """1 to a billion. *Why the bound:* past it, a lease's expiry or a limit's count overflowed Redis's or Postgres's
-    integers where used: a `lease_ttl` of 1e17 had every job of the stage requeued for ever as 'redis unavailable'."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000_000:
-        raise ValueError(f"stage {stage!r}: {key} must be a whole number from 1 to 1,000,000,000, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MOST:
+        raise ValueError(f"stage {stage!r}: {key} must be a whole number from 1 to {MOST:,}, got {value!r}")
     return value
 
 

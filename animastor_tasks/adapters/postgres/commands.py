@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
+from animastor_tasks.adapters.postgres.gate_reads import pair_columns
 from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database, bound_lock_wait
 from animastor_tasks.adapters.postgres.released import release_targets
 from animastor_tasks.domain import liveness, vocabulary
@@ -302,7 +303,7 @@ class CommandStore:
                 "  AND a.scene_id = t.scene_id AND a.stage = t.stage"
                 " WHERE t.book_id = %s AND c.book_id = %s AND c.status = %s AND a.state = ANY(%s)"
                 " ORDER BY t.chapter_id, t.scene_id, t.stage, c.created_at DESC",
-                (force_ttl, *([p[i] for p in pairs] for i in range(3)), book, book, ACTIVE, values(IN_FLIGHT)),
+                (force_ttl, *pair_columns(pairs), book, book, ACTIVE, values(IN_FLIGHT)),
             ).fetchall()
         return [((c, s, st), float(left)) for c, s, st, force, left in rows if force and left > 0]
 
