@@ -74,35 +74,35 @@ def test_every_option_let_through_is_one_kombu_reads(base: str, rules: dict[str,
             kombu.Connection(f"{base}?{option}={SAMPLES[option]}")
 
 
-@pytest.mark.parametrize(
-    ("url", "refusal"),
-    [
-        ("redis://h:1/0?socket_timeout=0", "socket_timeout must be a finite number above 0"),
-        ("redis://h:1/0?socket_connect_timeout=0.0", "socket_connect_timeout must be a finite number above 0"),
-        ("redis://h:1/0?socket_read_size=0", "socket_read_size must be a whole number above 0"),
-        ("redis://h:1/0?client_name=a%20b", "client_name must be printable ASCII without blanks"),
-    ],
-)
-def test_a_redis_option_no_socket_or_pool_can_work_with_is_refused(url: str, refusal: str) -> None:
-    from animastor_tasks.config import Settings
-
-    with pytest.raises(ConfigError, match=refusal):
-        Settings.from_env({"ANIMASTOR_REDIS_URL": url})
+AMQP, REDIS = "amqp://guest:guest@127.0.0.1:5672//", "redis://h:1/0"
 
 
 @pytest.mark.parametrize(
-    ("query", "refusal"),
-    [
-        ("connect_timeout=5", "connect_timeout must be left out: kombu passes it on as text"),
-        ("ssl=false", "ssl must be true \\(kombu reads any value as true"),
-        ("ssl=0", "ssl must be true"),
+    ("name", "url", "refusal"),
+    [  # no socket or pool can work with these
+        ("ANIMASTOR_REDIS_URL", f"{REDIS}?socket_timeout=0", "socket_timeout must be a finite number above 0"),
+        (
+            "ANIMASTOR_REDIS_URL",
+            f"{REDIS}?socket_connect_timeout=0.0",
+            "socket_connect_timeout must be a finite number above 0",
+        ),
+        ("ANIMASTOR_REDIS_URL", f"{REDIS}?socket_read_size=0", "socket_read_size must be a whole number above 0"),
+        ("ANIMASTOR_REDIS_URL", f"{REDIS}?client_name=a%20b", "client_name must be printable ASCII without blanks"),
+        # kombu would misread these
+        (
+            "ANIMASTOR_BROKER_URL",
+            f"{AMQP}?connect_timeout=5",
+            "connect_timeout must be left out: kombu passes it on as text",
+        ),
+        ("ANIMASTOR_BROKER_URL", f"{AMQP}?ssl=false", "ssl must be true \\(kombu reads any value as true"),
+        ("ANIMASTOR_BROKER_URL", f"{AMQP}?ssl=0", "ssl must be true"),
     ],
 )
-def test_an_amqp_option_kombu_would_misread_is_refused(query: str, refusal: str) -> None:
+def test_an_option_its_client_cannot_use_as_meant_is_refused(name: str, url: str, refusal: str) -> None:
     from animastor_tasks.config import Settings
 
     with pytest.raises(ConfigError, match=refusal):
-        Settings.from_env({"ANIMASTOR_BROKER_URL": f"amqp://guest:guest@127.0.0.1:5672//?{query}"})
+        Settings.from_env({name: url})
 
 
 def test_the_amqp_ssl_let_through_is_read_as_true_and_the_heartbeat_as_a_number() -> None:
