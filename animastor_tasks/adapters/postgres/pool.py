@@ -52,6 +52,10 @@ _STORE_ERRORS = (
 )
 
 
+# The server ended this session alone, for how it used it: the pool's other connections are left as they are.
+_SESSION_OWN_ENDS = (psycopg.errors.IdleInTransactionSessionTimeout, psycopg.errors.TransactionTimeout)
+
+
 def _is_store_error(err: BaseException) -> bool:
     """The store, not the statement: it cannot be reached, or it takes no writes (a standby, a primary being
     demoted in a failover, which the URL may still reach: a write there was a traceback)."""
@@ -215,12 +219,16 @@ class Database:
 
     @contextmanager
     def _connection(self, *, autocommit: bool) -> Iterator[psycopg.Connection]:
+        held: psycopg.Connection | None = None
         try:
             with self._get_pool().connection() as conn:
+                held = conn
                 if conn.autocommit != autocommit:
                     conn.autocommit = autocommit
                 yield conn
         except psycopg.Error as err:
+            if held is not None and held.broken and not isinstance(err, _SESSION_OWN_ENDS):
+                self._drop_idle()
             if isinstance(err, _SCHEMA_BEHIND) and self._schema_behind():
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise StoreUnavailable("postgres", self.url, f"{first}: {NOT_MIGRATED}") from err
@@ -232,6 +240,14 @@ class Database:
             raise
         except PoolTimeout as err:
             raise StoreUnavailable("postgres", self.url, f"no connection within {self._timeout}s") from err
+
+    def _drop_idle(self) -> None:
+        """The pool's idle connections closed (new ones open in the background), after the server ended this one's
+        session. *Why:* a restart or a failover ends every session at once, and each idle connection failed its own
+        next transaction: a control worker lost a gate pass, a claim or a job's verdict per pooled connection. Not
+        checked one by one: a check over a cut network waits on each socket."""
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.drain()
 
     def _schema_behind(self) -> bool:
         """Whether the database lacks a migration this release ships: asked after a missing table or column, which
