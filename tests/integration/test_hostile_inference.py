@@ -678,3 +678,32 @@ def test_an_interim_status_before_the_answer_is_a_misconfigured_endpoint_not_a_v
     with pytest.raises(GeneratorError) as caught:
         _generate(_spec(serve(answer)))
     assert caught.value.misconfigured and f"answered {interim}" in str(caught.value), caught.value
+
+
+def _declaring(length: bytes, body: bytes) -> Answer:
+    """A 200 whose Content-Length is `length` as sent, then `body`, then a closed connection."""
+
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: audio/wav\r\nContent-Length: " + length + b"\r\nConnection: close\r\n"
+        handler.wfile.write(head + b"\r\n" + body)
+        handler.close_connection = True
+
+    return answer
+
+
+@pytest.mark.parametrize("length", [b"\xb2", b"1\xb9", b"9" * 5000])
+def test_a_content_length_python_reads_as_a_number_but_is_none_is_not_a_bug(
+    serve: Callable[[Answer], str], length: bytes
+) -> None:
+    """`²` (latin-1, as headers are read) passes `str.isdigit` and fails `int`, and 5,000 digits pass it and exceed `int`'s digit limit: a
+    ValueError from the generator, a bug, and every scene of the lane failed for good with a traceback, the breaker
+    told nothing. A length no digit string gives is ignored (as urllib3 does): the body is read to the close; one
+    of more digits than `max_bytes` has declares more than it."""
+    wav = synthesize_wav("one two")
+    spec = _spec(serve(_declaring(length, wav)), max_bytes=10_000_000)
+    if length.isdigit():
+        with pytest.raises(GeneratorError) as caught:
+            _generate(spec)
+        assert "exceeds max_bytes=10000000" in str(caught.value) and not caught.value.retryable, caught.value
+    else:
+        assert _generate(spec).data == wav
