@@ -695,10 +695,10 @@ def _declaring(length: bytes, body: bytes) -> Answer:
 def test_a_content_length_python_reads_as_a_number_but_is_none_is_not_a_bug(
     serve: Callable[[Answer], str], length: bytes
 ) -> None:
-    """`²` (latin-1, as headers are read) passes `str.isdigit` and fails `int`, and 5,000 digits pass it and exceed `int`'s digit limit: a
-    ValueError from the generator, a bug, and every scene of the lane failed for good with a traceback, the breaker
-    told nothing. A length no digit string gives is ignored (as urllib3 does): the body is read to the close; one
-    of more digits than `max_bytes` has declares more than it."""
+    """`²` (latin-1, as headers are read) passes `str.isdigit` and fails `int`, and 5,000 digits pass it and exceed
+    `int`'s digit limit: a ValueError from the generator, a bug, and every scene of the lane failed for good with a
+    traceback, the breaker told nothing. A length no digit string gives is ignored (as urllib3 does): the body is
+    read to the close; one of more digits than `max_bytes` has declares more than it."""
     wav = synthesize_wav("one two")
     spec = _spec(serve(_declaring(length, wav)), max_bytes=10_000_000)
     if length.isdigit():
