@@ -37,6 +37,7 @@ _AMPLITUDE = 0.35 * 32767
 _FADE_SECONDS = 0.005
 # Samples per pixel for each PNG colour type at bit depth 8 (grey, RGB, palette, grey+alpha, RGBA).
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+_INFLATE_STEP = 1 << 20  # the most of an image's pixels held at once while they are counted
 
 
 def _tone_hz(token: str) -> float:
@@ -234,24 +235,25 @@ def png_size(data: bytes) -> tuple[int, int]:
         raise NotMedia("not a PNG file: bad signature")
     pos = len(PNG_SIGNATURE)
     kinds: list[bytes] = []
-    idat = bytearray()
+    idat: list[memoryview] = []  # views of the image, not copies: an image of 500 MB was held four times over
     header = b""
+    view = memoryview(data)
     while pos < len(data):
         if pos + 12 > len(data):
             raise CutShort("truncated PNG chunk")
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind = data[pos + 4 : pos + 8]
-        payload = data[pos + 8 : pos + 8 + length]
+        (length,) = struct.unpack_from(">I", data, pos)
+        kind = bytes(view[pos + 4 : pos + 8])
+        payload = view[pos + 8 : pos + 8 + length]
         if len(payload) != length or pos + 12 + length > len(data):
             raise CutShort(f"truncated PNG chunk {kind!r}")
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        if crc != zlib.crc32(kind + payload):
+        (crc,) = struct.unpack_from(">I", data, pos + 8 + length)
+        if crc != zlib.crc32(payload, zlib.crc32(kind)):
             raise ValueError(f"bad CRC in PNG chunk {kind!r}")
         kinds.append(kind)
         if kind == b"IHDR":
-            header = payload
+            header = bytes(payload)
         elif kind == b"IDAT":
-            idat += payload
+            idat.append(payload)
         pos += 12 + length
     if not kinds or kinds[0] != b"IHDR" or len(header) != 13:
         raise ValueError("PNG does not start with a valid IHDR chunk")
@@ -265,16 +267,33 @@ def png_size(data: bytes) -> tuple[int, int]:
     exact = depth == 8 and interlace == 0 and colour in _PNG_CHANNELS
     # What any PNG of this size may inflate to (8 bytes a pixel: 16-bit RGBA; a filter byte a row, per pass).
     expected = height * (1 + width * _PNG_CHANNELS[colour]) if exact else (height + 7) * (1 + width * 8)
-    inflater = zlib.decompressobj()
     try:
         # Inflated no further than that: a small PNG whose data inflates to gigabytes (a bomb) took the worker down.
-        pixels = inflater.decompress(bytes(idat), expected + 1)
+        inflated, ended = _inflated_size(idat, expected)
     except zlib.error as err:
         raise ValueError(f"PNG image data does not inflate: {err}") from err
-    if len(pixels) > expected:
+    if inflated > expected:
         raise ValueError(f"PNG image data inflates past the {expected} bytes IHDR promises")
-    if not inflater.eof:
+    if not ended:
         raise ValueError("PNG image data does not inflate: incomplete or truncated stream")
-    if exact and len(pixels) != expected:
-        raise ValueError(f"PNG image data is {len(pixels)} bytes, IHDR promises {expected}")
+    if exact and inflated != expected:
+        raise ValueError(f"PNG image data is {inflated} bytes, IHDR promises {expected}")
     return width, height
+
+
+def _inflated_size(parts: list[memoryview], most: int) -> tuple[int, bool]:
+    """How many bytes the zlib stream in `parts` inflates to, counted (past `most` no further) without keeping
+    them, and whether the stream ends. *Why counted:* the pixels of a 8192 x 8192 image were held whole, 256 MB."""
+    inflater = zlib.decompressobj()
+    total = 0
+    for part in parts:
+        pending: memoryview | bytes = part
+        while True:
+            out = inflater.decompress(pending, _INFLATE_STEP)
+            total += len(out)
+            if total > most:
+                return total, inflater.eof
+            pending = inflater.unconsumed_tail
+            if not pending and len(out) < _INFLATE_STEP:  # a full step may leave output inside zlib: asked again
+                break
+    return total, inflater.eof

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import random
 import struct
 import wave
 import zlib
@@ -231,6 +232,49 @@ def test_a_png_whose_data_inflates_to_far_more_than_its_size_is_refused_without_
     finally:
         tracemalloc.stop()
     assert peak < 4 * 2**20, f"{peak} bytes"
+
+
+def _noisy_png(width: int, height: int, parts: int) -> bytes:
+    """A PNG of pixels that barely compress, its data in `parts` IDAT chunks."""
+    rows = b"".join(b"\0" + random.Random(y).randbytes(width * 3) for y in range(height))
+    data = zlib.compress(rows, 1)
+    step = -(-len(data) // parts)
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idats = b"".join(chunk(b"IDAT", data[i : i + step]) for i in range(0, len(data), step))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + idats + chunk(b"IEND", b"")
+
+
+def test_a_png_is_checked_without_copies_of_its_data_or_its_pixels() -> None:
+    """Each chunk was sliced out (a copy), joined to its kind for the CRC (a copy), gathered (a copy) and joined
+    again for zlib (a copy), and its pixels were inflated whole: an image answer of 500 MB held about five times
+    its size in the worker."""
+    import tracemalloc
+
+    image = _noisy_png(1024, 1024, parts=3)
+    tracemalloc.start()
+    try:
+        assert png_size(image) == (1024, 1024)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.5 * len(image) + 2**21, f"peak {peak / len(image):.2f} times the image"
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096])
+def test_pixels_counted_in_any_step_are_the_same(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    monkeypatch.setattr("animastor_tasks.generators.media._INFLATE_STEP", step)
+    assert png_size(_noisy_png(40, 30, parts=4)) == (40, 30)
+    packer = zlib.compressobj(9)
+    bomb = _png_with(8, 8, packer.compress(bytes(8 * (1 + 8 * 3) + 1)) + packer.flush())
+    with pytest.raises(ValueError, match="inflates past"):
+        png_size(bomb)
+    short = _png_with(8, 8, zlib.compress(bytes(8 * (1 + 8 * 3) - 1)))
+    with pytest.raises(ValueError, match="IHDR promises"):
+        png_size(short)
 
 
 def test_a_png_larger_than_any_stage_stores_is_refused_from_its_header() -> None:
