@@ -621,3 +621,17 @@ def test_reading_a_requests_statuses_waits_for_no_second_command_and_so_for_no_d
     finally:
         holder.close()
     assert read == [{cid: "active" for cid in ids}]
+
+
+def test_a_request_made_twice_at_once_logs_no_aborted_pipeline(rt, book, caplog) -> None:
+    """Two deliveries of one request checked it unused at once, and the second's insert met the first's key: its
+    DuplicateCommand (a replay, as it should be) came with psycopg's WARNING "error ignored terminating
+    <psycopg.Pipeline [INERROR]>: pipeline aborted", 62 times in a hunt's run, read as an error by operators."""
+    from animastor_tasks.errors import DuplicateCommand
+
+    request = str(uuid.uuid4())
+    per_stage = {"audio": (request, [("ch1", "s1")])}
+    rt.ports.commands.create_commands("b1", request, per_stage, True)
+    with caplog.at_level(logging.DEBUG), pytest.raises(DuplicateCommand):
+        rt.ports.commands.create_commands("b1", request, per_stage, True)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -62,6 +62,21 @@ def _is_store_error(err: BaseException) -> bool:
     return isinstance(err, _STORE_ERRORS)
 
 
+def _not_an_aborted_pipeline(record: logging.LogRecord) -> bool:
+    """psycopg's warning that a pipeline could not end after an error raised inside it is left out: that error goes
+    on to its caller (a duplicate request, replayed; a lock wait cut short), and the warning ("error ignored
+    terminating <psycopg.Pipeline [INERROR]>: pipeline aborted") was read by operators as a second error."""
+    args = record.args
+    return not (
+        str(record.msg).startswith("error ignored")
+        and isinstance(args, tuple)
+        and any(isinstance(arg, psycopg.errors.PipelineAborted) for arg in args)
+    )
+
+
+logging.getLogger("psycopg").addFilter(_not_an_aborted_pipeline)
+
+
 # A table or column this release reads is missing: the database is not migrated (yet: mid-upgrade, a new release
 # running before `db migrate`). A store not ready, not a bug: the CLI exits 3 saying what to run, and a job's
 # verdict waits for it as for a restart (`when_reachable`). It was a psycopg traceback, exit 1.
