@@ -121,8 +121,8 @@ class Client:
                 raise self._result_store_down(lost, sent=result.id, command_id=command_id) from err
             raise AnimastorError(
                 f"{name}: no answer within {self.timeout:.0f}s; is a control worker consuming {CONTROL_QUEUE}? "
-                f"(task id {result.id}: unless a worker took it, it stays queued and runs when one starts"
-                f"{_resend(command_id)})"
+                f"(task id {result.id}: if no worker took it, it stays queued and runs when one starts; one that"
+                f" died as it took it lost it, so see `commands` before asking again{_resend(command_id)})"
             ) from err
         except (redis.RedisError, RuntimeError) as err:
             # The result store went down while the answer was awaited: the task was sent, and may have run.

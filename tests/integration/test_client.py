@@ -61,9 +61,13 @@ def test_a_broker_that_refuses_the_login_or_the_vhost_is_a_broker_error(settings
 
 
 def test_no_control_worker_times_out_with_a_clear_message(rt, settings) -> None:
+    """It said the request "stays queued and runs when one starts": a control worker killed as it took it (acked
+    before it runs) had lost it, and a hunt's operator waited for a regenerate that never came."""
     client = Client(settings, timeout=1)
     with pytest.raises(AnimastorError, match=r"no answer within 1s; is a control worker consuming animastor\.control"):
         client.regenerate("b1", ["audio"])
+    with pytest.raises(AnimastorError, match=r"died as it took it lost it, so see `commands` before asking again"):
+        client.regenerate("b1", ["audio"], command_id="7b1f4c9e-0d7c-4a53-9c1e-2f6d7e8a9b0c")
     client.close()
 
 
