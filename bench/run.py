@@ -34,6 +34,7 @@ BENCHES = (
     "lane_busy",
     "lone_book",
     "interactive",
+    "forced_rerun",
     "idle_books",
     "refill_read",
     "busy_commands",

@@ -3,8 +3,9 @@
 At start the job must still hold the queued lease its dispatch took (domain/liveness.py), and the gate and
 the fencing token are re-checked by `domain.gate.decide_job_start` over facts read under the pair's row
 lock (the same transaction records the start). While the generator runs, a watcher renews the lease every
-TTL/3 and turns `should_stop()` true when the book is cancelled or the lease is lost. The output is committed
-with a compare-and-set on the token, so a superseded job can never overwrite a newer one.
+TTL/3 and turns `should_stop()` true when the book is cancelled or the lease is lost or swapped for a stop marker
+(each looked at every poll). The output is committed with a compare-and-set on the token, so a superseded job can
+never overwrite a newer one; a stopped job's pair is taken over as it ends (`takeover.take_over_stopped`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.vocabulary import DeferralBucket, JobOutcome, Outcome
 from animastor_tasks.errors import ArtifactStoreError, GeneratorError, StoreUnavailable
-from animastor_tasks.flow import refill
+from animastor_tasks.flow import refill, takeover
 from animastor_tasks.flow.job import (
     Job,
     Later,
@@ -44,6 +45,7 @@ from animastor_tasks.flow.job import (
     guarded_progress,
     load_generator,
     pause_if_sick,
+    quietly,
     record_breaker,
     refusal_kind,
     sick_host,
@@ -86,8 +88,9 @@ def run_job(
         outcome = _run_owned(
             ports, job, spec, worker, guarded_progress(progress, job), result, later=later, delivered=delivered
         )
+        delivered.stopped = outcome["outcome"] == JobOutcome.STOPPED
     finally:
-        later(partial(_quietly, "end of delivery", delivered.end))
+        later(partial(quietly, "end of delivery", delivered.end))
     return pause_if_sick(ports, spec, worker, later, outcome)  # its node's runs keep failing: a pause, once it is over
 
 
@@ -112,8 +115,8 @@ def _refused(
             back = None
         if back:
             delivered.release = True
-            _quietly("free capacity", _free_capacity, ports, job, spec, back)
-            _quietly("mark due", ports.book_state.set_due, job.book_id, ports.clock())  # its pass releases the pair
+            quietly("free capacity", _free_capacity, ports, job, spec, back)
+            quietly("mark due", ports.book_state.set_due, job.book_id, ports.clock())  # its pass releases the pair
     elif denial is Denial.STALE_TOKEN:
         delivered.release = True
         return _stale(ports, job, result)
@@ -123,7 +126,7 @@ def _refused(
 def _stale(ports: Ports, job: Job, result: dict[str, Any]) -> dict[str, Any]:
     """The pair is no longer this job's (claimed anew; or its claim lost in a Postgres crash, a write's answer lost):
     its book's pass decides, now. *Why:* off the due index and the list, a pair left `pending` waited for reconcile."""
-    _quietly("mark due", ports.book_state.set_due, job.book_id, ports.clock())
+    quietly("mark due", ports.book_state.set_due, job.book_id, ports.clock())
     return _reject(ports, job, Denial.STALE_TOKEN, result)
 
 
@@ -221,9 +224,9 @@ def _run_owned(
         with later.writing_verdict(job):
             committed = when_reachable(job, spec, watcher, commit)
         if not committed:
-            _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
+            quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
             return _reject(ports, job, f"{Denial.STALE_TOKEN} at commit; output discarded", result)
-        _quietly("free capacity", _free_capacity, ports, job, spec, committed, later, recovered)  # waits for nothing
+        quietly("free capacity", _free_capacity, ports, job, spec, committed, later, recovered)  # waits for nothing
     finally:
         watcher.done.set()
         delivered.release = True
@@ -237,7 +240,7 @@ def _run_owned(
 
 
 def _stopped(ports: Ports, job: Job, watcher: Watcher, result: dict[str, Any]) -> dict[str, Any]:
-    _quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
+    quietly("end start", ports.jobs.end_start, job.book_id, job.pair, job.dispatch_id)
     ports.counters.add({f"job:stopped:{job.stage}": 1})
     return {**result, "outcome": JobOutcome.STOPPED, "reason": watcher.why}
 
@@ -259,6 +262,7 @@ class _Delivered:
     dispatched_at: float | None  # when the dispatch was published (`Ports.clock`); None: unknown
     release: bool = False
     ready: bool = False
+    stopped: bool = False  # its pair, left `generating`, taken over as it ends (`takeover.take_over_stopped`)
 
     def end(self) -> None:
         leases, job = self.ports.leases, self.job
@@ -271,6 +275,8 @@ class _Delivered:
             if self.ready:
                 self.ports.deferrals.clear_deferrals(job.book_id, [job.pair])
             leases.end_delivery(job.dispatch_id)
+        if self.stopped:
+            takeover.take_over_stopped(self.ports, job.book_id, job.pair)
 
 
 def _free_capacity(
@@ -320,7 +326,7 @@ def _generate_with_retries(
         if not another_attempt_fits(now - started, delay, now - tried, ports.settings.job_soft_time_limit):
             return None, f"{message} (no time left for another attempt)", attempt, kind
         log.warning("[GENERATE] %s attempt %d failed (%s); retry in %.1fs", job.describe(), attempt, message, delay)
-        _quietly("count retry", ports.counters.add, {f"job:retry:{job.stage}": 1})
+        quietly("count retry", ports.counters.add, {f"job:retry:{job.stage}": 1})
         if watcher.stop.wait(delay):
             return None, "stopped", attempt, ErrorKind.STOPPED
         try:
@@ -359,20 +365,20 @@ def _unsuccessful(
         if not back:
             return _stale(ports, job, result)
         if (wait := retest_deferral(kind, state, cooldown=ports.settings.breaker_cooldown_seconds)) is not None:
-            _quietly(
+            quietly(
                 "defer", ports.deferrals.defer, job.book_id, DeferralBucket.BACKEND, [job.pair], wait, ports.clock()
             )
-        _quietly("count", ports.counters.add, {f"job:given_back:{job.stage}": 1})
+        quietly("count", ports.counters.add, {f"job:given_back:{job.stage}": 1})
         log.warning(
             "[GENERATE] %s given back to pending (%s) after %d attempt(s): %s", job.describe(), why, attempts, error
         )
-        _quietly("free capacity", _free_capacity, ports, job, spec, back)
+        quietly("free capacity", _free_capacity, ports, job, spec, back)
         return {**done, "outcome": JobOutcome.GIVEN_BACK}
     if not (failed := when_reachable(job, spec, watcher, partial(ports.jobs.fail_job, *job.owned, error, spec.queue))):
         return _stale(ports, job, result)
-    _quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1})
+    quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1})
     log.error("[GENERATE] %s failed after %d attempt(s): %s", job.describe(), attempts, error)
-    _quietly("free capacity", _free_capacity, ports, job, spec, failed)
+    quietly("free capacity", _free_capacity, ports, job, spec, failed)
     return {**done, "outcome": JobOutcome.FAILED}
 
 
@@ -381,19 +387,10 @@ def _give_up(ports: Ports, job: Job, spec: StageSpec, reason: str, result: dict[
     try:
         failed = ports.jobs.fail_job(*job.owned, reason, spec.queue)
     finally:
-        _quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
+        quietly("release lease", ports.leases.release_lease, job.lease_pair, job.dispatch_id)
     if not failed:
         return _stale(ports, job, result)
-    _quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1, f"job:worker_lost:{job.stage}": 1})
+    quietly("count", ports.counters.add, {f"job:failed:{job.stage}": 1, f"job:worker_lost:{job.stage}": 1})
     log.error("[GENERATE] %s failed without GPU work: %s", job.describe(), reason)
-    _quietly("free capacity", _free_capacity, ports, job, spec, failed)
+    quietly("free capacity", _free_capacity, ports, job, spec, failed)
     return {**result, "outcome": JobOutcome.FAILED, "error": reason, "attempts": 0}
-
-
-def _quietly(what: str, fn: Callable[..., object], *args: Any) -> None:
-    """Bookkeeping around a verdict (leases, deferrals, counters, gate passes): a store that cannot be
-    reached here is logged and left to reconcile; it never changes what the job did to its pair."""
-    try:
-        fn(*args)
-    except Exception as err:
-        log.warning("[GENERATE] %s skipped: %s: %s", what, type(err).__name__, err)

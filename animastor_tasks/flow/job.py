@@ -85,7 +85,7 @@ class Later:
 
 
 class Watcher(threading.Thread):
-    """Renews the lease every TTL/3 and watches the cancel flag; sets `stop` when either is lost.
+    """Renews the lease every TTL/3 and watches the cancel flag and the lease; sets `stop` when either is lost.
 
     A job a forced regenerate fenced off finds its lease swapped for its stop marker: it stops, and the
     watcher renews the marker until the job has returned (`done`), so the pair keeps its slot (and is not
@@ -115,6 +115,9 @@ class Watcher(threading.Thread):
                 if not self.stop.is_set() and self.ports.book_state.cancel_flag_set(self.job.book_id):
                     self._halt("book cancelled")
                     return
+                if self.holding == self.job.dispatch_id and self.superseded():
+                    self.holding = stop_marker(self.holding)
+                    self._halt("superseded by a forced regenerate")
                 if time.monotonic() >= next_renew:
                     next_renew = time.monotonic() + renew_every
                     if leases.renew_lease(pair, self.holding, ttl):
@@ -131,6 +134,12 @@ class Watcher(threading.Thread):
                         return
             except StoreUnavailable as err:
                 log.warning("[GENERATE] %s watcher cannot reach redis: %s", self.job.describe(), err)
+
+    def superseded(self) -> bool:
+        """Whether a forced regenerate swapped the job's lease for its stop marker, looked at each poll. *Why not at
+        the next renewal only:* a third of a lease TTL away (40 s by default), the fenced-off job ran on meanwhile,
+        its GPU slot doing work thrown away while the reader's fresh run waited for it to stop."""
+        return self.ports.leases.lease_holders([self.job.lease_pair]) == [stop_marker(self.job.dispatch_id)]
 
     def _take_back(self) -> bool:
         """The vanished lease taken back while nobody holds it, kept if the pair is still this job's in Postgres.
@@ -351,9 +360,15 @@ def pause_if_sick(ports: Ports, spec: StageSpec, worker: str, later: Later, resu
         spec.queue,
         seconds,
     )
-    try:
-        ports.counters.add({f"job:host_paused:{spec.name}": 1})
-    except Exception as err:  # bookkeeping, as generate._quietly's
-        log.warning("[GENERATE] count skipped: %s: %s", type(err).__name__, err)
+    quietly("count", ports.counters.add, {f"job:host_paused:{spec.name}": 1})
     later.pause(seconds)
     return result
+
+
+def quietly(what: str, fn: Callable[..., object], *args: Any) -> None:
+    """Bookkeeping around a verdict (leases, deferrals, counters, gate passes): a store that cannot be
+    reached here is logged and left to reconcile; it never changes what the job did to its pair."""
+    try:
+        fn(*args)
+    except Exception as err:
+        log.warning("[GENERATE] %s skipped: %s: %s", what, type(err).__name__, err)

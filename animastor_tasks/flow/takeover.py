@@ -104,6 +104,18 @@ def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dic
     expire(ports, [g for g, mark in zip(lapsed, marks, strict=True) if mark is None or not g.dispatch_id], report)
 
 
+def take_over_stopped(ports: Ports, book: str, pair: Pair) -> None:
+    """The pair of a job that stopped (superseded by a forced regenerate, its book stopped) and let go of its lease,
+    taken over as its job ends, as the tick would (`expire_lapsed`: only while no lease holds it). *Why:* left
+    `generating` for the tick's takeover, its slot stood idle up to a tick (5 s) before the reader's fresh run went
+    out. Not taken here (a store down): the tick takes it over."""
+    try:
+        if left := [g for g in ports.assets.generating_pairs(book) if g.pair == pair]:
+            expire_lapsed(ports, left, {"expired": 0})
+    except StoreUnavailable as err:
+        log.warning("[TAKEOVER] book=%r pair %s of a stopped job left to the tick: %s", book, pair, err)
+
+
 def without_retakes(ports: Ports, lapsed: list[GeneratingRow]) -> list[GeneratingRow]:
     """`lapsed` but the started jobs that may yet take their lease back: those of a stage whose lease TTL has not
     passed since Redis lost its data or answered again (`presence_unsure_since`), or since the Redis server

@@ -243,7 +243,7 @@ def _run_steps(steps: Sequence[Callable[[], object]]) -> None:
     for step in steps:
         try:
             step()
-        except Exception as err:  # bookkeeping: a store that fails is logged, as by generate._quietly
+        except Exception as err:  # bookkeeping: a store that fails is logged, as by job.quietly
             log.warning("[GENERATE] bookkeeping after a job skipped: %s: %s", type(err).__name__, err)
 
 

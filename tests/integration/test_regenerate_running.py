@@ -113,17 +113,13 @@ def test_forced_regenerate_during_a_run_stops_it_and_runs_fresh_once_it_stopped(
         assert session.counts.lane.get("audio") == 1
     thread.join(timeout=5)
     assert outcome["outcome"] == "stopped", outcome  # told to stop; nothing committed
-    assert status_of(rt, forced) == "active" and states(rt, "b")[PAIR] == "generating"
-    assert gate.gate_pass(rt.ports, "b").dispatched == []  # still waiting for the stop to be certain
 
-    # Once the stopped job's hold has lapsed (one lease TTL), reconcile hands the pair back and a
-    # fresh run goes out, even after the force window has closed (no "already completed").
-    deadline = time.monotonic() + 5
-    while rt.redis.client.exists(rt.redis.keys.lease("b", *PAIR)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # As it returned, the stopped job let go of its stop marker and its end took the pair over: a fresh run goes
+    # out, even after the force window has closed (no "already completed").
+    assert not rt.redis.client.exists(rt.redis.keys.lease("b", *PAIR))
+    assert status_of(rt, forced) == "active" and states(rt, "b")[PAIR] == "pending"
     rt.redis.client.delete(rt.redis.keys.force_set("b"))
-    assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 1
-    assert states(rt, "b")[PAIR] == "pending"
+    assert reconcile_flow.reconcile(rt.ports, force=True)["expired"] == 0  # nothing left for reconcile
     assert len(gate.gate_pass(rt.ports, "b").dispatched) == 1
     [fresh] = dispatched_jobs(rt, "b")
     assert fresh.dispatch_id != job.dispatch_id and fresh.fencing_token == job.fencing_token + 2
@@ -135,8 +131,41 @@ def test_forced_regenerate_during_a_run_stops_it_and_runs_fresh_once_it_stopped(
     assert committed == [ready_job.dispatch_id, fresh.dispatch_id]
 
 
-def test_a_fenced_job_that_finishes_first_does_not_complete_the_forced_command(rt, tmp_path) -> None:
-    """The old job ends before its next renewal: its output is refused, the forced command waits for a fresh run."""
+def test_a_forced_regenerate_stops_the_running_job_at_once_not_at_its_next_renewal(rt, tmp_path) -> None:
+    """The stop marker was seen only at the job's next lease renewal, a third of a lease TTL away (40 s by default):
+    the fenced-off job ran on meanwhile, its GPU slot doing work that was thrown away, while the reader's fresh run
+    waited for it to stop."""
+    audio(rt, tmp_path, params={"steps": 100, "step_seconds": 0.1}, lease_ttl=60)
+    _, thread, outcome = a_running_job(rt)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
+    told = time.monotonic()
+    thread.join(timeout=3)
+    assert not thread.is_alive(), "the fenced-off job still runs 3 s after the forced regenerate"
+    assert outcome["outcome"] == "stopped" and outcome["reason"] == "superseded by a forced regenerate", outcome
+    assert time.monotonic() - told < 1.5
+
+
+def test_a_stopped_jobs_pair_is_taken_over_as_the_job_ends_not_at_the_next_tick(rt, tmp_path) -> None:
+    """The pair the fenced-off job left `generating` waited for the tick's takeover (up to 5 s) with its slot idle,
+    the reader's fresh run behind it. Now the job's end takes it over: `pending`, its book at the head of the lane's
+    waiting list and the freed slot handed to it (a refill on the control queue), as the tick would."""
+    audio(rt, tmp_path, params={"steps": 100, "step_seconds": 0.1}, lease_ttl=60)
+    job, thread, outcome = a_running_job(rt)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
+    control = queued_messages(rt, "animastor.control")
+    thread.join(timeout=3)
+    assert outcome.get("outcome") == "stopped", outcome
+    assert states(rt, "b")[PAIR] == "pending"
+    assert queued_messages(rt, "animastor.control") > control  # the slot handed on: a refill of the book
+    assert len(gate.gate_pass(rt.ports, "b").dispatched) == 1
+    [fresh] = dispatched_jobs(rt, "b")
+    assert fresh.dispatch_id != job.dispatch_id and fresh.fencing_token == job.fencing_token + 2
+
+
+def test_a_fenced_job_that_finishes_first_does_not_complete_the_forced_command(rt, tmp_path, monkeypatch) -> None:
+    """The old job ends before its watcher saw its stop marker: its output is refused, the forced command waits for a
+    fresh run (the watcher looks no sooner than its next renewal here, 20 s away)."""
+    monkeypatch.setattr("animastor_tasks.flow.job.Watcher.superseded", lambda _self: False)
     audio(rt, tmp_path, params={"steps": 8, "step_seconds": 0.1}, lease_ttl=60)
     _, thread, outcome = a_running_job(rt)
     forced = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)["commands"][0]["command_id"]
@@ -387,8 +416,8 @@ def test_a_job_fenced_off_inside_a_long_backend_call_keeps_its_slot_until_it_ret
 
 def test_a_forced_rerun_keeps_its_slot_when_another_book_waits_for_the_lane(rt, tmp_path) -> None:
     """Once its fenced-off job has stopped, a forced re-run is dispatched on the slot that job held (design: it keeps
-    its slot until it has stopped, and the fresh run starts within a tick). The tick handed that slot to the head of
-    the lane's waiting list instead: a reader who asked to redo a scene waited behind every book on the list."""
+    its slot until it has stopped, and the fresh run goes out as it returns). The takeover handed that slot to the
+    head of the lane's waiting list instead: a reader who asked to redo a scene waited behind every book on the list."""
     audio(rt, tmp_path, params={"steps": 8, "step_seconds": 0.1}, lane_limit=1, lease_ttl=60)
     for book in ("b", "w"):
         rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
@@ -399,9 +428,11 @@ def test_a_forced_rerun_keeps_its_slot_when_another_book_waits_for_the_lane(rt, 
     assert rt.redis.client.zrange(waiters, 0, -1) == ["w"]
     [job] = dispatched_jobs(rt, "b")
     forced_over_while_it_runs(rt, job)
-    assert takeover.on_tick(rt.ports)["expired"] == 1
+    assert states(rt, "b")[PAIR] in ("pending", "generating")  # taken over as the stopped job ended, or by the tick
+    takeover.on_tick(rt.ports)
+    assert states(rt, "b")[PAIR] == "pending"
     assert rt.redis.client.zrange(waiters, 0, -1) == ["w"]  # w still waits: the slot was not handed to it
-    refill.refill(rt.ports, "b", "gpu.audio")  # the refill the tick handed the slot to, as the control worker runs it
+    refill.refill(rt.ports, "b", "gpu.audio")  # the refill the slot was handed to, as the control worker runs it
     assert states(rt, "b")[PAIR] == "generating" and states(rt, "w")[PAIR] == "pending"
     assert dispatched_jobs(rt, "b")[0].dispatch_id != job.dispatch_id
 

@@ -214,7 +214,7 @@ class AssetStore(GateReads):
             settle_commands(conn, book)
         return [tuple(r) for r in rows]
 
-    def generating_pairs(self) -> list[GeneratingRow]:
+    def generating_pairs(self, book: str | None = None) -> list[GeneratingRow]:
         with self.db.read() as conn:
             return [
                 GeneratingRow(*r)
@@ -223,8 +223,8 @@ class AssetStore(GateReads):
                     " CASE WHEN j.open_dispatch = a.dispatch_id THEN extract(epoch FROM j.updated_at)::float8 END"
                     " FROM asset_states a LEFT JOIN job_starts j ON j.book_id = a.book_id"
                     "  AND j.chapter_id = a.chapter_id AND j.scene_id = a.scene_id AND j.stage = a.stage"
-                    " WHERE a.state = %s",
-                    (AssetState.GENERATING,),
+                    " WHERE a.state = %s AND (%s::text IS NULL OR a.book_id = %s::text)",
+                    (AssetState.GENERATING, book, book),
                 )
             ]
 
