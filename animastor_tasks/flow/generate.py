@@ -88,7 +88,7 @@ def run_job(
         outcome = _run_owned(
             ports, job, spec, worker, guarded_progress(progress, job), result, later=later, delivered=delivered
         )
-        delivered.stopped = outcome["outcome"] == JobOutcome.STOPPED
+        delivered.stopped = outcome["outcome"] in (JobOutcome.STOPPED, JobOutcome.FENCE_REJECTED)
     finally:
         later(partial(quietly, "end of delivery", delivered.end))
     return pause_if_sick(ports, spec, worker, later, outcome)  # its node's runs keep failing: a pause, once it is over
@@ -262,7 +262,7 @@ class _Delivered:
     dispatched_at: float | None  # when the dispatch was published (`Ports.clock`); None: unknown
     release: bool = False
     ready: bool = False
-    stopped: bool = False  # its pair, left `generating`, taken over as it ends (`takeover.take_over_stopped`)
+    stopped: bool = False  # stopped or fenced off: its pair, left `generating`, taken over as it ends
 
     def end(self) -> None:
         leases, job = self.ports.leases, self.job

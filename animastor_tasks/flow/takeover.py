@@ -105,8 +105,9 @@ def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dic
 
 
 def take_over_stopped(ports: Ports, book: str, pair: Pair) -> None:
-    """The pair of a job that stopped (superseded by a forced regenerate, its book stopped) and let go of its lease,
-    taken over as its job ends, as the tick would (`expire_lapsed`: only while no lease holds it). *Why:* left
+    """The pair of a job that stopped (superseded by a forced regenerate, its book stopped) or was fenced off at its
+    commit, and let go of its lease, taken over as its job ends, as the tick would (`expire_lapsed`: only while no
+    lease holds it, so a pair claimed anew since is left to its new job). *Why:* left
     `generating` for the tick's takeover, its slot stood idle up to a tick (5 s) before the reader's fresh run went
     out. Not taken here (a store down): the tick takes it over."""
     try:

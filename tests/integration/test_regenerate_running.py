@@ -164,14 +164,15 @@ def test_a_stopped_jobs_pair_is_taken_over_as_the_job_ends_not_at_the_next_tick(
 
 def test_a_fenced_job_that_finishes_first_does_not_complete_the_forced_command(rt, tmp_path, monkeypatch) -> None:
     """The old job ends before its watcher saw its stop marker: its output is refused, the forced command waits for a
-    fresh run (the watcher looks no sooner than its next renewal here, 20 s away)."""
+    fresh run (the watcher looks no sooner than its next renewal here, 20 s away). Its pair is taken over as it ends:
+    left `generating`, it waited for the tick with its slot idle."""
     monkeypatch.setattr("animastor_tasks.flow.job.Watcher.superseded", lambda _self: False)
     audio(rt, tmp_path, params={"steps": 8, "step_seconds": 0.1}, lease_ttl=60)
     _, thread, outcome = a_running_job(rt)
     forced = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)["commands"][0]["command_id"]
     thread.join(timeout=5)
     assert outcome["outcome"] == "fence_rejected", outcome
-    assert states(rt, "b")[PAIR] == "generating" and status_of(rt, forced) == "active"
+    assert states(rt, "b")[PAIR] == "pending" and status_of(rt, forced) == "active"
     with rt.db.transaction() as conn:
         assert conn.execute("SELECT count(*) FROM artifacts").fetchone()[0] == 0
 
