@@ -32,7 +32,7 @@ CELLS: dict[str, tuple[str, str]] = {
     AssetState.READY: ("●", "green"),
     AssetState.GENERATING: ("◐", "bold yellow"),
     AssetState.PENDING: ("○", "cyan"),
-    AssetState.DIRTY: ("·", "grey50"),
+    AssetState.DIRTY: ("·", "dim"),
     AssetState.FAILED: ("✗", "bold red"),
 }
 MISSING_CELL = (" ", "")
@@ -90,7 +90,7 @@ def _console() -> Console:
 
 def _bar(done: int, total: int, width: int = 20, *, ended: bool = False) -> Text:
     filled = round(width * done / total) if total else width
-    return Text("━" * filled, style="grey50" if ended else "green") + Text("─" * (width - filled), style="grey30")
+    return Text("━" * filled, style="dim" if ended else "green") + Text("─" * (width - filled), style="dim")
 
 
 def commands_table(data: Mapping[str, Any], meter: RateMeter | None = None, limit: int = 10) -> Table:
@@ -118,8 +118,8 @@ def commands_table(data: Mapping[str, Any], meter: RateMeter | None = None, limi
             c["command_id"][:8],
             Text(c["stage"]),
             _bar(done, p["total"], ended=ended),
-            Text(f"{done}/{p['total']}", style="grey50" if ended else ""),
-            Text(counts, style="grey50" if ended else ""),
+            Text(f"{done}/{p['total']}", style="dim" if ended else ""),
+            Text(counts, style="dim" if ended else ""),
             status,
             _duration(now - c["created_at"]),
         ]
@@ -161,7 +161,7 @@ def scene_grid(data: Mapping[str, Any]) -> RenderableType:
     or, for a book with many chapters, one wrapped strip per stage (chapters split by a space)."""
     scenes = data["scenes"]
     if not scenes:
-        return Text("no scenes", style="grey50")
+        return Text("no scenes", style="dim")
     stages = _stage_names(scenes)
     chapters = _chapters(scenes)
     if len(chapters) <= CHAPTER_ROWS_MAX:
@@ -206,7 +206,7 @@ def status_view(data: BookStatus | Mapping[str, Any], meter: RateMeter | None = 
     if data["cancelled"]:
         title.append(" (cancelled)", style="bold red")
     n = len(data["scenes"])
-    commands: RenderableType = commands_table(data, meter) if data["commands"] else Text("no commands", style="grey50")
+    commands: RenderableType = commands_table(data, meter) if data["commands"] else Text("no commands", style="dim")
     return Group(title, commands, Text(f"\nscenes ({n})", style="bold"), scene_grid(data), _totals(data))
 
 
@@ -391,6 +391,6 @@ def watch_queues(fetch: Callable[[], Sequence[QueueRow]], *, interval: float, co
                 except StoreUnavailable as err:
                     show(Group(table, _refresh_failed(err)))
                     continue
-                show(Group(table, Text(time.strftime("updated %H:%M:%S"), style="grey50")))
+                show(Group(table, Text(time.strftime("updated %H:%M:%S"), style="dim")))
     except KeyboardInterrupt:
         pass

@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any
 
+import pytest
 from rich.console import Console
 
 from animastor_tasks.operator import render
@@ -279,3 +280,18 @@ def test_commands_counts_a_failed_target_as_done_as_status_does() -> None:
     `status` showed `10/10`: the same command read as unfinished in one view and done in the other."""
     out = commands_text(status="failed", progress={"total": 10, "ready": 8, "failed": 2})
     assert "10/10" in out and "2 failed" in out
+
+
+@pytest.mark.parametrize("colours", ["standard", "256"])
+def test_an_ended_command_is_faint_not_a_grey_a_dark_theme_hides(colours: str) -> None:
+    """Greyed with `grey50` and its bar's track `grey30`: on a 16-colour terminal they became bright black and black,
+    which dark themes (Solarized's bright black is its background) show as nothing. Faint (SGR 2) is drawn from the
+    terminal's own foreground on any theme."""
+    data = book(1, 2)
+    data["commands"][0]["status"] = "completed"
+    console = Console(record=True, width=140, color_system=colours, force_terminal=True)
+    console.print(render.status_view(data, render.RateMeter()))
+    ansi = console.export_text(styles=True)
+    row = next(line for line in ansi.splitlines() if "01234567" in line)
+    assert "\x1b[2m" in row, row
+    assert not any(code in row for code in ("\x1b[90m", "\x1b[30m", "38;5;244", "38;5;239")), row
