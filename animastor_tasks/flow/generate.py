@@ -276,7 +276,7 @@ class _Delivered:
                 self.ports.deferrals.clear_deferrals(job.book_id, [job.pair])
             leases.end_delivery(job.dispatch_id)
         if self.stopped:
-            takeover.take_over_stopped(self.ports, job.book_id, job.pair)
+            takeover.take_over_stopped(self.ports, job.book_id, [job.pair])
 
 
 def _free_capacity(

@@ -26,7 +26,7 @@ from animastor_tasks.domain.resend import resend_differs
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import CommandStatus, Priority
 from animastor_tasks.errors import DuplicateCommand, InvalidCommand, StoreUnavailable
-from animastor_tasks.flow import gate, page, pass_hold, refill, validate
+from animastor_tasks.flow import gate, page, pass_hold, refill, takeover, validate
 from animastor_tasks.flow.pass_hold import PassHold
 from animastor_tasks.ports import CommandContext, CommandRow, LiftedFlag, Ports, Snapshot
 
@@ -226,6 +226,7 @@ def _stop_superseded(ports: Ports, book: str, superseded: list[tuple[Pair, str |
     dispatch_ids = [d for _, d in superseded if d]
     if dispatch_ids:
         ports.publisher.revoke(dispatch_ids)
+    takeover.take_over_stopped(ports, book, [pair for pair, _ in superseded])  # those withdrawn: for this pass
     log.info("[COMMAND] book=%r fenced off %d job(s), %d running: told to stop", book,
              len(superseded), running)  # fmt: skip
 

@@ -104,17 +104,17 @@ def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dic
     expire(ports, [g for g, mark in zip(lapsed, marks, strict=True) if mark is None or not g.dispatch_id], report)
 
 
-def take_over_stopped(ports: Ports, book: str, pair: Pair) -> None:
-    """The pair of a job that stopped (superseded by a forced regenerate, its book stopped) or was fenced off at its
-    commit, and let go of its lease, taken over as its job ends, as the tick would (`expire_lapsed`: only while no
-    lease holds it, so a pair claimed anew since is left to its new job). *Why:* left
-    `generating` for the tick's takeover, its slot stood idle up to a tick (5 s) before the reader's fresh run went
-    out. Not taken here (a store down): the tick takes it over."""
+def take_over_stopped(ports: Ports, book: str, pairs: Sequence[Pair]) -> None:
+    """The pairs of jobs that stopped (superseded by a forced regenerate, their book stopped), were fenced off at their
+    commit, or were withdrawn while queued, once nothing holds them: taken over now, as the tick would (`expire_lapsed`:
+    only while no lease holds a pair, so one claimed anew since, or whose job still runs, is left). *Why:* left
+    `generating` for the tick's takeover, their slots stood idle up to a tick (5 s) before the reader's fresh runs went
+    out. Not taken here (a store down): the tick takes them over."""
     try:
-        if left := [g for g in ports.assets.generating_pairs(book) if g.pair == pair]:
+        if left := [g for g in ports.assets.generating_pairs(book) if g.pair in pairs]:
             expire_lapsed(ports, left, {"expired": 0})
     except StoreUnavailable as err:
-        log.warning("[TAKEOVER] book=%r pair %s of a stopped job left to the tick: %s", book, pair, err)
+        log.warning("[TAKEOVER] book=%r pairs %s of stopped jobs left to the tick: %s", book, list(pairs), err)
 
 
 def without_retakes(ports: Ports, lapsed: list[GeneratingRow]) -> list[GeneratingRow]:
