@@ -70,7 +70,8 @@ def _declared_length(response: requests.Response) -> int:
     declared = response.headers.get("Content-Length", "").strip()
     if not (declared.isascii() and declared.isdigit()):
         return -1
-    return int(declared) if len(declared) <= 19 else 10**19
+    digits = declared.lstrip("0")  # zeros ahead count for nothing: `0004` is 4
+    return int(digits or "0") if len(digits) <= 19 else 10**19
 
 
 def _no_credentials(request: requests.PreparedRequest) -> requests.PreparedRequest:
