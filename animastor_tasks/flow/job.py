@@ -112,10 +112,14 @@ class Watcher(threading.Thread):
         leases, pair, ttl = self.ports.leases, self.job.lease_pair, self.spec.lease_ttl
         while not self.done.wait(self.poll):
             try:
-                if not self.stop.is_set() and self.ports.book_state.cancel_flag_set(self.job.book_id):
+                # *Why the lease each poll, not at the next renewal only:* a third of a lease TTL away (40 s by
+                # default), a job a forced regenerate fenced off ran on meanwhile, its GPU slot doing work thrown
+                # away while the reader's fresh run waited for it to stop.
+                holder, cancelled = leases.watch(pair, self.job.book_id)
+                if not self.stop.is_set() and cancelled:
                     self._halt("book cancelled")
                     return
-                if self.holding == self.job.dispatch_id and self.superseded():
+                if self.holding == self.job.dispatch_id and holder == stop_marker(self.holding):
                     self.holding = stop_marker(self.holding)
                     self._halt("superseded by a forced regenerate")
                 if time.monotonic() >= next_renew:
@@ -134,12 +138,6 @@ class Watcher(threading.Thread):
                         return
             except StoreUnavailable as err:
                 log.warning("[GENERATE] %s watcher cannot reach redis: %s", self.job.describe(), err)
-
-    def superseded(self) -> bool:
-        """Whether a forced regenerate swapped the job's lease for its stop marker, looked at each poll. *Why not at
-        the next renewal only:* a third of a lease TTL away (40 s by default), the fenced-off job ran on meanwhile,
-        its GPU slot doing work thrown away while the reader's fresh run waited for it to stop."""
-        return self.ports.leases.lease_holders([self.job.lease_pair]) == [stop_marker(self.job.dispatch_id)]
 
     def _take_back(self) -> bool:
         """The vanished lease taken back while nobody holds it, kept if the pair is still this job's in Postgres.

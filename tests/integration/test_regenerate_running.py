@@ -166,7 +166,7 @@ def test_a_fenced_job_that_finishes_first_does_not_complete_the_forced_command(r
     """The old job ends before its watcher saw its stop marker: its output is refused, the forced command waits for a
     fresh run (the watcher looks no sooner than its next renewal here, 20 s away). Its pair is taken over as it ends:
     left `generating`, it waited for the tick with its slot idle."""
-    monkeypatch.setattr("animastor_tasks.flow.job.Watcher.superseded", lambda _self: False)
+    monkeypatch.setattr(rt.ports.leases, "watch", lambda _pair, _book: (None, False))
     audio(rt, tmp_path, params={"steps": 8, "step_seconds": 0.1}, lease_ttl=60)
     _, thread, outcome = a_running_job(rt)
     forced = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)["commands"][0]["command_id"]

@@ -58,6 +58,16 @@ class LeaseStore:
         """The values of `keys`, None where one is missing: one round trip, none for no keys."""
         return list(self.conn.run(lambda: self.conn.client.mget(keys))) if keys else []
 
+    def watch(self, pair: BookPair, book: str) -> tuple[str | None, bool]:
+        def read() -> list[Any]:
+            pipe = self.conn.client.pipeline(transaction=False)
+            pipe.get(self.conn.keys.lease(*pair))
+            pipe.exists(self.conn.keys.cancel_flag(book))
+            return list(pipe.execute())
+
+        holder, flagged = self.conn.run(read)
+        return None if holder is None else str(holder), bool(flagged)
+
     def lease_holders(self, pairs: Sequence[BookPair]) -> list[str | None]:
         return [None if h is None else str(h) for h in self._values([self.conn.keys.lease(*p) for p in pairs])]
 
