@@ -259,7 +259,7 @@ def png_size(data: bytes) -> tuple[int, int]:
         raise ValueError("PNG does not start with a valid IHDR chunk")
     if kinds[-1] != b"IEND":
         raise CutShort("PNG cut short: no IEND chunk after its last one")
-    if not idat:
+    if not any(idat):  # none, or only empty ones
         raise ValueError("PNG has no image data")
     width, height, depth, colour, _compression, _filter, interlace = struct.unpack(">IIBBBBB", header)
     if width * height > MAX_CHECKED_PIXELS:
@@ -289,11 +289,12 @@ def _inflated_size(parts: list[memoryview], most: int) -> tuple[int, bool]:
     for part in parts:
         pending: memoryview | bytes = part
         while True:
-            out = inflater.decompress(pending, _INFLATE_STEP)
+            step = min(_INFLATE_STEP, most + 1 - total)  # never past `most` + 1: what follows is not read at all
+            out = inflater.decompress(pending, step)
             total += len(out)
             if total > most:
                 return total, inflater.eof
             pending = inflater.unconsumed_tail
-            if not pending and len(out) < _INFLATE_STEP:  # a full step may leave output inside zlib: asked again
+            if not pending and len(out) < step:  # a full step may leave output inside zlib: asked again
                 break
     return total, inflater.eof

@@ -277,6 +277,18 @@ def test_pixels_counted_in_any_step_are_the_same(monkeypatch: pytest.MonkeyPatch
         png_size(short)
 
 
+def test_the_png_checks_say_what_they_said_before_the_pixels_were_counted() -> None:
+    """An image whose only IDAT is empty has no image data (it read as a stream cut short), and one that inflates past
+    its size before its data turns corrupt inflates past it (it read as corrupt: the count went a step beyond)."""
+    with pytest.raises(ValueError, match="has no image data"):
+        png_size(_png_with(8, 8, b""))
+    stored = zlib.compressobj(0)
+    data = bytearray(stored.compress(bytes(8 * 25 * 4)) + stored.flush())
+    data[len(data) // 2 :] = b"\xff" * (len(data) - len(data) // 2)
+    with pytest.raises(ValueError, match="inflates past"):
+        png_size(_png_with(8, 8, bytes(data)))
+
+
 def test_a_png_larger_than_any_stage_stores_is_refused_from_its_header() -> None:
     with pytest.raises(ValueError, match="larger than"):
         png_size(_png_with(100_000, 100_000, zlib.compress(b"")))
