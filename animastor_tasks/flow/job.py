@@ -122,6 +122,11 @@ class Watcher(threading.Thread):
                 if self.holding == self.job.dispatch_id and holder == stop_marker(self.holding):
                     self.holding = stop_marker(self.holding)
                     self._halt("superseded by a forced regenerate")
+                elif holder != self.holding:
+                    # Gone, or another dispatch's: judged now, as at a renewal. *Why:* a Stop All (which lets go of
+                    # the lease) and a regenerate right after it (which lifts the flag) left the job running to its
+                    # next renewal beside the fresh run of its pair, the lane one over full.
+                    next_renew = time.monotonic()
                 if time.monotonic() >= next_renew:
                     next_renew = time.monotonic() + renew_every
                     if leases.renew_lease(pair, self.holding, ttl):

@@ -145,6 +145,23 @@ def test_a_forced_regenerate_stops_the_running_job_at_once_not_at_its_next_renew
     assert time.monotonic() - told < 1.5
 
 
+def test_a_stop_all_followed_at_once_by_a_regenerate_still_stops_the_running_job(rt, tmp_path) -> None:
+    """Stop All let go of the job's lease and set the flag; a regenerate right after lifted the flag and claimed the
+    pair anew before the watcher's next poll. The watcher acted only on the flag and its own stop marker, so the old
+    job ran on to its next renewal (40 s by default) beside the fresh run's dispatch, the lane one over full, its
+    output refused at its commit (a concurrency hunt: 6 of 6)."""
+    audio(rt, tmp_path, params={"steps": 100, "step_seconds": 0.1}, lease_ttl=60)
+    job, thread, outcome = a_running_job(rt)
+    cancel_flow.cancel(rt.ports, "b")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    thread.join(timeout=3)
+    assert not thread.is_alive(), "the old job still runs 3 s after the Stop All"
+    assert outcome["outcome"] == "stopped", outcome
+    [fresh] = dispatched_jobs(rt, "b")
+    assert fresh.dispatch_id != job.dispatch_id
+    assert rt.ports.leases.lease_holders([job.lease_pair]) == [fresh.dispatch_id]  # the fresh run's, left to it
+
+
 def test_a_stopped_jobs_pair_is_taken_over_as_the_job_ends_not_at_the_next_tick(rt, tmp_path) -> None:
     """The pair the fenced-off job left `generating` waited for the tick's takeover (up to 5 s) with its slot idle,
     the reader's fresh run behind it. Now the job's end takes it over: `pending`, its book at the head of the lane's
@@ -166,9 +183,9 @@ def test_a_fenced_job_that_finishes_first_does_not_complete_the_forced_command(r
     """The old job ends before its watcher saw its stop marker: its output is refused, the forced command waits for a
     fresh run (the watcher looks no sooner than its next renewal here, 20 s away). Its pair is taken over as it ends:
     left `generating`, it waited for the tick with its slot idle."""
-    monkeypatch.setattr(rt.ports.leases, "watch", lambda _pair, _book: (None, False))
     audio(rt, tmp_path, params={"steps": 8, "step_seconds": 0.1}, lease_ttl=60)
-    _, thread, outcome = a_running_job(rt)
+    job, thread, outcome = a_running_job(rt)
+    monkeypatch.setattr(rt.ports.leases, "watch", lambda _pair, _book: (job.dispatch_id, False))  # sees nothing
     forced = regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)["commands"][0]["command_id"]
     thread.join(timeout=5)
     assert outcome["outcome"] == "fence_rejected", outcome
