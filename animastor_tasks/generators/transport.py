@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import requests
 import urllib3
 
 from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, is_secret_param, redact_url
-from animastor_tasks.generators import GenerationRequest, number_param
+from animastor_tasks.generators import GenerationRequest, number_param, server_words
 from animastor_tasks.generators.server_words import json_error, printable, refused_fields, retry_after_seconds
 from animastor_tasks.generators.watchdog import Watchdog, watched_session
 
@@ -50,7 +51,9 @@ _CHUNK = 64 * 1024
 _MESSAGE_LIMIT = 300
 _ERROR_BODY_LIMIT = 64 * 1024
 _SLEEP_SLICE = 0.05  # a stop request is noticed within this long while waiting out a Retry-After
-# Request errors that another attempt cannot fix, whatever the scene: the endpoint, a header or the proxy is wrong.
+# What reading the body itself may raise (read straight from urllib3, not through requests' wrappers).
+_BODY_READ_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+# Request errors that another attempt cannot fix (`_permanent`).
 _PERMANENT_REQUEST_ERRORS = (
     urllib3.exceptions.LocationParseError,  # a host no connection can be opened to (`gpu..box`), as urllib3 says it
     requests.exceptions.InvalidURL,
@@ -59,19 +62,15 @@ _PERMANENT_REQUEST_ERRORS = (
     requests.exceptions.MissingSchema,
     requests.exceptions.InvalidJSONError,  # a param no JSON body can carry (NaN, an infinity): the stage's setting
 )
-# What reading the body itself may raise (read straight from urllib3, not through requests' wrappers).
-_BODY_READ_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 
 
-def _declared_length(response: requests.Response) -> int:
-    """The Content-Length in ASCII digits (others ignored, as urllib3 ignores them), or -1. *Why:* `²` passes
-    `str.isdigit` and fails `int`, as 5,000 digits do past its digit limit: a ValueError, a bug, failed every scene of
-    the lane for good. Digits past the 19 of any count this host could read say more than any `max_bytes`."""
-    declared = response.headers.get("Content-Length", "").strip()
-    if not (declared.isascii() and declared.isdigit()):
-        return -1
-    digits = declared.lstrip("0")  # zeros ahead count for nothing: `0004` is 4
-    return int(digits or "0") if len(digits) <= 19 else 10**19
+def _permanent(err: Exception) -> bool:
+    """Whether another attempt cannot succeed, whatever the scene: the endpoint, a header or the proxy is wrong, or
+    the server's certificate is not one this host trusts (self-signed, another host's, expired). *Why the last:* each
+    job spent its retries and their backoff on it before the breaker opened."""
+    reason = getattr(err.args[0], "reason", None) if err.args else None  # requests' SSLError wraps urllib3's
+    verify = reason.args[0] if isinstance(reason, urllib3.exceptions.SSLError) and reason.args else None
+    return isinstance(err, _PERMANENT_REQUEST_ERRORS) or isinstance(verify, ssl.SSLCertVerificationError)
 
 
 def _no_credentials(request: requests.PreparedRequest) -> requests.PreparedRequest:
@@ -161,7 +160,7 @@ class Transport:
                     raise GeneratorError(
                         f"stage {self.stage!r}: inference endpoint {self.shown_url} failed: "
                         f"{type(err).__name__}: {self.clean(str(err))}",
-                        misconfigured=isinstance(err, _PERMANENT_REQUEST_ERRORS),
+                        misconfigured=_permanent(err),
                     ) from None
                 except GeneratorError:
                     self._check_cut(watchdog, limits, request)
@@ -282,7 +281,7 @@ class Transport:
     ) -> bytes:
         """Read the body as it arrives (one socket read at a time: a read of a whole chunk waited for all of it),
         so a stop is seen during a long or trickling download and a huge body is cut off (at once when it says so)."""
-        if _declared_length(response) > limits.max_bytes:
+        if server_words.declared_length(response.headers.get("Content-Length")) > limits.max_bytes:
             raise self._too_big(limits)
         data = bytearray()
         while True:

@@ -709,3 +709,17 @@ def test_a_content_length_python_reads_as_a_number_but_is_none_is_not_a_bug(
         assert "exceeds max_bytes=10000000" in str(caught.value) and not caught.value.retryable, caught.value
     else:
         assert _generate(spec).data == wav
+
+
+def test_a_certificate_this_host_does_not_trust_is_a_misconfigured_endpoint(
+    serve: Callable[..., str], tls_certificate: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A self-signed certificate (or another host's, an expired one) fails every request the same way: it was a
+    backend error, retried three times with backoff in each job before the lane's breaker opened."""
+    url = serve(answering(200, "audio/wav", synthesize_wav("one")), tls=tls_certificate)
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(url))
+    assert caught.value.misconfigured and "CERTIFICATE_VERIFY_FAILED" in str(caught.value), caught.value
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tls_certificate))
+    assert _generate(_spec(url)).data == synthesize_wav("one")  # trusted, the same server answers
