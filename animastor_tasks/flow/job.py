@@ -112,20 +112,16 @@ class Watcher(threading.Thread):
         leases, pair, ttl = self.ports.leases, self.job.lease_pair, self.spec.lease_ttl
         while not self.done.wait(self.poll):
             try:
-                # *Why the lease each poll, not at the next renewal only:* a third of a lease TTL away (40 s by
-                # default), a job a forced regenerate fenced off ran on meanwhile, its GPU slot doing work thrown
-                # away while the reader's fresh run waited for it to stop.
                 holder, cancelled = leases.watch(pair, self.job.book_id)
                 if not self.stop.is_set() and cancelled:
                     self._halt("book cancelled")
                     return
-                if self.holding == self.job.dispatch_id and holder == stop_marker(self.holding):
-                    self.holding = stop_marker(self.holding)
-                    self._halt("superseded by a forced regenerate")
-                elif holder != self.holding:
-                    # Gone, or another dispatch's: judged now, as at a renewal. *Why:* a Stop All (which lets go of
-                    # the lease) and a regenerate right after it (which lifts the flag) left the job running to its
-                    # next renewal beside the fresh run of its pair, the lane one over full.
+                if holder != self.holding:
+                    # Not what it holds (a forced regenerate's stop marker, gone, another dispatch's): judged now, as
+                    # at a renewal. *Why not at the next renewal only:* a third of a lease TTL away (40 s by default),
+                    # a fenced-off job ran on meanwhile, its slot doing work thrown away while the reader's fresh run
+                    # waited; and a Stop All (which lets go of the lease) then a regenerate (which lifts the flag)
+                    # left it running beside the fresh run of its pair, the lane one over full.
                     next_renew = time.monotonic()
                 if time.monotonic() >= next_renew:
                     next_renew = time.monotonic() + renew_every
