@@ -1,11 +1,15 @@
 """What an inference server says besides its media, read the same by every generator: when to come back
 (`Retry-After`, seconds or an HTTP date), how long its body says it is, the message of a JSON error body and the
-fields it refuses, and its words made safe to print."""
+fields it refuses, its words made safe to print; and which request errors say that no retry can succeed."""
 
 from __future__ import annotations
 
 import email.utils
+import ssl
 from datetime import UTC, datetime
+
+import requests
+import urllib3
 
 
 def json_error(payload: object) -> str | None:
@@ -75,3 +79,28 @@ def printable(text: str) -> str:
     `\\u2028`). *Why:* a server's words go into logs and onto terminals: a line break in them forged a log line of
     its own (`[GENERATE] ... ready`), an escape sequence rewrote the operator's terminal."""
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
+# Request errors that another attempt cannot fix (`why_permanent`).
+_PERMANENT_REQUEST_ERRORS = (
+    urllib3.exceptions.LocationParseError,  # a host no connection can be opened to (`gpu..box`), as urllib3 says it
+    requests.exceptions.InvalidURL,
+    requests.exceptions.InvalidHeader,
+    requests.exceptions.InvalidSchema,
+    requests.exceptions.MissingSchema,
+    requests.exceptions.InvalidJSONError,  # a param no JSON body can carry (NaN, an infinity): the stage's setting
+)
+
+
+def why_permanent(err: Exception) -> str | None:
+    """Why another attempt cannot succeed, whatever the scene (None if it may): the endpoint, a header or the proxy is
+    wrong, the server's certificate is not one this host trusts (self-signed, another host's, expired), or an https
+    URL names a port that speaks plain HTTP. *Why the last two:* each job spent its retries and their backoff on
+    them before the breaker opened."""
+    reason = getattr(err.args[0], "reason", None) if err.args else None  # requests' SSLError wraps urllib3's
+    tls = reason.args[0] if isinstance(reason, urllib3.exceptions.SSLError) and reason.args else None
+    if isinstance(tls, ssl.SSLCertVerificationError):
+        return "a certificate this host does not trust"
+    if isinstance(tls, ssl.SSLError) and tls.reason == "WRONG_VERSION_NUMBER":
+        return "the port speaks plain HTTP, not TLS: use http:// or the server's TLS port"
+    return "a wrong endpoint or header" if isinstance(err, _PERMANENT_REQUEST_ERRORS) else None

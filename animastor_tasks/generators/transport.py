@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,8 +26,15 @@ import requests
 import urllib3
 
 from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, is_secret_param, redact_url
-from animastor_tasks.generators import GenerationRequest, number_param, server_words
-from animastor_tasks.generators.server_words import json_error, printable, refused_fields, retry_after_seconds
+from animastor_tasks.generators import GenerationRequest, number_param
+from animastor_tasks.generators.server_words import (
+    declared_length,
+    json_error,
+    printable,
+    refused_fields,
+    retry_after_seconds,
+    why_permanent,
+)
 from animastor_tasks.generators.watchdog import Watchdog, watched_session
 
 log = logging.getLogger(__name__)
@@ -53,24 +59,6 @@ _ERROR_BODY_LIMIT = 64 * 1024
 _SLEEP_SLICE = 0.05  # a stop request is noticed within this long while waiting out a Retry-After
 # What reading the body itself may raise (read straight from urllib3, not through requests' wrappers).
 _BODY_READ_ERRORS = (urllib3.exceptions.HTTPError, OSError)
-# Request errors that another attempt cannot fix (`_permanent`).
-_PERMANENT_REQUEST_ERRORS = (
-    urllib3.exceptions.LocationParseError,  # a host no connection can be opened to (`gpu..box`), as urllib3 says it
-    requests.exceptions.InvalidURL,
-    requests.exceptions.InvalidHeader,
-    requests.exceptions.InvalidSchema,
-    requests.exceptions.MissingSchema,
-    requests.exceptions.InvalidJSONError,  # a param no JSON body can carry (NaN, an infinity): the stage's setting
-)
-
-
-def _permanent(err: Exception) -> bool:
-    """Whether another attempt cannot succeed, whatever the scene: the endpoint, a header or the proxy is wrong, or
-    the server's certificate is not one this host trusts (self-signed, another host's, expired). *Why the last:* each
-    job spent its retries and their backoff on it before the breaker opened."""
-    reason = getattr(err.args[0], "reason", None) if err.args else None  # requests' SSLError wraps urllib3's
-    verify = reason.args[0] if isinstance(reason, urllib3.exceptions.SSLError) and reason.args else None
-    return isinstance(err, _PERMANENT_REQUEST_ERRORS) or isinstance(verify, ssl.SSLCertVerificationError)
 
 
 def _no_credentials(request: requests.PreparedRequest) -> requests.PreparedRequest:
@@ -157,10 +145,11 @@ class Transport:
                 except (requests.exceptions.RequestException, urllib3.exceptions.LocationParseError) as err:
                     # Connection refused, DNS failure, connect/read timeout, connection reset mid-body.
                     self._check_cut(watchdog, limits, request)
+                    why = why_permanent(err)
                     raise GeneratorError(
                         f"stage {self.stage!r}: inference endpoint {self.shown_url} failed: "
-                        f"{type(err).__name__}: {self.clean(str(err))}",
-                        misconfigured=_permanent(err),
+                        f"{type(err).__name__}: {self.clean(str(err))}" + (f" ({why})" if why else ""),
+                        misconfigured=why is not None,
                     ) from None
                 except GeneratorError:
                     self._check_cut(watchdog, limits, request)
@@ -281,7 +270,7 @@ class Transport:
     ) -> bytes:
         """Read the body as it arrives (one socket read at a time: a read of a whole chunk waited for all of it),
         so a stop is seen during a long or trickling download and a huge body is cut off (at once when it says so)."""
-        if server_words.declared_length(response.headers.get("Content-Length")) > limits.max_bytes:
+        if declared_length(response.headers.get("Content-Length")) > limits.max_bytes:
             raise self._too_big(limits)
         data = bytearray()
         while True:

@@ -723,3 +723,13 @@ def test_a_certificate_this_host_does_not_trust_is_a_misconfigured_endpoint(
     assert caught.value.misconfigured and "CERTIFICATE_VERIFY_FAILED" in str(caught.value), caught.value
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tls_certificate))
     assert _generate(_spec(url)).data == synthesize_wav("one")  # trusted, the same server answers
+
+
+def test_an_https_url_to_a_plain_http_port_is_a_misconfigured_endpoint(serve: Callable[..., str]) -> None:
+    """A server that answers TLS with plain HTTP (the scheme or the port is wrong) fails every request the same way:
+    it was a backend error, each job spending its retries and their backoff before the lane's breaker opened."""
+    url = serve(answering(200, "audio/wav", synthesize_wav("one"))).replace("http://", "https://")
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(url))
+    assert caught.value.misconfigured, caught.value
+    assert "speaks plain HTTP" in str(caught.value), caught.value
