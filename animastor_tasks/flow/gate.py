@@ -20,7 +20,7 @@ from functools import partial
 from animastor_tasks.domain import liveness
 from animastor_tasks.domain.vocabulary import Outcome
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import candidates, collector, lanes, page, paged_pass, read_ahead, takeover
+from animastor_tasks.flow import candidates, collector, lanes, page, paged_pass, read_ahead, rebuild, takeover
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.flow.pass_hold import PassHold
 from animastor_tasks.ports import GateRows, Ports, Snapshot
@@ -169,14 +169,19 @@ def _paged(ports: Ports, report: PassReport, *, dispatch_work: bool, full_lanes:
 
 
 def tick(ports: Ports) -> list[str]:
-    """Take over lapsed leases and block worker-less stages (flow/takeover.py), hand on free slots whose refill
-    was lost (`lanes.hand_on_stranded`), then send the gate passes of the books that are due (the due index),
-    several per task; a second beat's tick is skipped.
+    """Take over lapsed leases and block worker-less stages (flow/takeover.py), rebuild the books with work into
+    the due index after a Redis loss (`rebuild.after_a_loss`), hand on free slots whose refill was lost
+    (`lanes.hand_on_stranded`), then send the gate passes of the books that are due (the due index), several per
+    task; a second beat's tick is skipped.
     A book with nothing to do is not in the index, so it costs the tick nothing."""
     if not ports.locks.try_lock("tick", ports.settings.tick_seconds * liveness.PERIODIC_LOCK_SHARE):
         return []
     started = time.monotonic()
     takeover.on_tick(ports)
+    try:
+        rebuild.after_a_loss(ports)  # Redis lost its data: its books due now, not at reconcile's next pass
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] not checked for a Redis loss this tick: %s", err)
     lanes.hand_on_stranded(ports)
     books = lanes.send_due_passes(ports)
     ports.counters.observe("tick_seconds", time.monotonic() - started)

@@ -22,13 +22,11 @@ from animastor_tasks.domain import liveness, rounds
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import cancel, gate, lanes, takeover
+from animastor_tasks.flow.rebuild import BOOKMARK, REBUILDING, rebuild
 from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.reconcile")
 RECOUNT_PAUSE_SECONDS = 0.5
-PAGE = 10_000  # scenes of a book's active index rebuilt at once
-BOOKMARK = "reconcile"  # where the round of passes goes on
-REBUILDING = "\x00rebuilding"  # the bookmark while a pass rebuilds every book (no book id holds a control character)
 PRUNED_TARGETS_PER_PASS = 50_000  # command targets one pass deletes at most (a whole-book command's: all of them)
 ARTIFACT_ROWS_PER_PASS = 20_000  # artifact rows one pass looks at, from where the last one stopped
 ARTIFACTS_BOOKMARK = "artifacts"  # the artifact row the pruning goes on after
@@ -60,7 +58,7 @@ def reconcile(ports: Ports, *, force: bool = False, whole: bool = False) -> dict
     books, following = (
         (sorted(work), "") if whole else rounds.next_books(work, bookmark or "", ports.settings.reconcile_pairs)
     )
-    _rebuild_redis(ports, list(work), list(work) if bookmark is None else books, report)
+    rebuild(ports, list(work) if bookmark is None else books, report)
     _expire_dead_generating(ports, report)
     _let_go_of_orphans(ports, report)
     _block_consumerless(ports, report)
@@ -105,25 +103,6 @@ def _prune_artifacts(ports: Ports) -> int:
     pruned, after = ports.journal.prune_artifacts(days, after, ARTIFACT_ROWS_PER_PASS)
     ports.locks.set_bookmark(ARTIFACTS_BOOKMARK, str(after))
     return pruned
-
-
-def _rebuild_redis(ports: Ports, books: list[str], indexed: list[str], report: dict[str, Any]) -> None:
-    """Cancel flags of the tombstoned books a job could still run for (`Commands.tombstoned_books`: with work, or
-    stopped lately); the active index of `indexed`."""
-    tombstoned = ports.commands.tombstoned_books()
-    ports.book_state.set_cancel_flags(tombstoned)
-    if tombstoned:
-        # A regenerate that deleted a tombstone after the read lifted its book's flag before the write set it again:
-        # the flag of a book no longer tombstoned is lifted (a Stop All now is denied by its tombstone meanwhile).
-        for book in set(tombstoned) - set(ports.commands.tombstoned_books()):
-            ports.book_state.clear_mirror_flag(book)  # a Stop All's own flag, set since, stays
-    # Page by page: the whole book's gate rows held at once took 1.1 GB and 10 s at a million pairs; and every
-    # book in the same pages: a statement and a round trip per book were 6 of the 9 s of a farm of 5,000 books.
-    rebuilt: set[str] = set()
-    for page in ports.assets.in_flight_scene_pages(indexed, PAGE):
-        ports.book_state.activate(page)
-        rebuilt.update(page)
-    report["rebuilt_books"] += len(rebuilt)
 
 
 def _expire_dead_generating(ports: Ports, report: dict[str, Any]) -> None:

@@ -212,3 +212,40 @@ def test_a_redis_outage_that_loses_nothing_blocks_no_stage_whose_workers_live(
         f"{stack.settings.presence_ttl_seconds:.0f}s) with its data kept: no stage blocked, the running job "
         f"committed once, {time.monotonic() - back:.1f}s after Redis was back"
     )
+
+
+def test_a_slot_freed_after_a_redis_loss_goes_to_the_book_waiting_for_it(make_stack, figure) -> None:
+    """Redis flushed while one book's job ran on a lane of one slot and another book waited for it: the waiting
+    lists and the due index went with the data, so the running book's refills kept the slot for its own scenes, and
+    once they were done the slot stood free beside the other book's pending pairs until reconcile's next pass (30 s
+    by default; 24 s of two idle GPUs in a hunt). The tick now sees the loss (no reconcile bookmark) and makes every
+    book with work due at once."""
+    job = {"steps": 2, "step_seconds": 0.2}
+    slot = {"lane_limit": 1, "book_quota": 1, "window": 1}
+    stages = stage_table(audio=audio_stage(params=job, **slot), image=image_stage())
+    stack = make_stack(stages=stages, reconcile_seconds=300)  # no reconcile pass comes within this test
+    cluster = stack.cluster
+    cluster.wait_ready(cluster.control(wait=False), cluster.gpu("audio", wait=False), cluster.beat(wait=False))
+    first, waiting = make_book("holds-the-slot", chapters=1, scenes=3), make_book("waits", chapters=1, scenes=3)
+    for book in (first, waiting):
+        stack.rt.catalog.import_book(book)
+    stack.client.regenerate(first.book_id, ["audio"])
+    wait_for(lambda: stack.events("job.started", first.book_id), 20, interval=0.02, what="the first book's job")
+    stack.client.regenerate(waiting.book_id, ["audio"])
+    assert stack.events("dispatch", waiting.book_id) == []  # it waits for the one slot
+    client = redis.Redis.from_url(stack.env["ANIMASTOR_REDIS_URL"])
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    flushed = time.monotonic()
+    stack.wait_commands(first.book_id, ["audio"], "completed", timeout=30)
+    first_done = time.monotonic() - flushed
+    stack.wait_commands(waiting.book_id, ["audio"], "completed", timeout=30)
+    done = time.monotonic() - flushed
+    assert unauthorized_dispatches(stack) == []
+    assert {state for (_, _, stage), state in stack.states(waiting.book_id).items() if stage == "audio"} == {"ready"}
+    figure(
+        f"Redis flushed under a lane of one slot, a second book waiting: the first book done {first_done:.1f}s"
+        f" after, the waiting one {done:.1f}s after (reconcile every 300 s; jobs of 0.4 s, tick 1 s)"
+    )

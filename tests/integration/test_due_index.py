@@ -15,7 +15,7 @@ import pytest
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import gate, lanes
+from animastor_tasks.flow import gate, lanes, rebuild
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
@@ -60,6 +60,25 @@ def test_a_book_with_nothing_to_do_is_not_visited_by_the_tick(rt) -> None:
     assert tick(rt) == []  # asked for once, however many ticks pass before its pass runs
     assert [name for name, _ in run_control(rt)] == ["animastor.gate_batch"]
     assert tick(rt) == []  # its pass found the lane still full and put it back for when its deferral ends
+
+
+def test_after_redis_lost_its_data_the_next_tick_makes_every_book_with_work_due(rt) -> None:
+    """Redis emptied (a restart without persistence, a flush, a failover to an empty replica): the due index and the
+    lanes' waiting lists went with it, and a freed slot was handed to nobody until reconcile's next pass (30 s).
+    The tick sees the loss by reconcile's bookmark being gone and makes every book with work due at once; with the
+    bookmark there, it makes none due."""
+    lane(rt, lane_limit=1)
+    for book in ("holder", "waiting"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    rt.catalog.import_book(make_book("idle", chapters=1, scenes=1))  # no command: no work
+    assert tick(rt) == []  # both wait for their deferrals: neither is due
+    rt.redis.client.flushdb()
+    advertise(rt, "gpu.audio")
+    assert sorted(tick(rt)) == ["holder", "waiting"]
+    assert rt.ports.book_state.active_books() == {"holder", "waiting"}
+    assert rt.ports.locks.bookmark(rebuild.BOOKMARK) == ""  # reconcile's round starts from its first book
+    assert tick(rt) == []  # rebuilt once: the next tick finds the bookmark
 
 
 def test_a_pass_lost_on_the_way_is_asked_for_again_by_reconcile(rt) -> None:

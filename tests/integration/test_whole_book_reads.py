@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from animastor_tasks.domain.vocabulary import AssetState
+from animastor_tasks.flow import rebuild, takeover
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.flow import takeover
 from animastor_tasks.worker.wiring import Wiring
 
 from .helpers import advertise, lose_leases, make_book, read_calls, states
@@ -55,7 +55,7 @@ def test_reconcile_rebuilds_the_active_index_page_by_page(rt: Wiring, monkeypatc
     pages = [page["b"] for page in rt.ports.assets.in_flight_scene_pages(["b"], 3)]
     assert [len(p) for p in pages] == [3, 3, 3, 1] and {s for p in pages for s in p} == in_flight
     rt.redis.client.delete(rt.redis.keys.active_scenes("b"))  # lost, as with Redis's data
-    monkeypatch.setattr(reconcile_flow, "PAGE", 3)
+    monkeypatch.setattr(rebuild, "PAGE", 3)
     calls = read_calls(rt, "gate_rows")
     assert reconcile_flow.reconcile(rt.ports, force=True)["rebuilt_books"] == 1
     assert calls == []  # the whole book's rows are read by its pass alone, page by page
