@@ -39,7 +39,7 @@ from celery.exceptions import Reject
 
 from animastor_tasks.domain.book import show_value
 from animastor_tasks.domain.liveness import delivery_holder
-from animastor_tasks.domain.registry import StageSpec
+from animastor_tasks.domain.registry import CONTROL_QUEUE, StageSpec
 from animastor_tasks.errors import DeliveryNotStarted, InvalidCommand
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, refill, validate
@@ -91,12 +91,18 @@ def _as_sent(task: str, **fields: tuple[object, Any]) -> None:
 
 
 class CallerTask(Task):
-    """A task other services send: a call its signature cannot take (more positional arguments than it has, one given
-    twice) is the `InvalidCommand` it says, before anything runs. *Why:* Python's own TypeError reached the caller.
-    Each refusal is `throws`: the caller's error, logged at INFO without a traceback (a caller could fill the error
-    log with them)."""
+    """A task other services send: one sent to another queue than the control queue, or a call its signature cannot
+    take (more positional arguments than it has, one given twice), is the `InvalidCommand` it says, before anything
+    runs. *Why:* a Stop All sent to a GPU queue ran on a GPU worker behind that lane's backlog (15 s in a hunt, hours
+    with real jobs), jobs starting meanwhile; Python's own TypeError reached the caller. Each refusal is `throws`:
+    the caller's error, logged at INFO without a traceback (a caller could fill the error log with them)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        queue = (self.request.delivery_info or {}).get("routing_key")
+        if queue is not None and queue != CONTROL_QUEUE:  # none: called in process, not delivered
+            raise InvalidCommand(
+                f"{self.name}: sent to queue {show_value(queue)}; send it to {CONTROL_QUEUE!r}, the control workers'"
+            )
         try:
             _signature(self).bind(*args, **kwargs)
         except TypeError as err:

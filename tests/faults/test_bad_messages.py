@@ -182,3 +182,30 @@ def test_bad_control_messages_are_rejected_and_the_worker_keeps_serving(make_sta
         f"logged within {handled:.2f}s, 0 written, control worker pid unchanged; a regenerate afterwards "
         f"completed in {served:.2f}s; lost 0, duplicated 0"
     )
+
+
+def test_a_command_sent_to_a_gpu_queue_is_refused_at_once(make_stack) -> None:
+    """A regenerate, Stop All or gate pass sent to a GPU queue ran on a GPU worker, after every job queued before it
+    in that lane: a Stop All answered after 15 s in a hunt, jobs starting meanwhile (hours with real jobs). It is the
+    caller's error: refused by whichever worker takes it, naming the queue, with nothing written."""
+    stack = make_stack()
+    cluster = stack.cluster
+    cluster.wait_ready(cluster.control(wait=False), cluster.gpu("audio", wait=False))
+    book = make_book("misrouted", chapters=1, scenes=2)
+    stack.rt.catalog.import_book(book)
+    sent = {
+        "animastor.cancel": {"book_id": book.book_id},
+        "animastor.regenerate": {"book_id": book.book_id, "stages": ["audio"]},
+        "animastor.gate": {"book_id": book.book_id},
+    }
+    for task, kwargs in sent.items():
+        result = stack.client.app.send_task(task, kwargs=kwargs, queue="gpu.audio")
+        with pytest.raises(Exception) as caught:
+            result.get(timeout=20)
+        assert "sent to queue 'gpu.audio'; send it to 'animastor.control'" in str(caught.value), (task, caught.value)
+    assert stack.rt.ports.commands.commands(book=book.book_id) == []
+    assert not stack.rt.ports.commands.is_tombstoned(book.book_id)
+    assert stack.events("dispatch", book.book_id) == []
+    answer = stack.client.regenerate(book.book_id, ["audio"])  # on the control queue, the same request runs
+    stack.wait_commands(book.book_id, ["audio"], "completed", timeout=30)
+    assert [c["stage"] for c in answer["commands"]] == ["audio"]
