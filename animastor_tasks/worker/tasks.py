@@ -218,6 +218,9 @@ def _register_generate(spec: StageSpec) -> None:
         ids = {"book_id": book_id, "chapter_id": chapter_id, "scene_id": scene_id, "stage": stage}
         _as_sent(spec.task_name, **{k: (v, str) for k, v in ids.items()}, dispatch_id=(dispatch_id, str),
                  fencing_token=(fencing_token, int))  # fmt: skip
+        # Another stage's job ran its generator on this stage's GPU worker; an unknown stage's, a KeyError.
+        if stage != spec.name:
+            raise InvalidCommand(f"{spec.task_name}: stage must be {spec.name!r}, got {show_value(stage)}")
         worker = delivery_holder(self.request.hostname or "unknown", os.getpid())
 
         def run(job_ports: Ports, job: Job, progress: Callable[[float], None], later: Later) -> dict[str, Any]:

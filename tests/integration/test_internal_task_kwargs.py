@@ -60,6 +60,8 @@ def test_a_gate_batch_of_another_shape_is_refused(rt: Wiring, book_ids: Any, ref
         ("fencing_token", "1", r"fencing_token must be int, got '1'"),
         ("fencing_token", True, r"fencing_token must be int, got True"),
         ("dispatch_id", None, r"dispatch_id must be str, got None"),
+        ("stage", "image", r"animastor.generate.audio: stage must be 'audio', got 'image'"),
+        ("stage", "video", r"animastor.generate.audio: stage must be 'audio', got 'video'"),
     ],
 )
 def test_a_job_of_another_shape_is_refused_and_its_own_runs(
