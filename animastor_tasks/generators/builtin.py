@@ -88,8 +88,18 @@ class BuiltinGenerator:
             self._check_stop(should_stop, request)
 
 
+KNOBS = ("steps", "step_seconds", "fail_rate")
+
+
 def _knobs(params: Mapping[str, Any]) -> tuple[int, float, float]:
-    """(steps, step_seconds, fail_rate); a bad one is a GeneratorError naming it."""
+    """(steps, step_seconds, fail_rate); a bad one, or a param of another name, is a GeneratorError naming it.
+    *Why the name:* `step_secondz` ran every job at the default, nothing said, as no stage setting may."""
+    unknown = sorted(str(name) for name in params if name not in KNOBS)
+    if unknown:
+        raise GeneratorError(
+            f"builtin generator: unknown param(s) {', '.join(map(repr, unknown))}; it takes {', '.join(KNOBS)}",
+            misconfigured=True,
+        )
     steps = int(number_param(params, "steps", 4, minimum=1, maximum=100_000, integer=True))
     step_seconds = number_param(params, "step_seconds", 0.0, minimum=0.0, maximum=3600.0)
     return steps, step_seconds, number_param(params, "fail_rate", 0.0, minimum=0.0, maximum=1.0)

@@ -136,7 +136,15 @@ def test_fail_rate_zero_never_fails() -> None:
 
 @pytest.mark.parametrize(
     "params",
-    [{"steps": 0}, {"steps": 2.5}, {"steps": "4"}, {"fail_rate": 1.5}, {"step_seconds": -1}, {"steps": True}],
+    [
+        {"steps": 0},
+        {"steps": 2.5},
+        {"steps": "4"},
+        {"fail_rate": 1.5},
+        {"step_seconds": -1},
+        {"steps": True},
+        {"step_secondz": 3},  # a misspelt knob: every job ran at the default, nothing said
+    ],
 )
 def test_bad_params_are_not_retryable(params: Mapping[str, Any]) -> None:
     with pytest.raises(GeneratorError) as info:
@@ -173,3 +181,12 @@ def test_stage_fingerprint_is_stable_and_sensitive() -> None:
     assert a.fingerprint != replace(a, params={"steps": 5, "voice": "alto"}).fingerprint
     assert a.fingerprint != replace(a, generator="http").fingerprint
     assert '"builtin"' in a.fingerprint
+
+
+def test_a_stage_with_an_unknown_param_is_refused_when_its_generator_is_built() -> None:
+    """A worker builds its stages' generators as it starts (`refuse_generators_not_built`): a stage the builtin
+    generator cannot run as written stops that start, naming the param and the ones it takes."""
+    with pytest.raises(GeneratorError) as info:
+        BuiltinGenerator(replace(AUDIO, params={"steps": 2, "step_secondz": 3}), Settings())
+    assert info.value.misconfigured
+    assert "unknown param(s) 'step_secondz'; it takes steps, step_seconds, fail_rate" in str(info.value)
