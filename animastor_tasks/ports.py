@@ -176,6 +176,7 @@ class BookState(Protocol):
     def server_started_at(self) -> float: ...  # when the Redis server started (-inf: it does not say)
     def cancel_flag_set(self, book: str) -> bool: ...
     def clear_mirror_flag(self, book: str) -> None: ...  # only a flag that mirrors a tombstone
+    def clear_stop_flag(self, book: str) -> None: ...  # only a Stop All's own (of a book Postgres does not hold)
     def lift_cancel_flag(self, book: str, request: str, now: float) -> LiftedFlag: ...  # a regenerate's
     def end_lift(self, book: str, request: str, put_back: LiftedFlag = None) -> None: ...  # a refused regenerate's
     def stop_stands(self, book: str, now: float) -> bool: ...  # a Stop All's own flag, no regenerate lifting it

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from animastor_tasks.domain.types import Pair
-from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.errors import InvalidCommand, StoreUnavailable
 from animastor_tasks.flow import lanes, validate
 from animastor_tasks.ports import Ports
 
@@ -29,6 +29,9 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
         # is told to send the Stop All again). *Why:* nothing was written, and the running jobs, which only the flag
         # stops, ran on to their end and committed once Postgres was back.
         ports.book_state.stop_book(validate.book_id(book_id), ports.settings.registry.queues())
+        raise
+    except InvalidCommand:
+        _unflag_unknown(ports, book_id)
         raise
     # The flag goes first: from this moment running jobs see should_stop() and the gate denies.
     ports.book_state.stop_book(book, ports.settings.registry.queues())
@@ -48,6 +51,18 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
         why,
     )
     return {"book_id": book, "cancelled_commands": cancelled, "released": released, "revoked": len(dispatched)}
+
+
+def _unflag_unknown(ports: Ports, book_id: object) -> None:
+    """A book Postgres does not hold: a flag a Stop All of it left while Postgres did not answer (above) stops nothing,
+    and goes. *Why:* the resend that caller was told to send was refused as of an unknown book, and the flag stayed
+    for good: a book imported later under that id read as cancelled."""
+    try:
+        ports.book_state.clear_stop_flag(validate.book_id(book_id))
+    except InvalidCommand:  # not a book id at all: no flag was set for it
+        pass
+    except StoreUnavailable as err:
+        log.warning("[COMMAND] book=%r unknown; a cancel flag of it, if any, not lifted: %s", book_id, err)
 
 
 def let_go(ports: Ports, book: str, dispatched: Sequence[tuple[Pair, str]]) -> None:

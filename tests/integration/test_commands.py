@@ -312,6 +312,32 @@ def test_a_cancel_reason_postgres_cannot_store_is_refused_before_anything_is_wri
     assert {c.status for c in rt.ports.commands.commands(book=book)} == {"active"}
 
 
+def test_a_stop_all_of_an_unknown_book_sent_again_lifts_the_flag_its_outage_left(rt, monkeypatch) -> None:
+    """A Stop All that met a Postgres outage sets its flag without knowing whether the book exists, and its caller is
+    told to send it again. Of a book Postgres does not hold (a typo), the resend was refused as unknown and the flag
+    stayed for good: a book imported later under that id read as cancelled, with no command. The refusal lifts it;
+    a mirror of a tombstone, or another book's flag, is not touched."""
+    books = rt.ports.catalog
+
+    def down(book: str) -> bool:
+        raise StoreUnavailable("postgres", "postgresql://db", "connection refused")
+
+    monkeypatch.setattr(books, "book_exists", down)
+    with pytest.raises(StoreUnavailable):
+        cancel_flow.cancel(rt.ports, "typo-book")
+    assert rt.ports.book_state.cancel_flag_set("typo-book")
+    monkeypatch.undo()
+    with pytest.raises(InvalidCommand, match="unknown book 'typo-book'"):
+        cancel_flow.cancel(rt.ports, "typo-book")  # the resend, Postgres back
+    assert not rt.ports.book_state.cancel_flag_set("typo-book")
+    rt.catalog.import_book(make_book("typo-book", chapters=1, scenes=1))
+    assert status_flow.status(rt.ports, "typo-book")["cancelled"] is False
+    rt.ports.book_state.set_cancel_flags(["mirrored"])  # a tombstone's mirror: only a Stop All's own flag goes
+    with pytest.raises(InvalidCommand):
+        cancel_flow.cancel(rt.ports, "mirrored")
+    assert rt.ports.book_state.cancel_flag_set("mirrored")
+
+
 def test_a_stop_all_between_a_regenerates_lift_and_its_commands_leaves_the_new_command_to_run(rt, book) -> None:
     """A Stop All that set the cancel flag after the regenerate lifted it, and committed before the regenerate's
     commands did: the new command was active, the book flagged, and the regenerate's own pass released its

@@ -39,6 +39,12 @@ class CancelFlagStore:
         flag = self.conn.keys.cancel_flag(book)
         self.conn.run(lambda: self._clear_mirror(keys=[flag], args=[MIRROR_FLAG], client=self.conn.client))
 
+    def clear_stop_flag(self, book: str) -> None:
+        """A Stop All's own flag lifted (`lua/clear_mirror_flag.lua` with its value): for a book Postgres does not
+        hold, which a Stop All sent while Postgres did not answer flagged all the same."""
+        flag = self.conn.keys.cancel_flag(book)
+        self.conn.run(lambda: self._clear_mirror(keys=[flag], args=[STOP_FLAG], client=self.conn.client))
+
     def lift_cancel_flag(self, book: str, request: str, now: float) -> LiftedFlag:
         """A regenerate's first step: the flag deleted, and the lift counted as under way until its commands are
         written and `start_work(lifted=request)` ends it (or `end_lift`, the regenerate refused). Which flag was set
