@@ -37,7 +37,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Reject
 
-from animastor_tasks.domain.book import show_value
+from animastor_tasks.domain.book import show_value, validate_id
 from animastor_tasks.domain.liveness import delivery_holder
 from animastor_tasks.domain.registry import CONTROL_QUEUE, StageSpec
 from animastor_tasks.errors import DeliveryNotStarted, InvalidCommand
@@ -157,6 +157,7 @@ def refill_task(
     optional = str | None
     _as_sent("animastor.refill", book_id=(book_id, str), lane=(lane, optional), freed=(freed, optional),
              slots=(slots, int | None), batch=(batch, optional))  # fmt: skip
+    validate_id("book_id", book_id, error=InvalidCommand)  # *why:* a NUL in it was a psycopg traceback at ERROR
     if slots is not None and lane is not None:  # handed that many free slots of `lane` (`batch`: with other books)
         report = refill.refill(ports(), book_id, lane, slots_of=lane, slots=max(1, int(slots)), batch=batch)
     else:
@@ -179,6 +180,8 @@ def gate_batch(book_ids: list[str], **newer: Any) -> int:
     _newer("animastor.gate_batch", newer)
     _as_sent("animastor.gate_batch", book_ids=(book_ids, list))
     _as_sent("animastor.gate_batch", **{f"book_ids[{n}]": (book, str) for n, book in enumerate(book_ids)})
+    for n, book in enumerate(book_ids):  # *why:* a NUL in one was a psycopg traceback at ERROR
+        validate_id(f"book_ids[{n}]", book, error=InvalidCommand)
     return len(gate.gate_batch(ports(), book_ids))
 
 

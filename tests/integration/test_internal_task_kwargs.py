@@ -30,6 +30,7 @@ from .test_job_troubles import _one_scene
         ({"book_id": "x", "lane": "gpu.audio", "slots": "2"}, r"slots must be int or null, got '2'"),
         ({"book_id": "x", "lane": "gpu.audio", "slots": True}, r"slots must be int or null, got True"),
         ({"book_id": "x", "freed": 1}, r"freed must be str or null, got 1"),
+        ({"book_id": "x\x00"}, r"book_id"),
     ],
 )
 def test_a_refill_of_another_shape_is_refused_and_changes_nothing(rt: Wiring, kwargs: Any, refusal: str) -> None:
@@ -44,7 +45,11 @@ def test_a_refill_of_another_shape_is_refused_and_changes_nothing(rt: Wiring, kw
 
 @pytest.mark.parametrize(
     ("book_ids", "refusal"),
-    [("x", r"book_ids must be list, got 'x'"), (["x", 7], r"book_ids\[1\] must be str, got 7")],
+    [
+        ("x", r"book_ids must be list, got 'x'"),
+        (["x", 7], r"book_ids\[1\] must be str, got 7"),
+        (["x", "y\x00"], r"book_ids\[1\]"),
+    ],
 )
 def test_a_gate_batch_of_another_shape_is_refused(rt: Wiring, book_ids: Any, refusal: str) -> None:
     rt.catalog.import_book(make_book("x", chapters=1, scenes=1))
