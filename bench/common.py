@@ -73,9 +73,13 @@ def prepare_stores() -> None:
 
 
 def reset_stores() -> None:
-    """TRUNCATE every product table of the bench database and FLUSHDB the bench Redis db."""
+    """TRUNCATE every product table of the bench database and FLUSHDB the bench Redis db, leaving reconcile's bookmark
+    as a running farm's Redis holds it: without it, the first tick rebuilds every book with work (flow/rebuild.py)."""
     import psycopg
     import redis
+
+    from animastor_tasks.domain.keys import Keyspace
+    from animastor_tasks.flow.rebuild import BOOKMARK
 
     with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
         tables = [
@@ -90,6 +94,7 @@ def reset_stores() -> None:
     client = redis.Redis.from_url(REDIS_URL)
     try:
         client.flushdb()
+        client.set(Keyspace(KEY_PREFIX).bookmark(BOOKMARK), "")
     finally:
         client.close()
     declare_broker_queues()
