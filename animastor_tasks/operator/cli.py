@@ -21,6 +21,7 @@ from animastor_tasks.config import Settings
 from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
 from animastor_tasks.operator import control_commands, process_commands
 from animastor_tasks.operator.options import INTERVAL, LOCK_WAIT, emit
+from animastor_tasks.worker import tracing
 
 if TYPE_CHECKING:
     from animastor_tasks.worker.wiring import Wiring
@@ -60,6 +61,9 @@ class Main(click.Group):
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """Command-only GPU job orchestration: books, commands, queues and workers."""
+    # Refused here for every command, as workers and beat refuse it (exit 2, the variable named). *Why:*
+    # `ANIMASTOR_OTEL=2` stopped them but not the CLI: `queues` answered and `metrics` served on.
+    tracing.wanted()
     if ctx.invoked_subcommand not in _RUNS_ON:
         # A store down is said once, by the `error:` line: psycopg's pool printed each of its retries before it.
         logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
@@ -193,6 +197,7 @@ def layers_set(book_id: str, enable: tuple[str, ...], disable: tuple[str, ...], 
 @click.argument("book_id")
 @click.option("--json", "as_json", is_flag=True)
 def layers_show(book_id: str, as_json: bool) -> None:
+    """Print every stage's layer for a book (on or off). Changes nothing."""
     from animastor_tasks.flow import layers as layers_flow
 
     result = layers_flow.layers_of(_wired().ports, book_id)

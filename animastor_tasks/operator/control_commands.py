@@ -13,23 +13,30 @@ import click
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.vocabulary import CommandStatus, Priority, no_worker_reason
 from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
+from animastor_tasks.flow import validate
 from animastor_tasks.operator.options import WAIT, emit
 
 
-def _scene_arg(value: str) -> tuple[str, str]:
+class SceneArg(click.ParamType):
     """CHAPTER/SCENE, each id as the regenerate task checks it. *Why:* `ch/` was published (and refused by the
-    worker, or with the broker down left a resend to make), and `a/b/c` was read as chapter `a`, scene `b/c`."""
-    from animastor_tasks.domain.book import validate_id
+    worker, or with the broker down left a resend to make), and `a/b/c` was read as chapter `a`, scene `b/c`. A
+    type, so that click names the option in every refusal: raised in the command, `a/b/c` was a bare
+    `Invalid value:`."""
 
-    chapter, sep, scene = value.partition("/")
-    if not sep or "/" in scene:
-        raise click.BadParameter(f"{value!r} must be CHAPTER/SCENE, one '/' (write a '/' inside an id as %2F)")
-    try:
-        return validate_id("chapter id", _decoded(chapter), error=InvalidInput), validate_id(
-            "scene id", _decoded(scene), error=InvalidInput
-        )
-    except InvalidInput as err:
-        raise click.BadParameter(f"{value!r}: {err}", param_hint="--scene") from None
+    name = "CH/SC"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, str]:
+        from animastor_tasks.domain.book import validate_id
+
+        chapter, sep, scene = value.partition("/")
+        if not sep or "/" in scene:
+            self.fail(f"{value!r} must be CHAPTER/SCENE, one '/' (write a '/' inside an id as %2F)", param, ctx)
+        try:
+            return validate_id("chapter id", _decoded(chapter), error=InvalidInput), validate_id(
+                "scene id", _decoded(scene), error=InvalidInput
+            )
+        except InvalidInput as err:
+            self.fail(f"{value!r}: {err}", param, ctx)
 
 
 def _decoded(half: str) -> str:
@@ -46,7 +53,7 @@ def _decoded(half: str) -> str:
 @click.command()
 @click.argument("book_id")
 @click.option("--stage", "stages", multiple=True, required=True, help="audio, image, ... or all")
-@click.option("--scene", "scenes", multiple=True, metavar="CH/SC", help="Only these scenes (default: whole book).")
+@click.option("--scene", "scenes", multiple=True, type=SceneArg(), help="Only these scenes (default: whole book).")
 @click.option("--command-id", default=None, help="A UUID; resending the same request with it is a no-op.")
 @click.option("--no-force", is_flag=True, help="Skip scenes whose ready output has the same inputs.")
 @click.option(
@@ -60,7 +67,7 @@ def _decoded(half: str) -> str:
 def regenerate(
     book_id: str,
     stages: tuple[str, ...],
-    scenes: tuple[str, ...],
+    scenes: tuple[tuple[str, str], ...],
     command_id: str | None,
     no_force: bool,
     priority: str | None,
@@ -71,12 +78,11 @@ def regenerate(
     import uuid
 
     from animastor_tasks.client import Client
-    from animastor_tasks.flow import validate
 
     # Checked here, as the task would, so that bad input exits 2 with nothing published.
     settings = Settings.from_env()
     validate.book_id(book_id)
-    picked = [_scene_arg(s) for s in scenes] or None
+    picked = list(scenes) or None
     known = settings.registry.names()
     if unknown := [s for s in stages if s != "all" and s not in known]:
         raise click.BadParameter(f"unknown stage {unknown[0]!r} (known: {', '.join(known)}, all)", param_hint="--stage")
@@ -118,18 +124,28 @@ def regenerate(
 
 @click.command()
 @click.argument("book_id")
-@click.option("--reason", default=None)
-@click.option("--timeout", default=30.0, show_default=True, type=WAIT)
+@click.option(
+    "--reason",
+    default=None,
+    help="Why, kept on the commands it ends and shown by `commands` and `status`: one line of at most"
+    f" {validate.MAX_REASON_CHARS:,} characters, with no control character (tab, ESC, line break), U+2028/U+2029,"
+    " bidi control or BOM.",
+)
+@click.option("--timeout", default=30.0, show_default=True, type=WAIT, help="Seconds to wait for the control worker.")
 @click.option("--json", "as_json", is_flag=True)
 def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> None:
     """Stop All for a book (enqueues animastor.cancel)."""
     from animastor_tasks.client import Client
 
+    # Checked here, as the task would, so that bad input exits 2 with nothing published. *Why:* with the broker
+    # down, `cancel $'a\tb'` exited 3 and asked for the same refused request to be sent again.
+    validate.book_id(book_id)
+    validate.reason(reason)
     client = Client(timeout=timeout)
     try:
         result = client.cancel(book_id, reason)
     except StoreUnavailable as err:
-        again = f"send `animastor-tasks cancel {shlex.quote(book_id)}` again"
+        again = f"send `{shlex.join(_cancel_argv(book_id, reason))}` again"
         if err.store == "postgres":
             # Only the control worker's flow reads Postgres, and its Stop All sets the Redis flag before any error of
             # Postgres leaves it (flow/cancel.py). *Why:* a bare `error: postgres unavailable` read as nothing done.
@@ -147,6 +163,13 @@ def cancel(book_id: str, reason: str | None, timeout: float, as_json: bool) -> N
             f"cancelled {d['book_id']!r}: {len(d['cancelled_commands'])} command(s), {d['released']} pair(s) released"
         ),
     )
+
+
+def _cancel_argv(book_id: str, reason: str | None) -> list[str]:
+    """The command line that sends this Stop All again, its reason kept (and `--` before a book id that reads as
+    an option). *Why:* the resend it suggested dropped `--reason`, and the commands it ended had none."""
+    reason_opt = ["--reason", reason] if reason is not None else []
+    return ["animastor-tasks", "cancel", *reason_opt, *(["--"] if book_id.startswith("-") else []), book_id]
 
 
 COMMANDS = (regenerate, cancel)

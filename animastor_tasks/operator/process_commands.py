@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -104,8 +105,26 @@ def _gpu_ids(_ctx: click.Context, _param: click.Parameter, value: str | None) ->
     return ids
 
 
+def _one_stage(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> str | None:
+    """The one stage named, if any. *Why:* click kept the last of `--stage audio --stage image` and started an
+    image-only worker without a word."""
+    if len(value) > 1:
+        each = " and ".join(f"`animastor-tasks worker --stage {shlex.quote(stage)}`" for stage in dict.fromkeys(value))
+        raise click.BadParameter(
+            f"given {len(value)} times ({', '.join(value)}): a GPU worker serves one stage; run one worker per"
+            f" stage: {each}"
+        )
+    return value[0] if value else None
+
+
 @click.command(context_settings={"ignore_unknown_options": True})
-@click.option("--stage", default=None, help="Run a GPU worker for this stage (default: the control worker).")
+@click.option(
+    "--stage",
+    multiple=True,
+    callback=_one_stage,
+    metavar="STAGE",
+    help="Run a GPU worker for this stage, one stage per worker (default: the control worker).",
+)
 @click.option(
     "--gpus", default=None, callback=_gpu_ids, help="Comma-separated GPU ids, each once; one pool process per GPU."
 )
@@ -192,7 +211,8 @@ def flower(flower_args: tuple[str, ...]) -> None:
     """Start Flower on the task events, with basic auth from ANIMASTOR_FLOWER_BASIC_AUTH (required).
 
     Address and port: ANIMASTOR_FLOWER_ADDRESS (127.0.0.1) and ANIMASTOR_FLOWER_PORT (5555). Refuses to
-    start (exit status 2) without credentials; ANIMASTOR_FLOWER_DEV_NO_AUTH=1 allows none on loopback only.
+    start (exit status 2) without credentials; ANIMASTOR_FLOWER_DEV_NO_AUTH=1 allows none on loopback only, for the
+    web pages (Flower's HTTP API under /api/ still answers 401 unless FLOWER_UNAUTHENTICATED_API is set).
     Other options go to `celery flower` as they are (`--url_prefix=flower`), except those that decide who reaches
     it (`--address`, `--port`, `--basic_auth`, `--auth`, `--unix_socket`, and `--conf`, however many dashes
     lead them): refused, they come from the environment.

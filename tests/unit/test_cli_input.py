@@ -79,3 +79,68 @@ def test_layers_set_says_what_it_does_and_what_its_options_take() -> None:
     for flag in ("--enable", "--disable"):
         [line] = [line for line in options.splitlines() if line.strip().startswith(flag)]
         assert line.split("STAGE", 1)[1].strip(), result.output  # a help text after the metavar
+
+
+@pytest.mark.parametrize("scene", ["a/b/c", "ch1", "ch/", "a%ZZ/b", "ch1/%FF"])
+def test_every_scene_refusal_names_the_option(scene: str) -> None:
+    """`a/b/c` and `ch1` said a bare `Invalid value:`, an escape `Invalid value for --scene:`: which argument was
+    wrong, among several, was left to guess."""
+    result = CliRunner().invoke(main, ["regenerate", "b1", "--stage", "audio", "--scene", scene], env=NOWHERE)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '--scene': {scene!r}" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["a\tb"], "book_id"),
+        ([""], "book_id"),
+        (["b1", "--reason", "x\x1b[31m"], "reason: must not contain U+001B"),
+        (["b1", "--reason", "two\nlines"], "reason: must not contain U+000A"),
+        (["b1", "--reason", "x" * 1_001], "reason: must be at most 1000 characters"),
+    ],
+)
+def test_cancel_refuses_its_own_bad_input_before_it_publishes(args: list[str], needle: str) -> None:
+    """With the broker down each exited 3 and said to send the same refused Stop All again."""
+    result = CliRunner().invoke(main, ["cancel", "--timeout", "1", *args], env=NOWHERE)
+    assert result.exit_code == 2, (args, result.output)
+    assert needle in result.output and "again" not in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "again"),
+    [
+        (["b1", "--reason", "disk full"], "animastor-tasks cancel --reason 'disk full' b1"),
+        (["b1", "--reason", "it's late"], """animastor-tasks cancel --reason 'it'"'"'s late' b1"""),
+        (["b1"], "animastor-tasks cancel b1"),
+        (["--reason", "x", "--", "-b1"], "animastor-tasks cancel --reason x -- -b1"),
+    ],
+)
+def test_a_cancel_the_broker_did_not_take_says_how_to_send_it_again_reason_and_all(args: list[str], again: str) -> None:
+    """The line to send it again dropped `--reason`: the commands the resend ended had none."""
+    result = CliRunner().invoke(main, ["cancel", "--timeout", "1", *args], env=NOWHERE)
+    assert result.exit_code == 3, result.output
+    assert f"send `{again}` again" in result.output, result.output
+
+
+@pytest.fixture
+def exec_celery(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
+    """What `worker` would have run: never this test process replaced by Celery."""
+    from animastor_tasks.operator import process_commands
+
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(process_commands, "_exec_celery", lambda *args: calls.append(args))
+    return calls
+
+
+def test_a_worker_takes_one_stage(exec_celery: list[tuple[str, ...]]) -> None:
+    """`--stage audio --stage image` started an image-only worker: click kept the last one, without a word."""
+    result = CliRunner().invoke(main, ["worker", "--stage", "audio", "--stage", "image"], env=NOWHERE)
+    assert result.exit_code == 2 and exec_celery == [], result.output
+    assert "Invalid value for '--stage': given 2 times (audio, image)" in result.output, result.output
+    hint = "run one worker per stage: `animastor-tasks worker --stage audio` and `animastor-tasks worker --stage image`"
+    assert hint in " ".join(result.output.split()), result.output
+    one = CliRunner().invoke(main, ["worker", "--stage", "audio"], env=NOWHERE)
+    assert one.exit_code == 0, one.output
+    [args] = exec_celery
+    assert args[args.index("-Q") + 1] == "gpu.audio" and args[args.index("-n") + 1] == "audio@%h", args
