@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import numbers
 import os
 import uuid
 from typing import Any, Literal, cast, overload
@@ -51,8 +53,8 @@ class Client:
     """Safe to share across a fork (gunicorn --preload): a child that uses it makes connections of its own."""
 
     def __init__(self, settings: Settings | None = None, *, timeout: float = 30.0) -> None:
+        self.timeout = _checked_timeout(timeout)  # before anything is read or sent
         self.settings = settings or Settings.from_env()
-        self.timeout = timeout
         self._pid = os.getpid()
         self.app = self._make_app()
 
@@ -120,7 +122,7 @@ class Client:
             except (redis.RedisError, RuntimeError) as lost:
                 raise self._result_store_down(lost, sent=result.id, command_id=command_id) from err
             raise AnimastorError(
-                f"{name}: no answer within {self.timeout:.0f}s; is a control worker consuming {CONTROL_QUEUE}? "
+                f"{name}: no answer within {self.timeout:g}s; is a control worker consuming {CONTROL_QUEUE}? "
                 f"(task id {result.id}: if no worker took it, it stays queued and runs when one starts; one that"
                 f" died as it took it lost it, so see `commands` before asking again{_resend(command_id)})"
             ) from err
@@ -234,6 +236,25 @@ class Client:
             # The broker's connections are kombu's, pooled per URL for every client of this process (reused, not
             # leaked): closing them would break the others.
             app.close()
+
+
+#: The longest `timeout` a client takes, as the CLI's `--timeout`: a day. Past some 1e9 s the socket timeouts
+#: overflow, and no caller waits for an answer that long.
+MAX_TIMEOUT = 86_400.0
+
+
+def _checked_timeout(timeout: object) -> float:
+    """The client's `timeout`, a number of seconds above 0 and at most a day. *Why:* 0 or -1 published the task
+    and then said "no answer within 0s" of a command that ran, `inf` was a raw OverflowError, "5" a TypeError."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout: must be a number of seconds, got {type(timeout).__name__} {timeout!r}")
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int past a float's range: longer than a day too
+        seconds = math.inf
+    if not 0 < seconds <= MAX_TIMEOUT:  # nan fails both
+        raise ValueError(f"timeout: must be above 0 and at most {MAX_TIMEOUT:,.0f} seconds, got {timeout!r}")
+    return seconds
 
 
 def _app_conf(broker_url: str, timeout: float) -> dict[str, Any]:
