@@ -12,10 +12,11 @@ exit status 2) unless basic auth is configured:
 | variable                       | meaning                                                     | default     |
 | ------------------------------ | ----------------------------------------------------------- | ----------- |
 | ANIMASTOR_FLOWER_BASIC_AUTH    | `user:password` (the password may contain ':')              | (required)  |
-| ANIMASTOR_FLOWER_DEV_NO_AUTH   | `1`: run without auth, allowed only on a loopback address   | unset       |
+| ANIMASTOR_FLOWER_DEV_NO_AUTH   | `1`: pages without auth, on a loopback address only (*)     | unset       |
 | ANIMASTOR_FLOWER_ADDRESS       | address to listen on                                        | 127.0.0.1   |
 | ANIMASTOR_FLOWER_PORT          | port to listen on                                           | 5555        |
 
+(*) Flower's HTTP API (`/api/...`) still answers 401 then, unless Flower's own `FLOWER_UNAUTHENTICATED_API` is set.
 Credentials are passed through the environment, never the command line (which `ps` shows).
 Flower's own `/metrics` and `/healthcheck` answer without auth: they are internal endpoints,
 keep them behind the loopback address or a private network.
