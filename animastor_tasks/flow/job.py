@@ -241,8 +241,9 @@ def refusal_kind(ports: Ports, err: ArtifactStoreError) -> ErrorKind:
 
 
 def guarded_progress(progress: Callable[[float], None], job: Job) -> Callable[[float], None]:
-    """Progress is for Flower only: a result backend or broker that cannot be reached while the
-    generator reports it is logged once, never raised into the generator (it would fail the pair)."""
+    """Progress is for Flower only: a report that fails is logged once, never raised into the generator (it would
+    fail the pair). A GPU worker's reports are sent by a thread of their own (`worker/chain.py`), so that a store
+    out of reach holds no generator either."""
     warned = False
 
     def report(fraction: float) -> None:

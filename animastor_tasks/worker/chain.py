@@ -33,12 +33,14 @@ import dataclasses
 import logging
 import math
 import mmap
+import os
 import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
+from queue import SimpleQueue
 from typing import Any
 
 from celery import Celery, Task
@@ -274,12 +276,26 @@ def progress_reporter(task: Task, job: Job) -> Callable[[float], None]:
     """Progress for Flower under the job's own id: its result's PROGRESS state and a `task-progress`
     event, at most every `PROGRESS_EVERY` seconds from the job's start. A job done sooner reports none: its
     result follows at once, and a report of 100% was a result write and an event more per job (a tenth of
-    a worker's CPU per job of near-instant work)."""
+    a worker's CPU per job of near-instant work). Sent by the process's progress thread (`_Sender`), never by
+    the generator's: a report due while the one before is still on its way is left out."""
     last = [time.monotonic()]
+    sending = threading.Event()
+    failed: list[str] = []
+
+    def send(hostname: str, meta: dict[str, Any]) -> None:
+        try:
+            task.update_state(task_id=job.dispatch_id, state="PROGRESS", meta=meta)
+            _send_event(task, "task-progress", hostname=hostname, uuid=job.dispatch_id, **meta)
+        except Exception as err:  # an event or a state lost costs only Flower's view; said once a job
+            if not failed:
+                failed.append(repr(err))
+                log.warning("[GENERATE] %s progress not reported: %s: %s", job.describe(), type(err).__name__, err)
+        finally:
+            sending.clear()
 
     def report(fraction: float) -> None:
         now = time.monotonic()
-        if now - last[0] >= PROGRESS_EVERY:
+        if now - last[0] >= PROGRESS_EVERY and not sending.is_set():
             last[0] = now
             meta: dict[str, Any] = {
                 "book_id": job.book_id,
@@ -288,10 +304,31 @@ def progress_reporter(task: Task, job: Job) -> Callable[[float], None]:
                 "stage": job.stage,
                 "percent": round(fraction * 100, 1),
             }
-            task.update_state(task_id=job.dispatch_id, state="PROGRESS", meta=meta)
-            _send_event(task, "task-progress", uuid=job.dispatch_id, **meta)
+            sending.set()
+            _Sender.send(partial(send, _worker_name(task), meta))  # the name read here: a request is per thread
 
     return report
+
+
+class _Sender:
+    """The process's one thread sending progress reports, in turn. *Why:* sent from the generator's thread, each
+    report waited on a broker or result store out of reach (3 s each for a GPU host cut off from the broker), and a
+    job of 12 s with 40 reports took 49 s; its GPU work stood still, though progress is for Flower alone."""
+
+    pid = -1
+    queue: SimpleQueue[Callable[[], None]] = SimpleQueue()
+
+    @classmethod
+    def send(cls, step: Callable[[], None]) -> None:
+        if cls.pid != os.getpid():  # a forked pool child has no thread of its parent's
+            cls.pid, cls.queue = os.getpid(), SimpleQueue()
+            threading.Thread(target=cls._run, args=(cls.queue,), name="progress", daemon=True).start()
+        cls.queue.put(step)
+
+    @staticmethod
+    def _run(steps: SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            steps.get()()
 
 
 def _announce(task: Task, kind: str, dispatch_id: str, **fields: Any) -> None:
