@@ -52,3 +52,28 @@ def test_after_the_backends_end_only_the_first_transaction_fails(settings, migra
         assert outcomes == ["failed"] + ["ok"] * (POOLED - 1)
     finally:
         db.close()
+
+
+def _conninfo(db: Database) -> dict[str, str | None]:
+    with db.read() as conn:
+        return {o.keyword.decode(): None if o.val is None else o.val.decode() for o in conn.pgconn.info}
+
+
+def test_a_pooled_connection_gives_up_on_a_server_that_stopped_answering(settings, migrated) -> None:
+    """Keepalive probes after 10 s without traffic and 30 s at most of unacknowledged data, unless the URL says
+    otherwise. *Why:* on libpq's defaults a query sent across a partition that drops packets waited on TCP's own
+    retries (two hours before the first keepalive probe; about 15 minutes of retransmissions)."""
+    db = Database(settings.database_url)
+    try:
+        given = _conninfo(db)
+    finally:
+        db.close()
+    assert (given["keepalives_idle"], given["keepalives_interval"], given["keepalives_count"]) == ("10", "5", "3")
+    assert given["tcp_user_timeout"] == "30000" and given["keepalives"] == "1", given
+    joined = "&" if "?" in settings.database_url else "?"
+    db = Database(f"{settings.database_url}{joined}tcp_user_timeout=5000&keepalives_idle=7")
+    try:
+        given = _conninfo(db)
+    finally:
+        db.close()
+    assert (given["tcp_user_timeout"], given["keepalives_idle"], given["keepalives_count"]) == ("5000", "7", "3")

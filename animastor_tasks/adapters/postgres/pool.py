@@ -105,6 +105,19 @@ class _Connection(psycopg.Connection[TupleRow]):
         return conn
 
 
+#: How soon a connection whose server stopped answering is given up (libpq's names; the URL's own win): keepalive
+#: probes after 10 s without traffic, and 30 s at most of data the server has not acknowledged. *Why:* across a
+#: partition that drops packets (a GPU host cut off from the database) a query waited on TCP's own retries: on a
+#: link that healed, up to two minutes more for the next one; on one that did not, about 15 minutes.
+DEAD_PEER = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+             "tcp_user_timeout": 30_000}  # fmt: skip
+
+
+def _dead_peer_defaults(url: str) -> dict[str, Any]:
+    named = conninfo_to_dict(url)
+    return {name: value for name, value in DEAD_PEER.items() if name not in named}
+
+
 #: The databases whose pool this process opened and has not closed yet (`close_open_pools`).
 _open: weakref.WeakSet[Database] = weakref.WeakSet()
 
@@ -205,6 +218,7 @@ class Database:
                         open=True,
                         connection_class=_Connection,
                         kwargs={
+                            **_dead_peer_defaults(self.url),
                             "connect_timeout": max(1, int(self._timeout)),
                             "autocommit": False,
                             # No JIT: every statement here is short, and a cost estimate past jit_above_cost
