@@ -17,7 +17,8 @@ widens to another book).
 |   = when the lift counts as over)             |        | until its commands are written (5 min max)|
 | ``P:force:B``  (members ``C:S:STAGE``)        | set    | force TTL (120 s) after a regenerate      |
 | ``P:defer:B:BUCKET`` (members ``C:S:STAGE``,  | zset   | score = expiry time; pruned by reconcile, |
-|   score = deferral expiry, unix seconds)      |        | gone with the cancel or once B is idle    |
+|   score = deferral expiry, unix seconds)      |        | gone with the cancel or once B is idle;   |
+|                                               |        | TTL: its last write's deferral + 60 s     |
 | ``P:active-books`` (members ``B``)            | set    | while the book has active scenes          |
 | ``P:active:B`` (members ``C:S``)              | set    | while a scene has queued or running work  |
 | ``P:active-books:due`` (members ``B``, score  | zset   | while B has pending work; the tick takes  |

@@ -38,6 +38,7 @@ class DispatchResult:
     claimed_stages: set[str] = field(default_factory=set)  # stages of which this pass claimed a pair
     held_lanes: set[str] = field(default_factory=set)  # the handed lane, while its stage has no worker for now
     gone: set[Pair] = field(default_factory=set)  # pairs no longer pending: claimed, already completed, blocked
+    settled: set[Pair] = field(default_factory=set)  # those already completed: no longer in flight either
     deferred_until: dict[Pair, float] = field(default_factory=dict)  # when each pair left waiting may go
 
 
@@ -183,9 +184,8 @@ def _settle_idempotent(
         _defer(ports, book, Outcome.ALREADY_COMPLETED, completed, now)
         result.outcomes[Outcome.ALREADY_COMPLETED] += len(completed)
         result.gone.update(completed)
-        # Only what Postgres settled leaves: one it refused (its inputs changed since the read) is dispatched.
-        settled = set(completed)
-        todo = [i for i in todo if i.pair not in settled]
+        result.settled.update(completed)  # only what Postgres settled leaves: one it refused (its inputs changed
+        todo = [i for i in todo if i.pair not in result.settled]  # since the read) is dispatched
 
     # Only a pair with a recorded dispatch can be held by it; one without is never read (a concurrent
     # claim of it is caught by the claim's compare-and-set on `pending`).

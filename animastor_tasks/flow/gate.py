@@ -124,9 +124,11 @@ def _gate_pass(
         full_lanes=full_lanes,
         now=now,
     )
-    released = set(report.released)
-    # A stage BLOCKED in this pass released every pair of it in flight: counted busy, the book stayed active for good.
-    busy = {i.pair[:2] for i in rows.in_flight if i.pair not in released and i.stage not in result.blocked}
+    ended = set(report.released) | result.settled
+    # A stage BLOCKED in this pass released every pair of it in flight, and a pair settled as already completed is
+    # `ready`: counted busy, the book stayed active for good (a regenerate without force of a finished book left its
+    # scenes in the active index and their deferrals behind, which no tick nor reconcile visits again).
+    busy = {i.pair[:2] for i in rows.in_flight if i.pair not in ended and i.stage not in result.blocked}
     idle = snap.active - busy
     if idle:
         ports.book_state.deactivate(book, idle)

@@ -168,11 +168,32 @@ def test_already_completed_is_idempotent_without_force(rt) -> None:
     assert report["commands"][0]["status"] == "completed"  # settled by the pass, before the answer
     assert states(rt, "b")[("ch1", "s1", "audio")] == "ready"
     assert queued_messages(rt, "gpu.audio") == published  # nothing new published
-    idem = rt.redis.client.zscore(rt.redis.keys.deferrals("b", "idempotent"), "ch1:s1:audio")
-    assert idem is not None and 890 < idem - rt.ports.clock() <= 900
+    # Settled, the pair is in flight no more, and the book, with nothing else in flight, leaves the active index
+    # with its deferrals. *Why:* kept there, counted busy, it stayed for good (neither the tick nor reconcile
+    # visits a book with no work), its idempotent deferral with it.
+    assert "b" not in rt.ports.book_state.active_books()
+    keys = rt.redis.keys
+    assert rt.redis.client.exists(keys.active_scenes("b"), keys.deferrals("b", "idempotent")) == 0
     # With force (the default) the same pair is generated again.
     regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", "s1"]])
     assert states(rt, "b")[("ch1", "s1", "audio")] == "generating"
+
+
+def test_a_deferral_a_pass_writes_after_a_stop_all_ends_with_its_key(rt) -> None:
+    """A pass that read its book before a Stop All wrote its deferrals after the Stop All had deleted them: the book,
+    off the active index and the due index, is visited by nobody, and its deferral key stayed for good (one per
+    such race in a soak). A deferral key lives as long as the deferral written last, and a minute more."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    cancel_flow.cancel(rt.ports, "b")
+    now = rt.ports.clock()
+    rt.ports.deferrals.defer("b", "capacity", [("ch1", "s2", "audio")], 60, now)  # the late pass's write
+    key = rt.redis.keys.deferrals("b", "capacity")
+    assert "b" not in rt.ports.book_state.active_books()
+    assert 60 < rt.redis.client.ttl(key) <= 120
+    rt.ports.deferrals.defer("b", "capacity", [("ch1", "s1", "audio")], 5, now)  # a later, shorter one
+    assert 5 < rt.redis.client.ttl(key) <= 65
 
 
 def test_no_consumer_blocks_the_command_and_publishes_nothing(rt) -> None:

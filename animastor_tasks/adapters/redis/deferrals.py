@@ -6,6 +6,7 @@ A deferred pair costs a gate pass nothing but its share of the one snapshot read
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Iterable, Sequence
 
@@ -18,6 +19,7 @@ from animastor_tasks.domain.vocabulary import DeferralBucket
 from animastor_tasks.ports import Committed
 
 HAND_OVER_SECONDS = 600  # a hand-over whose last refill never came (a control worker killed) is forgotten
+DEFERRAL_KEY_SLACK_SECONDS = 60  # a deferral key outlives the deferral written last by this much
 
 
 class DeferralStore:
@@ -30,10 +32,16 @@ class DeferralStore:
         self._done_lua = _script("handed_done")
 
     def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:
+        """The pairs deferred until `now + seconds`; the bucket's key lives that long and a minute more at least
+        (each write sets its lifetime again: a shorter one only ends other deferrals early, and a deferral ended
+        early costs a pass, never a dispatch the gate would refuse). *Why:* a pass that read its book before a
+        Stop All and wrote after it left the key of a book nobody visits any more, for good."""
         mapping = {pair_member(*p): now + seconds for p in pairs}
         if mapping:
+            key = self.conn.keys.deferrals(book, bucket)
             with self.conn.writes() as pipe:
-                pipe.zadd(self.conn.keys.deferrals(book, bucket), mapping)
+                pipe.zadd(key, mapping)
+                pipe.expire(key, math.ceil(seconds) + DEFERRAL_KEY_SLACK_SECONDS)
 
     def clear_deferrals(self, book: str, pairs: Iterable[Pair], buckets: Sequence[str] = DEFER_BUCKETS) -> None:
         members = [pair_member(*p) for p in pairs]
