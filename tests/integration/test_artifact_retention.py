@@ -13,8 +13,8 @@ from animastor_tasks.worker.wiring import Wiring
 from .helpers import advertise, fake_artifact, make_book, use_settings
 
 
-def commit(rt: Wiring, scene: str, sha: str) -> str:
-    """A forced regenerate of the scene's audio, its job committed with `sha`: the dispatch id."""
+def commit(rt: Wiring, scene: str, sha: str, uri: str | None = None) -> str:
+    """A forced regenerate of the scene's audio, its job committed with `sha` (stored at `uri`): the dispatch id."""
     regenerate_flow.regenerate(rt.ports, "b", ["audio"], [["ch1", scene]], force=True)
     with rt.db.read() as conn:
         token, dispatch_id = conn.execute(
@@ -22,7 +22,8 @@ def commit(rt: Wiring, scene: str, sha: str) -> str:
             " AND scene_id = %s AND stage = 'audio'",
             (scene,),
         ).fetchone()
-    assert rt.ports.jobs.commit_job("b", ("ch1", scene, "audio"), token, dispatch_id, fake_artifact(sha), "gpu.audio")
+    artifact = {**fake_artifact(sha), "uri": uri}
+    assert rt.ports.jobs.commit_job("b", ("ch1", scene, "audio"), token, dispatch_id, artifact, "gpu.audio")
     return str(dispatch_id)
 
 
@@ -94,3 +95,21 @@ def test_a_pass_looks_at_a_slice_of_rows_and_the_next_goes_on_from_it(rt) -> Non
     with rt.db.transaction() as conn:  # a scene removed by a re-import: its old row is no pair's current one
         conn.execute("DELETE FROM scenes WHERE book_id = 'b' AND scene_id = 's1'")
     assert journal.prune_artifacts(7, 0, 100) == (1, 0) and rows(rt) == {old[3], young}
+
+
+def test_rows_of_the_same_output_again_are_pruned_but_the_newest(rt) -> None:
+    """A generator that gives the same bytes again (the builtin, a fixed seed, a cached server) made a row per run
+    whose sha256 is its pair's current one: none was ever pruned (16 per pair after an hour's soak). The newest row of
+    that output stands for it (`artifact_uris` reads it); the older ones go once past the retention."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio")
+    runs = [commit(rt, "s1", "same", f"s3://bucket/run{n}") for n in range(3)]
+    unstored = commit(rt, "s1", "same")  # newer, but with no URI: the newest row with one still stands for it
+    other = commit(rt, "s2", "same", "s3://bucket/other")  # another pair's row of the same bytes is its own
+    age(rt, [*runs, unstored, other], days=10)
+    assert rt.ports.assets.artifact_uris("b")[("ch1", "s1", "audio")] == "s3://bucket/run2"
+    assert reconcile_flow.reconcile(rt.ports, force=True)["pruned_artifacts"] == 2
+    assert rows(rt) == {runs[-1], unstored, other}
+    uris = rt.ports.assets.artifact_uris("b")
+    assert uris == {("ch1", "s1", "audio"): "s3://bucket/run2", ("ch1", "s2", "audio"): "s3://bucket/other"}
+    assert reconcile_flow.reconcile(rt.ports, force=True)["pruned_artifacts"] == 0

@@ -62,7 +62,10 @@ class Journal:
 
     def prune_artifacts(self, retention_days: float, after: int, rows: int) -> tuple[int, int]:
         """Look at the `rows` artifact rows after id `after`, oldest first, and delete those older than the retention
-        whose sha256 is not their pair's `artifact_sha256` (replaced, or their scene removed): the files stay.
+        whose sha256 is not their pair's `artifact_sha256` (replaced, or their scene removed), or that a newer row
+        of the pair with the same sha256 stands for (`artifact_uris` reads the newest): the files stay. *Why the
+        last:* a generator that gives the same bytes again (the builtin, a fixed seed, a cached server) added a row
+        per run that no pass pruned, 16 per pair in an hour's soak.
         Bounded in rows looked at, not deleted: the kept rows (each pair's current artifact) lie among the oldest,
         and a pass from the oldest read them all again before the first to delete. (rows deleted, the id the next
         pass goes on after: 0 once the slice reached a row inside the retention, or the end: a round starts over)."""
@@ -71,9 +74,12 @@ class Journal:
                 "WITH looked AS (SELECT id, created_at < now() - make_interval(secs => %(keep)s) AS old"
                 "  FROM artifacts WHERE id > %(after)s ORDER BY id LIMIT %(rows)s),"
                 " gone AS (DELETE FROM artifacts r USING looked l WHERE r.id = l.id AND l.old"
-                "  AND NOT EXISTS (SELECT 1 FROM asset_states a WHERE a.book_id = r.book_id"
+                "  AND (NOT EXISTS (SELECT 1 FROM asset_states a WHERE a.book_id = r.book_id"
                 "   AND a.chapter_id = r.chapter_id AND a.scene_id = r.scene_id AND a.stage = r.stage"
-                "   AND a.artifact_sha256 = r.sha256) RETURNING r.id)"
+                "   AND a.artifact_sha256 = r.sha256)"
+                "  OR EXISTS (SELECT 1 FROM artifacts n WHERE n.book_id = r.book_id AND n.chapter_id = r.chapter_id"
+                "   AND n.scene_id = r.scene_id AND n.stage = r.stage AND n.sha256 = r.sha256 AND n.id > r.id"
+                "   AND (n.uri IS NOT NULL OR r.uri IS NULL))) RETURNING r.id)"
                 " SELECT (SELECT count(*) FROM gone), count(*), coalesce(bool_and(old), false), max(id) FROM looked",
                 {"keep": retention_days * 86400, "after": after, "rows": rows},
             ).fetchone()
