@@ -36,14 +36,14 @@ def rebuild(ports: Ports, indexed: list[str], report: dict[str, Any]) -> None:
     report["rebuilt_books"] = report.get("rebuilt_books", 0) + len(rebuilt)
 
 
-def after_a_loss(ports: Ports) -> int:
+def after_a_loss(ports: Ports) -> None:
     """At each tick: no reconcile bookmark in Redis means it lost its data (a restart without persistence, a
     flush, a failover to an empty replica) or never held any; every book with work is then rebuilt into the active
-    index, due now, and reconcile's round starts from its first book. Returns the books rebuilt. *Why:* the lanes'
-    waiting lists and the due index went with the data, so a freed slot was handed to nobody: both slots of a lane
-    stood idle 24 s beside 12 pending pairs until reconcile's next pass."""
+    index, due now, and reconcile's round starts from its first book. *Why:* the lanes' waiting lists and the due
+    index went with the data, so a freed slot was handed to nobody: both slots of a lane stood idle 24 s beside 12
+    pending pairs until reconcile's next pass."""
     if ports.locks.bookmark(BOOKMARK) is not None:
-        return 0
+        return
     ports.locks.set_bookmark(BOOKMARK, REBUILDING)  # read as none by a reconcile that starts meanwhile
     report: dict[str, Any] = {}
     rebuild(ports, sorted(ports.commands.books_with_work()), report)
@@ -54,4 +54,3 @@ def after_a_loss(ports: Ports) -> int:
             " active index, due now",
             report["rebuilt_books"],
         )
-    return int(report["rebuilt_books"])

@@ -21,7 +21,7 @@ LIFT_SECONDS = 300  # a regenerate's lift counts as under way this long at most 
 class CancelFlagStore:
     def __init__(self, conn: RedisConnection) -> None:
         self.conn = conn
-        self._clear_mirror = conn.client.register_script(_script("clear_mirror_flag"))
+        self._clear_if = conn.client.register_script(_script("clear_flag_if"))
 
     def cancel_flag_set(self, book: str) -> bool:
         return bool(self.conn.run(lambda: self.conn.client.exists(self.conn.keys.cancel_flag(book))))
@@ -35,15 +35,18 @@ class CancelFlagStore:
             pipe.execute()
 
     def clear_mirror_flag(self, book: str) -> None:
-        """The flag lifted only while it mirrors a tombstone (`lua/clear_mirror_flag.lua`): a Stop All's own stays."""
-        flag = self.conn.keys.cancel_flag(book)
-        self.conn.run(lambda: self._clear_mirror(keys=[flag], args=[MIRROR_FLAG], client=self.conn.client))
+        """The flag lifted only while it mirrors a tombstone: a Stop All's own stays."""
+        self._clear_flag_if(book, MIRROR_FLAG)
 
     def clear_stop_flag(self, book: str) -> None:
-        """A Stop All's own flag lifted (`lua/clear_mirror_flag.lua` with its value): for a book Postgres does not
-        hold, which a Stop All sent while Postgres did not answer flagged all the same."""
+        """A Stop All's own flag lifted: for a book Postgres does not hold, which a Stop All sent while Postgres did
+        not answer flagged all the same."""
+        self._clear_flag_if(book, STOP_FLAG)
+
+    def _clear_flag_if(self, book: str, value: str) -> None:
+        """The flag lifted only while it holds `value` (`lua/clear_flag_if.lua`): one of the other kind stays."""
         flag = self.conn.keys.cancel_flag(book)
-        self.conn.run(lambda: self._clear_mirror(keys=[flag], args=[STOP_FLAG], client=self.conn.client))
+        self.conn.run(lambda: self._clear_if(keys=[flag], args=[value], client=self.conn.client))
 
     def lift_cancel_flag(self, book: str, request: str, now: float) -> LiftedFlag:
         """A regenerate's first step: the flag deleted, and the lift counted as under way until its commands are
