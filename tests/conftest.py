@@ -9,8 +9,9 @@ two fixed halves (`RUN_APART`): the suites that bring their own servers or need 
 the machine's shared servers. Why: the cluster and deployment suites spend most of their time waiting
 (partitions held for 30 s, leases running out, images building), and running them one after the other with
 the rest took the whole suite past 25 minutes on 2 cores. The fault suite (private Redis and Postgres servers,
-a RabbitMQ vhost of its own) runs apart too: beside the shared half it left the other worker idle for the
-last 14 of 25 minutes (summed test times 667 s apart, 1,504 s shared).
+a RabbitMQ vhost of its own) runs apart too when the shared servers' suites run (`make test`): beside them it
+left the other worker idle for the last 14 of 25 minutes (summed test times 667 s apart, 1,504 s shared).
+Without them (`make faults`: faults and cluster) it is the other half, beside the cluster suite.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ _RUN = uuid.uuid4().hex[:8]
 #: Test directories run by one xdist worker while another runs all the rest: these bring their own servers
 #: (network namespaces, a compose stack, a built wheel) or use none, and share nothing with the rest but
 #: this run's stores, which each worker has its own of.
-RUN_APART = frozenset({"cluster", "deploy", "unit", "dev", "faults"})
-#: Files of those directories kept in the shared half: a test on the AMQP broker may be on its shared `/` vhost
-#: (where `rabbitmqctl` cannot make one of its own), as the e2e ones are, and must not run beside them.
+RUN_APART = frozenset({"cluster", "deploy", "unit", "dev"})
+#: Run apart when the run has tests of the shared half too, else they are that half.
+APART_BESIDE_SHARED = frozenset({"faults"})
+#: Files kept in the shared half all the same: a test on the AMQP broker may be on its shared `/` vhost (where
+#: `rabbitmqctl` cannot make one of its own), as the e2e ones are, and must not run beside them.
 KEPT_SHARED = frozenset({"tests/faults/test_broker_outage.py"})
 _made_database: list[str] = []  # the database this process named and made, dropped when pytest ends
 _artifact_root: dict[str, str] = {}  # this process's artifact directory, removed when pytest ends
@@ -119,10 +122,23 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     (pytest-xdist issue 1386), and the tests were spread over both workers."""
     from xdist.scheduler import LoadScopeScheduling
 
+    def top(nodeid: str) -> str:
+        return nodeid.split("/")[1] if nodeid.startswith("tests/") else ""
+
     class Halves(LoadScopeScheduling):
+        shared: bool | None = None  # whether the run has tests of the shared half proper: known once collected
+
+        def shared_run(self) -> bool:
+            if self.shared is None and self.collection is not None:
+                self.shared = any(top(n) not in RUN_APART | APART_BESIDE_SHARED for n in self.collection)
+            return bool(self.shared)
+
         def _split_scope(self, nodeid: str) -> str:
-            top = nodeid.split("/")[1] if nodeid.startswith("tests/") else ""
-            return "apart" if top in RUN_APART and nodeid.split("::")[0] not in KEPT_SHARED else "shared"
+            if nodeid.split("::")[0] in KEPT_SHARED:
+                return "shared"
+            if top(nodeid) in APART_BESIDE_SHARED:
+                return "apart" if self.shared_run() else "shared"
+            return "apart" if top(nodeid) in RUN_APART else "shared"
 
     return Halves(config, log)
 
