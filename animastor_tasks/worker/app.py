@@ -21,6 +21,7 @@ from animastor_tasks.errors import ArtifactStoreError, ConfigError, redact_url
 from animastor_tasks.worker import chain, flower_settings, lost, tracing, warm
 from animastor_tasks.worker.logs import LogSetup
 from animastor_tasks.worker.presence import PresenceStep, StartingPresenceStep
+from animastor_tasks.worker.timers import DropCancelledTimersStep
 
 try:
     settings = Settings.from_env()
@@ -35,6 +36,7 @@ app.config_from_object("celeryconfig", force=True)
 flower_settings.guard_flower_command()  # `celery -A animastor_tasks flower`, from any directory: auth or exit 2
 app.steps["worker"].add(StartingPresenceStep)  # beats before the consumer can (worker/presence.py)
 app.steps["consumer"].add(PresenceStep)
+app.steps["worker"].add(DropCancelledTimersStep)  # each job's ended time-limit timer, let go (worker/timers.py)
 
 log = logging.getLogger("animastor.worker")
 # INFO unless `-l` or ANIMASTOR_LOG_LEVEL says otherwise; JSON lines with ANIMASTOR_LOG_FORMAT=json; job context.
