@@ -3,9 +3,9 @@
 Workers (subprocesses, on the bench stores): one control worker, beat, and as many single-process
 GPU workers as the lane has slots. Many small books are regenerated together on one lane with
 `book_quota` 1, so every book but the first few must be handed a slot another book's job freed.
-"Together": the regenerates are sent without waiting for each other's results. Sent one after the
-other they arrived over 0.7 s, longer than a job, and a book whose command came last then rightly
-queued behind books that had already run a job and rejoined the waiting list before it arrived.
+"Together": the regenerates are sent without waiting for each other's results. Their commands are
+written over about 0.4 s, longer than a job: a book whose command comes while another book's job runs
+waits ahead of that book's next job (round robin, `domain.deferral.SERVED_SINCE`).
 
 - `lane_busy_fraction`: busy slot-seconds (job.started -> job.ready, from the journal) over the
   slot-seconds available from the first dispatch until the backlog is empty (the last job started).

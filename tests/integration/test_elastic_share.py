@@ -352,6 +352,8 @@ def test_a_book_handed_a_slot_its_own_share_refuses_waits_behind_the_books_that_
     for book in ("a", "w", "d"):
         rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
     regenerate_flow.regenerate(rt.ports, "a", ["audio"])  # alone: both slots, s3 waits for the lane
+    rt.ports.deferrals.clear_deferrals("a", [("ch1", "s3", "audio")])  # as when its capacity deferral runs out
+    gate.gate_pass(rt.ports, "a")  # the tick's pass finds the lane still full: `a` waits as of now, at the head
     regenerate_flow.regenerate(rt.ports, "w", ["audio"])  # waits
     regenerate_flow.regenerate(rt.ports, "d", ["audio"])  # waits
     with rt.db.transaction() as conn:  # one of a's jobs ends: a slot is free, `a` is at its share
@@ -371,7 +373,7 @@ def test_stop_all_takes_the_book_off_the_lanes_waiting_lists(rt) -> None:
     regenerate_flow.regenerate(rt.ports, "x", ["audio"])
     regenerate_flow.regenerate(rt.ports, "reader", ["audio"], [["ch1", "s1"]], priority="interactive")
     regenerate_flow.regenerate(rt.ports, "w", ["audio"])
-    assert list(waiting(rt)) == ["reader", "x", "w"]
+    assert list(waiting(rt)) == ["reader", "w", "x"]  # x, whose job runs, behind the books that came meanwhile
     cancel_flow.cancel(rt.ports, "reader")
     assert "reader" not in waiting(rt) and "w" in waiting(rt)
 

@@ -1,0 +1,30 @@
+"""Round robin on a lane's waiting list: a book served a slot waits behind the books that come to wait before
+its job ends, and goes back to the list at that job's end.
+
+Real Postgres, Redis and broker; jobs run in-process (`test_elastic_share.finish_one`).
+"""
+
+from __future__ import annotations
+
+from animastor_tasks.flow import regenerate as regenerate_flow
+
+from .helpers import make_book
+from .test_elastic_share import finish_one, lane, running, waiting
+
+
+def test_a_book_that_came_while_another_s_job_ran_goes_before_that_book_s_next_job(rt) -> None:
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    for book, scenes in (("blocker", 1), ("served", 2), ("late", 1)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate_flow.regenerate(rt.ports, "blocker", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "served", ["audio"])  # one slot left: its first scene runs, the second waits
+    regenerate_flow.regenerate(rt.ports, "late", ["audio"])  # the lane full: it waits, having run nothing
+    assert running(rt, "blocker", "served", "late") == {"blocker": 1, "served": 1}
+    assert list(waiting(rt)) == ["late", "served"]
+    finish_one(rt, "blocker")
+    # The freed slot goes to the book that has run nothing yet, not to the second scene of the book served before
+    # it came (its share of 2 would have allowed that).
+    assert running(rt, "served", "late") == {"served": 1, "late": 1}
+    finish_one(rt, "served")  # its job's end puts it back on the list; nobody else waits: it runs its next scene
+    assert running(rt, "served", "late") == {"served": 1, "late": 1}
+    assert "served" not in waiting(rt)
