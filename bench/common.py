@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 DATABASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/animastor_bench")
@@ -29,6 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Environment and stores
 
 
+ARTIFACT_ROOT = os.path.join("/tmp", f"animastor-bench-artifacts-{os.getuid()}")
+
+
 def bench_env(stages: dict[str, Any] | None = None) -> dict[str, str]:
     """The ANIMASTOR_* variables pointing at the bench stores (optionally a custom stage table)."""
     env = {
@@ -36,7 +42,7 @@ def bench_env(stages: dict[str, Any] | None = None) -> dict[str, str]:
         "ANIMASTOR_REDIS_URL": REDIS_URL,
         "ANIMASTOR_BROKER_URL": REDIS_URL,
         "ANIMASTOR_KEY_PREFIX": KEY_PREFIX,
-        "ANIMASTOR_ARTIFACT_ROOT": os.path.join("/tmp", f"animastor-bench-artifacts-{os.getuid()}"),
+        "ANIMASTOR_ARTIFACT_ROOT": ARTIFACT_ROOT,
     }
     if stages is not None:
         env["ANIMASTOR_STAGES"] = json.dumps(stages)
@@ -74,7 +80,8 @@ def prepare_stores() -> None:
 
 def reset_stores() -> None:
     """TRUNCATE every product table of the bench database and FLUSHDB the bench Redis db, leaving reconcile's bookmark
-    as a running farm's Redis holds it: without it, the first tick rebuilds every book with work (flow/rebuild.py)."""
+    as a running farm's Redis holds it: without it, the first tick rebuilds every book with work (flow/rebuild.py).
+    The bench jobs' media goes too (kept, each run added its jobs' files)."""
     import psycopg
     import redis
 
@@ -97,6 +104,7 @@ def reset_stores() -> None:
         client.set(Keyspace(KEY_PREFIX).bookmark(BOOKMARK), "")
     finally:
         client.close()
+    shutil.rmtree(ARTIFACT_ROOT, ignore_errors=True)
     declare_broker_queues()
 
 
@@ -120,6 +128,15 @@ def make_runtime(stages: dict[str, Any] | None = None) -> Any:
     from animastor_tasks.worker.wiring import build
 
     return build(Settings.from_env(bench_env(stages)))
+
+
+def drop_logs(folder: Path, failed: type[BaseException] | None = None) -> None:
+    """A benchmark's worker logs: removed once it is done with them (each run left a folder in /tmp), kept and named
+    when it failed."""
+    if failed is None:
+        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        print(f"   worker logs kept in {folder}", file=sys.stderr, flush=True)
 
 
 def pg_connect(autocommit: bool = True) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 from animastor_tasks.dev.celery_commands import celery_argv
 from animastor_tasks.dev.supervisor import Supervisor, wait_until
-from bench.common import ROOT, BenchResult, bench_env, make_runtime, pg_connect, proc_cpu_seconds
+from bench.common import ROOT, BenchResult, bench_env, drop_logs, make_runtime, pg_connect, proc_cpu_seconds
 
 
 def audio_stage(slots: int, step_seconds: float, **extra: Any) -> dict[str, Any]:
@@ -107,6 +107,14 @@ class Farm:
         finally:
             self.sup.stop_all()
             self.rt.close()
+
+    def __enter__(self) -> Farm:
+        return self
+
+    def __exit__(self, failed: type[BaseException] | None, *_: object) -> None:
+        """Stopped; the workers' logs removed, or kept for a look when the benchmark failed."""
+        self.stop()
+        drop_logs(self.folder, failed)
 
 
 def _children(pid: int) -> list[int]:

@@ -44,9 +44,8 @@ def _starts(scene: str) -> list[float]:
 def run(ctx: Context) -> BenchResult:
     result = BenchResult()
     samples = 3 if ctx.quick else 6
-    farm = Farm(_stages(), [("gpu.audio", 1)])
     delays: list[float] = []
-    try:
+    with Farm(_stages(), [("gpu.audio", 1)]) as farm:
         farm.import_books({BOOK: samples})
         farm.start()
         ctx.log(f"forced_rerun: {samples} samples, jobs of {JOB_SECONDS:g} s on one slot")
@@ -61,8 +60,6 @@ def run(ctx: Context) -> BenchResult:
             delays.append(float(starts[0]) - sent)
             farm.client.cancel(BOOK)
             wait_until(lambda: count_state("generating", [BOOK]) == 0, 60, "the lane empty", farm.sup.check)
-    finally:
-        farm.stop()
     result.figure(
         "forced_rerun_start_s",
         median(delays),

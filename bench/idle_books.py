@@ -66,8 +66,7 @@ def _idle_books(farm: Farm) -> int:
 
 def run(ctx: Context) -> BenchResult:
     result = BenchResult()
-    farm = Farm(_stages(), [("gpu.audio", SLOTS)])
-    try:
+    with Farm(_stages(), [("gpu.audio", SLOTS)]) as farm:
         farm.import_books({"busy-alone": JOBS, "busy-crowd": JOBS})
         farm.rt.presence.heartbeat("bench-image@host", ["gpu.image"], 3600)
         farm.start()
@@ -77,8 +76,6 @@ def run(ctx: Context) -> BenchResult:
         time.sleep(farm.rt.settings.tick_seconds + 1)  # the idle books are in play: a tick has seen them
         ctx.log(f"idle_books: image lane held by {held} jobs, {IDLE} idle books active; {JOBS} jobs beside them")
         crowd = _work(farm, "busy-crowd")
-    finally:
-        farm.stop()
     ratio = crowd["jobs_per_s"] / alone["jobs_per_s"]
     result.figure("busy_book_jobs_per_s_alone", alone["jobs_per_s"], "jobs/s", baseline=f"{SLOTS} slots, 0.2 s jobs")
     result.figure(

@@ -39,10 +39,9 @@ def run(ctx: Context) -> BenchResult:
     result = BenchResult()
     bulk_books, bulk_scenes, samples = (6, 15, 6) if ctx.quick else (8, 30, 15)
     bulk = [f"bulk{i:02d}" for i in range(bulk_books)]
-    farm = Farm(_stages(), [("gpu.audio", 1)] * SLOTS, tick_seconds=1)
     before: list[int] = []
     waits: list[float] = []
-    try:
+    with Farm(_stages(), [("gpu.audio", 1)] * SLOTS, tick_seconds=1) as farm:
         farm.import_books({**dict.fromkeys(bulk, bulk_scenes), READER: samples})
         farm.start()
         for book in bulk:
@@ -59,8 +58,6 @@ def run(ctx: Context) -> BenchResult:
             before.append(len(others))
             waits.append(started - sent)
         backlog = count_state("pending", bulk)
-    finally:
-        farm.stop()
     worst = max(before)
     result.figure(
         "interactive_jobs_before_worst",

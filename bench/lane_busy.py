@@ -29,7 +29,7 @@ from pathlib import Path
 from animastor_tasks.dev.celery_commands import celery_argv
 from animastor_tasks.dev.supervisor import Supervisor, wait_until
 from bench import rawchain
-from bench.common import ROOT, BenchResult, Context, bench_env, make_runtime, pg_connect
+from bench.common import ROOT, BenchResult, Context, bench_env, drop_logs, make_runtime, pg_connect
 from bench.farm import audio_stage, busy_fraction, events
 
 SLOTS = 2
@@ -109,6 +109,7 @@ def run(ctx: Context) -> BenchResult:
         client.close()
         workers.stop_all()
         rt.close()
+    drop_logs(folder)
 
     raw = rawchain.measure([1] * SLOTS, total, 2 * STEP_SECONDS)
     result.figure(

@@ -32,16 +32,13 @@ def _stages() -> dict[str, object]:
 def run(ctx: Context) -> BenchResult:
     result = BenchResult()
     scenes = 48 if ctx.quick else 160
-    farm = Farm(_stages(), [("gpu.audio", SLOTS)], tick_seconds=1)
-    try:
+    with Farm(_stages(), [("gpu.audio", SLOTS)], tick_seconds=1) as farm:
         farm.import_books({BOOK: scenes})
         farm.start()
         ctx.log(f"lone_book: {scenes} scenes alone on {SLOTS} slots, jobs {2 * STEP_SECONDS:.1f}s")
         farm.client.regenerate(BOOK, ["audio"], wait=False)
         wait_ready(farm, [BOOK], scenes, scenes * 2 * STEP_SECONDS + 120)
         rows = events(["dispatch", "job.started", "job.ready"], [BOOK])
-    finally:
-        farm.stop()
     raw = rawchain.measure([SLOTS], scenes, 2 * STEP_SECONDS)
     result.figure(
         "lone_book_busy_fraction_raw_celery",

@@ -22,7 +22,7 @@ import redis
 
 from animastor_tasks.dev.celery_commands import celery_argv
 from animastor_tasks.dev.supervisor import Supervisor, wait_until
-from bench.common import ROOT, bench_env
+from bench.common import ROOT, bench_env, drop_logs
 from bench.farm import Busy, busy_fraction
 from bench.rawhop import BROKER, PREFIX, bench_app
 
@@ -85,6 +85,7 @@ def measure(workers: list[int], jobs: int, seconds: float) -> Busy:
         client.delete(_records(token))
         client.close()
         sup.stop_all()
+    drop_logs(folder)
     rows: list[tuple[str, str, str, str, float]] = [("dispatch", "", "", "", sent)]
     for index, started, ended in records:
         rows += [("job.started", "", "", str(index), started), ("job.ready", "", "", str(index), ended)]

@@ -93,9 +93,8 @@ def run(ctx: Context) -> BenchResult:
     n_books, scenes = (10, 25) if ctx.quick else (25, 40)
     jobs = n_books * scenes * 2
     books = [f"thru{i:02d}" for i in range(n_books)]
-    farm = Farm(_stages(), [(q, 2) for q in QUEUES])
     raws: list[dict[str, float]] = []
-    try:
+    with Farm(_stages(), [(q, 2) for q in QUEUES]) as farm:
         farm.import_books(dict.fromkeys(books, scenes))
         farm.start()
         raw_run(farm, 40)  # warm: connections, pool processes
@@ -104,8 +103,6 @@ def run(ctx: Context) -> BenchResult:
         dispatched = dispatch_run(farm, books, jobs)
         if not ctx.quick:
             raws.append(raw_run(farm, jobs))
-    finally:
-        farm.stop()
     raw = sum(r["jobs_per_s"] for r in raws) / len(raws)
     ratio = dispatched["jobs_per_s"] / raw
     cpu_ms = dispatched["control_cpu_s"] * 1000 / jobs
