@@ -147,6 +147,7 @@ class QueueRow(TypedDict):
     depth: int | None
     in_flight: int
     lane_limit: int
+    books_waiting: int
     breaker: str
     deferred: dict[str, int]
     start_worker: str

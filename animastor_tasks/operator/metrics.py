@@ -270,6 +270,9 @@ def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
         "animastor_queue_in_flight", "Pairs generating per GPU queue (lane usage).", labels=["queue", "stage"]
     )
     lane = GaugeMetricFamily("animastor_queue_lane_limit", "Lane limit per GPU queue.", labels=["queue", "stage"])
+    waiting = GaugeMetricFamily(
+        "animastor_queue_books_waiting", "Books on each GPU queue's waiting list for a slot.", labels=["queue", "stage"]
+    )
     breaker = GaugeMetricFamily(
         "animastor_breaker_state", "Circuit breaker per queue: 1 for its current state.", labels=["queue", "state"]
     )
@@ -287,6 +290,7 @@ def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
         if running is not None:
             in_flight.add_metric(labels, float(row["in_flight"]))
         lane.add_metric(labels, float(row["lane_limit"]))
+        waiting.add_metric(labels, float(row["books_waiting"]))
         for state in ("closed", "open", "half-open"):
             breaker.add_metric([row["queue"], state], 1.0 if row["breaker"] == state else 0.0)
     # Every row carries the same totals (deferrals are counted across the active books).
@@ -297,7 +301,7 @@ def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
     )
     for bucket, count in sorted(totals.items()):
         deferred.add_metric([bucket], float(count))
-    yield from (consumers, depth, in_flight, lane, breaker, deferred)
+    yield from (consumers, depth, in_flight, lane, waiting, breaker, deferred)
 
 
 def _commands_family(rt: Wiring) -> Metric:

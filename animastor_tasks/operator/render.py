@@ -288,6 +288,7 @@ def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list
     amqp, depth = _broker_counts(rt.presence.amqp_url, rt.settings.broker_url, [s.queue for s in specs])
     running = rt.reads.lane_usage() if running is None else running
     deferred = rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), now)
+    waiting = rt.deferrals.books_waiting([s.queue for s in specs])
     return [
         {
             "queue": spec.queue,
@@ -308,6 +309,7 @@ def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list
             "depth": depth.get(spec.queue),
             "in_flight": running.get(spec.name, 0),
             "lane_limit": spec.lane_limit,
+            "books_waiting": waiting[spec.queue],
             "breaker": rt.breaker.breaker_state(spec.queue),
             "deferred": deferred,
             "start_worker": f"animastor-tasks worker --stage {spec.name}",
@@ -361,16 +363,16 @@ def queues_table(rows: Sequence[QueueRow | Mapping[str, Any]]) -> Table:
     # shown once, under the table, rather than as a column that repeated the same figures on every queue.
     totals = rows[0]["deferred"] if rows else {}
     deferred = " ".join(f"{k}={v}" for k, v in totals.items() if v) or "none"
-    table = Table(
-        "queue", "stage", "consumers", "depth", "in flight", "lane", "breaker", caption=f"deferred pairs: {deferred}"
-    )
+    columns = ("queue", "stage", "consumers", "depth", "in flight", "lane", "books waiting", "breaker")
+    table = Table(*columns, caption=f"deferred pairs: {deferred}")
     for r in rows:
         consumers = ", ".join(f"{escape(c['hostname'])} ({c['heartbeat_age_seconds']}s)" for c in r["consumers"])
         if not consumers:
             consumers = f"[bold red]none[/bold red] - start one: {r['start_worker']}"
         depth = Text("?", style="bold yellow") if r["depth"] is None else Text(str(r["depth"]))
         breaker = Text(r["breaker"], style="green" if r["breaker"] == "closed" else "bold red")
-        table.add_row(r["queue"], r["stage"], consumers, depth, str(r["in_flight"]), str(r["lane_limit"]), breaker)
+        row = (str(r["in_flight"]), str(r["lane_limit"]), str(r["books_waiting"]))
+        table.add_row(r["queue"], r["stage"], consumers, depth, *row, breaker)
     return table
 
 

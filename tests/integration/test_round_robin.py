@@ -6,7 +6,11 @@ Real Postgres, Redis and broker; jobs run in-process (`test_elastic_share.finish
 
 from __future__ import annotations
 
+from prometheus_client import generate_latest
+
 from animastor_tasks.flow import regenerate as regenerate_flow
+from animastor_tasks.operator import metrics
+from animastor_tasks.operator.render import queue_overview
 
 from .helpers import make_book
 from .test_elastic_share import finish_one, lane, running, waiting
@@ -28,3 +32,15 @@ def test_a_book_that_came_while_another_s_job_ran_goes_before_that_book_s_next_j
     finish_one(rt, "served")  # its job's end puts it back on the list; nobody else waits: it runs its next scene
     assert running(rt, "served", "late") == {"served": 1, "late": 1}
     assert "served" not in waiting(rt)
+
+
+def test_operators_see_how_many_books_wait_for_each_lane(rt) -> None:
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    for book, scenes in (("a", 1), ("b", 2), ("c", 1)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    assert list(waiting(rt)) == ["b", "c"]  # `a` runs its only scene
+    [row] = queue_overview(rt)
+    assert (row["in_flight"], row["lane_limit"], row["books_waiting"]) == (1, 1, 2)
+    scraped = generate_latest(metrics.build_registry(lambda: rt)).decode()
+    assert 'animastor_queue_books_waiting{queue="gpu.audio",stage="audio"} 2.0' in scraped

@@ -106,6 +106,7 @@ def queue_row(depth: int | None) -> dict[str, Any]:
         "depth": depth,
         "in_flight": 2,
         "lane_limit": 4,
+        "books_waiting": 5,
         "breaker": "closed",
         "deferred": {"capacity": 3, "idempotent": 0},
         "start_worker": "animastor-tasks worker --stage audio",
@@ -122,6 +123,8 @@ def test_unreadable_queue_depth_shows_question_mark_not_zero() -> None:
     assert depth_cell(text_of(render.queues_table([queue_row(0)]))) == "0"
     out = text_of(render.queues_table([queue_row(7)]))
     assert depth_cell(out) == "7" and "idempotent" not in out
+    row = next(line for line in out.splitlines() if "gpu.audio" in line)
+    assert row.split("│")[7].strip() == "5"  # books waiting for the lane, beside its limit
     # Farm-wide, once under the table: a column repeated the same totals on every queue's row.
     two = text_of(render.queues_table([queue_row(7), {**queue_row(1), "queue": "gpu.image", "stage": "image"}]))
     assert two.count("capacity=3") == 1 and "deferred pairs: capacity=3" in two

@@ -65,6 +65,15 @@ class DeferralStore:
             totals[DEFER_BUCKETS[i % len(DEFER_BUCKETS)]] += int(count)
         return totals
 
+    def books_waiting(self, queues: Sequence[str]) -> dict[str, int]:
+        """How many books wait on each lane's list (for operators): the books sharing a full lane's next slots."""
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            for queue in queues:
+                pipe.zcard(self.conn.keys.lane_waiters(queue))
+            counts = pipe.execute()
+        return {queue: int(n) for queue, n in zip(queues, counts, strict=True)}
+
     def prune_deferrals(self, books: Iterable[str], now: float) -> None:
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=False)
