@@ -5,7 +5,7 @@ GPU workers as the lane has slots. Many small books are regenerated together on 
 `book_quota` 1, so every book but the first few must be handed a slot another book's job freed.
 "Together": the regenerates are sent without waiting for each other's results. Their commands are
 written over about 0.4 s, longer than a job: a book whose command comes while another book's job runs
-waits ahead of that book's next job (round robin, `domain.deferral.SERVED_SINCE`).
+waits ahead of that book's next job (round robin, `domain.deferral.served_since`).
 
 - `lane_busy_fraction`: busy slot-seconds (job.started -> job.ready, from the journal) over the
   slot-seconds available from the first dispatch until the backlog is empty (the last job started).

@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from animastor_tasks.domain import capacity
-from animastor_tasks.domain.deferral import SERVED_SINCE, deferral_bucket, deferral_seconds, wait_score
+from animastor_tasks.domain.deferral import deferral_bucket, deferral_seconds, served_since, wait_score
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import DeferralBucket, Outcome
@@ -269,8 +269,8 @@ def _claim_and_publish(
                     rank = min(i.rank for i in todo if i.pair in choice.waiting and i.stage == stage)
                     if taken[stage]:
                         # Given a slot of the lane by this pass: to the back of the most urgent priority it still has
-                        # waiting there (round robin: `SERVED_SINCE`), not the place an urgent pair it now runs gave it.
-                        _wait_for_lane(ports, book, queue_of[stage], rank, SERVED_SINCE, served=True)
+                        # waiting there (round robin: `served_since`), not the place an urgent pair it now runs gave it.
+                        _wait_for_lane(ports, book, queue_of[stage], rank, served_since(now), served=True)
                         continue
                     # Handed a slot that another pass took first: back to the head of its priority, not the end.
                     # Refused by its own share, or by a more urgent book's hold on a slot the lane still has (a slot

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
+from animastor_tasks.flow import lanes
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.operator import metrics
 from animastor_tasks.operator.render import queue_overview
@@ -44,3 +45,23 @@ def test_operators_see_how_many_books_wait_for_each_lane(rt) -> None:
     assert (row["in_flight"], row["lane_limit"], row["books_waiting"]) == (1, 1, 2)
     scraped = generate_latest(metrics.build_registry(lambda: rt)).decode()
     assert 'animastor_queue_books_waiting{queue="gpu.audio",stage="audio"} 2.0' in scraped
+
+
+def test_books_served_one_after_the_other_are_handed_slots_in_that_order(rt) -> None:
+    """Old code: every book served waited at one score, and the list ordered them by book id: the slot went to `a`,
+    served after `z` and still running a job, whose refill then found its share taken and passed it on."""
+    lane(rt, lane_limit=2, book_quota=1, window=10)
+    for book in ("z", "a"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
+    regenerate_flow.regenerate(rt.ports, "z", ["audio"])  # alone: both slots, its third scene waits
+    end_without_refill(rt, "z", "s1")
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])  # the free slot, its other two scenes wait
+    assert running(rt, "z", "a") == {"z": 1, "a": 1} and set(waiting(rt)) == {"z", "a"}
+    end_without_refill(rt, "z", "s2")
+    assert lanes.hand_over(rt.ports, "gpu.audio", 1) == ["z"]  # served first, and nothing of it runs now
+
+
+def end_without_refill(rt, book: str, scene: str) -> None:  # type: ignore[no-untyped-def]
+    """A job of `book` ends with no refill (its process died after the commit): its slot is free, handed to nobody."""
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = %s AND scene_id = %s", (book, scene))
