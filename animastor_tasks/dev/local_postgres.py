@@ -125,7 +125,7 @@ class LocalPostgres:
         """initdb into a folder beside PGDATA, renamed into place once it succeeded. *Why:* initdb writes
         PG_VERSION first; interrupted (a Ctrl-C during the first `up`), it left a PGDATA every later start took
         for a whole one and failed on, for good."""
-        for leftover in [self.pgdata, *self.pgdata.parent.glob(f"{self.pgdata.name}.initdb-*")]:
+        for leftover in self.data_folders():
             shutil.rmtree(leftover, ignore_errors=True)  # best effort: an interrupted one may still be writing
         self.pgdata.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{self.pgdata.name}.initdb-", dir=self.pgdata.parent))
@@ -148,6 +148,10 @@ class LocalPostgres:
             what="initdb",
         )
         staging.rename(self.pgdata)
+
+    def data_folders(self) -> list[Path]:
+        """PGDATA and the staging folders of interrupted initdb runs beside it (`_initdb`)."""
+        return [self.pgdata, *self.pgdata.parent.glob(f"{self.pgdata.name}.initdb-*")]
 
     def _make_pgdata(self, pgdata: Path, run_as: str | None) -> None:
         pgdata.mkdir(mode=0o700, parents=True, exist_ok=True)

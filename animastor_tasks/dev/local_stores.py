@@ -115,7 +115,7 @@ class LocalStores:
                 extra = (entry or {}).get("private_dir")
                 if extra:
                     shutil.rmtree(extra, ignore_errors=True)
-            for path in (self.postgres.pgdata, self.redis.redis_dir):
+            for path in (*self.postgres.data_folders(), self.redis.redis_dir):
                 shutil.rmtree(path, ignore_errors=True)
             for path in (self.state_path, self.env_path):
                 path.unlink(missing_ok=True)

@@ -243,3 +243,15 @@ def test_up_does_not_replace_a_store_the_environment_names(local_dir: Path, name
     assert ":pw@" not in up.stdout + up.stderr and "ready" not in up.stdout
     assert f"(unset {next(iter(named))} for a local one)" in up.stderr, up.stderr  # a stale `. env` in a shell
     assert not (local_dir / "state.json").exists(), "an embedded server was started for a store the environment names"
+
+
+def test_down_removes_what_an_interrupted_initdb_left(local_dir: Path) -> None:
+    """A first `up` killed in initdb leaves its staging folder beside PGDATA (its bootstrap backend, run as the
+    Postgres system user, may outlive the kill and write on). `down` removed PGDATA only, and the data directory
+    stayed behind ("cleaned", not "removed")."""
+    staging = local_dir / "pg.initdb-k1lled"
+    (staging / "base").mkdir(parents=True)
+    (staging / "PG_VERSION").write_text("18\n")
+    lines = stop_local(local_dir)
+    assert not local_dir.exists(), lines
+    assert f"removed {local_dir}" in lines
