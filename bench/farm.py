@@ -101,19 +101,16 @@ class Farm:
                 total += proc_cpu_seconds(p) or 0.0
         return total
 
-    def stop(self) -> None:
-        try:
-            self.client.close()
-        finally:
-            self.sup.stop_all()
-            self.rt.close()
-
     def __enter__(self) -> Farm:
         return self
 
     def __exit__(self, failed: type[BaseException] | None, *_: object) -> None:
         """Stopped; the workers' logs removed, or kept for a look when the benchmark failed."""
-        self.stop()
+        try:
+            self.client.close()
+        finally:
+            self.sup.stop_all()
+            self.rt.close()
         drop_logs(self.folder, failed)
 
 

@@ -281,14 +281,15 @@ def _done(progress: Mapping[str, Any]) -> str:
 def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list[QueueRow]:
     """`running`: the lanes' generating pairs per stage, when the caller read them (None: read here)."""
     specs = rt.settings.stages
+    queues = [s.queue for s in specs]
     now = rt.ports.clock()  # deferrals and heartbeats go by the Redis server's clock
-    live = rt.presence.live_consumers([s.queue for s in specs], now)
+    live = rt.presence.live_consumers(queues, now)
     # Each host's last beat as it wrote it: its own TTL may differ from this process's setting.
     beats = rt.presence.last_beats(sorted({host for hosts in live.values() for host in hosts}))
-    amqp, depth = _broker_counts(rt.presence.amqp_url, rt.settings.broker_url, [s.queue for s in specs])
+    amqp, depth = _broker_counts(rt.presence.amqp_url, rt.settings.broker_url, queues)
     running = rt.reads.lane_usage() if running is None else running
     deferred = rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), now)
-    waiting = rt.deferrals.books_waiting([s.queue for s in specs])
+    waiting = rt.deferrals.books_waiting(queues)
     return [
         {
             "queue": spec.queue,

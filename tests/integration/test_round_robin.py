@@ -13,7 +13,7 @@ from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.operator import metrics
 from animastor_tasks.operator.render import queue_overview
 
-from .helpers import make_book
+from .helpers import ended_unseen, make_book
 from .test_elastic_share import finish_one, lane, running, waiting
 
 
@@ -54,14 +54,8 @@ def test_books_served_one_after_the_other_are_handed_slots_in_that_order(rt) -> 
     for book in ("z", "a"):
         rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
     regenerate_flow.regenerate(rt.ports, "z", ["audio"])  # alone: both slots, its third scene waits
-    end_without_refill(rt, "z", "s1")
+    ended_unseen(rt, "z")  # s1, with no refill: its slot is free
     regenerate_flow.regenerate(rt.ports, "a", ["audio"])  # the free slot, its other two scenes wait
     assert running(rt, "z", "a") == {"z": 1, "a": 1} and set(waiting(rt)) == {"z", "a"}
-    end_without_refill(rt, "z", "s2")
+    ended_unseen(rt, "z")  # s2 likewise
     assert lanes.hand_over(rt.ports, "gpu.audio", 1) == ["z"]  # served first, and nothing of it runs now
-
-
-def end_without_refill(rt, book: str, scene: str) -> None:  # type: ignore[no-untyped-def]
-    """A job of `book` ends with no refill (its process died after the commit): its slot is free, handed to nobody."""
-    with rt.db.transaction() as conn:
-        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = %s AND scene_id = %s", (book, scene))
