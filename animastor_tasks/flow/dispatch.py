@@ -335,9 +335,8 @@ def slot_order(item: InFlight) -> tuple[int, float, int]:
 def _wait_without_claim(
     ports: Ports, book: str, items: list[InFlight], specs: dict[str, StageSpec], result: DispatchResult, now: float
 ) -> None:
-    """Pairs of lanes the caller saw full: `lane_full` and the book waits for the lanes, with no claim
-    transaction and no lock (a refusal never overfills a lane). The caller counts the lanes again once
-    its books have joined the waiting lists and hands on any slot freed meanwhile."""
+    """Pairs of lanes the caller saw full wait (`lane_full`, the book on the lanes' lists) with no claim transaction
+    and no lock: a refusal never overfills a lane. The caller counts the lanes again once its books are listed."""
     if not items:
         return
     _defer(ports, book, Outcome.LANE_FULL, [i.pair for i in items], now, result)
@@ -363,7 +362,8 @@ def _keep_handed(
 
 def _wait_for_lane(ports: Ports, book: str, queue: str, rank: int, since: float, *, served: bool = False) -> None:
     """The book joins the lane's waiting list at `rank`, the most urgent priority its refused pairs have."""
-    ports.deferrals.wait_for_lane(queue, book, wait_score(rank, since), served=served)
+    lasts = ports.settings.job_time_limit  # a place it was served with stands while its job may run
+    ports.deferrals.wait_for_lane(queue, book, wait_score(rank, since), served=served, job_lasts=lasts)
 
 
 def _defer(

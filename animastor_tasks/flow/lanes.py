@@ -99,7 +99,7 @@ def await_worker(ports: Ports, book: str, queue: str, rank: int, now: float) -> 
     block the stage if none came. *Why:* due now, every such book was passed again at every tick, all its pairs
     read, for as long as the worker was awaited (30 s; a rollout's drain, up to a job's time limit more). On the
     list before the note: a first beat between the two found a list without the book, whose pairs waited 30 s."""
-    ports.deferrals.wait_for_lane(queue, book, wait_score(rank, now))
+    ports.deferrals.wait_for_lane(queue, book, wait_score(rank, now), job_lasts=ports.settings.job_time_limit)
     ports.presence.await_consumer([queue])
     return now + ports.settings.silent_worker_seconds
 

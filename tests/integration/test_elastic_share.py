@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 
+from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import InvalidCommand, StoreUnavailable
 from animastor_tasks.flow import cancel as cancel_flow
@@ -352,8 +353,8 @@ def test_a_book_handed_a_slot_its_own_share_refuses_waits_behind_the_books_that_
     for book in ("a", "w", "d"):
         rt.catalog.import_book(make_book(book, chapters=1, scenes=3))
     regenerate_flow.regenerate(rt.ports, "a", ["audio"])  # alone: both slots, s3 waits for the lane
-    rt.ports.deferrals.clear_deferrals("a", [("ch1", "s3", "audio")])  # as when its capacity deferral runs out
-    gate.gate_pass(rt.ports, "a")  # the tick's pass finds the lane still full: `a` waits as of now, at the head
+    # `a` waits as of now, at the head: as when a job of its ended unseen (a served place gives way then).
+    rt.ports.deferrals.wait_for_lane("gpu.audio", "a", wait_score(1, rt.ports.clock()))
     regenerate_flow.regenerate(rt.ports, "w", ["audio"])  # waits
     regenerate_flow.regenerate(rt.ports, "d", ["audio"])  # waits
     with rt.db.transaction() as conn:  # one of a's jobs ends: a slot is free, `a` is at its share

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from animastor_tasks.flow import lanes
+from animastor_tasks.domain.deferral import served_since, wait_score
+from animastor_tasks.flow import gate, lanes
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.operator import metrics
 from animastor_tasks.operator.render import queue_overview
@@ -59,3 +60,42 @@ def test_books_served_one_after_the_other_are_handed_slots_in_that_order(rt) -> 
     assert running(rt, "z", "a") == {"z": 1, "a": 1} and set(waiting(rt)) == {"z", "a"}
     ended_unseen(rt, "z")  # s2 likewise
     assert lanes.hand_over(rt.ports, "gpu.audio", 1) == ["z"]  # served first, and nothing of it runs now
+
+
+def test_a_served_book_refused_again_while_its_job_runs_keeps_its_place_behind_books_that_come_later(rt) -> None:
+    """A job longer than the capacity deferral (60 s): the book's waiting scene is refused again while the job runs.
+    Old code: that refusal moved the book to its time, ahead of every book that came after it, and the freed slot
+    went to the second scene of the book still running its first, not to `late`, which had run nothing."""
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    for book, scenes in (("blocker", 1), ("served", 2), ("late", 1)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate_flow.regenerate(rt.ports, "blocker", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "served", ["audio"])  # the last slot: its second scene waits, served
+    rt.redis.client.delete(rt.redis.keys.deferrals("served", "capacity"))  # its lane_full deferral ran out
+    gate.gate_pass(rt.ports, "served")  # the tick's pass: the lane still full, the scene refused again
+    assert list(waiting(rt)) == ["served"]
+    regenerate_flow.regenerate(rt.ports, "late", ["audio"])  # comes now, and waits
+    assert running(rt, "blocker", "served", "late") == {"blocker": 1, "served": 1}
+    finish_one(rt, "blocker")
+    assert running(rt, "served", "late") == {"served": 1, "late": 1}
+    assert list(waiting(rt)) == ["served"]
+
+
+def test_a_served_place_gives_way_to_an_urgent_pair_a_head_place_and_a_refusal_after_its_job_could_end(rt) -> None:
+    served_at, queue = 1_800_000_000.0, "gpu.audio"
+
+    def refused(rank: int, since: float, job_lasts: float = 60.0) -> float:
+        rt.deferrals.wait_for_lane(queue, "b", wait_score(1, served_since(served_at)), served=True)
+        rt.deferrals.wait_for_lane(queue, "b", wait_score(rank, since), job_lasts=job_lasts)
+        return waiting(rt)["b"]
+
+    assert refused(1, served_at + 59) == wait_score(1, served_since(served_at))  # its job may still run: kept
+    assert refused(1, served_at + 61) == wait_score(1, served_at + 61)  # it cannot: the job ended unseen
+    assert refused(1, served_at + 59, job_lasts=0) == wait_score(1, served_at + 59)  # a takeover's: the job is gone
+    assert refused(0, served_at + 59) == wait_score(0, served_at + 59)  # an interactive pair now waits
+    assert refused(1, 0.0) == wait_score(1, 0.0)  # kept at the head of its priority (a slot it was handed)
+    rt.redis.client.delete(rt.redis.keys.lane_waiters(queue))
+    rt.deferrals.wait_for_lane(queue, "b", wait_score(1, served_at + 30), job_lasts=60)
+    assert waiting(rt)["b"] == wait_score(1, served_at + 30)  # a place that is no served one: the better one wins
+    rt.deferrals.wait_for_lane(queue, "b", wait_score(1, served_at + 40), job_lasts=60)
+    assert waiting(rt)["b"] == wait_score(1, served_at + 30)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from animastor_tasks.adapters.redis.connection import RedisConnection, _script
 from animastor_tasks.domain.capacity import HANDED_HOLD_SECONDS
-from animastor_tasks.domain.deferral import RANK_SCALE
+from animastor_tasks.domain.deferral import RANK_SCALE, SERVED_AFTER
 from animastor_tasks.domain.keys import DEFER_BUCKETS, pair_member
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import DeferralBucket
@@ -30,6 +30,7 @@ class DeferralStore:
         self._restore = conn.client.register_script(_script("handed_restore"))
         self._keep = conn.client.register_script(_script("handed_keep"))
         self._done_lua = _script("handed_done")
+        self._wait_lua = _script("lane_wait")
 
     def defer(self, book: str, bucket: str, pairs: Iterable[Pair], seconds: float, now: float) -> None:
         """The pairs deferred until `now + seconds`; the bucket's key lives that long and a minute more at least
@@ -82,14 +83,21 @@ class DeferralStore:
                     pipe.zremrangebyscore(self.conn.keys.deferrals(book, bucket), "-inf", now)
             pipe.execute()
 
-    def wait_for_lane(self, queue: str, book: str, score: float, *, served: bool = False) -> None:
+    def wait_for_lane(
+        self, queue: str, book: str, score: float, *, served: bool = False, job_lasts: float = 0.0
+    ) -> None:
         """The book waits for a slot of `queue` (`domain.deferral.wait_score`: lower is served first).
 
         A book already waiting keeps its place, or moves up to a better score; one just `served` a slot of the
-        lane takes `score` wherever it was.
+        lane takes `score` wherever it was. `job_lasts` (a refusal's: how long a job may run): a place the book was
+        served with stands against `score` at the same priority that long (`lua/lane_wait.lua`).
         """
+        key = self.conn.keys.lane_waiters(queue)
         with self.conn.writes() as pipe:
-            pipe.zadd(self.conn.keys.lane_waiters(queue), {book: score}, lt=not served)
+            if served or not job_lasts:
+                pipe.zadd(key, {book: score}, lt=not served)
+            else:
+                pipe.eval(self._wait_lua, 1, key, book, repr(score), RANK_SCALE, SERVED_AFTER, job_lasts)
 
     def open_hand_over(self, books: int) -> str:
         """A hand-over of slots to `books` books at once: its id, whose count `close_hand_over` takes down."""
