@@ -92,6 +92,7 @@ def _rounds(
         report.dispatched.extend(result.dispatched)
         report.claimed_lanes |= result.claimed_lanes
         report.held_lanes |= result.held_lanes
+        report.claimed_stages |= result.claimed_stages
         if result.dispatched:
             ports.counters.observe("gate_pass_seconds", time.monotonic() - started)
         # A denied candidate asks for the book's full pass now (it releases the pair), and so do a claim whose

@@ -36,6 +36,7 @@ class PassReport:
     dispatched: list[str] = field(default_factory=list)
     claimed_lanes: set[str] = field(default_factory=set)
     held_lanes: set[str] = field(default_factory=set)  # `DispatchResult.held_lanes`
+    claimed_stages: set[str] = field(default_factory=set)  # stages a claim of a refill's took pairs of
     error: str | None = None
     authorized_count: int = 0
 

@@ -85,8 +85,8 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
         # Its own job's slot, found unused: nobody waited for the lane as the job ended, but a book whose refill was
         # on its way may be back on the list by now (it waited for the tick to find the lane stranded, two ticks).
         gate.pass_on_slot(ports, book, slots_of, 1)
-    if handed is not None:
-        _hand_over_done(ports, book, handed, began)
+    if handed is not None and not any(ports.settings.registry.get(s).queue == handed for s in report.claimed_stages):
+        _hand_over_done(ports, book, handed, began)  # a claim of the lane's pairs took the record away already
     return report
 
 

@@ -82,6 +82,23 @@ def test_a_refill_whose_book_a_concurrent_claim_deferred_for_the_lane_still_fill
     assert generating(rt, "late") == ["s3", "s4", "s5", "s6"]
 
 
+def test_a_refill_that_claims_its_slot_s_pair_takes_its_hand_over_record_away_once(rt, monkeypatch) -> None:
+    """Old code: the refill took the record away again after its claim had (one more Redis round trip on the way from
+    a job's end to the next job's start). A refill that claims nothing of the lane still takes it away."""
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    rt.catalog.import_book(make_book("own", chapters=1, scenes=4))
+    regenerate_flow.regenerate(rt.ports, "own", ["audio"])
+    calls: list[str] = []
+    taken_away = rt.ports.deferrals.hand_over_done
+    monkeypatch.setattr(rt.ports.deferrals, "hand_over_done", lambda *a: calls.append(a[1]) or taken_away(*a))
+    free(rt, "own", commit_ready(rt, "own", "s1"))
+    assert generating(rt, "own") == ["s2", "s3"] and calls == ["own"]  # in the claim's own batch
+    free(rt, "own", commit_ready(rt, "own", "s2"))
+    free(rt, "own", commit_ready(rt, "own", "s3"))  # s4 runs: nothing is left to claim for this slot
+    assert generating(rt, "own") == ["s4"] and calls == ["own", "own", "own"]
+    assert not rt.redis.client.hexists(rt.redis.keys.lane_handed(AUDIO), "own")
+
+
 class StaleCandidates:
     """The real asset store, except that every candidate read answers what the first one read."""
 
