@@ -187,7 +187,7 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
                     rank = _pending_rank(ports, g.book, g.stage, ranks[(g.book, g.pair)])
                     _wait_again(ports, g.book, registry.get(g.stage).queue, rank, since)
             log.warning(
-                "[RECONCILE] book=%r chapter=%r scene=%r stage=%s token=%d lease gone: generating -> %s",
+                "[TAKEOVER] book=%r chapter=%r scene=%r stage=%s token=%d lease gone: generating -> %s",
                 g.book,
                 g.chapter,
                 g.scene,

@@ -6,6 +6,7 @@ its slot keeps counting until it has stopped, and only then is a fresh run dispa
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -255,6 +256,16 @@ def test_a_queued_job_a_forced_regenerate_withdraws_is_replaced_by_that_regenera
     regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
     [fresh] = dispatched_jobs(rt, "b")
     assert fresh.dispatch_id != queued.dispatch_id and fresh.fencing_token == queued.fencing_token + 2
+
+
+def test_the_takeover_a_forced_regenerate_makes_is_logged_as_a_takeover(rt, tmp_path, caplog) -> None:
+    """Old code: the line said `[RECONCILE]`, though the regenerate took the pair over, and the operations guide sends
+    operators to `[TAKEOVER]` for lapsed leases taken over."""
+    one_queued_job(rt, tmp_path, steps=1, step_seconds=0)
+    with caplog.at_level(logging.WARNING, logger="animastor"):
+        regenerate_flow.regenerate(rt.ports, "b", ["audio"], force=True)
+    [line] = [r.getMessage() for r in caplog.records if "lease gone" in r.getMessage()]
+    assert line.startswith("[TAKEOVER] book='b'") and line.endswith("generating -> pending")
 
 
 def test_reconcile_gives_no_lease_back_to_a_queued_job_a_forced_regenerate_superseded(
