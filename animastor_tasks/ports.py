@@ -319,6 +319,7 @@ class Publisher(Protocol):
 class QueueProbe(Protocol):  # what the broker holds; None where it cannot tell
     def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None: ...  # jobs still waiting in the queues
     def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None: ...  # ready messages, not taken yet
+    def waiting(self, queue: str) -> int | None: ...  # messages waiting in one queue, on either broker
 
 
 class ArtifactStore(Protocol):

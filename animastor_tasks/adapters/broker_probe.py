@@ -97,6 +97,14 @@ class BrokerProbe:
     def queued_dispatch_ids(self, queues: Collection[str]) -> set[str] | None:
         return queued_dispatch_ids(self.broker_url, queues)
 
+    def waiting(self, queue: str) -> int | None:
+        """Messages waiting in `queue` (a passive declare: either broker); None when the broker cannot tell."""
+        try:
+            with probe_connection(self.broker_url) as conn, conn.channel() as channel:
+                return int(channel.queue_declare(queue=queue, passive=True).message_count)
+        except Exception as err:
+            return 0 if queue_not_found(err) else None
+
     def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None:
         """Ready messages per queue on AMQP; None elsewhere (a Redis broker lists its jobs by id instead)."""
         if urlsplit(self.broker_url).scheme not in ("amqp", "amqps", "pyamqp"):

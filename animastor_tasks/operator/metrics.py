@@ -172,6 +172,12 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
         " the broker refused), put back on the lane's waiting list by the tick.",
         labels=["stage"],
     )
+    late = CounterMetricFamily(
+        "animastor_late_refills",
+        "Books handed a free slot whose refill was not back after two ticks while control messages waited (a burst of"
+        " commands): put back on the lane's waiting list by the tick; nothing died.",
+        labels=["stage"],
+    )
     lost_passes = CounterMetricFamily(
         "animastor_lost_gate_passes",
         "Books whose gate pass was lost with its holder (a control worker killed running a batch or a regenerate),"
@@ -184,7 +190,7 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
     )
     # Known label values start at 0 so that rate() and alerts work from the first scrape.
     seen: dict[str, float] = {f"dispatch:{o}": 0.0 for o in Outcome if o != Outcome.DEFERRED}
-    seen.update({f"{kind}:{stage}": 0.0 for kind in ("blocked", "lost_refill") for stage in stages})
+    seen.update({f"{kind}:{stage}": 0.0 for kind in ("blocked", "lost_refill", "late_refill") for stage in stages})
     seen.update({f"job:{e}:{stage}": 0.0 for e in JOB_EVENTS for stage in stages})
     seen["revoke:failed"] = seen["lost_pass"] = seen["lost_pass_given_up"] = 0.0
     seen.update({k: _number(v) for k, v in fields.items()})
@@ -199,6 +205,8 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
             blocked.add_metric([label], n)
         elif kind == "lost_refill":
             lost.add_metric([label], n)
+        elif kind == "late_refill":
+            late.add_metric([label], n)
         elif kind == "job":  # `job:<event>:<stage>`; a field without a stage predates the label: stage ""
             event, _, stage = label.partition(":")
             jobs.add_metric([event, stage], n)
@@ -209,7 +217,7 @@ def _counter_families(fields: dict[str, str], stages: Iterable[str]) -> Iterator
         elif name == "lost_pass_given_up":
             given_up.add_metric([], n)
     fence.add_metric([], fence_total)
-    yield from (dispatch, fence, blocked, jobs, lost, lost_passes, given_up, revoke)
+    yield from (dispatch, fence, blocked, jobs, lost, late, lost_passes, given_up, revoke)
 
 
 def _histogram_families(fields: dict[str, str], stages: Iterable[str], now: float) -> Iterator[Metric]:

@@ -109,6 +109,9 @@ class CountingBroker:
     def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None:
         return {q: self.depths.get(q, 0) for q in queues}
 
+    def waiting(self, queue: str) -> int | None:
+        return self.depths.get(queue, 0)
+
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     """The operator CLI as a subprocess, in this test run's environment."""

@@ -134,6 +134,26 @@ def test_a_book_handed_a_slot_whose_refill_was_lost_gets_the_slot_within_a_few_t
     assert rt.redis.client.hget(rt.redis.keys.metrics(), "lost_refill:audio") == "1"  # animastor_lost_refills_total
 
 
+def test_a_refill_still_queued_behind_a_control_backlog_counts_as_late_not_lost(rt) -> None:
+    """Old code: a burst of commands kept the refill queued past two ticks, and it counted as lost (the warning and
+    `animastor_lost_refills_total`, which tells operators that control workers die mid-task) although nothing died."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    use_settings(rt, replace(rt.settings, tick_seconds=0.2))
+    for book in ("a", "w"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])
+    regenerate_flow.regenerate(rt.ports, "w", ["audio"])
+    cancel_flow.cancel(rt.ports, "a")  # a's slot is handed to w; its refill waits in the control queue, not run
+    time.sleep(0.5)  # two ticks and more
+    gate.tick(rt.ports)
+    assert "w" in waiting(rt)  # put back at its place all the same: the slot is not left to the refill alone
+    rt.counters.flush()
+    counted = rt.redis.client.hgetall(rt.redis.keys.metrics())
+    assert counted.get("late_refill:audio") == "1" and "lost_refill:audio" not in counted
+    run_control(rt)  # the late refill runs at last
+    assert running(rt, "w") == {"w": 1}
+
+
 def test_a_handed_refill_that_cannot_read_its_book_keeps_the_book_s_own_priority(rt, monkeypatch) -> None:
     """Old code: the book kept its place at the head of the *interactive* priority (score 0), whatever it waited
     with, and went ahead of a reader's interactive scene on the next free slot."""

@@ -79,7 +79,7 @@ def test_counters_of_the_hash_are_exported_by_kind(rt: Wiring) -> None:
     dispatch.count_outcomes(rt.ports, {"dispatched": 3, "fence_rejected": 2, "deferred_capacity": 7})
     rt.counters.add({"blocked:image": 1})
     rt.counters.add({"job:ready:audio": 5})
-    rt.counters.add({"lost_refill:audio": 2})
+    rt.counters.add({"lost_refill:audio": 2, "late_refill:image": 4})
     samples = parse(generate_latest(metrics.build_registry(lambda: rt)).decode())
     assert value(samples, "animastor_dispatch_outcomes_total", outcome="dispatched") == 3
     assert value(samples, "animastor_dispatch_outcomes_total", outcome="lane_full") == 0  # known labels start at 0
@@ -90,6 +90,8 @@ def test_counters_of_the_hash_are_exported_by_kind(rt: Wiring) -> None:
     assert value(samples, "animastor_jobs_total", event="ready", stage="image") == 0
     assert value(samples, "animastor_lost_refills_total", stage="audio") == 2
     assert value(samples, "animastor_lost_refills_total", stage="image") == 0
+    assert value(samples, "animastor_late_refills_total", stage="image") == 4
+    assert value(samples, "animastor_late_refills_total", stage="audio") == 0
     assert value(samples, "animastor_commands", status="active") == 0
     # Exported at 0 before the first failure, as the others: `increase()` missed the first failed revoke.
     assert value(samples, "animastor_revoke_failures_total") == 0
