@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -245,7 +246,7 @@ class Transport:
                 ) from None
             raise GeneratorError(
                 f"stage {self.stage!r}: inference endpoint answered {status} redirecting to host "
-                f"{host or 'unknown'!r}; redirects are refused, configure the final URL as the endpoint",
+                f"{self.clean(host or 'unknown')!r}; redirects are refused, configure the final URL as the endpoint",
                 misconfigured=True,
             )
         message, _, fields = self._message_in(self._error_body_text(response))
@@ -347,8 +348,9 @@ class Transport:
     def clean(self, message: str) -> str:
         """Shorten a message, make sure the API key and the endpoint's query tokens cannot leak through it (even if
         echoed back), and write its line breaks and control characters as escapes (`printable`)."""
-        for secret in self._secrets:
-            message = message.replace(secret, "***").replace(json.dumps(secret)[1:-1], "***")
+        for secret in self._secrets:  # in any case: a URL parser lower-cases a host that echoes the key
+            for form in dict.fromkeys((secret, json.dumps(secret)[1:-1])):
+                message = re.sub(re.escape(form), "***", message, flags=re.IGNORECASE)
         message = printable(redact_url(message))
         return message if len(message) <= _MESSAGE_LIMIT else message[:_MESSAGE_LIMIT] + "..."
 

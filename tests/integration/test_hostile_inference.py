@@ -523,6 +523,22 @@ def test_a_redirect_to_a_malformed_location_is_a_misconfigured_endpoint_not_a_bu
     assert caught.value.misconfigured and "a redirect to a Location that cannot be read" in str(caught.value)
 
 
+def test_a_redirect_to_a_host_named_after_the_key_does_not_store_the_key(serve: Callable[[Answer], str]) -> None:
+    """Old code: the redirect's host was quoted as it came, lower-cased by the URL parser, past the scrub of the key
+    (which matched its case only): `... redirecting to host 'sk-hostile-test-key.evil.example'` was stored."""
+
+    def key_echoed(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(302)
+        handler.send_header("Location", f"http://{handler.headers['X-API-Key'].upper()}.evil.example/")
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    with pytest.raises(GeneratorError) as caught:
+        _generate(_spec(serve(key_echoed)), key=SECRET)
+    assert caught.value.misconfigured and "redirecting to host" in str(caught.value)
+    assert SECRET not in str(caught.value).lower() and "***.evil.example" in str(caught.value), caught.value
+
+
 def _images(body: bytes, url_of: Callable[[Answer], str]) -> GeneratorError:
     with pytest.raises(GeneratorError) as caught:
         _generate(
