@@ -137,8 +137,11 @@ def retest_deferral(kind: ErrorKind, breaker_state: str | None, *, cooldown: flo
     """How long a pair given back by a failure that found the breaker open already waits (None: not at all): past
     the next half-open test, a cool-down away, which then goes to another pair. *Why:* the half-open test is the
     first pending pair in reading order, and a scene whose text the server always fails on (a 500, a timeout) was
-    that test at every cool-down, reopening the breaker each time: its book's healthy scenes never ran again."""
-    if kind in (ErrorKind.BACKEND, ErrorKind.MISCONFIGURED) and breaker_state == "reopened":
+    that test at every cool-down, reopening the breaker each time: its book's healthy scenes never ran again. So
+    was one the server always rate-limits (a 429 or a 503 with Retry-After that depends on the input), given back
+    at every test. A limit every scene meets defers each test pair in turn, and none once a test passes: the
+    breaker then holds no failure, which ends these deferrals (`dispatch._still_deferred`)."""
+    if kind in (ErrorKind.BACKEND, ErrorKind.MISCONFIGURED, ErrorKind.RATE_LIMITED) and breaker_state == "reopened":
         return 2 * cooldown
     return None
 

@@ -216,3 +216,48 @@ def test_a_scene_the_backend_always_fails_is_not_the_half_open_test_for_ever(rt,
             break
     got = {scene: state for (_, scene, stage), state in states(rt, "b").items() if stage == "audio"}
     assert got == {"s1": "failed", "s2": "ready", "s3": "ready", "s4": "failed", "s5": "ready", "s6": "ready"}
+
+
+def test_a_scene_the_backend_always_rate_limits_is_not_the_half_open_test_for_ever(rt, tmp_path) -> None:
+    """A scene the server answers 429 every time (a limit that depends on the input) was given back without a
+    deferral, whatever the breaker said: the first pending pair in reading order, it took every half-open test, and
+    the book's healthy scenes waited cool-down after cool-down (0 of 5 ready after 8 of them). Deferred past the next
+    test, it comes back once a test passed (the breaker clean), and reopens it: the healthy scenes go in between."""
+    spec = replace(rt.settings.registry.get("audio"), book_cap=1)
+    cooldown = 0.5
+    settings = {"breaker_threshold": 2, "breaker_cooldown_seconds": cooldown, "generate_max_retries": 0}
+    with_stage(rt, spec, tmp_path, retry_backoff_base=0.01, retry_backoff_max=0.02, **settings)
+    limited = [True]
+
+    def answer(request, _progress) -> None:
+        if limited[0] or request.scene_id == "s1":
+            raise GeneratorError("stage 'audio': inference endpoint answered 429: slow down", rate_limited=True)
+
+    _use_generator(rt, _Scripted(answer))
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    host = Pauses()
+    for _ in range(2):  # s1 twice: the breaker opens
+        for job in dispatched_jobs(rt, "b"):
+            run_job(rt.ports, job, worker="t", later=host)
+        rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))
+        gate.gate_pass(rt.ports, "b")
+    limited[0] = False  # the limit lifts, but not for s1's text
+    for _ in range(24):
+        time.sleep(cooldown + 0.1)
+        rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))  # the passes a tick would make meanwhile
+        gate.gate_pass(rt.ports, "b")
+        for job in dispatched_jobs(rt, "b"):
+            run_job(rt.ports, job, worker="t", later=host)
+        if [s for (_, s, st), v in states(rt, "b").items() if st == "audio" and v == "ready"] == [
+            "s2",
+            "s3",
+            "s4",
+            "s5",
+            "s6",
+        ]:
+            break
+    got = {scene: state for (_, scene, stage), state in states(rt, "b").items() if stage == "audio"}
+    assert {s: v for s, v in got.items() if s != "s1"} == dict.fromkeys(("s2", "s3", "s4", "s5", "s6"), "ready"), got
+    assert got["s1"] in ("pending", "generating")  # a rate limit is no verdict on the scene: it is never failed
