@@ -103,6 +103,7 @@ class StageState(TypedDict):
     state: AssetStateName
     artifact: str | None
     artifact_uri: str | None  # file:///... or s3://bucket/key; None without an artifact (or one from before 0005)
+    error: str | None  # why the pair failed (its job's verdict); None unless it is failed
 
 
 class SceneStatus(TypedDict):

@@ -118,6 +118,7 @@ class Assets(Protocol):
     ) -> AssetState | None: ...  # the state written (`dirty` may be judged `pending` again), None: none
     def scene_states(self, book: str) -> list[tuple[str, str, str, str, str | None]]: ...
     def artifact_uris(self, book: str) -> dict[Pair, str]: ...  # committed artifacts' file:// or s3:// URIs
+    def pair_errors(self, book: str) -> dict[Pair, str]: ...  # why each failed pair failed
 
 
 class JobStart(Protocol):

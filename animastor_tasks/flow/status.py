@@ -29,11 +29,16 @@ def status(ports: Ports, book_id: object) -> dict[str, Any]:
     # Every command still at work, however many newer ones ended since: 200 readers' scenes hid a bulk command.
     commands = ports.commands.commands(book=book, every_active=True)
     scenes: dict[tuple[str, str], dict[str, Any]] = {}
-    uris = ports.assets.artifact_uris(book)
+    uris, errors = ports.assets.artifact_uris(book), ports.assets.pair_errors(book)
     for chapter, scene, stage, state, artifact in ports.assets.scene_states(book):
         entry = scenes.setdefault((chapter, scene), {"chapter_id": chapter, "scene_id": scene, "stages": {}})
-        uri = uris.get((chapter, scene, stage))
-        entry["stages"][stage] = {"state": state, "artifact": artifact, "artifact_uri": uri}
+        pair = (chapter, scene, stage)
+        entry["stages"][stage] = {
+            "state": state,
+            "artifact": artifact,
+            "artifact_uri": uris.get(pair),
+            "error": errors.get(pair),  # *why:* a failed cell said nothing of why; it was in Postgres and a log
+        }
     cancelled = ports.commands.is_tombstoned(book) or _cancel_flag(ports, book)
     return {
         "book_id": book,

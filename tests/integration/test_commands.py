@@ -428,7 +428,8 @@ def test_status_json_shape(rt, book) -> None:
     assert command["progress"]["total"] == 6
     assert command["progress"]["released"] == 0 and command["progress"]["released_reasons"] == {}
     assert data["scenes"][0]["stages"]["audio"]["state"] in {"pending", "generating"}
-    assert data["scenes"][0]["stages"]["image"] == {"state": "dirty", "artifact": None, "artifact_uri": None}
+    cell = {"state": "dirty", "artifact": None, "artifact_uri": None, "error": None}
+    assert data["scenes"][0]["stages"]["image"] == cell
 
 
 def test_gate_with_postgres_unreachable_authorizes_nothing_and_recovers(rt, book) -> None:

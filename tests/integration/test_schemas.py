@@ -24,6 +24,7 @@ from animastor_tasks.worker import tasks
 
 from .helpers import advertise, make_book
 from .test_cli_reads import cli
+from .test_generate import dispatched_jobs
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "docs" / "schemas"
 BASE = "https://animastor.dev/schemas/v1/"
@@ -167,6 +168,20 @@ def test_status_commands_and_queues_json_from_the_cli(rt) -> None:
     broken = status_flow.status(rt.ports, "b")
     broken["commands"][0]["progress"].pop("released")
     assert refused("status", broken)
+
+
+def test_status_says_why_a_failed_pair_failed(rt) -> None:
+    """Old code: `status` showed `failed` and nothing of why; the error was in Postgres, the journal and a log."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=2))
+    advertise(rt, "gpu.audio", host="audio@box")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    job = next(j for j in dispatched_jobs(rt, "b") if j.scene_id == "s1")
+    assert rt.ports.jobs.fail_job(*job.owned, "stage 'audio': inference endpoint answered 400: no voice", "gpu.audio")
+    shown = json.loads(cli("status", "b", "--json").stdout)
+    check("status", shown)
+    cells = {s["scene_id"]: s["stages"]["audio"] for s in shown["scenes"]}
+    assert cells["s1"]["state"] == "failed" and cells["s1"]["error"].endswith("answered 400: no voice")
+    assert cells["s2"]["error"] is None and cells["s2"]["state"] == "generating"
 
 
 def _schema_keys(schema: dict[str, Any]) -> tuple[set[str], set[str]]:

@@ -295,6 +295,15 @@ class AssetStore(GateReads):
             ).fetchall()
         return {(chapter, scene, stage): uri for chapter, scene, stage, uri in rows}
 
+    def pair_errors(self, book: str) -> dict[Pair, str]:
+        """Why each failed pair of the book failed: its error, as its job's verdict wrote it."""
+        with self.db.read() as conn:
+            rows = conn.execute(
+                "SELECT chapter_id, scene_id, stage, error FROM asset_states WHERE book_id = %s AND error IS NOT NULL",
+                (book,),
+            ).fetchall()
+        return {(chapter, scene, stage): error for chapter, scene, stage, error in rows}
+
     def scene_states(self, book: str) -> list[tuple[str, str, str, str, str | None]]:
         """(chapter, scene, stage, state, artifact sha256) for every pair, in reading order.
 
