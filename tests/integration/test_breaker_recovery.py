@@ -7,7 +7,9 @@ Real Postgres, Redis and broker; jobs run in-process, control messages through t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from animastor_tasks.domain.deferral import wait_score
 from animastor_tasks.domain.vocabulary import Priority, priority_rank
@@ -182,40 +184,60 @@ def test_a_breaker_whose_free_slots_cannot_be_handed_on_still_sends_the_due_pass
     assert rt.redis.client.zscore(rt.redis.keys.due(), "d") is None  # its pass was sent
 
 
-def test_a_scene_the_backend_always_fails_is_not_the_half_open_test_for_ever(rt, tmp_path) -> None:
-    """A scene whose text makes the server answer 500 every time, given back as the breaker opened, was the first
-    pending pair in reading order at every half-open test: it failed, reopened the breaker and went back, cool-down
-    after cool-down, and the book's healthy scenes never ran (0 ready after 6 cool-downs)."""
-    spec = replace(rt.settings.registry.get("audio"), book_cap=4)
-    cooldown = 0.5
-    settings = {"breaker_threshold": 2, "breaker_cooldown_seconds": cooldown, "generate_max_retries": 1}
+COOLDOWN = 0.5
+
+
+def _one_bad_scene(
+    rt: Any, tmp_path: Any, *, book_cap: int, retries: int, error: Callable[[], Exception]
+) -> list[bool]:
+    """Book `b` of 6 scenes regenerated on a stage (breaker threshold 2, a cool-down of `COOLDOWN`) whose server
+    answers `error()` to every scene while the flag returned holds, and to s1 always."""
+    spec = replace(rt.settings.registry.get("audio"), book_cap=book_cap)
+    settings = {"breaker_threshold": 2, "breaker_cooldown_seconds": COOLDOWN, "generate_max_retries": retries}
     with_stage(rt, spec, tmp_path, retry_backoff_base=0.01, retry_backoff_max=0.02, **settings)
-    outage = [True]
+    down = [True]
 
     def answer(request, _progress) -> None:
-        if outage[0] or request.scene_id == "s1":
-            raise GeneratorError("stage 'audio': inference endpoint answered 500: Internal Server Error")
+        if down[0] or request.scene_id == "s1":
+            raise error()
 
     _use_generator(rt, _Scripted(answer))
     rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
     advertise(rt, "gpu.audio")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    return down
+
+
+def _cool_downs(rt: Any, host: Pauses, rounds: int, done: Callable[[], bool]) -> None:
+    """Up to `rounds` cool-downs, each followed by the book's pass (as a tick's) and its jobs, until `done()`."""
+    for _ in range(rounds):
+        time.sleep(COOLDOWN + 0.1)
+        rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))  # the passes a tick would make meanwhile
+        gate.gate_pass(rt.ports, "b")
+        for job in dispatched_jobs(rt, "b"):
+            run_job(rt.ports, job, worker="t", later=host)
+        if done():
+            return
+
+
+def _audio(rt: Any) -> dict[str, str]:
+    return {scene: state for (_, scene, stage), state in states(rt, "b").items() if stage == "audio"}
+
+
+def test_a_scene_the_backend_always_fails_is_not_the_half_open_test_for_ever(rt, tmp_path) -> None:
+    """A scene whose text makes the server answer 500 every time, given back as the breaker opened, was the first
+    pending pair in reading order at every half-open test: it failed, reopened the breaker and went back, cool-down
+    after cool-down, and the book's healthy scenes never ran (0 ready after 6 cool-downs)."""
+    error = "stage 'audio': inference endpoint answered 500: Internal Server Error"
+    outage = _one_bad_scene(rt, tmp_path, book_cap=4, retries=1, error=lambda: GeneratorError(error))
     # The server restarts while the book's four jobs run; they end last first: s4 fails (the breaker still closed),
     # s3 opens it and goes back, s2 and s1 go back with it open.
     host = Pauses()  # its pauses are the worker's (worker/chain.py): this loop waits out the cool-downs itself
     for job in reversed(dispatched_jobs(rt, "b")):
         run_job(rt.ports, job, worker="t", later=host)
     outage[0] = False  # back, but s1's text still makes it fail
-    for _ in range(8):
-        time.sleep(cooldown + 0.1)
-        rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))  # the passes a tick would make meanwhile
-        gate.gate_pass(rt.ports, "b")
-        for job in dispatched_jobs(rt, "b"):
-            run_job(rt.ports, job, worker="t", later=host)
-        if not {"pending", "generating"} & set(states(rt, "b").values()):  # image: dirty, never commanded
-            break
-    got = {scene: state for (_, scene, stage), state in states(rt, "b").items() if stage == "audio"}
-    assert got == {"s1": "failed", "s2": "ready", "s3": "ready", "s4": "failed", "s5": "ready", "s6": "ready"}
+    _cool_downs(rt, host, 8, lambda: not {"pending", "generating"} & set(_audio(rt).values()))
+    assert _audio(rt) == {"s1": "failed", "s2": "ready", "s3": "ready", "s4": "failed", "s5": "ready", "s6": "ready"}
 
 
 def test_a_scene_the_backend_always_rate_limits_is_not_the_half_open_test_for_ever(rt, tmp_path) -> None:
@@ -223,20 +245,10 @@ def test_a_scene_the_backend_always_rate_limits_is_not_the_half_open_test_for_ev
     deferral, whatever the breaker said: the first pending pair in reading order, it took every half-open test, and
     the book's healthy scenes waited cool-down after cool-down (0 of 5 ready after 8 of them). Deferred past the next
     test, it comes back once a test passed (the breaker clean), and reopens it: the healthy scenes go in between."""
-    spec = replace(rt.settings.registry.get("audio"), book_cap=1)
-    cooldown = 0.5
-    settings = {"breaker_threshold": 2, "breaker_cooldown_seconds": cooldown, "generate_max_retries": 0}
-    with_stage(rt, spec, tmp_path, retry_backoff_base=0.01, retry_backoff_max=0.02, **settings)
-    limited = [True]
-
-    def answer(request, _progress) -> None:
-        if limited[0] or request.scene_id == "s1":
-            raise GeneratorError("stage 'audio': inference endpoint answered 429: slow down", rate_limited=True)
-
-    _use_generator(rt, _Scripted(answer))
-    rt.catalog.import_book(make_book("b", chapters=1, scenes=6))
-    advertise(rt, "gpu.audio")
-    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    error = "stage 'audio': inference endpoint answered 429: slow down"
+    limited = _one_bad_scene(
+        rt, tmp_path, book_cap=1, retries=0, error=lambda: GeneratorError(error, rate_limited=True)
+    )
     host = Pauses()
     for _ in range(2):  # s1 twice: the breaker opens
         for job in dispatched_jobs(rt, "b"):
@@ -244,20 +256,8 @@ def test_a_scene_the_backend_always_rate_limits_is_not_the_half_open_test_for_ev
         rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))
         gate.gate_pass(rt.ports, "b")
     limited[0] = False  # the limit lifts, but not for s1's text
-    for _ in range(24):
-        time.sleep(cooldown + 0.1)
-        rt.redis.client.delete(rt.redis.keys.deferrals("b", "capacity"))  # the passes a tick would make meanwhile
-        gate.gate_pass(rt.ports, "b")
-        for job in dispatched_jobs(rt, "b"):
-            run_job(rt.ports, job, worker="t", later=host)
-        if [s for (_, s, st), v in states(rt, "b").items() if st == "audio" and v == "ready"] == [
-            "s2",
-            "s3",
-            "s4",
-            "s5",
-            "s6",
-        ]:
-            break
-    got = {scene: state for (_, scene, stage), state in states(rt, "b").items() if stage == "audio"}
-    assert {s: v for s, v in got.items() if s != "s1"} == dict.fromkeys(("s2", "s3", "s4", "s5", "s6"), "ready"), got
+    healthy = dict.fromkeys(("s2", "s3", "s4", "s5", "s6"), "ready")
+    _cool_downs(rt, host, 24, lambda: {s: v for s, v in _audio(rt).items() if s != "s1"} == healthy)
+    got = _audio(rt)
+    assert {s: v for s, v in got.items() if s != "s1"} == healthy, got
     assert got["s1"] in ("pending", "generating")  # a rate limit is no verdict on the scene: it is never failed
