@@ -57,9 +57,9 @@ def served_since(now: float) -> float:
     """Where a book just served a slot of a lane waits for its pairs still refused there: behind every book of its
     priority that waits or comes to wait while that job runs; its end puts the book at that time (the re-queue of
     lua/lane_take.lua), as a refusal does once the job could have ended (lua/lane_wait.lua); books served earlier
-    first. *Why:* placed at the time it was served, a
-    book that had a job running went before the books whose commands came during that job: of 40 books sent
-    together, the last four first started behind the second jobs of books whose first had begun before they came."""
+    first. *Why:* placed at the time it was served, a book that had a job running went before the books whose
+    commands came during that job: of 40 books sent together, the last four first started behind the second jobs of
+    books whose first had begun before they came."""
     return SERVED_AFTER + now
 
 
