@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -88,6 +88,30 @@ def _amqp_declare(url: str, queues: Collection[str]) -> dict[str, tuple[int, int
     return counts
 
 
+def passive_depths(broker_url: str, queues: Collection[str]) -> dict[str, int | None]:
+    """Messages waiting in each queue, asked of either broker (a passive declare); None where it cannot say (`queues`
+    shows `?`: an unreadable depth must not read as an empty queue)."""
+    depths: dict[str, int | None] = {}
+    try:
+        with probe_connection(broker_url) as conn:
+            for queue in queues:
+                try:
+                    channel = conn.channel()
+                except Exception:
+                    depths[queue] = None
+                    continue
+                try:
+                    depths[queue] = int(channel.queue_declare(queue=queue, passive=True).message_count)
+                except Exception as err:
+                    depths[queue] = 0 if queue_not_found(err) else None  # else unknown
+                finally:
+                    with suppress(Exception):  # a channel the broker closed (404) may refuse a close
+                        channel.close()
+    except Exception:
+        return dict.fromkeys(queues)
+    return depths
+
+
 class BrokerProbe:
     """The flows' `QueueProbe` for one broker URL."""
 
@@ -98,12 +122,7 @@ class BrokerProbe:
         return queued_dispatch_ids(self.broker_url, queues)
 
     def waiting(self, queue: str) -> int | None:
-        """Messages waiting in `queue` (a passive declare: either broker); None when the broker cannot tell."""
-        try:
-            with probe_connection(self.broker_url) as conn, conn.channel() as channel:
-                return int(channel.queue_declare(queue=queue, passive=True).message_count)
-        except Exception as err:
-            return 0 if queue_not_found(err) else None
+        return passive_depths(self.broker_url, [queue])[queue]
 
     def queue_depths(self, queues: Collection[str]) -> dict[str, int] | None:
         """Ready messages per queue on AMQP; None elsewhere (a Redis broker lists its jobs by id instead)."""

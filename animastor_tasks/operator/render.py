@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from animastor_tasks.adapters.broker_probe import amqp_queue_counts, probe_connection, queue_not_found
+from animastor_tasks.adapters.broker_probe import amqp_queue_counts, passive_depths
 from animastor_tasks.contract import BookStatus, QueueRow
 from animastor_tasks.domain.vocabulary import NO_LONGER_ACTIVE, AssetState
 from animastor_tasks.errors import StoreUnavailable
@@ -327,36 +327,12 @@ def _broker_counts(
     cannot say (null, `?`: never 0). On AMQP both come from one passive declare a queue: asked apart, a broker
     that never answered was waited for twice."""
     if not amqp_url:
-        return {}, _queue_depths(broker_url, queues)
+        return {}, passive_depths(broker_url, queues)
     try:
         counts = amqp_queue_counts(amqp_url, queues)
     except StoreUnavailable:
         return {}, dict.fromkeys(queues)
     return {q: consumers for q, (_, consumers) in counts.items()}, {q: ready for q, (ready, _) in counts.items()}
-
-
-def _queue_depths(broker_url: str, queues: list[str]) -> dict[str, int | None]:
-    """Messages waiting in each queue, asked of the broker; None where it cannot say (shown as `?`:
-    an unreadable depth must not read as an empty queue)."""
-    depths: dict[str, int | None] = {}
-    try:
-        with probe_connection(broker_url) as conn:
-            for queue in queues:
-                try:
-                    channel = conn.channel()
-                except Exception:
-                    depths[queue] = None
-                    continue
-                try:
-                    depths[queue] = int(channel.queue_declare(queue=queue, passive=True).message_count)
-                except Exception as err:
-                    depths[queue] = 0 if queue_not_found(err) else None  # else unknown
-                finally:
-                    with contextlib.suppress(Exception):  # a channel the broker closed (404) may refuse a close
-                        channel.close()
-    except Exception:
-        return dict.fromkeys(queues)
-    return depths
 
 
 def queues_table(rows: Sequence[QueueRow | Mapping[str, Any]]) -> Table:

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from kombu.transport import redis as kombu_redis
 
+from animastor_tasks.adapters.broker_probe import passive_depths
 from animastor_tasks.flow import regenerate as regenerate_flow
-from animastor_tasks.operator import render
 
 from .helpers import advertise, make_book, queued_messages
 from .test_cli_reads import cli
@@ -20,7 +20,7 @@ def test_queue_depths_from_the_real_broker(rt) -> None:
     advertise(rt, "gpu.audio", host="audio@box")
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     assert queued_messages(rt, "gpu.audio") == 3
-    depths = render._queue_depths(rt.settings.broker_url, ["gpu.audio", "gpu.never-declared"])
+    depths = passive_depths(rt.settings.broker_url, ["gpu.audio", "gpu.never-declared"])
     assert depths == {"gpu.audio": 3, "gpu.never-declared": 0}  # no queue yet: nothing waits in it
 
 
@@ -29,7 +29,7 @@ def test_a_depth_the_broker_cannot_give_is_unknown(rt, monkeypatch: pytest.Monke
         raise ConnectionError("connection reset while asking for the depth")
 
     monkeypatch.setattr(kombu_redis.Channel, "queue_declare", broken)
-    depths = render._queue_depths(rt.settings.broker_url, ["gpu.audio"])
+    depths = passive_depths(rt.settings.broker_url, ["gpu.audio"])
     assert depths == {"gpu.audio": None}
 
 

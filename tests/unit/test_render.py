@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from animastor_tasks.adapters.broker_probe import passive_depths
 from animastor_tasks.operator import render
 
 STATES = ["ready", "generating", "pending", "dirty", "failed"]
@@ -131,7 +132,7 @@ def test_unreadable_queue_depth_shows_question_mark_not_zero() -> None:
 
 
 def test_queue_depths_unknown_when_the_broker_is_down() -> None:
-    depths = render._queue_depths("redis://127.0.0.1:1/0", ["gpu.audio", "gpu.image"])
+    depths = passive_depths("redis://127.0.0.1:1/0", ["gpu.audio", "gpu.image"])
     assert depths == {"gpu.audio": None, "gpu.image": None}
 
 
