@@ -39,6 +39,7 @@ MISSING_CELL = (" ", "")
 # Above this many chapters one row per chapter gets too tall: each stage becomes one wrapped strip.
 CHAPTER_ROWS_MAX = 24
 RATE_WINDOW_SECONDS = 60.0
+FAILURES_SHOWN = 10  # failed pairs listed with their error under the grid; `status --json` has every one
 PIPED_WIDTH = 4096  # columns printed to a pipe or a file: a row of the longest id and reason fits
 
 
@@ -200,14 +201,35 @@ def _totals(data: Mapping[str, Any]) -> Text:
     return text
 
 
+def _failures(data: Mapping[str, Any]) -> list[Text]:
+    """Why pairs failed, the first few in reading order: a red cell alone sent the operator to `--json` to find out."""
+    failed = [
+        (scene, stage, cell.get("error"))
+        for scene in data["scenes"]
+        for stage, cell in scene["stages"].items()
+        if cell.get("state") == AssetState.FAILED
+    ]
+    if not failed:
+        return []
+    lines = [Text(f"\nfailed ({len(failed)})", style="bold red")]
+    for scene, stage, error in failed[:FAILURES_SHOWN]:
+        line = Text(f"{scene['chapter_id']}/{scene['scene_id']} {stage}: ", style="bold")
+        line.append(" ".join((error or "(no error recorded)").split()), style="red")
+        lines.append(line)
+    if len(failed) > FAILURES_SHOWN:
+        lines.append(Text(f"(+{len(failed) - FAILURES_SHOWN} more: status --json lists every one)", style="dim"))
+    return lines
+
+
 def status_view(data: BookStatus | Mapping[str, Any], meter: RateMeter | None = None) -> Group:
-    """The whole `status` screen: title, commands, the scene grid and its totals."""
+    """The whole `status` screen: title, commands, the scene grid, its totals and why pairs failed."""
     title = Text(f"book {data['book_id']!r}", style="bold")
     if data["cancelled"]:
         title.append(" (cancelled)", style="bold red")
     n = len(data["scenes"])
     commands: RenderableType = commands_table(data, meter) if data["commands"] else Text("no commands", style="dim")
-    return Group(title, commands, Text(f"\nscenes ({n})", style="bold"), scene_grid(data), _totals(data))
+    scenes = (Text(f"\nscenes ({n})", style="bold"), scene_grid(data), _totals(data))
+    return Group(title, commands, *scenes, *_failures(data))
 
 
 def show_status(

@@ -62,6 +62,24 @@ def test_status_shows_one_cell_per_scene_and_stage() -> None:
     assert "rate" not in out  # rate and ETA are for --watch
 
 
+def test_status_says_why_pairs_failed_the_first_few_in_reading_order() -> None:
+    data = book(chapters=3, scenes=5, stages=("audio",))
+    for scene in data["scenes"]:
+        scene["stages"]["audio"] = {"state": "ready", "artifact": None, "error": None}
+    failed = data["scenes"][: render.FAILURES_SHOWN + 2]
+    for i, scene in enumerate(failed):
+        scene["stages"]["audio"] = {"state": "failed", "artifact": None, "error": f"backend said\nno {i}"}
+    failed[0]["stages"]["audio"]["error"] = None  # failed before errors were kept
+    out = text_of(render.status_view(data))
+    assert f"failed ({render.FAILURES_SHOWN + 2})" in out
+    assert "ch1/s1 audio: (no error recorded)" in out and "ch1/s2 audio: backend said no 1" in out
+    assert f"no {render.FAILURES_SHOWN - 1}" in out and f"no {render.FAILURES_SHOWN}" not in out
+    assert "(+2 more: status --json lists every one)" in out
+    for scene in data["scenes"]:
+        scene["stages"]["audio"]["state"] = "ready"
+    assert "failed (" not in text_of(render.status_view(data))
+
+
 def test_big_book_gets_one_wrapped_strip_per_stage() -> None:
     data = book(chapters=render.CHAPTER_ROWS_MAX + 16, scenes=25)
     out = text_of(render.status_view(data), width=100)
