@@ -20,7 +20,7 @@ import click
 from animastor_tasks.config import Settings
 from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
 from animastor_tasks.operator import control_commands, process_commands
-from animastor_tasks.operator.options import INTERVAL, LOCK_WAIT, emit
+from animastor_tasks.operator.options import INTERVAL, LOCK_WAIT, emit, to_stdout
 from animastor_tasks.worker import tracing
 
 if TYPE_CHECKING:
@@ -219,7 +219,8 @@ def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
     if as_json:
         emit(status_flow.status(ports, book_id), True, lambda _: None)
         return
-    views.show_status(lambda: status_flow.status(ports, book_id), watch=watch, interval=interval)
+    with to_stdout():
+        views.show_status(lambda: status_flow.status(ports, book_id), watch=watch, interval=interval)
 
 
 @main.command("commands")
@@ -260,7 +261,8 @@ def queues(as_json: bool, watch: bool, interval: float) -> None:
 
     _watch_or_json(watch, as_json)
     if watch:
-        views.watch_queues(lambda: views.queue_overview(_wired()), interval=interval)
+        with to_stdout():
+            views.watch_queues(lambda: views.queue_overview(_wired()), interval=interval)
         return
     emit(views.queue_overview(_wired()), as_json, views.show_queues)
 

@@ -14,7 +14,7 @@ from animastor_tasks.config import Settings
 from animastor_tasks.domain.vocabulary import CommandStatus, Priority, no_worker_reason
 from animastor_tasks.errors import AnimastorError, ConfigError, InvalidInput, StoreUnavailable
 from animastor_tasks.flow import validate
-from animastor_tasks.operator.options import WAIT, emit
+from animastor_tasks.operator.options import WAIT, OutputUnwritable, emit
 
 
 class SceneArg(click.ParamType):
@@ -119,7 +119,13 @@ def regenerate(
         if d.get("replayed"):
             click.echo("(resent: this command_id was already sent; nothing new was created)")
 
-    emit(result, as_json, human)
+    try:
+        emit(result, as_json, human)
+    except OutputUnwritable:
+        made = ", ".join(c["command_id"] for c in result["commands"]) or "none"
+        click.echo(f"note: the request was answered (commands: {made}); to read the answer again, resend with"
+                   f" --command-id {request_id} (a resend is never a second command)", err=True)  # fmt: skip
+        raise
 
 
 @click.command()

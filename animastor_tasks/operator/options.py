@@ -4,17 +4,41 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
 
+from animastor_tasks.errors import AnimastorError
+
+
+class OutputUnwritable(AnimastorError):
+    """The answer could not be written to stdout (a full disk, a pipe its reader closed): exit 1, said on stderr."""
+
+
+@contextmanager
+def to_stdout() -> Iterator[None]:
+    """Around what prints an answer or a view. *Why:* a full disk or a closed pipe was a raw traceback (exit 1), and
+    a regenerate's note on how to read its answer again never came (`control_commands.regenerate`)."""
+    try:
+        yield
+    except OSError as err:
+        # What is left in stdout's buffer would fail again at exit, a second traceback: it goes nowhere now.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        raise OutputUnwritable(f"the answer could not be written to stdout: {err.strerror or err}") from err
+
 
 def emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
-    if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
-    else:
-        human(data)
+    with to_stdout():
+        if as_json:
+            click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+        else:
+            human(data)
 
 
 class Seconds(click.ParamType):

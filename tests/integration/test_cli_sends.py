@@ -4,6 +4,7 @@ thread of this process, `celery.contrib.testing.worker`) on the real broker, the
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -43,12 +44,13 @@ def control_worker(monkeypatch: pytest.MonkeyPatch, **env: str) -> Iterator[None
             wiring.reset()
 
 
-def cli_sent(*args: str) -> subprocess.CompletedProcess[str]:
+def cli_sent(*args: str, stdout: Any = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
     """The CLI as a subprocess on this run's stores (whatever the control worker beside it was given)."""
     env = {**os.environ, **{key: value for key, value in _RUN_ENV.items() if value is not None}}
     return subprocess.run(
         [sys.executable, "-m", "animastor_tasks.operator.cli", *args],
-        capture_output=True,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
         text=True,
         timeout=60,
         env=env,
@@ -98,3 +100,30 @@ def test_regenerate_says_why_a_command_is_blocked_and_when_it_was_a_resend(rt, m
     assert "blocked" in first.stdout and "no_worker:audio" in first.stdout, first.stdout
     assert "animastor-tasks worker --stage audio" in first.stdout and "resent" not in first.stdout, first.stdout
     assert "resent" in again.stdout and "nothing new was created" in again.stdout, again.stdout
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_a_regenerate_whose_answer_cannot_be_written_says_so_and_how_to_read_it_again(rt, monkeypatch, as_json) -> None:
+    """Its stdout a full disk: a raw `OSError` traceback (exit 1), and nothing said that the command was made nor
+    which id reads its answer again; a new id is a second command."""
+    rt.catalog.import_book(make_book("b1", chapters=1, scenes=1))
+    command_id = str(uuid.uuid4())
+    with control_worker(monkeypatch), open("/dev/full", "w") as full:
+        done = cli_sent("regenerate", "b1", "--stage", "audio", "--command-id", command_id, *["--json"] * as_json,
+                        stdout=full)  # fmt: skip
+        again = cli_sent("regenerate", "b1", "--stage", "audio", "--command-id", command_id, "--json")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "error: the answer could not be written to stdout: No space left on device" in done.stderr, done.stderr
+    assert f"resend with --command-id {command_id}" in done.stderr and "commands: " in done.stderr, done.stderr
+    made = json.loads(again.stdout)
+    assert made["replayed"] and made["commands"][0]["command_id"] in done.stderr, (again.stdout, done.stderr)
+
+
+def test_a_read_whose_answer_cannot_be_written_exits_1_with_one_error_line(rt) -> None:
+    rt.catalog.import_book(make_book("b1", chapters=1, scenes=1))
+    for args in (("status", "b1", "--json"), ("status", "b1"), ("commands", "--json"), ("queues",)):
+        with open("/dev/full", "w") as full:
+            done = cli_sent(*args, stdout=full)
+        assert done.returncode == 1, (args, done.stderr)
+        assert done.stderr.strip().splitlines() == ["error: the answer could not be written to stdout: No space left"
+                                                    " on device"], (args, done.stderr)  # fmt: skip
