@@ -260,18 +260,26 @@ def _checked_timeout(timeout: object) -> float:
 def _app_conf(broker_url: str, timeout: float) -> dict[str, Any]:
     """Every wait bounded by the caller's timeout: kombu's Redis transport sets no socket timeout of its own
     (`broker_connection_timeout` is not read by it) and Celery's result store waits 120 s per read, so a silent
-    or stopped Redis held a call for minutes. A call makes at most two tries of each, hence half the timeout."""
+    or stopped Redis held a call for minutes. A subscribe to the result store is tried twice at most (hence half the
+    timeout each); a publish three times: once, then twice to connect again, which kombu's `ensure` makes at least
+    two (hence a third). *Why the third:* with half, a Redis broker that stopped answering held a publish 1.5 times
+    the timeout."""
     each = max(0.5, timeout / 2)
+    publish = max(0.5, timeout / 3)
     if urlsplit(broker_url).scheme.startswith("redis"):
-        transport: dict[str, Any] = {"socket_timeout": each, "socket_connect_timeout": each, "client_name": CLIENT_NAME}
+        transport: dict[str, Any] = {
+            "socket_timeout": publish,
+            "socket_connect_timeout": publish,
+            "client_name": CLIENT_NAME,
+        }
     else:  # AMQP: a silent broker is noticed by a read or write timing out, a lost publish by its confirm
-        transport = {"read_timeout": each, "write_timeout": each, "confirm_publish": True}
+        transport = {"read_timeout": publish, "write_timeout": publish, "confirm_publish": True}
     return {
         "task_serializer": "json",
         "accept_content": ["json"],
         "result_serializer": "json",
         "result_accept_content": ["json"],
-        "broker_connection_timeout": min(3.0, each),
+        "broker_connection_timeout": min(3.0, publish),
         "broker_connection_retry": False,
         "broker_connection_max_retries": 0,
         "broker_transport_options": {
@@ -285,10 +293,10 @@ def _app_conf(broker_url: str, timeout: float) -> dict[str, Any]:
         "redis_socket_connect_timeout": each,
         "redis_client_name": CLIENT_NAME,
         # The result store is subscribed to before the publish: it must fail fast too (Celery's default
-        # retries for ~20 s, then raises a bare RuntimeError).
-        "result_backend_transport_options": {
-            "retry_policy": {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
-        },
+        # retries for ~20 s, then raises a bare RuntimeError). A failed subscribe is tried again once by Celery's
+        # reconnect, whose policy this is: no retry of its own. *Why:* with one (`max_retries` 1), a silent Redis
+        # held the call three halves of its timeout, the reconnect's two tries after the subscribe's.
+        "result_backend_transport_options": {"retry_policy": {"max_retries": 0}},
     }
 
 

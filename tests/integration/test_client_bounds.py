@@ -34,6 +34,9 @@ def silent_listener() -> Iterator[int]:
         yield port
 
 
+SLACK = 0.8  # seconds past the timeout for what is not a wait: imports, connecting, raising
+
+
 def test_a_broker_that_accepts_and_never_answers_is_a_store_error_within_the_timeout(settings, silent_listener) -> None:
     """Old code: no socket timeout on the broker's connection, the call blocked for minutes."""
     client = Client(replace(settings, broker_url=f"redis://127.0.0.1:{silent_listener}/0"), timeout=5)
@@ -44,7 +47,7 @@ def test_a_broker_that_accepts_and_never_answers_is_a_store_error_within_the_tim
     finally:
         client.close()
     assert info.value.store == "broker"
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 5 + SLACK
 
 
 class FreezingProxy(TcpProxy):
@@ -75,14 +78,15 @@ def test_a_redis_that_stops_answering_after_a_send_is_a_store_error_within_the_t
             started = time.monotonic()
             with pytest.raises(StoreUnavailable, match=f"resend with command_id={ID}"):
                 client.regenerate("b1", ["audio"], command_id=ID, wait=False)
-            assert time.monotonic() - started < 8
+            assert time.monotonic() - started < 4 + SLACK
         finally:
             proxy.frozen.clear()
             client.close()
 
 
 def test_a_result_store_that_never_answers_is_a_store_error_within_the_timeout(rt, settings, silent_listener) -> None:
-    """Old code: Celery's result store waits 120 s per read (then reconnects and waits again)."""
+    """Old code: Celery's result store waits 120 s per read (then reconnects and waits again); later, 1.5 times the
+    timeout (the reconnect tried twice after the subscribe: 6.0 s)."""
     client = Client(replace(settings, redis_url=f"redis://127.0.0.1:{silent_listener}/0"), timeout=4)
     started = time.monotonic()
     try:
@@ -90,7 +94,7 @@ def test_a_result_store_that_never_answers_is_a_store_error_within_the_timeout(r
             client.regenerate("b1", ["audio"], command_id=ID)
     finally:
         client.close()
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 4 + SLACK
     assert f"resend with command_id={ID}" in str(info.value)
     assert info.value.command_id == ID
 
