@@ -22,7 +22,8 @@ The tasks only this runtime sends (all but regenerate, cancel and gate) take, an
 a newer version's message to an older worker during a rolling deploy runs rather than failing with a
 TypeError (a refill lost so left its slot idle until reconcile). The three a caller sends refuse one: it is
 the caller's intent (a misspelt `lane` ran a whole gate pass). The runtime's own refuse a kwarg of another type
-than they are sent (`_as_sent`).
+than they are sent (`_as_sent`), a required one missing (`SignedTask`) and a value no sender of theirs sends (a
+refill handed more slots than a lane may have, a gate_batch of more books than a tick sends).
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from celery.exceptions import Reject
 
 from animastor_tasks.domain.book import show_value, validate_id
 from animastor_tasks.domain.liveness import delivery_holder
-from animastor_tasks.domain.registry import CONTROL_QUEUE, StageSpec
+from animastor_tasks.domain.registry import CONTROL_QUEUE, MOST, StageSpec
 from animastor_tasks.errors import DeliveryNotStarted, InvalidCommand
 from animastor_tasks.flow import cancel as cancel_flow
-from animastor_tasks.flow import gate, refill, validate
+from animastor_tasks.flow import gate, lanes, refill, validate
 from animastor_tasks.flow import reconcile as reconcile_flow
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
@@ -53,6 +54,7 @@ from animastor_tasks.worker.app import app, settings
 from animastor_tasks.worker.lost import GenerateRequest
 
 log = logging.getLogger("animastor.worker")
+MOST_BATCHED = 20 * lanes.BATCH_BOOKS  # book ids one gate_batch takes: what the tick sends, and room for a newer one
 
 
 def ports() -> Ports:
@@ -90,12 +92,24 @@ def _as_sent(task: str, **fields: tuple[object, Any]) -> None:
             raise InvalidCommand(f"{task}: {name} must be {names}, got {show_value(value)}")
 
 
-class CallerTask(Task):
-    """A task other services send: one sent to another queue than the control queue, or a call its signature cannot
-    take (more positional arguments than it has, one given twice), is the `InvalidCommand` it says, before anything
-    runs. *Why:* a Stop All sent to a GPU queue ran on a GPU worker behind that lane's backlog (15 s in a hunt, hours
-    with real jobs), jobs starting meanwhile; Python's own TypeError reached the caller. Each refusal is `throws`:
-    the caller's error, logged at INFO without a traceback (a caller could fill the error log with them)."""
+class SignedTask(Task):
+    """A call its signature cannot take (a required argument missing, more positional arguments than it has, one
+    given twice) is the `InvalidCommand` it says, before anything runs. *Why:* Python's own TypeError reached the
+    caller, or the log, as a bare TypeError."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            _signature(self).bind(*args, **kwargs)
+        except TypeError as err:
+            raise InvalidCommand(f"{self.name}: {err}") from None
+        return super().__call__(*args, **kwargs)
+
+
+class CallerTask(SignedTask):
+    """A task other services send: one sent to another queue than the control queue is the `InvalidCommand` it says,
+    before anything runs. *Why:* a Stop All sent to a GPU queue ran on a GPU worker behind that lane's backlog (15 s
+    in a hunt, hours with real jobs), jobs starting meanwhile. Each refusal is `throws`: the caller's error, logged at
+    INFO without a traceback (a caller could fill the error log with them)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         queue = (self.request.delivery_info or {}).get("routing_key")
@@ -103,10 +117,6 @@ class CallerTask(Task):
             raise InvalidCommand(
                 f"{self.name}: sent to queue {show_value(queue)}; send it to {CONTROL_QUEUE!r}, the control workers'"
             )
-        try:
-            _signature(self).bind(*args, **kwargs)
-        except TypeError as err:
-            raise InvalidCommand(f"{self.name}: {err}") from None
         return super().__call__(*args, **kwargs)
 
 
@@ -144,7 +154,7 @@ def gate_task(book_id: Any = MISSING, lane: str | None = None, **unknown: Any) -
     return _pass_result(book, gate.gate_pass(ports(), book) if queue is None else refill.refill(ports(), book, queue))
 
 
-@app.task(name="animastor.refill", ignore_result=True)
+@app.task(name="animastor.refill", base=SignedTask, ignore_result=True)
 def refill_task(
     book_id: str,
     lane: str | None = None,
@@ -158,8 +168,10 @@ def refill_task(
     _as_sent("animastor.refill", book_id=(book_id, str), lane=(lane, optional), freed=(freed, optional),
              slots=(slots, int | None), batch=(batch, optional))  # fmt: skip
     validate_id("book_id", book_id, error=InvalidCommand)  # *why:* a NUL in it was a psycopg traceback at ERROR
+    if slots is not None and not 1 <= slots <= MOST:  # *why:* 1e30 failed in a Redis script, as 'redis unavailable'
+        raise InvalidCommand(f"animastor.refill: slots must be from 1 to {MOST:,}, got {show_value(slots)}")
     if slots is not None and lane is not None:  # handed that many free slots of `lane` (`batch`: with other books)
-        report = refill.refill(ports(), book_id, lane, slots_of=lane, slots=max(1, int(slots)), batch=batch)
+        report = refill.refill(ports(), book_id, lane, slots_of=lane, slots=slots, batch=batch)
     else:
         report = refill.refill(ports(), book_id, lane, slots_of=freed)
     return _pass_result(book_id, report)
@@ -175,23 +187,25 @@ def _pass_result(book_id: str, report: gate.PassReport) -> dict[str, Any]:
     }
 
 
-@app.task(name="animastor.gate_batch", ignore_result=True)
+@app.task(name="animastor.gate_batch", base=SignedTask, ignore_result=True)
 def gate_batch(book_ids: list[str], **newer: Any) -> int:
     _newer("animastor.gate_batch", newer)
     _as_sent("animastor.gate_batch", book_ids=(book_ids, list))
+    if len(book_ids) > MOST_BATCHED:  # *why:* 100,000 held a control process 40 s, a warning line for each
+        raise InvalidCommand(f"animastor.gate_batch: at most {MOST_BATCHED} book ids, got {len(book_ids):,}")
     _as_sent("animastor.gate_batch", **{f"book_ids[{n}]": (book, str) for n, book in enumerate(book_ids)})
     for n, book in enumerate(book_ids):  # *why:* a NUL in one was a psycopg traceback at ERROR
         validate_id(f"book_ids[{n}]", book, error=InvalidCommand)
-    return len(gate.gate_batch(ports(), book_ids))
+    return len(gate.gate_batch(ports(), list(dict.fromkeys(book_ids))))  # a book named twice is passed once
 
 
-@app.task(name="animastor.tick", ignore_result=True)
+@app.task(name="animastor.tick", base=SignedTask, ignore_result=True)
 def tick(**newer: Any) -> list[str]:
     _newer("animastor.tick", newer)
     return gate.tick(ports())
 
 
-@app.task(name="animastor.reconcile", ignore_result=True)
+@app.task(name="animastor.reconcile", base=SignedTask, ignore_result=True)
 def reconcile(**newer: Any) -> dict[str, Any]:
     _newer("animastor.reconcile", newer)
     return reconcile_flow.reconcile(ports())
@@ -200,6 +214,7 @@ def reconcile(**newer: Any) -> dict[str, Any]:
 def _register_generate(spec: StageSpec) -> None:
     @app.task(
         name=spec.task_name,
+        base=SignedTask,
         bind=True,
         acks_late=True,
         reject_on_worker_lost=True,

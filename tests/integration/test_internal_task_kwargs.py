@@ -6,6 +6,7 @@ runs as before. *Why:* a hand-written one failed deep inside (`operator does not
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -31,6 +32,9 @@ from .test_job_troubles import _one_scene
         ({"book_id": "x", "lane": "gpu.audio", "slots": True}, r"slots must be int or null, got True"),
         ({"book_id": "x", "freed": 1}, r"freed must be str or null, got 1"),
         ({"book_id": "x\x00"}, r"book_id"),
+        # Past Redis's integers: it failed in a Lua script, reported as 'redis unavailable' (Redis was fine).
+        ({"book_id": "x", "lane": "gpu.audio", "slots": 10**30}, r"slots must be from 1 to 1,000,000,000, got 10+$"),
+        ({"book_id": "x", "lane": "gpu.audio", "slots": 0}, r"slots must be from 1 to 1,000,000,000, got 0$"),
     ],
 )
 def test_a_refill_of_another_shape_is_refused_and_changes_nothing(rt: Wiring, kwargs: Any, refusal: str) -> None:
@@ -56,6 +60,33 @@ def test_a_gate_batch_of_another_shape_is_refused(rt: Wiring, book_ids: Any, ref
     with pytest.raises(InvalidCommand, match=refusal):
         tasks.gate_batch.run(book_ids)
     assert tasks.gate_batch.run(["x"]) == 1
+
+
+def test_a_gate_batch_passes_a_book_named_twice_once_and_refuses_more_books_than_the_tick_could_send(
+    rt: Wiring,
+) -> None:
+    """100,000 ids (one book repeated) held a control process 40 s, writing a warning line for each."""
+    rt.catalog.import_book(make_book("x", chapters=1, scenes=1))
+    with pytest.raises(InvalidCommand, match=r"at most 1000 book ids, got 1,001$"):
+        tasks.gate_batch.run(["x"] * (tasks.MOST_BATCHED + 1))
+    assert tasks.gate_batch.run(["x"] * tasks.MOST_BATCHED) == 1
+
+
+@pytest.mark.parametrize(
+    ("task", "kwargs", "refusal"),
+    [
+        ("animastor.refill", {"lane": "gpu.audio"}, r"animastor.refill: missing a required argument: 'book_id'"),
+        ("animastor.gate_batch", {}, r"animastor.gate_batch: missing a required argument: 'book_ids'"),
+        ("animastor.generate.audio", {"book_id": "x"}, r"animastor.generate.audio: missing a required argument"),
+    ],
+)
+def test_a_runtime_task_missing_an_argument_is_an_invalid_command(
+    rt: Wiring, task: str, kwargs: Any, refusal: str
+) -> None:
+    """It was Python's bare TypeError."""
+    result = app.tasks[task].apply(kwargs=kwargs)
+    assert isinstance(result.result, InvalidCommand), result.result
+    assert result.result.args and re.match(refusal, str(result.result)), str(result.result)
 
 
 @pytest.mark.parametrize(
