@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from animastor_tasks.errors import ConfigError
+
 LOCAL_DIR_VAR = "ANIMASTOR_LOCAL_DIR"
 
 
@@ -16,7 +18,10 @@ def default_data_dir() -> Path:
     """`$ANIMASTOR_LOCAL_DIR`, else `.animastor-local/` in the source checkout, else in the current directory."""
     override = os.environ.get(LOCAL_DIR_VAR, "").strip()
     if override:
-        return Path(override).expanduser()
+        path = Path(override).expanduser()
+        if path.exists() and not path.is_dir():  # *why:* `down` was a NotADirectoryError traceback (exit 1)
+            raise ConfigError(f"{LOCAL_DIR_VAR}: {override!r} is not a directory")
+        return path
     root = Path(__file__).resolve().parents[2]
     if (root / "pyproject.toml").is_file():
         return root / ".animastor-local"

@@ -87,3 +87,18 @@ def test_down_that_could_not_stop_the_local_stores_exits_non_zero(
     done = CliRunner().invoke(cli.main, ["down"])
     assert done.exit_code == 3, done.output
     assert "pg_ctl stop failed" in done.output
+
+
+@pytest.mark.parametrize("command", [["down"], ["up"], ["status", "b"]])
+def test_a_local_dir_that_is_a_file_is_a_setting_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    """`down` was a NotADirectoryError traceback, exit 1."""
+    from click.testing import CliRunner
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("ANIMASTOR_LOCAL_DIR", str(afile))
+    done = CliRunner().invoke(cli.main, command)
+    assert done.exit_code == 2, done.output
+    assert f"error: ANIMASTOR_LOCAL_DIR: {str(afile)!r} is not a directory" in done.output
