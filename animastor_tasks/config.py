@@ -181,6 +181,8 @@ def _number(env: Mapping[str, str], name: str, default: float, *, minimum: float
     if raw is None or raw.strip() == "":
         return float(default)
     try:
+        if "_" in raw:  # Python's digit grouping: `5_0` was read as 50
+            raise ValueError(raw)
         value = float(raw)
     except ValueError as err:
         raise ConfigError(f"{name}={raw!r} is not a number") from err
@@ -305,6 +307,8 @@ def _registry(env: Mapping[str, str]) -> MediaRegistry:
         what = " is not valid JSON: " if isinstance(err, json.JSONDecodeError) else ": "
         raise ConfigError(_shown_table(f"ANIMASTOR_STAGES={raw!r}{what}{err}")) from err
     try:
+        if table is None:  # `null` is not the absent table: it was read as the default one, unsaid
+            raise ValueError("the stage table must be a non-empty JSON object, got null")
         return registry_from_table(table)
     except ValueError as err:
         raise ConfigError(_shown_table(f"ANIMASTOR_STAGES={raw!r}: {err}")) from err

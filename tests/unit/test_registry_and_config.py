@@ -54,6 +54,9 @@ def test_a_third_stage_is_configuration_only() -> None:
         ({"ANIMASTOR_RECONCILE_PAIRS": "many"}, "ANIMASTOR_RECONCILE_PAIRS"),
         ({"ANIMASTOR_RECONCILE_PAIRS": "0"}, "ANIMASTOR_RECONCILE_PAIRS"),
         ({"ANIMASTOR_STAGES": "{oops"}, "ANIMASTOR_STAGES"),
+        # Read as the default table, unsaid (a hunt); `5_0` read as 50.
+        ({"ANIMASTOR_STAGES": "null"}, "must be a non-empty JSON object, got null"),
+        ({"ANIMASTOR_TICK_SECONDS": "5_0"}, "ANIMASTOR_TICK_SECONDS='5_0' is not a number"),
         ({"ANIMASTOR_STAGES": '{"audio": {"lease_ttl": 0}}'}, "lease_ttl"),
         ({"ANIMASTOR_STAGES": '{"a": {"queue": "q"}, "b": {"queue": "q"}}'}, "used by another stage"),
         ({"ANIMASTOR_KEY_PREFIX": "bad prefix*"}, "ANIMASTOR_KEY_PREFIX"),
