@@ -72,21 +72,26 @@ def below_share(generating: Sequence[Pair], stage: str, spec: StageSpec) -> bool
     return used < spec.book_quota and not capped and len(scenes) < spec.window
 
 
-def contested(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec) -> bool:
+def contested(stage: str, rank: int, counts: CapacityCounts, spec: StageSpec, *, handed: bool = True) -> bool:
     """The fair share binds for a pair of `rank`: another book at least as urgent waits for the lane and is
     still below its own share.
 
     A waiting book as urgent but already at its share binds nothing: its share and this pair's would bind each
-    other, and the slot idle."""
+    other, and the slot idle. `handed`: a book handed a slot whose refill is on its way waits too (not for a claim
+    of slots of its own: theirs are the lane's others). *Why:* two books handed a slot each by two job ends moments
+    apart, the first refill claimed both free slots past its share, and the other book ran nothing for a job."""
     if counts.waiting is None:
         return True
-    return _binds(counts.waiting.get(stage, ()), rank, stage, spec)
+    return _binds(counts.waiting.get(stage, ()), rank, stage, spec, handed=handed)
 
 
-def _binds(waiting: Sequence[Waiter], rank: int, stage: str, spec: StageSpec, but: int | None = None) -> bool:
-    """Whether a waiter of `waiting` (not the one at index `but`) binds the share of a claim at `rank`."""
+def _binds(
+    waiting: Sequence[Waiter], rank: int, stage: str, spec: StageSpec, but: int | None = None, *, handed: bool = False
+) -> bool:
+    """Whether a waiter of `waiting` (not the one at index `but`; of the handed ones, only with `handed`) binds the
+    share of a claim at `rank`."""
     return any(
-        i != but and not w.handed and w.rank <= rank and below_share(w.generating, stage, spec)
+        i != but and (handed or not w.handed) and w.rank <= rank and below_share(w.generating, stage, spec)
         for i, w in enumerate(waiting)
     )
 
@@ -140,7 +145,7 @@ def choose(
     slots = dict(room or {})
     waits = {
         (stage, rank): (
-            contested(stage, rank, counts, spec),
+            contested(stage, rank, counts, spec, handed=stage not in slots),
             outranking(stage, rank, counts, spec, handed=stage not in slots),
         )
         for stage, spec in specs.items()

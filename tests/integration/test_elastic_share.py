@@ -401,3 +401,26 @@ def test_a_book_whose_own_pass_ran_its_reader_s_scene_waits_on_at_its_bulk_scene
     assert list(waiting(rt)) == ["w", "reader"]  # served: behind the normal waiter, at its bulk scenes' rank
     finish_one(rt, "y")  # a slot frees: the normal waiter's, not the reader's bulk scene
     assert running(rt, "reader", "w") == {"reader": 1, "w": 1}
+
+
+def test_slots_handed_one_at_a_time_go_one_to_each_book_handed_one(rt, monkeypatch) -> None:
+    """Two job ends moments apart each hand their slot to the next book waiting. A hand-over to one book sent its
+    refill no count of slots: the first refill to run claimed both free slots (the other book, handed one, binds no
+    share), and the other book's refill found the lane full: it ran nothing for a whole job (a hunt: 2 s jobs, quota
+    1, one book running 2 while the other ran 0 with 5 pending)."""
+    from animastor_tasks.flow import refill
+
+    lane(rt, lane_limit=2, book_quota=1, window=2)
+    for book, scenes in (("first", 2), ("c", 4), ("s", 4)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    for book in ("first", "c", "s"):
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    assert running(rt, "first", "c", "s") == {"first": 2} and list(waiting(rt)) == ["c", "s"]
+    with monkeypatch.context() as m:  # both jobs end; their slots are handed one at a time, below
+        m.setattr(refill, "free_slot", lambda *_a, **_k: None)
+        finish_one(rt, "first")
+        finish_one(rt, "first")
+    assert lanes.hand_over(rt.ports, "gpu.audio", 1) == ["c"]
+    assert lanes.hand_over(rt.ports, "gpu.audio", 1) == ["s"]
+    run_control(rt)  # c's refill first
+    assert running(rt, "first", "c", "s") == {"c": 1, "s": 1}

@@ -120,17 +120,23 @@ def test_a_pair_does_not_take_a_slot_a_more_urgent_book_below_its_share_waits_fo
         assert chosen == [("c", "s50", "image"), ("c", "s2", "image")]
 
 
-def test_a_book_handed_a_slot_holds_it_from_less_urgent_pairs_and_binds_no_share() -> None:
+def test_a_book_handed_a_slot_holds_it_from_less_urgent_pairs_and_binds_a_share_but_a_handed_one() -> None:
     """A book handed a slot is off the waiting list until its refill claims: a less urgent pass in between saw
-    nobody waiting and took the slot. Held for, it must still not bind the share of a book as urgent as itself (a
-    hand-over to several books shares the slots out itself)."""
+    nobody waiting and took the slot. As urgent, it binds the share of a claim as a waiting book does: the refill
+    of another book handed a slot moments before claimed both free slots past its share, and the handed book ran
+    nothing for a job. Not of a claim of slots of its own (`room`: a hand-over to several books shares the slots out
+    itself)."""
     limits = spec(AUDIO, lane_limit=8, book_quota=1, window=10)
     pairs = wanted(("c", "s1", "audio"), ("c", "s2", "audio"))
     reader = CapacityCounts(lane={"audio": 7}, book_generating=[], waiting={"audio": [Waiter(INTERACTIVE, [], True)]})
     bulk = dict.fromkeys((p for p, _ in pairs), BULK)
     assert choose(pairs, reader, limits, {}, ranks=bulk).refused == {Outcome.LANE_FULL: [p for p, _ in pairs]}
     fellow = replace(reader, lane={"audio": 0}, waiting={"audio": [Waiter(BULK, [], True)]})
-    assert [pair for pair, _ in choose(pairs, fellow, limits, {}, ranks=bulk).chosen] == [p for p, _ in pairs]
+    bound = choose(pairs, fellow, limits, {}, ranks=bulk)
+    assert [pair for pair, _ in bound.chosen] == [pairs[0][0]]
+    assert bound.refused == {Outcome.QUOTA_EXHAUSTED: [pairs[1][0]]}
+    shared_out = choose(pairs, fellow, limits, {}, room={"audio": 2}, ranks=bulk)
+    assert [pair for pair, _ in shared_out.chosen] == [p for p, _ in pairs]
 
 
 def test_a_claim_of_its_own_slot_is_not_held_back_for_a_book_handed_another() -> None:
