@@ -126,11 +126,16 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
     keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
     aftermath = Aftermath(keeper, time.monotonic() + ports.settings.job_soft_time_limit)
     try:
+        began = time.monotonic()
         try:
             result = run(_job_ports(ports, keeper, aftermath), first, progress_reporter(task, first), aftermath)
         except BaseException:
             _quietly_publish(ports.publisher, keeper.task_name, queue, keeper.kept)
             raise
+        if keeper.kept is not None:
+            # Succeeded now, with its successor's start, not when the task returns after the chain. *Why:* Flower and
+            # the result store said PROGRESS for the whole chain (up to its budget), and for good after a kill.
+            _succeeded(task, first, result, time.monotonic() - began, aftermath)
         while keeper.kept is not None:
             job, name, trace = keeper.kept, keeper.task_name, keeper.trace
             if not keeping():  # the worker began shutting down after the job was kept: not started here
@@ -264,12 +269,16 @@ def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: Ru
         _announce(task, "task-failed", job.dispatch_id, exception=repr(err), traceback=traceback.format_exc())
         _record(task.backend.mark_as_failure, job.dispatch_id, err)
         return False
-    runtime = time.monotonic() - started
+    _succeeded(task, job, outcome, time.monotonic() - started, later)
+    _record(ports.counters.add, {f"job:kept:{job.stage}": 1})  # animastor_jobs_total{event="kept"}; held, as the rest
+    return True
+
+
+def _succeeded(task: Task, job: Job, outcome: dict[str, Any], runtime: float, later: Aftermath) -> None:
+    """A job of the chain succeeded: its event and its result, held back with the rest of its bookkeeping."""
     succeeded = {"result": repr(outcome), "runtime": runtime, "hostname": _worker_name(task)}
     later(partial(_announce, task, "task-succeeded", job.dispatch_id, **succeeded))
     later(partial(_record, task.backend.mark_as_done, job.dispatch_id, outcome))
-    _record(ports.counters.add, {f"job:kept:{job.stage}": 1})  # animastor_jobs_total{event="kept"}; held, as the rest
-    return True
 
 
 def progress_reporter(task: Task, job: Job) -> Callable[[float], None]:

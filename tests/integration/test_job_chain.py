@@ -214,7 +214,35 @@ def test_a_kept_job_is_announced_once_it_has_passed_its_start_check_not_before(r
     task = app.tasks["animastor.generate.audio"]
     chain.run_chain(task, rt.ports, AUDIO, Job("b", "ch1", "s1", "audio", "d1" * 16, 3), run)
     assert before_start == []
-    assert sent[:2] == [("task-received", kept.dispatch_id), ("task-started", kept.dispatch_id)]
+    of_kept = [(kind, d) for kind, d in sent if d == kept.dispatch_id]
+    assert of_kept[:2] == [("task-received", kept.dispatch_id), ("task-started", kept.dispatch_id)]
+
+
+def test_the_delivered_job_of_a_chain_is_succeeded_once_its_kept_successor_starts(rt, monkeypatch) -> None:
+    """Flower and the result store said PROGRESS for the job the broker delivered until the whole chain ended (up to
+    ANIMASTOR_JOB_CHAIN_SECONDS later), and for good when its worker was killed mid-chain (a hunt)."""
+    from animastor_tasks.worker.tasks import app
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    first = Job("b", "ch1", "s1", "audio", "d1" * 16, 3)
+    kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
+    sent: list[tuple[str, str]] = []
+    monkeypatch.setattr(chain, "_announce", lambda task, kind, dispatch_id, **_: sent.append((kind, dispatch_id)))
+    seen: dict[str, Any] = {}
+
+    def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
+        if job == kept:
+            later.job_started()
+            later.end()  # its predecessor's bookkeeping, held back until now, is done
+            seen["state"], seen["events"] = app.AsyncResult(first.dispatch_id).state, list(sent)
+        else:
+            ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
+        return {"outcome": "ready", "scene": job.scene_id}
+
+    task = app.tasks["animastor.generate.audio"]
+    assert chain.run_chain(task, rt.ports, AUDIO, first, run) == {"outcome": "ready", "scene": "s1"}
+    assert seen["state"] == "SUCCESS" and ("task-succeeded", first.dispatch_id) in seen["events"]
+    assert app.AsyncResult(first.dispatch_id).result == {"outcome": "ready", "scene": "s1"}
 
 
 def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt, monkeypatch) -> None:
