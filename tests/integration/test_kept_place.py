@@ -97,3 +97,14 @@ def test_a_book_stopped_after_it_was_handed_a_slot_gets_no_place_back(rt: Wiring
         run_control(rt)  # b's refill, Postgres failing over
     assert waiting(rt) == {}
     assert not rt.redis.client.hexists(rt.redis.keys.lane_handed(LANE), "b")  # nothing for a lost refill's restore
+
+
+def test_a_book_with_no_hand_over_record_keeps_the_place_it_holds_at_the_head_of_its_priority(rt: Wiring) -> None:
+    """The script read a missing record as `false` and raised on it (`attempt to perform arithmetic on a boolean`),
+    said as 'redis unavailable': the place was not kept, nor the book made due (a hunt, in a Postgres failover)."""
+    bulk = priority_rank(Priority.BULK) * RANK_SCALE
+    rt.ports.deferrals.wait_for_lane(LANE, "b", bulk + 123.0)
+    rt.ports.deferrals.keep_handed_place(LANE, "b")
+    assert waiting(rt) == {"b": bulk}
+    rt.ports.deferrals.keep_handed_place(LANE, "nowhere")  # neither a record nor a place: none given
+    assert waiting(rt) == {"b": bulk}

@@ -7,7 +7,10 @@
 -- KEYS[1] the lane's hand-over record (hash: book -> '<handed at> <wait score>'), KEYS[2] its waiting list
 -- ARGV[1] the book, ARGV[2] the score of one priority rank
 local value = redis.call('HGET', KEYS[1], ARGV[1])
-local score = value and tonumber(string.match(value, '^%S+ (%S+)$') or '')
+local score = nil  -- a missing field is `false` here, not nil: `value and ...` kept it, and `score / scale` raised
+if value then
+    score = tonumber(string.match(value, '^%S+ (%S+)$') or '')
+end
 if score == nil then
     score = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]) or '')
 end
