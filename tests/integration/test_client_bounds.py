@@ -3,11 +3,8 @@ after no answer, a fork, arguments JSON cannot carry, the connections of timed-o
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -22,7 +19,7 @@ from tests.integration.helpers import make_book, queued_messages
 from tests.support import wait_for
 from tests.support.cluster import Cluster
 from tests.support.silent_server import silent_server
-from tests.support.tcp_proxy import TcpProxy
+from tests.support.tcp_proxy import FreezingProxy
 
 ID = "6f1c2b9e-4c1e-4d0b-9a55-0c3e2f7b8a10"
 
@@ -48,22 +45,6 @@ def test_a_broker_that_accepts_and_never_answers_is_a_store_error_within_the_tim
         client.close()
     assert info.value.store == "broker"
     assert time.monotonic() - started < 5 + SLACK
-
-
-class FreezingProxy(TcpProxy):
-    """A proxy that, once frozen, swallows what either side sends: a Redis stopped (SIGSTOP) mid-connection."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        super().__init__(target)
-        self.frozen = threading.Event()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                if not self.frozen.is_set():
-                    sink.sendall(data)
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_RDWR)
 
 
 def test_a_redis_that_stops_answering_after_a_send_is_a_store_error_within_the_timeout(rt, settings) -> None:

@@ -4,13 +4,16 @@ pool's backends are ended by `pg_terminate_backend`, as a restart or a failover 
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import ExitStack
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
 
-from animastor_tasks.adapters.postgres.pool import Database
+from animastor_tasks.adapters.postgres.pool import Database, _Connection
 from animastor_tasks.errors import StoreUnavailable
+from tests.support.tcp_proxy import FreezingProxy
 
 POOLED = 4
 
@@ -77,3 +80,42 @@ def test_a_pooled_connection_gives_up_on_a_server_that_stopped_answering(setting
     finally:
         db.close()
     assert (given["tcp_user_timeout"], given["keepalives_idle"], given["keepalives_count"]) == ("5000", "7", "3")
+
+
+def test_a_server_that_takes_a_statement_and_never_answers_is_given_up_after_the_answer_limit(
+    settings, migrated, monkeypatch
+) -> None:
+    """A hung proxy or pooler, a stopped server process: what is sent is acknowledged, so the keepalives and
+    `tcp_user_timeout` see nothing wrong. Old code: the read waited for good (in a hunt, two GPU processes in a commit's
+    and a refill's round trip held their slots idle 8 minutes, until the proxy was killed)."""
+    monkeypatch.setattr(_Connection, "answer_limit", 1.0)
+    where = urlsplit(settings.database_url)
+    host, port = where.hostname or "127.0.0.1", where.port or 5432
+    with FreezingProxy((host, port)) as proxy:
+        db = Database(settings.database_url.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}", 1), max_size=2)
+        try:
+            with db.read() as conn:
+                assert conn.execute("SELECT 1").fetchone() == (1,)
+            proxy.frozen.set()
+            said: list[str] = []
+
+            def read() -> None:
+                try:
+                    with db.transaction() as conn:
+                        conn.execute("SELECT 1")
+                    said.append("answered")
+                except StoreUnavailable as err:
+                    said.append(str(err))
+
+            started = time.monotonic()
+            waiting = threading.Thread(target=read, daemon=True)
+            waiting.start()
+            waiting.join(20)
+            assert said and "no answer from the server within 1s; connection ended" in said[0], said
+            assert time.monotonic() - started < 5
+            proxy.frozen.clear()
+            with db.read() as conn:  # a connection of its own: the ended one was dropped
+                assert conn.execute("SELECT 2").fetchone() == (2,)
+        finally:
+            proxy.frozen.clear()
+            db.close()

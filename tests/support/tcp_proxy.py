@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 from types import TracebackType
+from typing import Self
 
 
 class TcpProxy:
@@ -78,8 +79,9 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def __enter__(self) -> TcpProxy:
-        return self.start()
+    def __enter__(self) -> Self:
+        self.start()
+        return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self.cut()
@@ -88,3 +90,20 @@ class TcpProxy:
 def _close(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.close()
+
+
+class FreezingProxy(TcpProxy):
+    """A proxy that, once frozen, swallows what either side sends: a server stopped (SIGSTOP) mid-connection, a hung
+    proxy or pooler; what is sent is acknowledged, and nothing comes back."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        super().__init__(target)
+        self.frozen = threading.Event()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if not self.frozen.is_set():
+                    sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_RDWR)

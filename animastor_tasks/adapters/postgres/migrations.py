@@ -10,7 +10,7 @@ from importlib.resources.abc import Traversable
 
 import psycopg
 
-from animastor_tasks.adapters.postgres.pool import Database, _is_store_error
+from animastor_tasks.adapters.postgres.pool import Database, _is_store_error, without_answer_limit
 from animastor_tasks.errors import AnimastorError, StoreUnavailable
 
 log = logging.getLogger("animastor.postgres")
@@ -61,7 +61,7 @@ def migrate(db: Database, lock_wait: float = LOCK_WAIT_SECONDS) -> list[str]:
     long for the advisory lock, then gives up naming the session that holds it.
     """
     applied: list[str] = []
-    with db.read() as conn:
+    with db.read() as conn, without_answer_limit(conn):
         _take_migration_lock(db, conn, lock_wait)
         try:
             conn.execute(

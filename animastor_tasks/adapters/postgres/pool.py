@@ -15,11 +15,12 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 from urllib.parse import unquote
 
 import psycopg
 from psycopg import pq
+from psycopg.abc import PQGen
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -39,6 +40,8 @@ LOCK_WAIT_MS = 10_000
 #: (5 s at most) included. Past it the server ends the session, and with it the locks a silent client held.
 TRANSACTION_LIMIT_MS = 60_000
 
+
+RV = TypeVar("RV")
 
 _STORE_ERRORS = (
     psycopg.OperationalError,
@@ -89,10 +92,29 @@ NOT_MIGRATED = "the database is not migrated to this release; run `animastor-tas
 _refusals: dict[str, str] = {}
 
 
+#: The longest one wait for the server's answer lasts (a statement's, a pipeline's, a commit's), but a migration's.
+#: Past it the connection is ended and the call fails as the store unavailable. *Why:* a connection whose data the
+#: server's side acknowledged and never answered (a hung proxy or pooler, a stopped server process) waited for good:
+#: the keepalives and `tcp_user_timeout` (`DEAD_PEER`) see nothing wrong, and two GPU processes, in a commit's and a
+#: refill's round trip, held their slots idle until the proxy was killed (8 minutes in a hunt).
+ANSWER_LIMIT_S = TRANSACTION_LIMIT_MS / 1000
+
+
 class _Connection(psycopg.Connection[TupleRow]):
-    """A pool's connection that remembers why connecting failed. *Why:* a pool that cannot connect answers
-    only "couldn't get a connection after 5.00 sec": a misspelt database or role, or a wrong password, read as
-    Postgres being down, the reason left in the pool's log lines."""
+    """A pool's connection that remembers why connecting failed, and waits for an answer `answer_limit` seconds at
+    most (`ANSWER_LIMIT_S`; None: without a bound). *Why the first:* a pool that cannot connect answers only
+    "couldn't get a connection after 5.00 sec": a misspelt database or role, or a wrong password, read as Postgres
+    being down, the reason left in the pool's log lines."""
+
+    answer_limit: float | None = ANSWER_LIMIT_S
+
+    def wait(self, gen: PQGen[RV], interval: float = 0.1, timeout: float | None = None) -> RV:
+        limit = self.answer_limit if timeout is None else timeout
+        try:
+            return super().wait(gen, interval, limit)
+        except psycopg.errors._WaitTimeout:  # psycopg's own, raised for the caller to turn into its error
+            self.pgconn.finish()  # a late answer cannot be told from the next one's: the connection is ended (broken)
+            raise psycopg.OperationalError(f"no answer from the server within {limit:g}s; connection ended") from None
 
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
@@ -103,6 +125,19 @@ class _Connection(psycopg.Connection[TupleRow]):
             raise
         _refusals.pop(conninfo, None)
         return conn
+
+
+@contextmanager
+def without_answer_limit(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """For a migration's session: one statement may rewrite a big table for longer than `ANSWER_LIMIT_S`."""
+    if not isinstance(conn, _Connection):
+        yield
+        return
+    conn.answer_limit = None
+    try:
+        yield
+    finally:
+        conn.answer_limit = ANSWER_LIMIT_S
 
 
 #: How soon a connection whose server stopped answering is given up (libpq's names; the URL's own win): keepalive
