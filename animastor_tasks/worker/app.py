@@ -69,7 +69,7 @@ def set_up_solo(sender: Any = None, **_: Any) -> None:
 def let_go_of_previous_run(sender: Any = None, **_: Any) -> None:
     """Jobs this node's previous run held when it was killed are let go before this run takes any (lost.py)."""
     if getattr(sender, "hostname", None):
-        lost.let_go_of_previous_run(settings, sender.hostname)
+        lost.let_go_of_previous_run(settings, sender.hostname, app, events=bool(getattr(sender, "task_events", False)))
 
 
 @signals.worker_ready.connect

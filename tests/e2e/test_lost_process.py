@@ -126,6 +126,9 @@ def test_a_worker_killed_whole_and_started_again_lets_go_of_its_previous_runs_jo
     starts = _started(stack, book.book_id, "s1")
     assert len(starts) == 2 and starts[1]["dispatch_id"] != first["dispatch_id"], starts
     assert again.log().count(f"dispatch {first['dispatch_id']} of its previous run let go") == 1, again.tail()
+    # Its result (and Flower's view, from the same step) kept the STARTED its killed run left, for good.
+    let_go = stack.client.app.AsyncResult(first["dispatch_id"])
+    assert let_go.state == "FAILURE" and "let the job go" in str(let_go.result), (let_go.state, let_go.result)
     figure(f"GPU worker SIGKILLed mid-job and started again as {node}: pair ready {took:.1f}s after the kill")
 
 
