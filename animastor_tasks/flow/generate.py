@@ -104,12 +104,13 @@ def _refused(
     ports: Ports, job: Job, spec: StageSpec, denial: Denial, result: dict[str, Any], delivered: _Delivered
 ) -> dict[str, Any]:
     """Refused at its start check. A pair the gate denies (a Stop All, its layer off, no command) is still this
-    job's: it goes back to `pending` for its book's pass to release, and its lease and slot are freed now rather
-    than when the lease lapses and the tick takes the pair over. A job superseded as it was being delivered (stale
-    token) lets go of the stop marker a forced regenerate left it, which held the slot for a lease TTL."""
+    job's: it goes back to `pending` for its book's pass to release (its layer off: released now, `Jobs.give_back`),
+    and its lease and slot are freed now rather than when the lease lapses and the tick takes the pair over. A job
+    superseded as it was being delivered (stale token) lets go of the stop marker a forced regenerate left it, which
+    held the slot for a lease TTL."""
     if denial in (Denial.CANCELLED, Denial.LAYER_DISABLED, Denial.NO_ACTIVE_TASK):
         try:
-            back = ports.jobs.give_back(*job.owned, denial, spec.queue)
+            back = ports.jobs.give_back(*job.owned, denial, spec.queue, released=denial is Denial.LAYER_DISABLED)
         except StoreUnavailable as err:
             log.warning("[GENERATE] %s refused; its pair is left to its lease: %s", job.describe(), err)
             back = None

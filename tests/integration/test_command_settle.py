@@ -168,6 +168,23 @@ def test_a_forced_command_created_while_its_targets_job_commits_runs_the_scene_a
     assert command(rt, book, cid)["status"] == "active"
 
 
+def test_a_queued_job_refused_for_its_layer_off_stays_released_when_the_layer_is_turned_on_again(rt, book) -> None:
+    """Refused at its start, the job gave its pair back `pending` for the book's pass to release; the layer turned
+    on again before that pass (within a tick), the pass ran the pair with no new regenerate (a hunt: 6 image jobs
+    started after a layer toggled off and on 1 s apart)."""
+    cid = regenerate_flow.regenerate(rt.ports, book, ["audio"])["commands"][0]["command_id"]
+    queued = dispatched_jobs(rt, book)
+    assert len(queued) == 4  # the cap: two of six wait
+    layers_flow.set_layers(rt.ports, book, [], ["audio"])  # releases the two pending; the four queued wait to start
+    for job in queued:
+        assert run_job(rt.ports, job, worker="test")["reason"] == "layer_disabled"
+    layers_flow.set_layers(rt.ports, book, ["audio"], [])
+    assert gate.gate_pass(rt.ports, book).dispatched == []
+    assert [s for (_, _, st), s in states(rt, book).items() if st == "audio"] == ["dirty"] * 6
+    found = command(rt, book, cid)
+    assert found["status"] == "failed" and found["reason"] == "6 of 6 targets released (layer_disabled)", found
+
+
 def test_a_layer_turned_off_between_a_pass_s_decision_and_its_claim_dispatches_nothing_of_it(rt, book, monkeypatch):
     """The change committed after the regenerate's pass authorized the audio pairs and before it claimed them; the
     change's own pass came later. The claim's compare-and-set on `pending` took them all the same: four jobs

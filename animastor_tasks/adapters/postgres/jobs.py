@@ -170,20 +170,25 @@ class JobStore:
                 return _left(conn, owned)
 
     def give_back(
-        self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str
+        self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str, *, released: bool = False
     ) -> Committed | None:
         """`generating -> pending`, only if the token is still current (None: stale): the run ended without a verdict
         on the scene (a store blip, the backend down); the next gate pass decides again. With it what the book has
-        left pending of the stage, its pair given back among it (`_left`)."""
-        transition(AssetState.GENERATING, AssetState.PENDING)
+        left pending of the stage, its pair given back among it (`_left`). `released`: to `dirty` instead, its
+        targets released for `reason` (a job refused at its start because its layer is off: given back `pending`,
+        its book's pass released it only if the layer was still off by then, and turned on again within the tick,
+        the layer ran the job with no new regenerate)."""
+        state = transition(AssetState.GENERATING, AssetState.DIRTY if released else AssetState.PENDING)
         owned = _owned(book, pair, token, dispatch_id)
         with self.db.transaction() as conn:
             with conn.pipeline():  # BEGIN, the bounds and the locks in one round trip
                 _lock_capacity(conn, lane, book)
             done = conn.execute(
-                f"UPDATE asset_states a SET state = %(pending)s, dispatch_id = NULL, updated_at = now() WHERE {_OWNED}",
-                {**owned, "pending": AssetState.PENDING},
+                f"UPDATE asset_states a SET state = %(state)s, dispatch_id = NULL, updated_at = now() WHERE {_OWNED}",
+                {**owned, "state": state},
             ).rowcount
+            if done and released:
+                mark_released(conn, book, {reason: [pair]})
             with conn.pipeline():
                 if done:
                     detail = {"token": token, "reason": _storable(reason, 1000)}
