@@ -163,7 +163,7 @@ def _let_go_of_orphans(ports: Ports, report: dict[str, Any]) -> None:
                 orphans[book].append(((chapter, scene, stage), dispatch_id))
         for book, jobs in orphans.items():
             log.warning("[RECONCILE] book=%r jobs of pairs no longer theirs let go: %s", book, jobs)
-            cancel.let_go(ports, book, jobs)
+            cancel.let_go(ports, book, jobs, book_goes_on=True)
             report["orphans"] += len(jobs)
     except StoreUnavailable as err:  # the next pass looks again
         log.warning("[RECONCILE] running jobs of pairs gone not looked for this pass: %s", err)

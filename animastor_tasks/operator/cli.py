@@ -154,7 +154,7 @@ def book_import(path: Path, as_json: bool) -> None:
         from animastor_tasks.flow.cancel import let_go
 
         try:
-            let_go(rt.ports, summary.book_id, summary.removed_jobs)
+            let_go(rt.ports, summary.book_id, summary.removed_jobs, book_goes_on=True)
         except StoreUnavailable as err:
             click.echo(f"warning: the jobs of removed scenes run on until their commit is refused: {err}", err=True)
     data = summary.public()

@@ -6,13 +6,16 @@ lane counted the slot free and sent another job to the GPUs meanwhile."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
 from animastor_tasks.domain.book import book_to_dict, parse_book
+from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.reconcile import reconcile
 
-from .helpers import advertise, make_book
+from .helpers import advertise, cli, make_book, states
+from .test_elastic_share import lane, run_control, waiting
 from .test_generate import one_running_job
 
 
@@ -45,3 +48,24 @@ def test_reconcile_leaves_the_running_job_of_a_pair_still_its_own_alone(rt, tmp_
     assert rt.redis.client.get(rt.redis.keys.lease(*job.lease_pair)) == job.dispatch_id
     worker.join(timeout=15)
     assert outcome.get("outcome") == "ready", outcome
+
+
+def test_a_reimport_that_removes_queued_scenes_gives_their_slots_to_the_book_s_other_pairs(rt, tmp_path) -> None:
+    """The CLI handed the removed jobs' slots to the other books waiting, never to the book itself: with none
+    waiting they idled until the tick's pass of the book, 2.5 to 7 s in a hunt, while its other pairs waited."""
+    lane(rt, lane_limit=2, book_quota=4, window=4)
+    book = make_book("b", chapters=1, scenes=4)
+    rt.catalog.import_book(book)
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+
+    def generating() -> list[str]:
+        return sorted(s for (_, s, _), state in states(rt, "b").items() if state == "generating")
+
+    assert generating() == ["s1", "s2"] and list(waiting(rt)) == ["b"]
+    edited = book_to_dict(book)
+    edited["chapters"][0]["scenes"] = edited["chapters"][0]["scenes"][2:]  # s1 and s2 are gone
+    (tmp_path / "b.json").write_text(json.dumps(edited))
+    done = cli("book", "import", str(tmp_path / "b.json"))
+    assert done.returncode == 0, done.stderr
+    run_control(rt)
+    assert generating() == ["s3", "s4"]
