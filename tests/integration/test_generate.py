@@ -354,6 +354,9 @@ def test_a_scene_edited_while_its_job_runs_stays_stale_and_runs_again(rt, tmp_pa
     assert run_job(rt.ports, job, worker="w")["outcome"] == "outdated"  # its media kept, made from the old text
     rt.ports = ports
     with rt.db.read() as conn:
+        # Journalled as what it is: it was a `job.ready`, read as a scene ready by whoever counted the journal.
+        kinds = conn.execute("SELECT kind FROM events WHERE dispatch_id = %s ORDER BY id", (job.dispatch_id,))
+        assert [k for (k,) in kinds if k.startswith("job.")] == ["job.started", "job.outdated"]
         made_from, current = conn.execute(
             "SELECT a.input_hash, s.input_hashes ->> 'audio' FROM asset_states a JOIN scenes s"
             " USING (book_id, chapter_id, scene_id) WHERE a.book_id = 'b' AND a.stage = 'audio'"

@@ -136,6 +136,13 @@ class JobStore:
                 settle_commands(conn, book, pair)
             row = committed.fetchone()
             if row is not None and row[1] == AssetState.DIRTY:  # made from the text an import replaced meanwhile
+                # Journalled as what it is (the pipeline wrote `job.ready` before the state was known): counted ready,
+                # a scene that is not read as ready to whoever reads the journal.
+                conn.execute(  # this transaction's own row: `at` is its start (the index), the dispatch its own
+                    "UPDATE events SET kind = 'job.outdated' WHERE at = now() AND kind = 'job.ready'"
+                    " AND dispatch_id = %s",
+                    (dispatch_id,),
+                )
                 mark_released(conn, book, {INPUT_CHANGED: [pair]})
             if row is None:
                 conn.rollback()
