@@ -38,6 +38,10 @@ class CeleryPublisher:
                 retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
                 argsrepr="()",
                 kwargsrepr=shown,
+                # None: no limits in the message. *Why:* Celery put this process's own limits for the task there,
+                # and the GPU worker ran the job under them (the control host's, say), not its own.
+                time_limit=None,
+                soft_time_limit=None,
             )
             self._announce_sent(producer, task_name, queue, dispatch_id, shown)
 

@@ -675,3 +675,28 @@ def test_a_replacement_publish_does_not_hide_the_failures_of_runs(rt) -> None:
     assert breaker.breaker_state("gpu.audio") == "open"
     breaker.breaker_record_run("gpu.audio", True, 2, 30, None)  # a run succeeding does
     assert breaker.breaker_state("gpu.audio") == "closed"
+
+
+def test_a_dispatched_job_carries_no_time_limits_of_its_sender(rt) -> None:
+    """Celery's send_task puts the sending process's own limits for the task into the message (`timelimit`), and the
+    GPU worker applies them over its own: a job ran under the control host's ANIMASTOR_JOB_*TIME_LIMIT, not its GPU
+    host's (a hunt: limits of 60/75 s on the GPU worker, a job ran 82 s uncut under the control worker's 120/150)."""
+    import base64
+    import json
+
+    import redis
+
+    from animastor_tasks.worker import tasks
+
+    assert rt.settings.registry.get("audio").task_name in tasks.app.tasks  # registered here, with its limits
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    client = redis.Redis.from_url(rt.settings.broker_url)
+    try:
+        [raw] = client.lrange("gpu.audio", 0, -1)
+    finally:
+        client.close()
+    message = json.loads(raw)
+    assert message["headers"]["timelimit"] == [None, None], message["headers"]
+    assert json.loads(base64.b64decode(message["body"]))[1]["book_id"] == "b"
