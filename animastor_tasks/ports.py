@@ -306,6 +306,7 @@ class Locks(Protocol):
 class Publisher(Protocol):
     def publish_job(self, task_name: str, queue: str, dispatch_id: str, kwargs: dict[str, Any]) -> None: ...
     def revoke(self, dispatch_ids: Sequence[str]) -> None: ...
+    def fail_lost(self, node: str, dispatch_ids: Sequence[str], why: str) -> None: ...  # for Flower; never raises
     def enqueue_refill(  # `slots`: how many free slots of `lane` it is handed (None: as many as it finds), `batch`:
         self,  # the hand-over it is one of (`Deferrals.open_hand_over`)
         book_id: str,

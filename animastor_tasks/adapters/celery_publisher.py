@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from billiard.exceptions import WorkerLostError
 from celery import Celery
 from kombu.exceptions import OperationalError
 
@@ -83,6 +84,9 @@ class CeleryPublisher:
             self.counters.add({"revoke:failed": 1})
             log.warning("[DISPATCH] revoke broadcast failed: %s", err)
 
+    def fail_lost(self, node: str, dispatch_ids: Sequence[str], why: str) -> None:
+        fail_lost(self.app, node, dispatch_ids, why, events=bool(self.app.conf.worker_send_task_events))
+
     def enqueue_refill(
         self,
         book_id: str,
@@ -110,3 +114,19 @@ class CeleryPublisher:
             yield
         except (OperationalError, OSError) as err:
             raise StoreUnavailable("broker", str(self.app.conf.broker_url), str(err) or type(err).__name__) from err
+
+
+def fail_lost(app: Celery, node: str, dispatch_ids: Sequence[str], why: str, *, events: bool) -> None:
+    """Each job of `node` let go of: FAILURE (`WorkerLostError`, saying `why`) in the result store and, with `events`,
+    a `task-failed` event under `node`'s name. *Why:* both kept the STARTED or PROGRESS its lost run left, for good,
+    though the journal said the pair had run again. Best effort: only Flower's view and a stored result are at stake."""
+    if not dispatch_ids:
+        return
+    lost = WorkerLostError(why)
+    try:
+        with app.events.default_dispatcher(hostname=node, enabled=events) as dispatcher:
+            for dispatch_id in dispatch_ids:
+                app.backend.mark_as_failure(dispatch_id, lost)
+                dispatcher.send("task-failed", uuid=dispatch_id, exception=repr(lost), traceback="")
+    except Exception as err:
+        log.warning("[DISPATCH] %s: jobs let go not marked failed for Flower: %s: %s", node, type(err).__name__, err)

@@ -74,12 +74,14 @@ def let_go_of_silent_nodes(ports: Ports, generating: Sequence[GeneratingRow], re
             return  # Redis lost its data or was out of reach moments ago: every node looks silent until it beats again
         silent = liveness.silent_nodes(beats, now, settings.silent_worker_seconds)
         lost: Counter[str] = Counter()
+        let_go: dict[str, list[str]] = defaultdict(list)
         for holder, node in sorted(node_of.items()):
             freed = ports.leases.abandon_delivery(holder, None) if node in silent else None
             if freed is None:
                 continue
             dispatch_id, stage, _ = freed
             lost[f"job:node_lost:{stage}"] += 1
+            let_go[node].append(dispatch_id)
             log.warning(
                 "[TAKEOVER] worker %s stopped beating %.0fs ago while running dispatch %s: its pair is taken over",
                 node,
@@ -92,6 +94,8 @@ def let_go_of_silent_nodes(ports: Ports, generating: Sequence[GeneratingRow], re
     report["let_go"] += sum(lost.values())
     if lost:
         ports.counters.add(lost)
+    for node, dispatch_ids in let_go.items():  # *Why:* Flower showed them STARTED for good, the node gone
+        ports.publisher.fail_lost(node, dispatch_ids, f"{node} stopped beating running it; the tick took its pair over")
 
 
 def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:

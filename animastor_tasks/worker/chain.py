@@ -113,6 +113,9 @@ class KeepingPublisher:
     def revoke(self, dispatch_ids: Sequence[str]) -> None:
         self.inner.revoke(dispatch_ids)
 
+    def fail_lost(self, node: str, dispatch_ids: Sequence[str], why: str) -> None:
+        self.inner.fail_lost(node, dispatch_ids, why)
+
     def enqueue_refill(self, book_id: str, *args: Any, **kwargs: Any) -> None:
         self.inner.enqueue_refill(book_id, *args, **kwargs)  # as the publisher takes it
 

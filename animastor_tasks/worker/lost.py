@@ -48,6 +48,7 @@ from celery import platforms
 from celery.worker import control
 from celery.worker.request import Request
 
+from animastor_tasks.adapters.celery_publisher import fail_lost
 from animastor_tasks.adapters.postgres import jobs
 from animastor_tasks.adapters.redis import counters
 from animastor_tasks.adapters.redis.connection import RedisConnection
@@ -124,7 +125,7 @@ def let_go_of_previous_run(settings: Settings, node: str, app: Any = None, *, ev
     """`worker_init`, in the main process before any pool process starts: free what the previous run of this
     node still held. A heartbeat of the name still live (a run killed moments ago) is watched for one beat
     first: one that beats again is another live worker under the same name, whose jobs are left alone. `app`: the
-    jobs let go are failed in its result store, and in Flower with `events` (`_failed_for_flower`)."""
+    jobs let go are failed in its result store, and in Flower with `events` (`celery_publisher.fail_lost`)."""
     conn = _connection(settings)
     try:
         last = _last_beat(conn, settings, node)
@@ -150,22 +151,8 @@ def let_go_of_previous_run(settings: Settings, node: str, app: Any = None, *, ev
             dispatch_id,
         )
     if app is not None:
-        _failed_for_flower(app, node, [dispatch_id for dispatch_id, _, _ in freed], events)
-
-
-def _failed_for_flower(app: Any, node: str, dispatch_ids: list[str], events: bool) -> None:
-    """Each job let go: FAILURE (worker lost) in the result store and, with `events`, in Flower. *Why:* both kept the
-    STARTED or PROGRESS its killed run left, for good, though the journal said the pair had run again. Best effort."""
-    if not dispatch_ids:
-        return
-    lost = WorkerLostError(f"{node} was killed running it; started again, it let the job go and another ran the pair")
-    try:
-        with app.events.default_dispatcher(hostname=node, enabled=events) as dispatcher:
-            for dispatch_id in dispatch_ids:
-                app.backend.mark_as_failure(dispatch_id, lost)
-                dispatcher.send("task-failed", uuid=dispatch_id, exception=repr(lost), traceback="")
-    except Exception as err:  # only Flower's view and a stored result are at stake
-        log.warning("[WORKER] %s: jobs let go not marked failed for Flower: %s: %s", node, type(err).__name__, err)
+        why = f"{node} was killed running it; started again, it let the job go and another ran the pair"
+        fail_lost(app, node, [dispatch_id for dispatch_id, _, _ in freed], why, events=events)
 
 
 def note_shutdown(settings: Settings, node: str) -> None:

@@ -56,6 +56,19 @@ def test_a_job_of_a_silent_node_is_taken_over_on_the_tick(rt: Wiring, tmp_path: 
     assert rt.redis.client.hget(rt.redis.keys.metrics(), "job:node_lost:audio") == "1"
 
 
+def test_a_job_of_a_silent_node_is_failed_in_the_result_store(rt: Wiring, tmp_path: Path) -> None:
+    """What Flower and a caller's AsyncResult see of a job whose host never came back. Old code: PENDING, the
+    STARTED its lost run left standing for good."""
+    job = _running_job(rt, tmp_path)
+    _beat(rt, rt.settings.silent_worker_seconds + 1)
+
+    takeover.on_tick(rt.ports)
+
+    result = rt.ports.publisher.app.AsyncResult(job.dispatch_id)  # type: ignore[attr-defined]
+    assert result.state == "FAILURE"
+    assert type(result.result).__name__ == "WorkerLostError" and NODE in str(result.result)
+
+
 @pytest.mark.parametrize(
     "silence",  # the node's silence, as a share of `silent_worker_seconds`
     [
