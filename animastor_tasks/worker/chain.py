@@ -29,6 +29,7 @@ none of it, and the task returns only once all of it is done.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import math
@@ -47,7 +48,7 @@ from celery import Celery, Task
 
 from animastor_tasks.flow.job import Job, Later
 from animastor_tasks.ports import Counters, Ports, Publisher
-from animastor_tasks.worker import time_limit, tracing
+from animastor_tasks.worker import logs, time_limit, tracing
 
 log = logging.getLogger("animastor.generate")
 
@@ -164,7 +165,8 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
             # Held back until the job has passed its start check, with its predecessor's bookkeeping.
             keeper = aftermath.keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
             aftermath.started = False
-            ran = _run_kept(task, _job_ports(ports, keeper, aftermath), job, name, trace, run, aftermath)
+            with logs.job_context(task.request.id or "", fields):  # its lines carry its own ids, not the task's
+                ran = _run_kept(task, _job_ports(ports, keeper, aftermath), job, name, trace, run, aftermath)
             aftermath.end()
             if not ran:
                 if not aftermath.started:  # its delivery never began (a store did not answer): the broker's again
@@ -212,8 +214,8 @@ class Aftermath(Later):
         elif self.keeper.kept is None:
             self.end()  # after the held steps still running: a job's `task-succeeded` never before its `task-started`
             step()
-        else:
-            self.steps.append(step)
+        else:  # run in the context it was given in: its lines are its own job's (`logs.job_context`)
+            self.steps.append(partial(contextvars.copy_context().run, step))
 
     def writing_verdict(self, job: Job) -> AbstractContextManager[object]:
         return time_limit.soft_limit_held(job.describe())

@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -177,6 +177,27 @@ def on_task_prerun(task_id: str | None = None, task: Any = None, kwargs: Any = N
     with _lock:
         _running[task_id] = ctx
     _tokens[task_id] = _context.set(ctx)
+
+
+@contextlib.contextmanager
+def job_context(task_id: str, kwargs: Mapping[str, Any]) -> Iterator[None]:
+    """The lines of a job run inside another job's task (a kept job, worker/chain.py), its lease watcher's too, carry
+    that job's own fields. *Why:* they carried the first job's, set from the task's kwargs: a search of the logs by
+    `dispatch_id`, `command_id` or book gave another job's lines, in another book."""
+    ctx = _Context(task_context(kwargs), find_command="command_id" not in kwargs)
+    with _lock:
+        before = _running.get(task_id)
+        _running[task_id] = ctx
+    token = _context.set(ctx)
+    try:
+        yield
+    finally:
+        _context.reset(token)
+        with _lock:
+            if before is None:
+                _running.pop(task_id, None)
+            else:
+                _running[task_id] = before
 
 
 def on_task_postrun(task_id: str | None = None, **_: Any) -> None:

@@ -23,7 +23,7 @@ from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.job import Job
 from animastor_tasks.ports import Committed, GateRows
-from animastor_tasks.worker import chain, wiring
+from animastor_tasks.worker import chain, logs, wiring
 from tests.support import wait_for
 
 from .helpers import advertise, fake_artifact, make_book, states
@@ -243,6 +243,54 @@ def test_the_delivered_job_of_a_chain_is_succeeded_once_its_kept_successor_start
     assert chain.run_chain(task, rt.ports, AUDIO, first, run) == {"outcome": "ready", "scene": "s1"}
     assert seen["state"] == "SUCCESS" and ("task-succeeded", first.dispatch_id) in seen["events"]
     assert app.AsyncResult(first.dispatch_id).result == {"outcome": "ready", "scene": "s1"}
+
+
+def test_a_kept_jobs_log_lines_carry_its_own_ids(rt, monkeypatch) -> None:
+    """Old code: a kept job's lines, its lease watcher's too, carried the first job's book, scene and dispatch id (the
+    task's kwargs), so a search of the JSON logs by dispatch_id or book gave another job's lines."""
+    import threading
+
+    from animastor_tasks.worker.tasks import app
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    monkeypatch.setattr(logs._Lookup, "command_of", classmethod(lambda cls, fields: None))  # no command: ids only
+    first = Job("b", "ch1", "s1", "audio", "d1" * 16, 3)
+    kept = Job("b2", "ch2", "s2", "audio", "d2" * 16, 7)
+    seen: dict[str, dict[str, str]] = {}
+
+    def from_another_thread() -> dict[str, str]:  # as the job's lease watcher writes its lines
+        found: list[dict[str, str]] = []
+        watcher = threading.Thread(target=lambda: found.append(logs.current_context()))
+        watcher.start()
+        watcher.join()
+        return found[0]
+
+    def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
+        if job == kept:
+            later.job_started()
+            seen["kept"], seen["kept's watcher"] = logs.current_context(), from_another_thread()
+        else:
+            ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
+            later(lambda: seen.setdefault("first's held step", logs.current_context()))  # run beside the kept job
+        return {"outcome": "ready"}
+
+    task = app.tasks["animastor.generate.audio"]
+    task.push_request(id=first.dispatch_id, hostname="gpu-audio@test")
+    logs.on_task_prerun(task_id=first.dispatch_id, task=task, kwargs=asdict(first))
+    try:
+        chain.run_chain(task, rt.ports, AUDIO, first, run)
+        seen["first's task after"] = logs.current_context()
+    finally:
+        logs.on_task_postrun(task_id=first.dispatch_id)
+        task.pop_request()
+
+    ids = {k: (c.get("book"), c.get("chapter"), c.get("scene"), c.get("dispatch_id")) for k, c in seen.items()}
+    assert ids == {
+        "kept": ("b2", "ch2", "s2", kept.dispatch_id),
+        "kept's watcher": ("b2", "ch2", "s2", kept.dispatch_id),
+        "first's held step": ("b", "ch1", "s1", first.dispatch_id),
+        "first's task after": ("b", "ch1", "s1", first.dispatch_id),
+    }
 
 
 def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt, monkeypatch) -> None:
