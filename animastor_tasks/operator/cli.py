@@ -10,7 +10,6 @@ import functools
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -215,12 +214,15 @@ def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
     from animastor_tasks.operator import render as views
 
     _watch_or_json(watch, as_json)
-    ports = _wired().ports
+    rt = _wired()
     if as_json:
-        emit(status_flow.status(ports, book_id), True, lambda _: None)
+        emit(status_flow.status(rt.ports, book_id), True, lambda _: None)
         return
+    def read() -> dict[str, Any]:  # with the database's time, which the commands' ages are measured against
+        return {**status_flow.status(rt.ports, book_id), "read_at": rt.reads.clock()}
+
     with to_stdout():
-        views.show_status(lambda: status_flow.status(ports, book_id), watch=watch, interval=interval)
+        views.show_status(read, watch=watch, interval=interval)
 
 
 @main.command("commands")
@@ -233,9 +235,10 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
     from animastor_tasks.flow.status import progress
     from animastor_tasks.operator import render as views
 
-    ports = _wired().ports
+    rt = _wired()
+    ports = rt.ports
     rows = ports.commands.commands(book=None if book_id is None else validate.known_book(ports, book_id), limit=limit)
-    now = time.time()
+    now = rt.reads.clock()  # the clock of `created_at`
     data = [
         {
             "command_id": r.command_id,
@@ -244,7 +247,7 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
             "status": r.status,
             "reason": r.reason,
             "progress": progress(r),
-            "age_seconds": max(0.0, round(now - r.created_at, 1)),  # the database clock may run ahead of this host
+            "age_seconds": max(0.0, round(now - r.created_at, 1)),
         }
         for r in rows
     ]

@@ -104,7 +104,7 @@ def commands_table(data: Mapping[str, Any], meter: RateMeter | None = None, limi
     if meter is not None:
         table.add_column("rate")
         table.add_column("eta")
-    now = time.time()
+    now = data.get("read_at") or time.time()  # the database's clock when the caller read it (`created_at`'s)
     for c in data["commands"][:limit]:
         p = c["progress"]
         done = p.get("ready", 0) + p.get("failed", 0)

@@ -236,3 +236,23 @@ def test_a_watch_into_a_pipe_prints_each_refresh_and_keeps_them_when_stopped(rt)
         watch.terminate()
         out, _ = watch.communicate(timeout=30)
     assert out.count("gpu.audio") >= 3 and "updated " in out, out
+
+
+@pytest.mark.parametrize("skew", [-150, 150])
+def test_a_commands_age_goes_by_the_database_clock_not_this_hosts(rt, tmp_path, monkeypatch, skew: int) -> None:
+    """A CLI host whose clock is `skew` seconds off. Old code: a command 70 s old was 0 s old from a host 150 s
+    behind and 220 s from one ahead, in `commands --json` and in the `status` table alike."""
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=1))
+    advertise(rt, "gpu.audio")
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])
+    with rt.db.transaction() as conn:
+        conn.execute("UPDATE commands SET created_at = now() - interval '70 seconds' WHERE book_id = 'b'")
+    (tmp_path / "sitecustomize.py").write_text(f"import time\n_real = time.time\ntime.time = lambda: _real() + {skew}\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+
+    [row] = json.loads(cli("commands", "b", "--json").stdout)
+    table = cli("status", "b")
+
+    assert 70 <= row["age_seconds"] < 80
+    assert table.returncode == 0, table.stderr
+    assert any(f" 1:{s}" in table.stdout for s in range(10, 20)), table.stdout  # its age column: 1:10 to 1:19

@@ -27,6 +27,13 @@ class OperatorReads:
             conn.execute(f"SET LOCAL statement_timeout = {COUNT_SECONDS * 1000}")
             yield conn
 
+    def clock(self) -> float:
+        """Postgres's time now (Unix seconds): what the ages of its rows (`created_at`) are measured against. *Why:*
+        measured against this host's clock, a command 70 s old read 0:00 from a host 150 s behind, 3:42 ahead."""
+        with self.db.read() as conn:
+            row = conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()
+        return float(row[0]) if row else 0.0
+
     # The states written into the text (literals.py): passed as a parameter, a generic plan scanned every pair.
     def lane_usage(self) -> dict[str, int]:
         """Generating pairs per stage, across every book: their partial index, not the table."""
