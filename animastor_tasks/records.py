@@ -126,12 +126,14 @@ class GeneratingRow:
     stage: str
     token: int
     dispatch_id: str | None
-    started_at: float | None = None  # when its dispatch's start, open in Postgres, was made (unix seconds, its clock)
+    # How long before the read its dispatch's start, open in Postgres, was made: an age, by Postgres's clock alone.
+    # *Why not the time:* compared with a time of Redis's clock, it was off by the two servers' clocks' difference.
+    started_ago: float | None = None
 
     @property
     def started(self) -> bool:
         """A job ran its dispatch, and has not ended."""
-        return self.started_at is not None
+        return self.started_ago is not None
 
     @property
     def pair(self) -> Pair:

@@ -39,7 +39,7 @@ from animastor_tasks.flow import lanes, page
 from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.takeover")
-CLOCKS_SLACK = 1.0  # seconds between Postgres's clock and Redis's that a comparison of the two allows for
+READ_SLACK = 1.0  # seconds between the read of a job's start (Postgres) and of the Redis server's clock
 
 
 def on_tick(ports: Ports) -> dict[str, int]:
@@ -136,8 +136,8 @@ def without_retakes(ports: Ports, lapsed: list[GeneratingRow]) -> list[Generatin
     registry = ports.settings.registry
 
     def awaited(g: GeneratingRow) -> bool:
-        # Its start by Postgres's clock, the restart by Redis's: a second's slack for the two clocks.
-        before_restart = g.started_at is not None and g.started_at < restarted + CLOCKS_SLACK
+        # Its start by Redis's clock, from its age by Postgres's: a second's slack for the time between the reads.
+        before_restart = g.started_ago is not None and now - g.started_ago < restarted + READ_SLACK
         since = max(unsure_since, restarted) if before_restart else unsure_since
         return g.stage in registry and now - since < registry.get(g.stage).lease_ttl
 

@@ -247,7 +247,8 @@ def test_a_commands_age_goes_by_the_database_clock_not_this_hosts(rt, tmp_path, 
     regenerate_flow.regenerate(rt.ports, "b", ["audio"])
     with rt.db.transaction() as conn:
         conn.execute("UPDATE commands SET created_at = now() - interval '70 seconds' WHERE book_id = 'b'")
-    (tmp_path / "sitecustomize.py").write_text(f"import time\n_real = time.time\ntime.time = lambda: _real() + {skew}\n")
+    shifted = f"import time\n_real = time.time\ntime.time = lambda: _real() + {skew}\n"
+    (tmp_path / "sitecustomize.py").write_text(shifted)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
 
     [row] = json.loads(cli("commands", "b", "--json").stdout)

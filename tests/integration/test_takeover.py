@@ -725,3 +725,36 @@ def test_a_book_awaited_then_blocked_leaves_the_lane_s_list(rt: Wiring, tmp_path
     gate.gate_pass(rt.ports, "c")
     assert [c.status for c in rt.ports.commands.commands(book="c")] == ["blocked"]
     assert rt.redis.client.zscore(lane, "c") is None
+
+
+@pytest.mark.parametrize(
+    ("redis_ahead", "started_ago", "restarted_ago", "awaited"),
+    [
+        # Postgres 30 s ahead of Redis: a job started 5 s ago, before the restart 2 s ago, may take its lease back.
+        pytest.param(-30.0, 5.0, 2.0, True, id="postgres-ahead-job-started-before-the-restart"),
+        # Redis 30 s ahead: a job started 1 s ago, after the restart 3 s ago, that lost its lease is dead.
+        pytest.param(30.0, 1.0, 3.0, False, id="redis-ahead-job-started-after-the-restart"),
+    ],
+)
+def test_a_job_s_start_and_the_redis_restart_are_compared_on_one_clock(
+    rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_ahead: float, started_ago: float,
+    restarted_ago: float, awaited: bool,
+) -> None:  # fmt: skip
+    """Old code compared the start's time by Postgres's clock with the restart's by Redis's: the first job was taken
+    over at once (its GPU work done again), the second awaited for a lease TTL (its slot idle)."""
+    job = one_job(rt, tmp_path, lease_ttl=60)
+    with rt.db.transaction() as conn:
+        conn.execute(
+            "INSERT INTO job_starts (book_id, chapter_id, scene_id, stage, open_dispatch, updated_at)"
+            " VALUES (%s, %s, %s, %s, %s, now() - make_interval(secs => %s))",
+            (*job.lease_pair, job.dispatch_id, started_ago),
+        )
+    real = rt.ports.clock
+    ports = replace(rt.ports, clock=lambda: real() + redis_ahead)
+    monkeypatch.setattr(rt.ports.book_state, "server_started_at", lambda: real() + redis_ahead - restarted_ago)
+    monkeypatch.setattr(rt.ports.book_state, "presence_unsure_since", lambda *_: float("-inf"))
+    [row] = ports.assets.generating_pairs()
+
+    left = takeover.without_retakes(ports, [row])
+
+    assert row.started and (left == []) is awaited, left

@@ -220,7 +220,8 @@ class AssetStore(GateReads):
                 GeneratingRow(*r)
                 for r in conn.execute(
                     "SELECT a.book_id, a.chapter_id, a.scene_id, a.stage, a.fencing_token, a.dispatch_id,"
-                    " CASE WHEN j.open_dispatch = a.dispatch_id THEN extract(epoch FROM j.updated_at)::float8 END"
+                    " CASE WHEN j.open_dispatch = a.dispatch_id"
+                    "  THEN extract(epoch FROM statement_timestamp() - j.updated_at)::float8 END"
                     " FROM asset_states a LEFT JOIN job_starts j ON j.book_id = a.book_id"
                     "  AND j.chapter_id = a.chapter_id AND j.scene_id = a.scene_id AND j.stage = a.stage"
                     " WHERE a.state = %s AND (%s::text IS NULL OR a.book_id = %s::text)",
