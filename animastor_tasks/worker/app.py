@@ -110,6 +110,7 @@ def refuse_unknown_queues(sender: str, instance: Any, conf: Any, options: dict[s
     consumed = (named or known) - _queue_names(options.get("exclude_queues"))
     refuse_control_beside_gpu(consumed, bare=not named)
     refuse_generators_not_built(consumed)
+    refuse_a_database_not_migrated()
     if consumed & set(settings.registry.queues()):
         refuse_an_artifact_store_that_refuses()
 
@@ -155,6 +156,20 @@ def refuse_generators_not_built(queues: set[str]) -> None:
 
 
 STORE_PROBE_SECONDS = 10.0  # a store's refusal comes in well under it; past it, the store is taken as down for now
+
+
+def refuse_a_database_not_migrated() -> None:
+    """A worker of a release whose migrations the database lacks stops with exit 3 (the store not ready), saying what
+    to run. *Why:* a GPU host upgraded before `db migrate` failed each job at its start, gave it back and was handed
+    it again, a pair dispatched 33 times a minute and its slot doing no work. A database that does not answer now
+    is left to the jobs: they wait for it as for any outage."""
+    from animastor_tasks.adapters.postgres.migrations import missing_migrations
+    from animastor_tasks.adapters.postgres.pool import NOT_MIGRATED
+
+    missing = missing_migrations(settings.database_url, within=STORE_PROBE_SECONDS)
+    if missing:
+        sys.stderr.write(f"animastor-tasks: refusing to start: {NOT_MIGRATED} (it lacks {', '.join(missing)})\n")
+        raise SystemExit(3)
 
 
 def refuse_an_artifact_store_that_refuses() -> None:

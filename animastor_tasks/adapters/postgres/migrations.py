@@ -50,6 +50,22 @@ def migration_files() -> list[tuple[int, str, str]]:
     return found
 
 
+def missing_migrations(url: str, within: float) -> list[str] | None:
+    """The migrations this release ships that the database at `url` lacks (every one when it was never migrated);
+    None when it does not answer within `within` seconds (it may come back already migrated)."""
+    try:
+        with psycopg.connect(url, connect_timeout=max(1, round(within))) as conn:
+            conn.execute(f"SET statement_timeout = {int(within * 1000)}")
+            try:
+                row = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
+            except psycopg.errors.UndefinedTable:
+                row = None
+    except psycopg.Error:
+        return None
+    applied = int(row[0] or 0) if row else 0
+    return [name for version, name, _ in migration_files() if version > applied]
+
+
 def migrate(db: Database, lock_wait: float = LOCK_WAIT_SECONDS) -> list[str]:
     """Apply the migrations a database lacks; safe to run again and concurrently.
 
