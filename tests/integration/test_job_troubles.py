@@ -238,6 +238,32 @@ def test_a_pair_whose_starts_keep_losing_their_worker_fails_after_the_limit(rt, 
     assert ran["s1"] == 4
 
 
+def test_a_pair_whose_live_jobs_lose_their_lease_to_partitions_is_not_failed_as_worker_lost(rt, tmp_path) -> None:
+    """Each job cut off from Redis past its lease (its host alive) is taken over, then comes back and stops. Old code:
+    the taken-over starts still counted as lost, and the fourth start failed a healthy scene `worker_lost: 3 starts`
+    (found by a partition hunt: three 10 s cuts of the Redis link)."""
+    from animastor_tasks.domain.job_rules import lost_starts
+
+    _one_scene(rt, tmp_path, worker_lost_limit=3)
+    orphan = None
+    for _cut in range(3):
+        [job] = dispatched_jobs(rt, "b")
+        with rt.ports.jobs.starting("b", job.pair) as start:  # the start check, as a GPU worker makes it
+            row = start.row
+            assert row is not None
+            start.record_start(job.fencing_token, job.dispatch_id, lost_starts(row.lost_starts, row.open_start))
+        if orphan is not None:  # the job taken over last time is back: it finds its lease gone and stops
+            rt.ports.jobs.end_start("b", orphan.pair, orphan.dispatch_id)
+        orphan = job
+        # The tick takes the pair over once its lease lapses; the gate dispatches it again.
+        assert rt.ports.assets.expire_generating("b", job.pair, job.fencing_token, AssetState.PENDING, lambda: True)
+        gate.gate_pass(rt.ports, "b")
+    [job] = dispatched_jobs(rt, "b")  # the fourth start, the third orphan still cut off
+
+    assert run_job(rt.ports, job, worker="test")["outcome"] == "ready"
+    assert states(rt, "b")[PAIR] == "ready"
+
+
 # -- item 5b: run failures feed the circuit breaker ------------------------------------------------------
 
 

@@ -292,13 +292,17 @@ def note_shutdown(url: str, starts: Sequence[tuple[BookPair, str]], timeout: flo
 
 def _end_start(conn: psycopg.Connection[Any], book: str, pair: Pair, dispatch_id: str | None) -> None:
     """A started job ended: its start is no longer open and the run of worker-lost starts is over.
-    With a dispatch id only that job's own open start is cleared (a newer start stays open)."""
+    With a dispatch id only that job's own open start is cleared. A newer start stays open, and gives back the lost
+    start it counted for this one: the job lived (cut off from Redis past its lease, taken over, back), not killed
+    by its scene. *Why:* three partitions of a host running one long scene failed it `worker_lost: 3 starts`."""
     chapter, scene, stage = pair
     conn.execute(
-        "UPDATE job_starts SET open_dispatch = NULL, lost_starts = 0, updated_at = now()"
-        " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s"
-        " AND (%s::text IS NULL OR open_dispatch = %s::text)",
-        (book, chapter, scene, stage, dispatch_id, dispatch_id),
+        "UPDATE job_starts SET open_dispatch = CASE WHEN mine THEN NULL ELSE open_dispatch END,"
+        " lost_starts = CASE WHEN mine THEN 0 ELSE greatest(lost_starts - 1, 0) END, updated_at = now()"
+        " FROM (SELECT %s::text IS NULL OR open_dispatch IS NOT DISTINCT FROM %s::text AS mine FROM job_starts"
+        "  WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s) AS ended"
+        " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s",
+        (dispatch_id, dispatch_id, *(book, chapter, scene, stage), *(book, chapter, scene, stage)),
     )
 
 
