@@ -119,6 +119,18 @@ class StoreUnavailable(AnimastorError):
         return f"{self.store} unavailable at {self.url}: {self.detail}"
 
 
+class BookBusy(StoreUnavailable):
+    """A claim found its book's lock held past a short wait: another transaction works on the whole book (an import,
+    a regenerate, a Stop All). Not an outage: a refill hands the slot to the next waiting book instead."""
+
+    def __init__(self, book: str, waited: float) -> None:
+        super().__init__("postgres", "", f"book {book!r} busy: its lock held by another transaction past {waited:g}s")
+        self.book = book
+
+    def __str__(self) -> str:
+        return self.detail
+
+
 class DeliveryNotStarted(StoreUnavailable):
     """A delivered job could not start: Redis did not answer its delivery's start, tried for a few seconds. Nothing
     of the job ran; its message goes back to the broker for the next delivery (`worker/tasks.py`)."""

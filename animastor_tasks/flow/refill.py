@@ -12,7 +12,8 @@ import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.domain.deferral import wait_score
+from animastor_tasks.errors import BookBusy, StoreUnavailable
 from animastor_tasks.flow import candidates, gate, lanes
 from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import Committed, Ports
@@ -72,6 +73,13 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
             report.outcomes.update(full.outcomes)
             report.dispatched.extend(full.dispatched)
             report.claimed_lanes |= full.claimed_lanes
+    except BookBusy as err:  # an import, a regenerate or a Stop All of the book: the slot is the next book's
+        log.info("[COMMAND-GATE] book=%r refill: %s; the slot goes to the next waiting book", book, err)
+        if handed is not None:
+            _wait_behind(ports, book, handed)
+            gate.pass_on_slot(ports, book, handed, slots if slots_of == handed else 1)
+            _hand_over_done(ports, book, handed, began)
+        return report
     except StoreUnavailable as err:
         report.error = str(err)
         log.warning("[COMMAND-GATE] book=%r refill failed, nothing authorized: %s", book, err)
@@ -109,6 +117,21 @@ def _leave_lanes(ports: Ports, book: str, queues: Sequence[str]) -> None:
         ports.deferrals.leave_lanes(book, queues)
     except StoreUnavailable as err:
         log.warning("[COMMAND-GATE] book=%r left on the waiting lists of %s: %s", book, ", ".join(queues), err)
+
+
+def _wait_behind(ports: Ports, book: str, lane: str) -> None:
+    """A busy book waits for the lane again at its most urgent pending pair's priority, behind the books waiting
+    there now, and is due for the tick. *Why:* kept at the head, each next slot of the lane went to it, and waited
+    for its lock in turn. Unreadable: the book's due pass puts it back on the list."""
+    stages = [s.name for s in ports.settings.registry.stages if s.queue == lane]
+    try:
+        rows = ports.assets.gate_candidates(book, stages, 1)
+        ranks = [i.rank for i in (rows.in_flight if rows is not None else ())]
+        if ranks:
+            ports.deferrals.wait_for_lane(lane, book, wait_score(min(ranks), ports.clock()))
+        ports.book_state.set_due(book, ports.clock())
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] book=%r not put back on the waiting list of %s: %s", book, lane, err)
 
 
 def _keep_place(ports: Ports, book: str, lane: str) -> None:

@@ -218,6 +218,7 @@ def status(book_id: str, as_json: bool, watch: bool, interval: float) -> None:
     if as_json:
         emit(status_flow.status(rt.ports, book_id), True, lambda _: None)
         return
+
     def read() -> dict[str, Any]:  # with the database's time, which the commands' ages are measured against
         return {**status_flow.status(rt.ports, book_id), "read_at": rt.reads.clock()}
 

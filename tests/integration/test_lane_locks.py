@@ -238,3 +238,34 @@ def test_a_layers_change_behind_a_silent_holder_of_the_book_s_row_ends_in_bounde
         assert not waiter.is_alive(), "still waiting for the book's row"
     assert type(waiter.error) is StoreUnavailable, waiter.error
     assert rt.catalog.layers(x) == before
+
+
+def test_a_slot_handed_to_a_book_whose_lock_is_held_goes_to_the_next_waiting_book(rt) -> None:
+    """Book Y's lock held for seconds by another transaction (an import or a regenerate of a big book) as a job ends
+    and its slot is handed to Y, the head of the waiting list. Old code: the GPU process's refill waited the whole
+    lock wait (10 s) and gave up, and the slot idled that long while book Z waited (found by a hunt: every lane of
+    the farm stalled 9-12.6 s at each re-import of a 100,000-scene book)."""
+    from animastor_tasks.flow import refill
+
+    from .test_elastic_share import lane, run_control, waiting
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    for book in ("x", "y", "z"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+        time.sleep(0.01)  # y waits longer than z
+    [job] = dispatched_jobs(rt, "x")
+    assert set(waiting(rt)) >= {"y", "z"}
+    left = rt.ports.jobs.commit_job(*job.owned, fake_artifact("x"), LANE)
+    assert left is not None
+
+    with book_lock_held(rt.settings.database_url, "y"):
+        began = time.monotonic()
+        refill.free_slot(rt.ports, "x", LANE, job.dispatch_id, left=left, here=True)
+        took = time.monotonic() - began
+        sent = run_control(rt)  # the refill the slot was handed on with, as the control worker runs it
+        running = {j.book_id for j in (*dispatched_jobs(rt, "y"), *dispatched_jobs(rt, "z"))}
+
+    assert took < 3, f"the refill waited {took:.1f}s for the busy book"
+    assert running == {"z"}, sent  # the slot went to the next waiting book
+    assert "y" in waiting(rt)  # the busy book waits on for the lane

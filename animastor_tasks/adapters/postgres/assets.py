@@ -17,7 +17,7 @@ import psycopg
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.commands import lock_book
 from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns, rows_of_pairs
-from animastor_tasks.adapters.postgres.pool import bound_lock_waits
+from animastor_tasks.adapters.postgres.pool import LOCK_WAIT_MS, bound_lock_waits
 from animastor_tasks.adapters.postgres.released import release_targets, released_pending
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts, Waiter
@@ -28,7 +28,12 @@ from animastor_tasks.domain.vocabulary import (
     AssetState,
     transition,
 )
+from animastor_tasks.errors import BookBusy
 from animastor_tasks.ports import Claim, GateRows, GeneratingRow
+
+#: How long a claim waits for its book's lock, held by another transaction, before the book counts as busy: a claim
+#: or a commit holds it milliseconds, a whole-book import, regenerate or Stop All seconds.
+BOOK_BUSY_WAIT_MS = 1_000
 
 _PAIRS_CTE = "WITH p(chapter_id, scene_id, stage) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
 
@@ -131,6 +136,16 @@ class AssetStore(GateReads):
         """
         stages = sorted(lanes)
         others = sorted({b for books in (*(waiters or {}).values(), *(handed or {}).values()) for b in books} - {book})
+        [book_key, *lane_keys] = claim_locks(lanes.values(), book)
+        counted = (
+            f"SELECT stage, NULL, NULL, NULL, count(*) FROM asset_states WHERE state = {literals.GENERATING}"
+            " AND stage = ANY(%(stages)s) GROUP BY stage"
+            " UNION ALL SELECT stage, book_id, chapter_id, scene_id, NULL FROM asset_states"
+            f" WHERE book_id = ANY(%(books)s) AND state = {literals.GENERATING}"
+        )
+        lock_lanes = (
+            "SELECT pg_advisory_xact_lock(hashtext(k)) FROM unnest(%s::text[]) WITH ORDINALITY AS l(k, n) ORDER BY n"
+        )
         with self.db.transaction() as conn, conn.pipeline():
             # Pipeline mode: BEGIN, the locks and the counts reach the server in one round trip.
             # The claim's commit does not wait for its WAL flush (about 1 ms here, on every dispatch's path): a job
@@ -138,18 +153,14 @@ class AssetStore(GateReads):
             # claim's included; a claim a crash loses is refused at that check, its pair still pending.
             conn.execute("SET LOCAL synchronous_commit = off")
             bound_lock_waits(conn)
-            conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtext(k)) FROM unnest(%s::text[]) WITH ORDINALITY AS l(k, n)"
-                " ORDER BY n",
-                (claim_locks(lanes.values(), book),),
-            )
-            rows = conn.execute(
-                f"SELECT stage, NULL, NULL, NULL, count(*) FROM asset_states WHERE state = {literals.GENERATING}"
-                " AND stage = ANY(%(stages)s) GROUP BY stage"
-                " UNION ALL SELECT stage, book_id, chapter_id, scene_id, NULL FROM asset_states"
-                f" WHERE book_id = ANY(%(books)s) AND state = {literals.GENERATING}",
-                {"stages": stages, "books": [book, *others]},
-            ).fetchall()
+            taken = conn.execute("SELECT pg_try_advisory_xact_lock(hashtext(%s))", (book_key,))
+            conn.execute(lock_lanes, (lane_keys,))
+            rows = conn.execute(counted, {"stages": stages, "books": [book, *others]}).fetchall()
+            if not (taken.fetchone() or [False])[0]:  # the book held by another: its lock waited for, holding no lane
+                conn.rollback()
+                _lock_book_soon(conn, book, book_key)
+                conn.execute(lock_lanes, (lane_keys,))
+                rows = conn.execute(counted, {"stages": stages, "books": [book, *others]}).fetchall()
             running: dict[str, list[Pair]] = {}
             for stage, owner, chapter, scene, _ in rows:
                 if owner is not None:
@@ -334,3 +345,18 @@ def _release(conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair]) ->
     moved: list[Pair] = [tuple(r) for r in rows]
     released_pending(conn, book, moved)
     return moved
+
+
+def _lock_book_soon(conn: psycopg.Connection[Any], book: str, key: str) -> None:
+    """The book's lock, in a new transaction, waited for `BOOK_BUSY_WAIT_MS` at most, then the waits bounded as
+    usual; `BookBusy` past that. *Why:* an import, a regenerate or a Stop All of a big book holds its lock for
+    seconds, and a GPU process's refill of its freed slot, handed to that book, waited the whole lock wait (10 s)
+    before it gave up: every slot of the lane that went to the book idled that long, every other book waiting."""
+    conn.execute("SET LOCAL synchronous_commit = off")
+    bound_lock_waits(conn)
+    conn.execute(f"SET LOCAL lock_timeout = {BOOK_BUSY_WAIT_MS}")
+    try:
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,)).fetchone()
+    except psycopg.errors.LockNotAvailable as err:
+        raise BookBusy(book, BOOK_BUSY_WAIT_MS / 1000) from err
+    conn.execute(f"SET LOCAL lock_timeout = {LOCK_WAIT_MS}")

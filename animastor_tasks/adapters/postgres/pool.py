@@ -298,6 +298,11 @@ class Database:
                 raise StoreUnavailable("postgres", self.url, f"{first}: {NOT_MIGRATED}") from err
             if _is_store_error(err):
                 detail = str(err).strip() or type(err).__name__
+                if isinstance(err, psycopg.errors.LockNotAvailable):  # read as an outage, an operator looked for one
+                    detail += (
+                        f" (a lock held past {LOCK_WAIT_MS / 1000:g}s by another transaction: an import, a regenerate"
+                        " or a Stop All of the same book, or a client gone silent mid-transaction; try again)"
+                    )
                 if isinstance(err, PoolTimeout) and self.url in _refusals:
                     detail = f"{detail}; the last attempt to connect: {_refusals[self.url]}"
                 raise StoreUnavailable("postgres", self.url, detail) from err
