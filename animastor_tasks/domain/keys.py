@@ -173,6 +173,10 @@ class Keyspace:
     def running(self, dispatch_id: str) -> str:
         return self._key_once("running", dispatch_id)
 
+    def abandoned(self, dispatch_id: str) -> str:
+        """A job let go of as its process died (`lua/abandon_delivery.lua`): its lease is never taken back by it."""
+        return self._key_once("abandoned", dispatch_id)
+
     def holding(self, holder: str) -> str:
         """What one worker process runs now (`liveness.delivery_holder`): a dead process's job is found by it."""
         return self._key("holding", holder)

@@ -63,6 +63,9 @@ def queued_lease_ttl() -> int:
 #: How long a worker process's entry saying which job it runs lives: a day, far longer than a job's hard time
 #: limit; an entry left behind is harmless, since whatever it names is only ever removed while still held.
 HOLDING_ENTRY_SECONDS = 24 * 3600
+# How long a job let go of as its process died stays marked, its lease never taken back by that process: Celery kills
+# a pool process a tenth of a second after its hard time limit lets the job go; an hour covers any slower death.
+ABANDONED_MARK_SECONDS = 3600
 
 
 def delivery_holder(worker: str, pid: int) -> str:

@@ -107,3 +107,22 @@ def test_a_job_never_delivered_gets_its_queued_lease_back_after_redis_lost_it(rt
     rt.redis.client.delete(rt.redis.keys.lease(*job.lease_pair), rt.redis.keys.dispatch(job.dispatch_id))
     rt.ports.leases.restore_leases([(job.lease_pair, job.dispatch_id, job.fencing_token, 86_400.0)])
     assert _lease(rt, job) == job.dispatch_id
+
+
+def test_a_job_let_go_of_is_never_taken_back_by_its_dying_process(rt, tmp_path) -> None:
+    """Celery's hard time limit lets the job go (`GenerateRequest.on_timeout`), then kills its process a tenth of a
+    second later; meanwhile the job's watcher found its lease gone and took it back as after a Redis loss. Old code:
+    taken back, the pair and its slot waited a whole lease TTL for the tick (found by a plugin hunt: 33 s at a 30 s
+    lease, 3 kills in 7)."""
+    job = _started_job(rt, tmp_path)
+    assert LeaseStore(rt.redis).abandon_delivery(DEAD, redelivered=None) == (job.dispatch_id, "audio", True)
+
+    assert not rt.ports.leases.retake_lease(job.lease_pair, job.dispatch_id, DEAD, 120)
+    assert _lease(rt, job) is None  # the tick takes the pair over
+
+
+def test_a_job_whose_lease_redis_lost_takes_it_back(rt, tmp_path) -> None:
+    job = _started_job(rt, tmp_path)
+    rt.redis.client.delete(rt.redis.keys.lease(*job.lease_pair), rt.redis.keys.running(job.dispatch_id))
+    assert rt.ports.leases.retake_lease(job.lease_pair, job.dispatch_id, DEAD, 120)
+    assert _lease(rt, job) == job.dispatch_id

@@ -7,7 +7,12 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from animastor_tasks.adapters.redis.connection import RedisConnection
-from animastor_tasks.domain.liveness import HOLDING_ENTRY_SECONDS, UNDELIVERED_MARKER_SECONDS, holder_node
+from animastor_tasks.domain.liveness import (
+    ABANDONED_MARK_SECONDS,
+    HOLDING_ENTRY_SECONDS,
+    UNDELIVERED_MARKER_SECONDS,
+    holder_node,
+)
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair
 
@@ -172,6 +177,7 @@ class LeaseStore:
                         keys.running(dispatch_id),
                         keys.holding(worker),
                         keys.holders(holder_node(worker)),
+                        keys.abandoned(dispatch_id),
                     ],
                     args=[dispatch_id, ttl * 1000, worker, ttl, HOLDING_ENTRY_SECONDS],
                 )
@@ -189,8 +195,14 @@ class LeaseStore:
         dispatch_id, lease = entry
         freed, dropped = self.conn.run(
             lambda: self.conn.abandon_delivery_script(
-                keys=[keys.running(dispatch_id), lease, keys.holding(holder)],
-                args=[holder, dispatch_id, stop_marker(dispatch_id), "1" if redelivered == dispatch_id else "0"],
+                keys=[keys.running(dispatch_id), lease, keys.holding(holder), keys.abandoned(dispatch_id)],
+                args=[
+                    holder,
+                    dispatch_id,
+                    stop_marker(dispatch_id),
+                    "1" if redelivered == dispatch_id else "0",
+                    ABANDONED_MARK_SECONDS,
+                ],
             )
         )
         return (dispatch_id, keys.parse_lease(lease)[3], bool(dropped)) if freed else None
