@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from animastor_tasks.domain.book import storable
 from animastor_tasks.errors import ArtifactStoreError, GenerationStopped, GeneratorError, StoreUnavailable
 
 # -- worker-lost starts ---------------------------------------------------------------------------
@@ -38,6 +39,23 @@ def worker_lost_reason(lost: int, limit: int) -> str | None:
 
 
 # -- errors while a job runs ------------------------------------------------------------------------
+
+#: The most of a generator's error message a verdict keeps, in Postgres, the log line and the task's result.
+ERROR_TEXT_LIMIT = 4000
+
+
+def error_text(err: BaseException) -> str:
+    """A generator's error as its verdict says it: a `GeneratorError`'s own words, any other's class name first; at
+    most `ERROR_TEXT_LIMIT` characters, storable. *Why:* an error whose `str()` raised left the verdict unwritten (the
+    pair re-run until it failed `worker_lost`), and one of 20 MB went whole into Redis's result store and the log."""
+    try:
+        words = str(err)
+    except Exception as broken:  # a plugin's own __str__ that raises
+        words = f"(its message could not be read: {type(broken).__name__})"
+    text = words if isinstance(err, GeneratorError) else f"{type(err).__name__}: {words}"
+    if len(text) > ERROR_TEXT_LIMIT:
+        text = f"{text[:ERROR_TEXT_LIMIT]}... ({len(text) - ERROR_TEXT_LIMIT} more characters)"
+    return storable(text)
 
 
 class ErrorKind(StrEnum):

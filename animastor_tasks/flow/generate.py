@@ -27,6 +27,7 @@ from animastor_tasks.domain.job_rules import (
     Verdict,
     another_attempt_fits,
     classify_error,
+    error_text,
     lost_starts,
     retest_deferral,
     verdict,
@@ -314,7 +315,7 @@ def _generate_with_retries(
             if kind is ErrorKind.STOPPED:
                 watcher.stop.set()
                 return None, "stopped", attempt, kind
-            message = storable(str(err) if isinstance(err, GeneratorError) else f"{type(err).__name__}: {err}")
+            message = error_text(err)
             if kind is ErrorKind.BUG:
                 log.exception("[GENERATE] %s generator raised", job.describe())
             if kind not in RETRIED or attempt > ports.settings.generate_max_retries:

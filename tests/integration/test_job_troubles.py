@@ -264,6 +264,40 @@ def test_a_pair_whose_live_jobs_lose_their_lease_to_partitions_is_not_failed_as_
     assert states(rt, "b")[PAIR] == "ready"
 
 
+class _Unreadable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("the plugin's __str__ raised")
+
+
+@pytest.mark.parametrize(
+    ("raised", "expected"),
+    [
+        pytest.param(_Unreadable(), "_Unreadable: (its message could not be read: RuntimeError)", id="str-raises"),
+        pytest.param(RuntimeError("E" * 1_000_000), "RuntimeError: " + "E" * 3986, id="a-megabyte-message"),
+    ],
+)
+def test_a_plugin_s_error_fails_its_pair_once_whatever_its_message(
+    rt, tmp_path, raised: Exception, expected: str
+) -> None:
+    """Old code: an error whose `str()` raised left the job without a verdict (the pair re-run until it failed
+    `worker_lost: 3 starts`), and a 20 MB message went whole into the task's result in Redis (found by a plugin
+    hunt)."""
+    _one_scene(rt, tmp_path)
+
+    def raising(request: GenerationRequest, progress: Any) -> None:
+        raise raised
+
+    _use_generator(rt, _Scripted(raising))
+    [job] = dispatched_jobs(rt, "b")
+
+    result = run_job(rt.ports, job, worker="test")
+
+    assert result["outcome"] == "failed" and len(repr(result)) < 5000, repr(result)[:300]
+    with rt.db.read() as conn:
+        [(error,)] = conn.execute("SELECT error FROM asset_states WHERE book_id = 'b' AND stage = 'audio'")
+    assert error.startswith(expected), error[:200]
+
+
 # -- item 5b: run failures feed the circuit breaker ------------------------------------------------------
 
 
