@@ -60,7 +60,9 @@ class LocalArtifactStore:
     writes of big media filled stayed full."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
+        # Made absolute now: a relative root read at each write followed the process's working directory, which a
+        # generator plugin may change (`os.chdir`), and the store was split between two folders without a word.
+        self.root = root.expanduser().absolute()
         self._swept = False
 
     @property
