@@ -185,6 +185,14 @@ def validate_id(field_path: str, value: object, *, error: type[InvalidInput] = I
     return str(value)
 
 
+def printable(text: str) -> str:
+    """`text` with each character that is not printable written as Python writes it in a string (`\\n`, `\\x1b`,
+    `\\u2028`). *Why:* words from outside (a server's, a generator plugin's) go into logs and onto terminals: a line
+    break in them forged a log line of its own (`[GENERATE] ... ready`), an escape sequence rewrote the operator's
+    terminal."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def storable(text: str) -> str:
     """Text from outside (a generator's error message) as Postgres and a UTF-8 log file can keep it: a NUL or a
     lone surrogate each becomes U+FFFD."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from animastor_tasks.domain.book import storable
+from animastor_tasks.domain.book import printable, storable
 from animastor_tasks.errors import ArtifactStoreError, GenerationStopped, GeneratorError, StoreUnavailable
 
 # -- worker-lost starts ---------------------------------------------------------------------------
@@ -52,7 +52,7 @@ def error_text(err: BaseException) -> str:
         words = str(err)
     except Exception as broken:  # a plugin's own __str__ that raises
         words = f"(its message could not be read: {type(broken).__name__})"
-    text = words if isinstance(err, GeneratorError) else f"{type(err).__name__}: {words}"
+    text = printable(words if isinstance(err, GeneratorError) else f"{type(err).__name__}: {words}")
     if len(text) > ERROR_TEXT_LIMIT:
         text = f"{text[:ERROR_TEXT_LIMIT]}... ({len(text) - ERROR_TEXT_LIMIT} more characters)"
     return storable(text)

@@ -74,13 +74,6 @@ def declared_length(value: str | None) -> int:
     return int(digits or "0") if len(digits) <= 19 else 10**19
 
 
-def printable(text: str) -> str:
-    """`text` with each character that is not printable written as Python writes it in a string (`\\n`, `\\x1b`,
-    `\\u2028`). *Why:* a server's words go into logs and onto terminals: a line break in them forged a log line of
-    its own (`[GENERATE] ... ready`), an escape sequence rewrote the operator's terminal."""
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
-
-
 # Request errors that another attempt cannot fix (`why_permanent`).
 _PERMANENT_REQUEST_ERRORS = (
     urllib3.exceptions.LocationParseError,  # a host no connection can be opened to (`gpu..box`), as urllib3 says it

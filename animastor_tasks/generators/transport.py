@@ -26,12 +26,12 @@ from urllib.parse import unquote, unquote_plus, urljoin, urlsplit
 import requests
 import urllib3
 
+from animastor_tasks.domain.book import printable
 from animastor_tasks.errors import ConfigError, GenerationStopped, GeneratorError, is_secret_param, redact_url
 from animastor_tasks.generators import GenerationRequest, number_param
 from animastor_tasks.generators.server_words import (
     declared_length,
     json_error,
-    printable,
     refused_fields,
     retry_after_seconds,
     why_permanent,

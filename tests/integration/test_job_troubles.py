@@ -274,6 +274,11 @@ class _Unreadable(Exception):
     [
         pytest.param(_Unreadable(), "_Unreadable: (its message could not be read: RuntimeError)", id="str-raises"),
         pytest.param(RuntimeError("E" * 1_000_000), "RuntimeError: " + "E" * 3986, id="a-megabyte-message"),
+        pytest.param(  # a line break and an escape sequence: a forged log line, a rewritten terminal
+            ValueError("bad\n[2026-12-07 12:00:00: ERROR] forged\x1b[2J"),
+            "ValueError: bad\\n[2026-12-07 12:00:00: ERROR] forged\\x1b[2J",
+            id="control-characters",
+        ),
     ],
 )
 def test_a_plugin_s_error_fails_its_pair_once_whatever_its_message(
@@ -339,7 +344,7 @@ def test_an_error_text_postgres_cannot_keep_is_still_the_verdict(rt, tmp_path, c
     assert states(rt, "b")[PAIR] == ("pending" if retryable else "failed")
     kind, key = ("job.given_back", "reason") if retryable else ("job.failed", "error")
     [(*_, detail)] = _events(rt, kind)
-    assert detail[key] == "proxy said \ufffd\x1f\x8b then \ufffd"
+    assert detail[key] == "proxy said \\x00\\x1f\\x8b then \\ud800"  # each written as an escape (`printable`)
     [verdict_line] = [r.getMessage() for r in caplog.records if "attempt(s): " in r.getMessage()]
     assert verdict_line.endswith(f"attempt(s): {detail[key]}"), verdict_line
     verdict_line.encode("utf-8")  # raises on a lone surrogate

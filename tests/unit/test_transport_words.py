@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from animastor_tasks.domain.book import printable
 from animastor_tasks.errors import GeneratorError
 from animastor_tasks.generators import GenerationRequest
-from animastor_tasks.generators.server_words import printable
 from animastor_tasks.generators.transport import Limits, Transport
 
 TOKEN = "s3cretTok"
