@@ -123,7 +123,9 @@ class Client:
                 raise self._result_store_down(lost, sent=result.id, command_id=command_id) from err
             raise AnimastorError(
                 f"{name}: no answer within {self.timeout:g}s; is a control worker consuming {CONTROL_QUEUE}? "
-                f"(task id {result.id}: if no worker took it, it stays queued and runs when one starts; one that"
+                "A busy one answers late: a whole-book command of a book of 100,000 scenes or more takes tens of"
+                f" seconds, so give it a longer timeout (task id {result.id}: if no worker took it, it stays queued"
+                " and runs when one starts; one that"
                 f" died as it took it lost it, so see `commands` before asking again{_resend(command_id)})"
             ) from err
         except (redis.RedisError, RuntimeError) as err:
