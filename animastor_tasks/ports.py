@@ -137,8 +137,17 @@ class Jobs(Protocol):
     def fail_job(  # None: its token was stale, nothing written
         self, book: str, pair: Pair, token: int, dispatch_id: str, error: str, lane: str
     ) -> Committed | None: ...
-    def give_back(  # None: its token was stale, nothing written; `released`: to dirty, its targets released
-        self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str, *, released: bool = False
+    def give_back(  # None: its token was stale, nothing written; `released`: to dirty, its targets released; `ran`:
+        self,  # False for a job refused at its start check (it never started)
+        book: str,
+        pair: Pair,
+        token: int,
+        dispatch_id: str,
+        reason: str,
+        lane: str,
+        *,
+        released: bool = False,
+        ran: bool = True,
     ) -> Committed | None: ...
     def end_start(self, book: str, pair: Pair, dispatch_id: str) -> None: ...
     def token_is_current(  # `locking`: waits for a takeover changing the row (`expire_generating`)

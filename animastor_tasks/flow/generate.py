@@ -111,7 +111,8 @@ def _refused(
     held the slot for a lease TTL."""
     if denial in (Denial.CANCELLED, Denial.LAYER_DISABLED, Denial.NO_ACTIVE_TASK):
         try:
-            back = ports.jobs.give_back(*job.owned, denial, spec.queue, released=denial is Denial.LAYER_DISABLED)
+            released = denial is Denial.LAYER_DISABLED
+            back = ports.jobs.give_back(*job.owned, denial, spec.queue, released=released, ran=False)
         except StoreUnavailable as err:
             log.warning("[GENERATE] %s refused; its pair is left to its lease: %s", job.describe(), err)
             back = None

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
+import psycopg
 import pytest
 import redis
 
@@ -262,6 +263,46 @@ def test_a_pair_whose_live_jobs_lose_their_lease_to_partitions_is_not_failed_as_
 
     assert run_job(rt.ports, job, worker="test")["outcome"] == "ready"
     assert states(rt, "b")[PAIR] == "ready"
+
+
+def _start_row(rt: Wiring) -> tuple[Any, ...]:
+    with rt.db.read() as conn:
+        return tuple(conn.execute("SELECT open_dispatch, lost_starts FROM job_starts WHERE book_id = 'b'").fetchone())
+
+
+def test_a_job_refused_at_its_start_gives_back_no_lost_start(rt, tmp_path) -> None:
+    """A job that never started (refused at its start check: a Stop All, its layer off) ends no start of its own:
+    the count of starts lost to a scene that kills its worker stays (review of 11b52ad: it fell by one)."""
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    with rt.ports.jobs.starting("b", job.pair) as start:  # a start whose worker died, then one more
+        start.record_start(job.fencing_token, "dead1", 0)
+    with rt.ports.jobs.starting("b", job.pair) as start:
+        start.record_start(job.fencing_token, "dead2", 1)
+
+    rt.ports.jobs.give_back("b", job.pair, 999, "refused", "cancelled", "gpu.audio", ran=False)
+
+    assert _start_row(rt) == ("dead2", 1)
+
+
+def test_a_job_ending_as_a_newer_one_starts_leaves_that_start_open(rt, tmp_path) -> None:
+    """The newer start's write lands while the older job's end waits for the row. Reading whether the row's open start
+    was its own in a subquery, the end saw the old row and cleared the newer start (review of 11b52ad)."""
+    import threading
+
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    with rt.ports.jobs.starting("b", job.pair) as start:
+        start.record_start(job.fencing_token, "older", 0)
+    ended = threading.Thread(target=rt.ports.jobs.end_start, args=("b", job.pair, "older"))
+    with psycopg.connect(rt.settings.database_url) as newer:  # the newer start's write, not committed yet
+        newer.execute("UPDATE job_starts SET open_dispatch = 'newer', lost_starts = 1 WHERE book_id = 'b'")
+        ended.start()
+        time.sleep(0.5)  # the older job's end waits for the row
+        newer.commit()
+    ended.join(10)
+
+    assert _start_row(rt) == ("newer", 0)  # open; the lost start it counted for the older one given back
 
 
 class _Unreadable(Exception):

@@ -177,14 +177,24 @@ class JobStore:
                 return _left(conn, owned)
 
     def give_back(
-        self, book: str, pair: Pair, token: int, dispatch_id: str, reason: str, lane: str, *, released: bool = False
+        self,
+        book: str,
+        pair: Pair,
+        token: int,
+        dispatch_id: str,
+        reason: str,
+        lane: str,
+        *,
+        released: bool = False,
+        ran: bool = True,
     ) -> Committed | None:
         """`generating -> pending`, only if the token is still current (None: stale): the run ended without a verdict
         on the scene (a store blip, the backend down); the next gate pass decides again. With it what the book has
         left pending of the stage, its pair given back among it (`_left`). `released`: to `dirty` instead, its
         targets released for `reason` (a job refused at its start because its layer is off: given back `pending`,
         its book's pass released it only if the layer was still off by then, and turned on again within the tick,
-        the layer ran the job with no new regenerate)."""
+        the layer ran the job with no new regenerate). `ran`: False for a job refused at its start check
+        (`_end_start`)."""
         state = transition(AssetState.GENERATING, AssetState.DIRTY if released else AssetState.PENDING)
         owned = _owned(book, pair, token, dispatch_id)
         with self.db.transaction() as conn:
@@ -200,7 +210,7 @@ class JobStore:
                 if done:
                     detail = {"token": token, "reason": _storable(reason, 1000)}
                     journal.record(conn, "job.given_back", book, detail, pair=pair, dispatch_id=dispatch_id)
-                _end_start(conn, book, pair, dispatch_id)
+                _end_start(conn, book, pair, dispatch_id, ran=ran)
                 return _left(conn, owned) if done else None
 
     def end_start(self, book: str, pair: Pair, dispatch_id: str) -> None:
@@ -290,19 +300,25 @@ def note_shutdown(url: str, starts: Sequence[tuple[BookPair, str]], timeout: flo
         raise StoreUnavailable("postgres", url, str(err).strip() or type(err).__name__) from err
 
 
-def _end_start(conn: psycopg.Connection[Any], book: str, pair: Pair, dispatch_id: str | None) -> None:
+def _end_start(
+    conn: psycopg.Connection[Any], book: str, pair: Pair, dispatch_id: str | None, *, ran: bool = True
+) -> None:
     """A started job ended: its start is no longer open and the run of worker-lost starts is over.
-    With a dispatch id only that job's own open start is cleared. A newer start stays open, and gives back the lost
-    start it counted for this one: the job lived (cut off from Redis past its lease, taken over, back), not killed
-    by its scene. *Why:* three partitions of a host running one long scene failed it `worker_lost: 3 starts`."""
+    With a dispatch id only that job's own open start is cleared. A newer start stays open and, where this job `ran`
+    (its start was recorded: not one refused at its start check), gives back the lost start it counted for it: the
+    job lived (cut off from Redis past its lease, taken over, back), its scene killed nothing. *Why:* three
+    partitions of a host running one long scene failed it `worker_lost: 3 starts`. Each column is judged on the row
+    the UPDATE writes (a subquery's read went stale behind a concurrent start, whose open start it then cleared), and
+    the newer start keeps its time: it is that start's age (`Assets.generating_pairs`)."""
     chapter, scene, stage = pair
+    mine = "(%(dispatch)s::text IS NULL OR open_dispatch = %(dispatch)s::text)"
+    given_back = "greatest(lost_starts - 1, 0)" if ran else "lost_starts"
     conn.execute(
-        "UPDATE job_starts SET open_dispatch = CASE WHEN mine THEN NULL ELSE open_dispatch END,"
-        " lost_starts = CASE WHEN mine THEN 0 ELSE greatest(lost_starts - 1, 0) END, updated_at = now()"
-        " FROM (SELECT %s::text IS NULL OR open_dispatch IS NOT DISTINCT FROM %s::text AS mine FROM job_starts"
-        "  WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s) AS ended"
-        " WHERE book_id = %s AND chapter_id = %s AND scene_id = %s AND stage = %s",
-        (dispatch_id, dispatch_id, *(book, chapter, scene, stage), *(book, chapter, scene, stage)),
+        f"UPDATE job_starts SET open_dispatch = CASE WHEN {mine} THEN NULL ELSE open_dispatch END,"
+        f" lost_starts = CASE WHEN {mine} THEN 0 ELSE {given_back} END,"
+        f" updated_at = CASE WHEN {mine} THEN now() ELSE updated_at END"
+        " WHERE book_id = %(book)s AND chapter_id = %(chapter)s AND scene_id = %(scene)s AND stage = %(stage)s",
+        {"dispatch": dispatch_id, "book": book, "chapter": chapter, "scene": scene, "stage": stage},
     )
 
 
