@@ -136,3 +136,24 @@ def test_the_journal_s_prune_waits_past_the_answer_limit(settings, migrated, mon
         assert Journal(db).prune_journal(0, 10**9) >= 0
     finally:
         db.close()
+
+
+def test_a_worker_s_migration_check_against_a_server_that_never_answers_ends_in_its_bound(settings, migrated) -> None:
+    """A worker's start-up check (`missing_migrations`) behind a hung proxy: its connect went through, then the read
+    waited for good, the worker never starting, not a word said (review of 2aaf597: a plain psycopg connect)."""
+    from animastor_tasks.adapters.postgres.migrations import missing_migrations
+
+    where = urlsplit(settings.database_url)
+    host, port = where.hostname or "127.0.0.1", where.port or 5432
+    with FreezingProxy((host, port)) as proxy:
+        url = settings.database_url.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}", 1)
+        assert missing_migrations(url, within=2.0) == []  # migrated, answering
+        proxy.frozen.set()
+        said: list[object] = []
+        started = time.monotonic()
+        checking = threading.Thread(target=lambda: said.append(missing_migrations(url, within=1.0)), daemon=True)
+        checking.start()
+        checking.join(20)
+        took = time.monotonic() - started
+        proxy.frozen.clear()
+    assert said == [None] and took < 6, (said, took)

@@ -10,7 +10,13 @@ from importlib.resources.abc import Traversable
 
 import psycopg
 
-from animastor_tasks.adapters.postgres.pool import Database, _is_store_error, without_answer_limit
+from animastor_tasks.adapters.postgres.pool import (
+    Database,
+    _Connection,
+    _dead_peer_defaults,
+    _is_store_error,
+    without_answer_limit,
+)
 from animastor_tasks.errors import AnimastorError, StoreUnavailable
 
 log = logging.getLogger("animastor.postgres")
@@ -51,19 +57,19 @@ def migration_files() -> list[tuple[int, str, str]]:
 
 
 def missing_migrations(url: str, within: float) -> list[str] | None:
-    """The migrations this release ships that the database at `url` lacks (every one when it was never migrated);
-    None when it does not answer within `within` seconds (it may come back already migrated)."""
+    """The migrations this release ships that the database at `url` lacks (every one when it was never migrated),
+    as `migrate` judges them (by version, a gap too); None when it does not answer within `within` seconds, its
+    connect and its answer each bounded (a hung proxy, a frozen server): it may come back migrated."""
     try:
-        with psycopg.connect(url, connect_timeout=max(1, round(within))) as conn:
-            conn.execute(f"SET statement_timeout = {int(within * 1000)}")
+        with _Connection.connect(url, connect_timeout=max(1, round(within)), **_dead_peer_defaults(url)) as conn:
+            conn.answer_limit = within
             try:
-                row = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
+                done = {int(version) for (version,) in conn.execute("SELECT version FROM schema_migrations")}
             except psycopg.errors.UndefinedTable:
-                row = None
+                done = set()
     except psycopg.Error:
         return None
-    applied = int(row[0] or 0) if row else 0
-    return [name for version, name, _ in migration_files() if version > applied]
+    return [name for version, name, _ in migration_files() if version not in done]
 
 
 def migrate(db: Database, lock_wait: float = LOCK_WAIT_SECONDS) -> list[str]:
