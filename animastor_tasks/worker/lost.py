@@ -78,12 +78,12 @@ class GenerateRequest(Request):
         if isinstance(exc, _PROCESS_GONE) and self._in_pool_process():
             # A job revoked as it was terminated has its message acknowledged: nothing redelivers it.
             redelivered = None if self._already_revoked else self.kwargs.get("dispatch_id")
-            let_go(self.hostname, self.worker_pid, redelivered=redelivered)
+            let_go(self.hostname, self.worker_pid, redelivered=redelivered, message=self.id, app=self.task.app)
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         if not soft and self._in_pool_process():  # the process is being killed; its message is acknowledged
-            let_go(self.hostname, self.worker_pid, redelivered=None)
+            let_go(self.hostname, self.worker_pid, redelivered=None, message=self.id, app=self.task.app)
         super().on_timeout(soft, timeout)
 
     def _in_pool_process(self) -> bool:
@@ -97,8 +97,11 @@ def _connection(settings: Settings) -> RedisConnection:
     return RedisConnection(settings.redis_url, Keyspace(settings.key_prefix), socket_timeout=1.0)
 
 
-def let_go(worker: str, pid: int, redelivered: str | None) -> None:
-    """Free what the dead process `pid` of `worker` held. Never raises: the lease's lapse still frees it."""
+def let_go(worker: str, pid: int, redelivered: str | None, *, message: str | None = None, app: Any = None) -> None:
+    """Free what the dead process `pid` of `worker` held. Never raises: the lease's lapse still frees it. A job let go
+    that is not the task `message` Celery reports (one kept to follow in it, worker/chain.py) is failed in `app`'s
+    result store and in Flower (`fail_lost`): Celery ends only the message's task, and the kept job's stayed
+    PROGRESS for good."""
     from animastor_tasks.worker.app import settings
 
     holder = delivery_holder(worker, pid)
@@ -119,6 +122,9 @@ def let_go(worker: str, pid: int, redelivered: str | None) -> None:
     dispatch_id, _, dropped = freed
     then = "the tick takes its pair over" if dropped else "its redelivery runs it again"
     log.warning("[GENERATE] pool process %s died running dispatch %s; %s", holder, dispatch_id, then)
+    if app is not None and dropped and dispatch_id != message:
+        why = f"{holder} died running it, kept to follow in task {message}; the tick took its pair over"
+        fail_lost(app, worker, [dispatch_id], why, events=bool(app.conf.worker_send_task_events))
 
 
 def let_go_of_previous_run(settings: Settings, node: str, app: Any = None, *, events: bool = False) -> None:

@@ -126,3 +126,37 @@ def test_a_job_whose_lease_redis_lost_takes_it_back(rt, tmp_path) -> None:
     rt.redis.client.delete(rt.redis.keys.lease(*job.lease_pair), rt.redis.keys.running(job.dispatch_id))
     assert rt.ports.leases.retake_lease(job.lease_pair, job.dispatch_id, DEAD, 120)
     assert _lease(rt, job) == job.dispatch_id
+
+
+def test_a_kept_job_whose_process_died_is_failed_in_the_result_store(rt, tmp_path, monkeypatch) -> None:
+    """A job kept to follow in another message's task (worker/chain.py) whose pool process died: Celery ends only the
+    message's task. Old code: the kept job stayed PROGRESS in Flower and the result store for good, though the tick
+    took its pair over and another job ran it (found by a Flower hunt, twice)."""
+    from animastor_tasks.worker import app as worker_app
+    from animastor_tasks.worker import lost
+
+    monkeypatch.setattr(worker_app, "settings", rt.settings)
+    job = _started_job(rt, tmp_path)
+    app = rt.ports.publisher.app  # type: ignore[attr-defined]
+    app.backend.store_result(job.dispatch_id, {"percent": 40.0}, "PROGRESS")
+
+    lost.let_go("audio@gpu-1", 101, redelivered="the-message", message="the-message", app=app)
+
+    result = app.AsyncResult(job.dispatch_id)
+    assert result.state == "FAILURE" and type(result.result).__name__ == "WorkerLostError"
+    assert _lease(rt, job) is None
+
+
+def test_the_message_s_own_job_is_left_to_celery(rt, tmp_path, monkeypatch) -> None:
+    from animastor_tasks.worker import app as worker_app
+    from animastor_tasks.worker import lost
+
+    monkeypatch.setattr(worker_app, "settings", rt.settings)
+    job = _started_job(rt, tmp_path)
+    app = rt.ports.publisher.app  # type: ignore[attr-defined]
+    app.backend.store_result(job.dispatch_id, {"percent": 40.0}, "PROGRESS")
+
+    lost.let_go("audio@gpu-1", 101, redelivered=None, message=job.dispatch_id, app=app)  # a hard time limit
+
+    assert app.AsyncResult(job.dispatch_id).state == "PROGRESS"  # Celery fails it itself (TimeLimitExceeded)
+    assert _lease(rt, job) is None
