@@ -40,6 +40,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from enum import Enum
 from functools import partial
 from queue import SimpleQueue
 from typing import Any
@@ -281,7 +282,10 @@ def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: Ru
 
 def _succeeded(task: Task, job: Job, outcome: dict[str, Any], runtime: float, later: Aftermath) -> None:
     """A job of the chain succeeded: its event and its result, held back with the rest of its bookkeeping."""
-    succeeded = {"result": repr(outcome), "runtime": runtime, "hostname": _worker_name(task)}
+    # Shown as a delivered job's result is (its values as JSON carried them): a search of Flower for `'outcome':
+    # 'ready'` missed the kept jobs, shown `<JobOutcome.READY: 'ready'>`.
+    shown = {key: value.value if isinstance(value, Enum) else value for key, value in outcome.items()}
+    succeeded = {"result": repr(shown), "runtime": runtime, "hostname": _worker_name(task)}
     later(partial(_announce, task, "task-succeeded", job.dispatch_id, **succeeded))
     later(partial(_record, task.backend.mark_as_done, job.dispatch_id, outcome))
 

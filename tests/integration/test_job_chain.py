@@ -18,6 +18,7 @@ from celery import signals
 from celery.contrib.testing.worker import start_worker
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.domain.vocabulary import JobOutcome
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
@@ -320,7 +321,7 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
                 progress(1.0)
             else:
                 ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
-            return {"outcome": "ready"}
+            return {"outcome": JobOutcome.READY}  # as `run_job` answers
 
         def kinds() -> list[str]:
             return [e["type"] for e in heard if e.get("uuid") == kept.dispatch_id]
@@ -342,6 +343,9 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
     # Each under the worker's name: sent from the thread the announcements are held back in, they were sent
     # under `unknown` (Celery keeps a task's request per thread), a worker Flower listed that never existed.
     assert {e["hostname"] for e in heard if e.get("uuid") == kept.dispatch_id} == {"gpu-audio@test"}
+    # Its result as a delivered job's reads (old: "{'outcome': <JobOutcome.READY: 'ready'>}").
+    [succeeded] = [e for e in heard if e["type"] == "task-succeeded" and e.get("uuid") == kept.dispatch_id]
+    assert succeeded["result"] == "{'outcome': 'ready'}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
