@@ -52,10 +52,11 @@ def error_text(err: BaseException) -> str:
         words = str(err)
     except Exception as broken:  # a plugin's own __str__ that raises
         words = f"(its message could not be read: {type(broken).__name__})"
-    text = printable(words if isinstance(err, GeneratorError) else f"{type(err).__name__}: {words}")
+    text = words if isinstance(err, GeneratorError) else f"{type(err).__name__}: {words}"
+    shown = printable(text[:ERROR_TEXT_LIMIT])[:ERROR_TEXT_LIMIT]  # cut first: escaping 20 MB took seconds
     if len(text) > ERROR_TEXT_LIMIT:
-        text = f"{text[:ERROR_TEXT_LIMIT]}... ({len(text) - ERROR_TEXT_LIMIT} more characters)"
-    return storable(text)
+        shown = f"{shown[: ERROR_TEXT_LIMIT - 40]}... ({len(text) - ERROR_TEXT_LIMIT + 40} more characters)"
+    return storable(shown)
 
 
 class ErrorKind(StrEnum):

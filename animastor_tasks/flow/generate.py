@@ -45,6 +45,7 @@ from animastor_tasks.flow.job import (
     checked_media,
     guarded_progress,
     load_generator,
+    log_raised,
     pause_if_sick,
     quietly,
     record_breaker,
@@ -318,7 +319,7 @@ def _generate_with_retries(
                 return None, "stopped", attempt, kind
             message = error_text(err)
             if kind is ErrorKind.BUG:
-                log.exception("[GENERATE] %s generator raised", job.describe())
+                log_raised(job, err, f"generator raised {message}")
             if kind not in RETRIED or attempt > ports.settings.generate_max_retries:
                 return None, message, attempt, kind
             asked = err.retry_after if isinstance(err, GeneratorError) else None

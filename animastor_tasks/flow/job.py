@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ from animastor_tasks.domain.job_rules import (
     ErrorKind,
     breaker_feed,
     classify_error,
+    error_text,
     host_pause,
     node_feed,
 )
@@ -28,6 +30,7 @@ from animastor_tasks.errors import ArtifactStoreError, ConfigError, DeliveryNotS
 from animastor_tasks.ports import GenerationRequest, Generator, Media, Ports, RunRecorded
 
 log = logging.getLogger("animastor.generate")
+TRACEBACK_FRAMES = 30  # the innermost frames of a generator's traceback a log line keeps
 T = TypeVar("T")
 DELIVERY_START_WAITS = (0.25, 0.5, 1.0)  # seconds between the tries of a delivery's start while Redis is unreachable
 
@@ -313,9 +316,17 @@ def load_generator(ports: Ports, spec: StageSpec, job: Job) -> Generator:
         # A plugin that cannot be imported is misconfigured (not retried); one whose factory failed (a GPU out of
         # memory, its backend unreachable) is a backend failure (retried). Both feed the breaker, which gives
         # the pairs back once open rather than failing a whole command in seconds.
-        log.exception("[GENERATE] %s generator %r could not be loaded", job.describe(), spec.generator)
-        why = f"generator {spec.generator!r} could not be loaded: {type(err).__name__}: {err}"
+        why = f"generator {spec.generator!r} could not be loaded: {error_text(err)}"
+        log_raised(job, err, why)
         return _Unavailable(GeneratorError(why, misconfigured=isinstance(err, ImportError)))
+
+
+def log_raised(job: Job, err: BaseException, words: str) -> None:
+    """A generator's (or its factory's) bug, logged with its traceback's frames and its words as its verdict has them
+    (`error_text`: escaped, cut). *Why not `log.exception`:* the exception's own line went to the log raw, where a
+    plugin's line break forged a log line of its own and a 20 MB message made a 20 MB line."""
+    frames = "".join(traceback.format_tb(err.__traceback__)[-TRACEBACK_FRAMES:]).rstrip()
+    log.error("[GENERATE] %s: %s\nTraceback (most recent call last):\n%s", job.describe(), words, frames)
 
 
 def record_breaker(ports: Ports, queue: str, kind: ErrorKind | None, worker: str) -> RunRecorded:

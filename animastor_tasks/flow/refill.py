@@ -77,7 +77,8 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
         log.info("[COMMAND-GATE] book=%r refill: %s; the slot goes to the next waiting book", book, err)
         if handed is not None:
             _wait_behind(ports, book, handed)
-            gate.pass_on_slot(ports, book, handed, slots if slots_of == handed else 1)
+            if handed not in report.claimed_lanes:  # an earlier round of this refill may have claimed it already
+                gate.pass_on_slot(ports, book, handed, slots if slots_of == handed else 1)
             _hand_over_done(ports, book, handed, began)
         return report
     except StoreUnavailable as err:

@@ -15,9 +15,9 @@ from typing import Any
 import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
-from animastor_tasks.adapters.postgres.commands import lock_book
 from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns, rows_of_pairs
-from animastor_tasks.adapters.postgres.pool import LOCK_WAIT_MS, bound_lock_waits
+from animastor_tasks.adapters.postgres.locks import lock_book
+from animastor_tasks.adapters.postgres.pool import bound_lock_waits
 from animastor_tasks.adapters.postgres.released import release_targets, released_pending
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts, Waiter
@@ -28,12 +28,7 @@ from animastor_tasks.domain.vocabulary import (
     AssetState,
     transition,
 )
-from animastor_tasks.errors import BookBusy
 from animastor_tasks.ports import Claim, GateRows, GeneratingRow
-
-#: How long a claim waits for its book's lock, held by another transaction, before the book counts as busy: a claim
-#: or a commit holds it milliseconds, a whole-book import, regenerate or Stop All seconds.
-BOOK_BUSY_WAIT_MS = 1_000
 
 _PAIRS_CTE = "WITH p(chapter_id, scene_id, stage) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
 
@@ -106,7 +101,7 @@ class AssetStore(GateReads):
             return []
         wanted = set(pairs)
         with self.db.transaction() as conn:
-            lock_book(conn, book)  # a regenerate's commands and a Stop All come wholly before or after
+            lock_book(conn, book, soon=True)  # a regenerate's commands and a Stop All come wholly before or after
             found = _facts_now(conn, book, pairs, stop_stands)
             if found is None:
                 return []
@@ -158,7 +153,9 @@ class AssetStore(GateReads):
             rows = conn.execute(counted, {"stages": stages, "books": [book, *others]}).fetchall()
             if not (taken.fetchone() or [False])[0]:  # the book held by another: its lock waited for, holding no lane
                 conn.rollback()
-                _lock_book_soon(conn, book, book_key)
+                conn.execute("SET LOCAL synchronous_commit = off")
+                bound_lock_waits(conn)
+                lock_book(conn, book, soon=True)  # a new transaction: the lanes' locks after it, as always
                 conn.execute(lock_lanes, (lane_keys,))
                 rows = conn.execute(counted, {"stages": stages, "books": [book, *others]}).fetchall()
             running: dict[str, list[Pair]] = {}
@@ -213,7 +210,7 @@ class AssetStore(GateReads):
         if not pairs:
             return []
         with self.db.transaction() as conn:
-            lock_book(conn, book)  # settled under the lock every other settle holds: none misses the other's pair
+            lock_book(conn, book, soon=True)  # settled under the lock every other settle holds: none misses the other's
             rows = conn.execute(
                 _PAIRS_CTE + " UPDATE asset_states a SET state = %s, updated_at = now() FROM p, scenes s"
                 " WHERE a.book_id = %s AND a.chapter_id = p.chapter_id AND a.scene_id = p.scene_id"
@@ -345,18 +342,3 @@ def _release(conn: psycopg.Connection[Any], book: str, pairs: Sequence[Pair]) ->
     moved: list[Pair] = [tuple(r) for r in rows]
     released_pending(conn, book, moved)
     return moved
-
-
-def _lock_book_soon(conn: psycopg.Connection[Any], book: str, key: str) -> None:
-    """The book's lock, in a new transaction, waited for `BOOK_BUSY_WAIT_MS` at most, then the waits bounded as
-    usual; `BookBusy` past that. *Why:* an import, a regenerate or a Stop All of a big book holds its lock for
-    seconds, and a GPU process's refill of its freed slot, handed to that book, waited the whole lock wait (10 s)
-    before it gave up: every slot of the lane that went to the book idled that long, every other book waiting."""
-    conn.execute("SET LOCAL synchronous_commit = off")
-    bound_lock_waits(conn)
-    conn.execute(f"SET LOCAL lock_timeout = {BOOK_BUSY_WAIT_MS}")
-    try:
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,)).fetchone()
-    except psycopg.errors.LockNotAvailable as err:
-        raise BookBusy(book, BOOK_BUSY_WAIT_MS / 1000) from err
-    conn.execute(f"SET LOCAL lock_timeout = {LOCK_WAIT_MS}")

@@ -9,7 +9,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from animastor_tasks.adapters.postgres import journal
-from animastor_tasks.adapters.postgres.commands import lock_book
+from animastor_tasks.adapters.postgres.locks import lock_book
 from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database
 from animastor_tasks.adapters.postgres.released import mark_released, release_stages
 from animastor_tasks.domain.book import Book

@@ -15,10 +15,10 @@ import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.gate_reads import pair_columns
-from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database, bound_lock_wait
+from animastor_tasks.adapters.postgres.locks import lock_book
+from animastor_tasks.adapters.postgres.pool import ANALYZE_FROM_ROWS, Database
 from animastor_tasks.adapters.postgres.released import release_targets
 from animastor_tasks.domain import liveness, vocabulary
-from animastor_tasks.domain.keys import book_lock
 from animastor_tasks.domain.targets import Take, states_taking
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import CANCELLABLE, IN_FLIGHT, AssetState, CommandStatus, Priority, values
@@ -371,13 +371,6 @@ def _fence_stale_runs(
             (chapters, scene_ids, book, stage, AssetState.GENERATING),
         ).fetchall()
     ]
-
-
-def lock_book(conn: psycopg.Connection[Any], book: str) -> None:
-    """The book's advisory lock, taken before any row: a release settles commands under the lock a completion
-    settles them under (`jobs._lock_capacity`), so the two never miss each other's last target."""
-    bound_lock_wait(conn)
-    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (book_lock(book),))
 
 
 def _release_in_flight(

@@ -36,6 +36,9 @@ ANALYZE_LOCK_WAIT_MS = 500
 #: held 1-3 ms per claim or commit, and the longest a book's lock is held is a whole-book regenerate or import: about
 #: 2 s at 50,000 scenes, 3-4 s at 100,000.
 LOCK_WAIT_MS = 10_000
+#: How long a claim or a gate pass's write waits for its book's lock before the book counts as busy (`BookBusy`): a
+#: claim or a commit holds it milliseconds, a whole-book import, regenerate or Stop All seconds.
+BOOK_BUSY_WAIT_MS = 1_000
 #: PostgreSQL 17 and later: the longest such a transaction lasts at all, its lock waits and a claim's Redis round trip
 #: (5 s at most) included. Past it the server ends the session, and with it the locks a silent client held.
 TRANSACTION_LIMIT_MS = 60_000
@@ -300,8 +303,8 @@ class Database:
                 detail = str(err).strip() or type(err).__name__
                 if isinstance(err, psycopg.errors.LockNotAvailable):  # read as an outage, an operator looked for one
                     detail += (
-                        f" (a lock held past {LOCK_WAIT_MS / 1000:g}s by another transaction: an import, a regenerate"
-                        " or a Stop All of the same book, or a client gone silent mid-transaction; try again)"
+                        " (a lock held past this wait by another transaction: an import, a regenerate or a Stop All"
+                        " of the same book, or a client gone silent mid-transaction; try again)"
                     )
                 if isinstance(err, PoolTimeout) and self.url in _refusals:
                     detail = f"{detail}; the last attempt to connect: {_refusals[self.url]}"
