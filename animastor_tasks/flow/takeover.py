@@ -49,8 +49,10 @@ def on_tick(ports: Ports) -> dict[str, int]:
         generating = ports.assets.generating_pairs()
         if generating:
             block_consumerless(ports, generating, report)
-            let_go_of_silent_nodes(ports, generating, report)
+            let_go = let_go_of_silent_nodes(ports, generating, report)
             expire_lapsed(ports, ports.assets.generating_pairs(), report)
+            for node, dispatch_ids in let_go.items():  # after the takeover: a slow result store delays it not
+                ports.publisher.fail_lost(node, dispatch_ids, f"{node} stopped beating running it; its pair taken over")
     except StoreUnavailable as err:
         log.warning("[TAKEOVER] stores unreadable, nothing taken over this tick: %s", err)
     except Exception as err:  # the AMQP broker refusing a passive declare: no evidence either way
@@ -58,20 +60,23 @@ def on_tick(ports: Ports) -> dict[str, int]:
     return report
 
 
-def let_go_of_silent_nodes(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
+def let_go_of_silent_nodes(
+    ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]
+) -> dict[str, list[str]]:
     """The jobs whose worker node has not beaten for `silent_worker_seconds` give up their leases
     (`abandon_delivery`, as when a node starts again): `expire_lapsed` then takes their pairs over in this same
-    tick. Two round trips, both bounded by the jobs in flight; a store error leaves the jobs to their leases."""
+    tick. Two round trips, both bounded by the jobs in flight; a store error leaves the jobs to their leases. What was
+    let go of, by node: their jobs failed for Flower (`Publisher.fail_lost`, Flower showed them STARTED for good)."""
     settings = ports.settings
     try:
         started = [g.dispatch_id for g in generating if g.dispatch_id]
         node_of = {h: liveness.holder_node(h) for h in ports.leases.delivery_holders(started) if h is not None}
         if not node_of:
-            return
+            return {}
         beats = ports.presence.last_beats(sorted(set(node_of.values())))
         now = ports.clock()  # after the beats' read, which measured this process's offset to the server's clock
         if now - ports.book_state.presence_unsure_since() < settings.silent_worker_seconds:
-            return  # Redis lost its data or was out of reach moments ago: every node looks silent until it beats again
+            return {}  # Redis lost its data or was out of reach moments ago: every node looks silent until it beats
         silent = liveness.silent_nodes(beats, now, settings.silent_worker_seconds)
         lost: Counter[str] = Counter()
         let_go: dict[str, list[str]] = defaultdict(list)
@@ -90,12 +95,11 @@ def let_go_of_silent_nodes(ports: Ports, generating: Sequence[GeneratingRow], re
             )
     except StoreUnavailable as err:
         log.warning("[TAKEOVER] silent workers not looked for this tick: %s", err)
-        return
+        return {}
     report["let_go"] += sum(lost.values())
     if lost:
         ports.counters.add(lost)
-    for node, dispatch_ids in let_go.items():  # *Why:* Flower showed them STARTED for good, the node gone
-        ports.publisher.fail_lost(node, dispatch_ids, f"{node} stopped beating running it; the tick took its pair over")
+    return let_go
 
 
 def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
