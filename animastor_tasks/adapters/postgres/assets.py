@@ -17,7 +17,7 @@ import psycopg
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns, rows_of_pairs
 from animastor_tasks.adapters.postgres.locks import lock_book
-from animastor_tasks.adapters.postgres.pool import bound_lock_waits
+from animastor_tasks.adapters.postgres.pool import BOOK_BUSY_WAIT_MS, LOCK_WAIT_MS, bound_lock_waits
 from animastor_tasks.adapters.postgres.released import release_targets, released_pending
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts, Waiter
@@ -28,6 +28,7 @@ from animastor_tasks.domain.vocabulary import (
     AssetState,
     transition,
 )
+from animastor_tasks.errors import BookBusy
 from animastor_tasks.ports import Claim, GateRows, GeneratingRow
 
 _PAIRS_CTE = "WITH p(chapter_id, scene_id, stage) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
@@ -148,16 +149,20 @@ class AssetStore(GateReads):
             # claim's included; a claim a crash loses is refused at that check, its pair still pending.
             conn.execute("SET LOCAL synchronous_commit = off")
             bound_lock_waits(conn)
-            taken = conn.execute("SELECT pg_try_advisory_xact_lock(hashtext(%s))", (book_key,))
+            # The book's lock waited for `BOOK_BUSY_WAIT_MS` at most (a busy book: `LockNotAvailable`); the lanes'
+            # for the usual bound, as a statement's time (`QueryCanceled`, a store's trouble): the pipeline's one
+            # error says which it was. Then the usual lock bound for the claim's rows.
+            conn.execute(f"SET LOCAL lock_timeout = {BOOK_BUSY_WAIT_MS}")
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (book_key,))
+            conn.execute("SET LOCAL lock_timeout = 0")
+            conn.execute(f"SET LOCAL statement_timeout = {LOCK_WAIT_MS}")
             conn.execute(lock_lanes, (lane_keys,))
-            rows = conn.execute(counted, {"stages": stages, "books": [book, *others]}).fetchall()
-            if not (taken.fetchone() or [False])[0]:  # the book held by another: its lock waited for, holding no lane
-                conn.rollback()
-                conn.execute("SET LOCAL synchronous_commit = off")
-                bound_lock_waits(conn)
-                lock_book(conn, book, soon=True)  # a new transaction: the lanes' locks after it, as always
-                conn.execute(lock_lanes, (lane_keys,))
+            conn.execute("SET LOCAL statement_timeout = DEFAULT")
+            conn.execute(f"SET LOCAL lock_timeout = {LOCK_WAIT_MS}")
+            try:
                 rows = conn.execute(counted, {"stages": stages, "books": [book, *others]}).fetchall()
+            except psycopg.errors.LockNotAvailable as err:
+                raise BookBusy(book, BOOK_BUSY_WAIT_MS / 1000) from err
             running: dict[str, list[Pair]] = {}
             for stage, owner, chapter, scene, _ in rows:
                 if owner is not None:
