@@ -281,6 +281,11 @@ def main(*, keep_running: bool = False, run_dir: Path | None = None) -> int:
         except (DemoError, SupervisorError) as err:
             demo.say(f"error: {err}")
             code = 1
+        except Exception as err:
+            if (signalled := Interrupted.behind(err)) is None:
+                raise
+            demo.say(f"{signalled} received: stopping everything this demo started")
+            code = 128 + signalled.signum
     finally:
         demo.shutdown()
         for sig, handler in previous.items():

@@ -49,6 +49,18 @@ class Interrupted(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
+    @staticmethod
+    def behind(err: BaseException) -> Interrupted | None:
+        """The signal behind `err`, where Python wrapped it. *Why:* one that came while a class was being made (a
+        module imported lazily, mid-send: Celery's events) became "RuntimeError: Error calling __set_name__", and
+        the demo's Ctrl-C exited 1 with a traceback instead of 130."""
+        seen: BaseException | None = err
+        while seen is not None:
+            if isinstance(seen, Interrupted):
+                return seen
+            seen = seen.__cause__ or seen.__context__
+        return None
+
 
 _PR_SET_PDEATHSIG = 1
 try:
