@@ -9,6 +9,7 @@ the gate denies asks for the book's full pass at once (the due index), which rel
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from animastor_tasks.domain.registry import StageSpec
@@ -25,6 +26,13 @@ def candidate_limit(lane_limits: list[int]) -> int:
     """Enough candidates to fill every slot of the lanes twice over: pairs the dispatch skips (deferred,
     already done) rarely outnumber the slots, and a read whose candidates were all claimed reads again."""
     return max(16, min(256, 2 * sum(lane_limits)))
+
+
+def most_urgent_rank(ports: Ports, book: str, stages: Sequence[str]) -> int | None:
+    """The priority rank of the book's most urgent pending pair of `stages` (each active command's first pending
+    target weighs), as a job's end weighs its book (`Jobs.commit_job`); None: nothing pending (or no such book)."""
+    rows = ports.assets.gate_candidates(book, stages, 1)
+    return min((i.rank for i in rows.in_flight), default=None) if rows is not None else None
 
 
 def dispatch_candidates(

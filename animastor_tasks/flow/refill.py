@@ -126,10 +126,8 @@ def _wait_behind(ports: Ports, book: str, lane: str) -> None:
     for its lock in turn. Unreadable: the book's due pass puts it back on the list."""
     stages = [s.name for s in ports.settings.registry.stages if s.queue == lane]
     try:
-        rows = ports.assets.gate_candidates(book, stages, 1)
-        ranks = [i.rank for i in (rows.in_flight if rows is not None else ())]
-        if ranks:
-            ports.deferrals.wait_for_lane(lane, book, wait_score(min(ranks), ports.clock()))
+        if (rank := candidates.most_urgent_rank(ports, book, stages)) is not None:
+            ports.deferrals.wait_for_lane(lane, book, wait_score(rank, ports.clock()))
         ports.book_state.set_due(book, ports.clock())
     except StoreUnavailable as err:
         log.warning("[COMMAND-GATE] book=%r not put back on the waiting list of %s: %s", book, lane, err)

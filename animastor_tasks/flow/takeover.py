@@ -35,7 +35,7 @@ from animastor_tasks.domain.gate import BookFacts, decide
 from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import AssetState
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.flow import lanes, page
+from animastor_tasks.flow import candidates, lanes, page
 from animastor_tasks.ports import GeneratingRow, Ports
 
 log = logging.getLogger("animastor.takeover")
@@ -233,11 +233,11 @@ def _pending_rank(ports: Ports, book: str, stage: str, rank: int) -> int:
     at its dead bulk job's rank, a capped book whose reader's scene its cap had refused (on no list) waited behind the
     normal books for the room that job freed. Unreadable: `rank`."""
     try:
-        rows = ports.assets.gate_candidates(book, [stage], 1)
+        found = candidates.most_urgent_rank(ports, book, [stage])
     except StoreUnavailable as err:
         log.warning("[TAKEOVER] book=%r pending pairs unreadable, it waits at its pair's priority: %s", book, err)
         return rank
-    return min([rank, *(i.rank for i in (rows.in_flight if rows is not None else ()))])
+    return rank if found is None else min(rank, found)
 
 
 def _wait_again(ports: Ports, book: str, queue: str, rank: int, since: float) -> None:
