@@ -50,14 +50,23 @@ def on_tick(ports: Ports) -> dict[str, int]:
         if generating:
             block_consumerless(ports, generating, report)
             let_go = let_go_of_silent_nodes(ports, generating, report)
-            expire_lapsed(ports, ports.assets.generating_pairs(), report)
-            for node, dispatch_ids in let_go.items():  # after the takeover: a slow result store delays it not
-                ports.publisher.fail_lost(node, dispatch_ids, f"{node} stopped beating running it; its pair taken over")
+            try:
+                expire_lapsed(ports, ports.assets.generating_pairs(), report)
+            finally:  # after the takeover (a slow result store delays it not); failed or not: nothing finds them again
+                for node, dispatch_ids in let_go.items():
+                    why = f"{node} stopped beating running it; its pair taken over"
+                    ports.publisher.fail_lost(node, dispatch_ids, why)
     except StoreUnavailable as err:
-        log.warning("[TAKEOVER] stores unreadable, nothing taken over this tick: %s", err)
+        log.warning("[TAKEOVER] stores unreadable, %s: %s", _left(report), err)
     except Exception as err:  # the AMQP broker refusing a passive declare: no evidence either way
-        log.warning("[TAKEOVER] consumer count unavailable, nothing taken over this tick: %s", err)
+        log.warning("[TAKEOVER] consumer count unavailable, %s: %s", _left(report), err)
     return report
+
+
+def _left(report: dict[str, int]) -> str:
+    if report["let_go"]:  # their leases are gone: the next tick's takeover finds their pairs lapsed
+        return f"the {report['let_go']} job(s) let go of are taken over next tick"
+    return "nothing taken over this tick"
 
 
 def let_go_of_silent_nodes(

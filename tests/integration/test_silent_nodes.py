@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow import takeover
 from animastor_tasks.flow.job import Job
@@ -67,6 +68,31 @@ def test_a_job_of_a_silent_node_is_failed_in_the_result_store(rt: Wiring, tmp_pa
     result = rt.ports.publisher.app.AsyncResult(job.dispatch_id)  # type: ignore[attr-defined]
     assert result.state == "FAILURE"
     assert type(result.result).__name__ == "WorkerLostError" and NODE in str(result.result)
+
+
+def test_a_silent_nodes_job_is_failed_even_when_the_takeover_after_its_let_go_fails(
+    rt: Wiring, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its lease, running mark and holder are gone after the let-go: no later tick finds the job again. Old code: the
+    takeover's read failed, and the job stayed STARTED for good (PENDING here)."""
+    job = _running_job(rt, tmp_path)
+    _beat(rt, rt.settings.silent_worker_seconds + 1)
+    reads = iter([rt.ports.assets.generating_pairs()])
+
+    def failing_after_the_first(*args: object, **kwargs: object) -> object:
+        for rows in reads:
+            return rows
+        raise StoreUnavailable("postgres", "postgresql://db", "server closed the connection unexpectedly")
+
+    monkeypatch.setattr(rt.ports.assets, "generating_pairs", failing_after_the_first)
+    report = takeover.on_tick(rt.ports)
+
+    assert report["let_go"] == 1 and report["expired"] == 0, report
+    result = rt.ports.publisher.app.AsyncResult(job.dispatch_id)  # type: ignore[attr-defined]
+    assert result.state == "FAILURE"
+    monkeypatch.undo()
+    assert takeover.on_tick(rt.ports)["expired"] == 1  # the next tick takes its pair over
+    assert _state(rt) == "pending"
 
 
 @pytest.mark.parametrize(
