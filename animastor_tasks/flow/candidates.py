@@ -119,6 +119,15 @@ def _rounds(
             # the slot looks further, as far as a read for every slot would have.
             limit = widest
             continue
-        if len(result.dispatched) < len(rows.in_flight):
+        # Pairs found done already left the pending ones as a claim's do: a read of nothing else claimed nothing and
+        # ended the refill, its slot idle with work pending, the book on no waiting list and not due (soak hunt).
+        if len(result.dispatched) + len(result.settled) < len(rows.in_flight):
             return read, False
+        if slots_of is not None:
+            lane_of = {s.name: s.queue for s in specs}
+            taken = result.gone - result.settled
+            slots -= sum(1 for i in rows.in_flight if i.pair in taken and lane_of[i.stage] == slots_of)
+            if slots <= 0:  # the freed slots are filled: the lane's others are those of jobs ending elsewhere
+                return read, False
+    ports.book_state.set_due(book, ports.clock())  # the lanes took all it read, and more is pending: the tick's pass
     return read, False

@@ -309,3 +309,40 @@ def test_a_slot_freed_as_nobody_waited_goes_to_a_book_that_came_back_to_the_list
     finish_one(rt, "c")
     monkeypatch.undo()
     assert running(rt, "c", "b") == Counter({"c": 1, "b": 1})
+
+
+def _already_current(rt: Wiring, book: str, scenes: range) -> None:
+    """These pending pairs' media is current, as a regenerate that was not forced leaves an unchanged scene's."""
+    with rt.db.transaction() as conn:
+        conn.execute(
+            "UPDATE asset_states a SET input_hash = s.input_hashes->>a.stage, artifact_sha256 = repeat('0', 64)"
+            " FROM scenes s WHERE (s.book_id, s.chapter_id, s.scene_id) = (a.book_id, a.chapter_id, a.scene_id)"
+            " AND a.book_id = %s AND a.state = 'pending' AND a.scene_id = ANY(%s)",
+            (book, [f"s{n}" for n in scenes]),
+        )
+    rt.redis.client.delete(rt.redis.keys.force_set(book))
+
+
+def test_a_freed_slot_whose_first_candidates_are_all_done_already_looks_further(rt) -> None:
+    """A read's candidates all settled as already completed were taken for a lane with no room: the slot idled with
+    work pending, the book on no waiting list and not due (soak hunt: 2-8 s, up to the reconcile period)."""
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=60))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # s1 and s2 run
+    _already_current(rt, "b", range(3, 43))  # more than two reads of a one-slot refill
+    finish_one(rt, "b")
+    assert running(rt, "b") == {"b": 2}
+    assert states(rt, "b")[("ch1", "s43", "audio")] == "generating"
+    assert {states(rt, "b")[("ch1", f"s{n}", "audio")] for n in range(3, 43)} == {"ready"}
+
+
+def test_a_freed_slot_that_looks_past_pairs_done_already_still_claims_only_its_own_slot(rt) -> None:
+    """The lane's other free slots are those of jobs ending elsewhere, each refilled by its own process."""
+    lane(rt, lane_limit=4, book_quota=4, window=4)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=60))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # s1 to s4 run
+    _already_current(rt, "b", range(6, 21))  # s5 then 15 done: the one-slot read's 16
+    with rt.db.transaction() as conn:  # two jobs ended elsewhere, their refills on their way
+        conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'b' AND scene_id IN ('s3', 's4')")
+    finish_one(rt, "b")
+    assert [p[1] for p, s in states(rt, "b").items() if s == "generating"] == ["s2", "s5"]
