@@ -125,7 +125,8 @@ class BookBusy(StoreUnavailable):
 
     def __init__(self, book: str, waited: float) -> None:
         super().__init__("postgres", "", f"book {book!r} busy: its lock held by another transaction past {waited:g}s")
-        self.book = book
+        self.book, self.waited = book, waited
+        self.args = (book, waited)  # rebuilt as `type(*args)` across a Celery result (see `AnimastorError`)
 
     def __str__(self) -> str:
         return self.detail

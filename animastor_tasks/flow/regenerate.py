@@ -25,7 +25,7 @@ from animastor_tasks.domain.gate import layer_enabled, parse_layers
 from animastor_tasks.domain.resend import resend_differs
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.domain.vocabulary import CommandStatus, Priority
-from animastor_tasks.errors import DuplicateCommand, InvalidCommand, StoreUnavailable
+from animastor_tasks.errors import BookBusy, DuplicateCommand, InvalidCommand, StoreUnavailable
 from animastor_tasks.flow import gate, page, pass_hold, refill, takeover, validate
 from animastor_tasks.flow.pass_hold import PassHold
 from animastor_tasks.ports import CommandContext, CommandRow, LiftedFlag, Ports, Snapshot
@@ -170,10 +170,15 @@ def _start_work(
 @contextmanager
 def _first_pass(ports: Ports, book: str, hold: PassHold) -> Iterator[None]:
     """The first pass under its hold, let go as it ends. One that raised leaves the book due for the tick's next
-    pass: its commands are written. *Why:* left held, the book waited 20 s and was counted as a lost pass."""
+    pass: its commands are written. *Why:* left held, the book waited 20 s and was counted as a lost pass. One that
+    found its book busy is the tick's to do, and the request is answered."""
     with hold:
         try:
             yield
+        except BookBusy as err:  # not an outage: told one, its caller resent a command that stood already
+            log.info("[COMMAND] book=%r first pass left to the tick's: %s", book, err)
+            _due_now(ports, book, None)
+            return
         except Exception:
             _due_now(ports, book, None)
             raise

@@ -179,6 +179,7 @@ def test_a_holder_gone_silent_holds_up_the_lane_s_other_books_for_a_bounded_time
             waiter.join(max(0.0, deadline - time.monotonic()))
         assert [w.is_alive() for w in waiters] == [False, False], f"still waiting for the lane after {bound} s"
     assert [type(w.error) for w in waiters] == [StoreUnavailable, StoreUnavailable]
+    assert "lock" in str(waiters[1].error), waiters[1].error  # old code: the statement timeout's words alone
     assert dispatched_jobs(rt, y) == running  # nothing of the commit stayed: the job still runs, its commit tried again
     # The holder gone, the lane is free again: the commit that was refused goes in.
     assert waiters[0].fn() is not None
@@ -291,3 +292,35 @@ def test_a_gate_pass_of_a_busy_book_gives_it_up_in_its_short_wait(rt) -> None:
         took = time.monotonic() - began
     cancel_flow.cancel(rt.ports, "y")
     assert took < 6, f"the pass waited {took:.1f}s for the busy book"
+
+
+def test_a_regenerate_whose_first_pass_finds_its_book_busy_is_written_and_left_to_the_tick(rt, monkeypatch) -> None:
+    """Another transaction takes the book's lock between the command's write and its first pass's claim (an import,
+    a Stop All). Old code: the regenerate raised the claim's short wait as an outage after writing its command (the
+    review: 'postgres unavailable at :'), and its caller resent a command that stood already."""
+    from animastor_tasks.flow import gate
+
+    from .test_elastic_share import lane
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    rt.catalog.import_book(make_book("y", chapters=1, scenes=3))
+    start_work = regenerate_flow._start_work
+    held: list[object] = []
+
+    def then_busy(*args: object, **kwargs: object) -> object:
+        started = start_work(*args, **kwargs)  # type: ignore[arg-type]
+        held.append(book_lock_held(rt.settings.database_url, "y"))
+        held[0].__enter__()  # type: ignore[attr-defined]
+        return started
+
+    monkeypatch.setattr(regenerate_flow, "_start_work", then_busy)
+    try:
+        answer = regenerate_flow.regenerate(rt.ports, "y", ["audio"])
+    finally:
+        if held:
+            held[0].__exit__(None, None, None)  # type: ignore[attr-defined]
+    assert [c["status"] for c in answer["commands"]] == ["active"]
+    assert dispatched_jobs(rt, "y") == []
+    assert rt.redis.client.zscore(rt.redis.keys.due(), "y") is not None  # the tick's next pass is its
+    gate.gate_batch(rt.ports, ["y"])
+    assert len(dispatched_jobs(rt, "y")) == 1

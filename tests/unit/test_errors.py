@@ -10,6 +10,7 @@ from celery import Celery
 from animastor_tasks.errors import (
     AnimastorError,
     ArtifactStoreError,
+    BookBusy,
     InvalidCommand,
     InvalidTransition,
     StoreUnavailable,
@@ -20,6 +21,7 @@ ERRORS = [
     ArtifactStoreError("s3://key:secret@bucket/x", "AccessDenied"),
     InvalidTransition("ready", "generating"),
     InvalidCommand("book_id: unknown book 'b9'"),
+    BookBusy("b9", 1.0),  # a JSON backend rebuilt it as its base, a StoreUnavailable 'at :' (review)
 ]
 
 

@@ -17,7 +17,7 @@ import psycopg
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.gate_reads import GateReads, pair_columns, rows_of_pairs
 from animastor_tasks.adapters.postgres.locks import lock_book
-from animastor_tasks.adapters.postgres.pool import BOOK_BUSY_WAIT_MS, LOCK_WAIT_MS, bound_lock_waits
+from animastor_tasks.adapters.postgres.pool import BOOK_BUSY_WAIT_MS, LANE_HOLDERS, LOCK_WAIT_MS, bound_lock_waits
 from animastor_tasks.adapters.postgres.released import release_targets, released_pending
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.capacity import CapacityCounts, Waiter
@@ -28,7 +28,7 @@ from animastor_tasks.domain.vocabulary import (
     AssetState,
     transition,
 )
-from animastor_tasks.errors import BookBusy
+from animastor_tasks.errors import BookBusy, StoreUnavailable
 from animastor_tasks.ports import Claim, GateRows, GeneratingRow
 
 _PAIRS_CTE = "WITH p(chapter_id, scene_id, stage) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))"
@@ -163,6 +163,10 @@ class AssetStore(GateReads):
                 rows = conn.execute(counted, {"stages": stages, "books": [book, *others]}).fetchall()
             except psycopg.errors.LockNotAvailable as err:
                 raise BookBusy(book, BOOK_BUSY_WAIT_MS / 1000) from err
+            except psycopg.errors.QueryCanceled as err:  # the lanes' wait: said so (the error's words name no lock)
+                queues = ", ".join(sorted(set(lanes.values())))
+                held = f"the locks of lane(s) {queues} held past {LOCK_WAIT_MS / 1000:g}s"
+                raise StoreUnavailable("postgres", self.db.url, f"{err} ({held} by {LANE_HOLDERS})") from err
             running: dict[str, list[Pair]] = {}
             for stage, owner, chapter, scene, _ in rows:
                 if owner is not None:

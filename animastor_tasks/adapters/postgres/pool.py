@@ -39,6 +39,14 @@ LOCK_WAIT_MS = 10_000
 #: How long a claim or a gate pass's write waits for its book's lock before the book counts as busy (`BookBusy`): a
 #: claim or a commit holds it milliseconds, a whole-book import, regenerate or Stop All seconds.
 BOOK_BUSY_WAIT_MS = 1_000
+#: Who may hold the lock a wait gave up on, as a lock wait's error says (read as an outage, an operator looked for one).
+BOOK_HOLDERS = (
+    "another transaction: an import, a regenerate or a Stop All of the same book, or a client gone silent"
+    " mid-transaction; try again"
+)
+LANE_HOLDERS = (
+    "another transaction: a claim or a job's end on the lane, or a client gone silent mid-transaction; try again"
+)
 #: PostgreSQL 17 and later: the longest such a transaction lasts at all, its lock waits and a claim's Redis round trip
 #: (5 s at most) included. Past it the server ends the session, and with it the locks a silent client held.
 TRANSACTION_LIMIT_MS = 60_000
@@ -302,10 +310,7 @@ class Database:
             if _is_store_error(err):
                 detail = str(err).strip() or type(err).__name__
                 if isinstance(err, psycopg.errors.LockNotAvailable):  # read as an outage, an operator looked for one
-                    detail += (
-                        " (a lock held past this wait by another transaction: an import, a regenerate or a Stop All"
-                        " of the same book, or a client gone silent mid-transaction; try again)"
-                    )
+                    detail += f" (a lock held past this wait by {BOOK_HOLDERS})"
                 if isinstance(err, PoolTimeout) and self.url in _refusals:
                     detail = f"{detail}; the last attempt to connect: {_refusals[self.url]}"
                 raise StoreUnavailable("postgres", self.url, detail) from err
