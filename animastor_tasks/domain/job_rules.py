@@ -53,10 +53,16 @@ def error_text(err: BaseException) -> str:
     except Exception as broken:  # a plugin's own __str__ that raises
         words = f"(its message could not be read: {type(broken).__name__})"
     text = words if isinstance(err, GeneratorError) else f"{type(err).__name__}: {words}"
-    shown = printable(text[:ERROR_TEXT_LIMIT])[:ERROR_TEXT_LIMIT]  # cut first: escaping 20 MB took seconds
-    if len(text) > ERROR_TEXT_LIMIT:
-        shown = f"{shown[: ERROR_TEXT_LIMIT - 40]}... ({len(text) - ERROR_TEXT_LIMIT + 40} more characters)"
-    return storable(shown)
+    pieces = [printable(ch) for ch in text[:ERROR_TEXT_LIMIT]]  # cut first: escaping 20 MB took seconds
+    if len(text) <= ERROR_TEXT_LIMIT and sum(map(len, pieces)) <= ERROR_TEXT_LIMIT:
+        return storable("".join(pieces))
+    # Cut between escapes, and counted in the error's own characters (an escaped line break is one, not two).
+    room, kept = ERROR_TEXT_LIMIT - 40, 0
+    for piece in pieces:
+        if len(piece) > room:
+            break
+        room, kept = room - len(piece), kept + 1
+    return storable(f"{''.join(pieces[:kept])}... ({len(text) - kept} more characters)")
 
 
 class ErrorKind(StrEnum):

@@ -121,9 +121,9 @@ def _leave_lanes(ports: Ports, book: str, queues: Sequence[str]) -> None:
 
 
 def _wait_behind(ports: Ports, book: str, lane: str) -> None:
-    """A busy book waits for the lane again at its most urgent pending pair's priority, behind the books waiting
-    there now, and is due for the tick. *Why:* kept at the head, each next slot of the lane went to it, and waited
-    for its lock in turn. Unreadable: the book's due pass puts it back on the list."""
+    """A busy book waits for the lane again at its most urgent pending pair's priority, behind the books waiting at
+    that priority now (ahead of less urgent ones), and is due for the tick. *Why:* kept at the head, each next slot of
+    the lane went to it, and waited for its lock in turn. Unreadable: the book's due pass puts it back on the list."""
     stages = [s.name for s in ports.settings.registry.stages if s.queue == lane]
     try:
         if (rank := candidates.most_urgent_rank(ports, book, stages)) is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from animastor_tasks.config import Settings
+from animastor_tasks.domain import job_rules
 from animastor_tasks.domain.job_rules import (
     ErrorKind,
     Verdict,
@@ -195,3 +196,25 @@ def test_a_rate_limit_is_retried_unless_misconfigured_too() -> None:
     assert GeneratorError("429", retryable=False, rate_limited=True).retryable is True
     limited_and_wrong = GeneratorError("429 from a wrong route", misconfigured=True, rate_limited=True)
     assert classify_error(limited_and_wrong) is ErrorKind.MISCONFIGURED and not limited_and_wrong.retryable
+
+
+def test_an_error_text_cut_says_how_many_of_its_own_characters_it_left_out() -> None:
+    """Review: the count was of escaped characters (a '\\n' is two), '2040 more' where 3,360 were left out."""
+    shown = job_rules.error_text(GeneratorError("a\n" * 3000))
+    assert len(shown) <= job_rules.ERROR_TEXT_LIMIT
+    kept = shown[: shown.index("...")]
+    left = int(shown.rsplit("(", 1)[1].split()[0])
+    assert len(kept.replace("\\n", "\n")) + left == 6000, shown[-60:]
+
+
+def test_a_short_error_text_that_grows_past_the_limit_when_escaped_says_it_was_cut() -> None:
+    """Review: 2,500 line breaks became 2,000 escaped ones and no word of the 500 others."""
+    shown = job_rules.error_text(GeneratorError("\n" * 2500))
+    assert len(shown) <= job_rules.ERROR_TEXT_LIMIT
+    assert shown.endswith(f"... ({2500 - shown.count(chr(92) + 'n')} more characters)"), shown[-60:]
+
+
+def test_an_error_text_is_never_cut_inside_an_escape() -> None:
+    shown = job_rules.error_text(GeneratorError("a" + "\x1b" * 3000))
+    kept = shown[: shown.index("...")]
+    assert kept == "a" + "\\x1b" * ((len(kept) - 1) // 4) and (len(kept) - 1) % 4 == 0
