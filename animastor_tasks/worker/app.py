@@ -111,6 +111,7 @@ def refuse_unknown_queues(sender: str, instance: Any, conf: Any, options: dict[s
     refuse_control_beside_gpu(consumed, bare=not named)
     refuse_generators_not_built(consumed)
     refuse_a_database_not_migrated()
+    warn_of_an_evicting_redis([settings.redis_url, *([] if settings.broker_is_amqp else [settings.broker_url])])
     if consumed & set(settings.registry.queues()):
         refuse_an_artifact_store_that_refuses()
 
@@ -170,6 +171,22 @@ def refuse_a_database_not_migrated() -> None:
     if missing:
         sys.stderr.write(f"animastor-tasks: refusing to start: {NOT_MIGRATED} (it lacks {', '.join(missing)})\n")
         raise SystemExit(3)
+
+
+def warn_of_an_evicting_redis(urls: list[str]) -> None:
+    """A Redis that may evict keys (any `maxmemory-policy` but `noeviction`) is named at start. *Why:* an evicted lease
+    took a running job's pair over (its GPU work done again), an evicted message or record lost a job or a slot's
+    hand-over, and the logs blamed a Redis loss; nothing pointed at the policy (Redis memory hunt)."""
+    from animastor_tasks.adapters.redis.connection import eviction_policy
+
+    for url in dict.fromkeys(urls):
+        policy = eviction_policy(url, within=STORE_PROBE_SECONDS)
+        if policy not in (None, "noeviction"):
+            sys.stderr.write(
+                f"animastor-tasks: the Redis at {redact_url(url)} may evict keys (maxmemory-policy {policy}): an "
+                "evicted lease or message costs GPU work done again or a job lost; set maxmemory-policy noeviction "
+                "(docs/deployment.md, 'Redis memory')\n"
+            )
 
 
 def refuse_an_artifact_store_that_refuses() -> None:

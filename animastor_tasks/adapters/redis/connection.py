@@ -21,11 +21,23 @@ from animastor_tasks.errors import ConfigError, StoreUnavailable, redact_url
 
 T = TypeVar("T")
 CLOCK_CHECK_SECONDS = 60.0  # how often a process measures its clock's offset to the server's (`server_time`)
+OUT_OF_MEMORY = "Redis is full: its maxmemory reached with nothing it may evict; see docs/deployment.md, 'Redis memory'"
 CLOCK_JUMP_SECONDS = 1.0  # this host's wall clock moved so much away from its monotonic clock: measured again
 
 
 def _script(name: str) -> str:
     return (resources.files("animastor_tasks.adapters.redis") / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+
+
+def eviction_policy(url: str, *, within: float) -> str | None:
+    """The `maxmemory-policy` of the Redis at `url`; None when it does not say in time (down, or a managed Redis that
+    refuses CONFIG)."""
+    try:
+        client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=within, socket_connect_timeout=within)
+        with client:
+            return client.config_get("maxmemory-policy").get("maxmemory-policy") or None
+    except (redis.RedisError, OSError, ValueError, TypeError):
+        return None
 
 
 class RedisConnection:
@@ -69,7 +81,10 @@ class RedisConnection:
         except redis.RedisError as err:
             if isinstance(err, redis.ConnectionError | redis.TimeoutError):
                 self._unreachable = True
-            raise StoreUnavailable("redis", self.url, str(err) or type(err).__name__) from err
+            detail = str(err) or type(err).__name__
+            if isinstance(err, redis.exceptions.OutOfMemoryError):  # read as a plain outage, an operator looked for one
+                detail += f" ({OUT_OF_MEMORY})"
+            raise StoreUnavailable("redis", self.url, detail) from err
         if self._unreachable:
             self._unreachable = False
             self._clock_checked = float("-inf")  # measured again now: it may never have been
