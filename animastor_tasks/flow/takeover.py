@@ -111,14 +111,18 @@ def let_go_of_silent_nodes(
     return let_go
 
 
-def expire_lapsed(ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
-    """The pairs whose started job stopped renewing its lease go back at once."""
+def expire_lapsed(
+    ports: Ports, generating: Sequence[GeneratingRow], report: dict[str, Any], *, stopped: bool = False
+) -> None:
+    """The pairs whose started job stopped renewing its lease go back at once (`stopped`: see `expire`)."""
     holders = ports.leases.lease_holders([(g.book, *g.pair) for g in generating])
     lapsed = without_retakes(ports, [g for g, holder in zip(generating, holders, strict=True) if holder is None])
     if not lapsed:
         return
     marks = ports.leases.undelivered([g.dispatch_id or "" for g in lapsed])
-    expire(ports, [g for g, mark in zip(lapsed, marks, strict=True) if mark is None or not g.dispatch_id], report)
+    expire(
+        ports, [g for g, mark in zip(lapsed, marks, strict=True) if mark is None or not g.dispatch_id], report, stopped
+    )
 
 
 def take_over_stopped(ports: Ports, book: str, pairs: Sequence[Pair]) -> None:
@@ -129,7 +133,7 @@ def take_over_stopped(ports: Ports, book: str, pairs: Sequence[Pair]) -> None:
     out. Not taken here (a store down): the tick takes them over."""
     try:
         if left := [g for g in ports.assets.generating_pairs(book) if g.pair in pairs]:
-            expire_lapsed(ports, left, {"expired": 0})
+            expire_lapsed(ports, left, {"expired": 0}, stopped=True)
     except StoreUnavailable as err:
         log.warning("[TAKEOVER] book=%r pairs %s of stopped jobs left to the tick: %s", book, list(pairs), err)
 
@@ -158,13 +162,14 @@ def without_retakes(ports: Ports, lapsed: list[GeneratingRow]) -> list[Generatin
     return [g for g in lapsed if id(g) not in waiting]
 
 
-def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) -> None:
+def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any], stopped: bool = False) -> None:
     """`generating -> pending` where the gate still authorizes the pair, else `-> dirty` (compare-and-set on
     the token, so a pair that moved on meanwhile is left alone). The slots so freed are handed on as a finished
     job's are: the books waiting for a full lane waited for their capacity deferral instead (a minute) while a
     dead worker's slot stood free. A pair sent back to `pending` first puts its book on the lane's waiting list
     at its priority (`_wait_again`), so a more urgent one keeps its slot; a forced re-run's keeps it at any
-    priority (its book at the head of its priority)."""
+    priority (its book at the head of its priority). `stopped`: jobs stopped on purpose (`take_over_stopped`), said at
+    INFO: a reader's forced regenerate read as a lost worker to an operator looking through the warnings (HA hunt)."""
     pairs_by_book: dict[str, list[Pair]] = defaultdict(list)
     for g in dead:
         pairs_by_book[g.book].append(g.pair)
@@ -203,13 +208,15 @@ def expire(ports: Ports, dead: Sequence[GeneratingRow], report: dict[str, Any]) 
                     since = 0.0 if g.dispatch_id in reruns else ports.clock()
                     rank = _pending_rank(ports, g.book, g.stage, ranks[(g.book, g.pair)])
                     _wait_again(ports, g.book, registry.get(g.stage).queue, rank, since)
-            log.warning(
-                "[TAKEOVER] book=%r chapter=%r scene=%r stage=%s token=%d lease gone: generating -> %s",
+            log.log(
+                logging.INFO if stopped else logging.WARNING,
+                "[TAKEOVER] book=%r chapter=%r scene=%r stage=%s token=%d %s: generating -> %s",
                 g.book,
                 g.chapter,
                 g.scene,
                 g.stage,
                 g.token,
+                "job stopped" if stopped else "lease gone",
                 target,
             )
     for queue, slots in freed.items():
