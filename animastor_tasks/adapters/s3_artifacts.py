@@ -21,6 +21,7 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as EndpointUnreachable
 
 from animastor_tasks.adapters.artifacts import artifact_name
+from animastor_tasks.domain.book import printable
 from animastor_tasks.errors import ArtifactStoreError
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 # Checksums only where an operation requires one: by default boto3 sends a PUT over https as `aws-chunked` with a
 # trailing checksum, which S3-compatible servers have refused or stored encoded; the upload carries a Content-MD5,
 # which every S3 checks, instead.
+WORDS_LIMIT = 1000  # characters of a server's words an error keeps
 _CONFIG = Config(
     connect_timeout=5,
     read_timeout=60,
@@ -59,7 +61,7 @@ class S3ArtifactStore:
                 try:
                     client = boto3.session.Session().client("s3", config=_CONFIG)
                 except (BotoCoreError, ValueError) as err:
-                    raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}") from err
+                    raise ArtifactStoreError(self.url, _said(err, named=True)) from err
                 client.meta.events.register_first("needs-retry.s3", _retry_only_network_failures)
                 self._client = client
             return self._client
@@ -94,10 +96,10 @@ class S3ArtifactStore:
                     Metadata={"sha256": digest},
                 )
         except ClientError as err:
-            raise ArtifactStoreError(self.url, str(err), unreachable=_cannot_serve_now(err)) from err
+            raise ArtifactStoreError(self.url, _said(err), unreachable=_cannot_serve_now(err)) from err
         except BotoCoreError as err:
             unreachable = isinstance(err, (EndpointUnreachable, HTTPClientError))  # refused, cut off, timed out
-            raise ArtifactStoreError(self.url, f"{type(err).__name__}: {err}", unreachable=unreachable) from err
+            raise ArtifactStoreError(self.url, _said(err, named=True), unreachable=unreachable) from err
         return key
 
     def _holds(self, client: S3Client, key: str, size: int) -> bool:
@@ -111,6 +113,13 @@ class S3ArtifactStore:
 
 
 # What S3 answers when it cannot serve now rather than never (an overloaded or restarting store).
+def _said(err: Exception, *, named: bool = False) -> str:
+    """What the S3 server (or boto3) said, cut and escaped (`printable`). *Why:* its words go into logs and onto the
+    operator's terminal: a line break in an error's Message forged a log line, and one of 20 KB went whole."""
+    text = f"{type(err).__name__}: {err}" if named else str(err)
+    return printable(text[:WORDS_LIMIT]) + ("..." if len(text) > WORDS_LIMIT else "")
+
+
 _NOT_NOW = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"})
 
 
