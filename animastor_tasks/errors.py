@@ -137,6 +137,20 @@ class DeliveryNotStarted(StoreUnavailable):
     of the job ran; its message goes back to the broker for the next delivery (`worker/tasks.py`)."""
 
 
+class JobFailed(AnimastorError):
+    """A GPU job whose scene failed for good (its pair `failed`, its verdict written): its task ends with it, so Flower
+    and the result store show the job FAILURE, not SUCCESS. Expected (`throws`): logged at INFO, without a traceback
+    (the job's own `[GENERATE] ... failed` line is the ERROR)."""
+
+    def __init__(self, job: str, error: str) -> None:
+        super().__init__(job, error)
+        self.job = job
+        self.error = error
+
+    def __str__(self) -> str:
+        return f"{self.job} failed: {self.error}"
+
+
 class ArtifactStoreError(AnimastorError):
     """The artifact store refused an upload or cannot be reached (wrong credentials, a missing bucket, a full
     disk, the endpoint down): no verdict on the scene, so the pair goes back and the queue's breaker counts it.

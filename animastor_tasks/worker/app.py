@@ -18,7 +18,7 @@ from animastor_tasks.adapters.redis import counters
 from animastor_tasks.config import Settings
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, redact_url
-from animastor_tasks.worker import chain, flower_settings, lost, tracing, warm
+from animastor_tasks.worker import chain, flower_events, flower_settings, lost, tracing, warm
 from animastor_tasks.worker.logs import LogSetup
 from animastor_tasks.worker.presence import PresenceStep, StartingPresenceStep
 from animastor_tasks.worker.timers import DropCancelledTimersStep
@@ -51,7 +51,7 @@ signals.worker_process_shutdown.connect(counters.flush_all)
 signals.worker_shutdown.connect(counters.flush_all)
 # Jobs a process runs for its own freed slot (worker/chain.py): announced when the worker announces tasks, none
 # started once it shuts down (`shutting_down`).
-signals.worker_init.connect(chain.remember_task_events)
+signals.worker_init.connect(flower_events.remember_task_events)
 
 
 @signals.worker_init.connect

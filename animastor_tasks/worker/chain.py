@@ -34,7 +34,6 @@ import dataclasses
 import logging
 import math
 import mmap
-import os
 import threading
 import time
 import traceback
@@ -42,35 +41,27 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from enum import Enum
 from functools import partial
-from queue import SimpleQueue
 from typing import Any
 
 from celery import Celery, Task
 
+from animastor_tasks.domain.vocabulary import JobOutcome
+from animastor_tasks.errors import JobFailed
 from animastor_tasks.flow.job import Job, Later
 from animastor_tasks.ports import Counters, Ports, Publisher
+from animastor_tasks.worker import flower_events as events
 from animastor_tasks.worker import logs, time_limit, tracing
 
 log = logging.getLogger("animastor.generate")
 
 RunJob = Callable[[Ports, Job, Callable[[float], None], Later], dict[str, Any]]
-PROGRESS_EVERY = 0.5  # seconds between a job's progress reports to Flower
 PAUSE_POLL = 0.5  # seconds between looks at the shutdown flag while a process pauses (`Aftermath.pause`)
 PAUSE_MARGIN = 5.0  # a pause ends this long before its task's soft time limit at the latest
-
-
-class _Events:
-    on = False  # the worker sends task events (`-E`); set in the worker before its children fork
 
 
 # One shared byte, mapped before the pool forks: the worker sets it when it starts shutting down, and
 # the children running its tasks see it at once (a prefork child hears of a warm shutdown no other way).
 _shutting_down = mmap.mmap(-1, 1)
-
-
-def remember_task_events(sender: Any = None, **_: Any) -> None:
-    """`worker_init`: whether this worker announces its tasks, so kept jobs are announced alike."""
-    _Events.on = bool(getattr(sender, "task_events", False))
 
 
 def stop_keeping() -> None:
@@ -133,7 +124,7 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
     try:
         began = time.monotonic()
         try:
-            result = run(_job_ports(ports, keeper, aftermath), first, progress_reporter(task, first), aftermath)
+            result = run(_job_ports(ports, keeper, aftermath), first, events.progress_reporter(task, first), aftermath)
         except BaseException:
             _quietly_publish(ports.publisher, keeper.task_name, queue, keeper.kept)
             raise
@@ -148,10 +139,10 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
                 break
             fields = dataclasses.asdict(job)
             # Held back, they run in another thread, where Celery's request (and the worker's name) is not set.
-            worker = _worker_name(task)
+            worker = events.worker_name(task)
             aftermath(
                 partial(
-                    _announce,
+                    events.announce,
                     task,
                     "task-received",
                     job.dispatch_id,
@@ -162,7 +153,7 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
                     retries=0,
                 )
             )
-            aftermath(partial(_announce, task, "task-started", job.dispatch_id, hostname=worker))  # with its pid
+            aftermath(partial(events.announce, task, "task-started", job.dispatch_id, hostname=worker))  # with its pid
             # Held back until the job has passed its start check, with its predecessor's bookkeeping.
             keeper = aftermath.keeper = KeepingPublisher(ports.publisher, task.app, queue, deadline)
             aftermath.started = False
@@ -176,7 +167,14 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
                 break
     finally:
         aftermath.finish()
+    if result.get("outcome") == JobOutcome.FAILED:  # its verdict is written: Celery marks the task failed
+        raise failure(first, result)
     return result
+
+
+def failure(job: Job, outcome: dict[str, Any]) -> JobFailed:
+    """What a job whose scene failed ends with. *Why:* Flower and the result store showed it SUCCESS."""
+    return JobFailed(f"{job.book_id}/{job.chapter_id}/{job.scene_id} {job.stage}", str(outcome.get("error")))
 
 
 def _job_ports(ports: Ports, keeper: KeepingPublisher, aftermath: Aftermath) -> Ports:
@@ -266,16 +264,21 @@ def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: Ru
     started = time.monotonic()
     try:
         with tracing.span(f"run/{name}", trace, **{"celery.task_name": name, "messaging.message.id": job.dispatch_id}):
-            outcome = run(ports, job, progress_reporter(task, job), later)
+            outcome = run(ports, job, events.progress_reporter(task, job), later)
     except Exception as err:
         if not later.started:
             log.warning("[GENERATE] %s could not start in its predecessor's task (%s); published", job.describe(), err)
             return False
         log.exception("[GENERATE] %s raised in its predecessor's task", job.describe())
-        _announce(task, "task-failed", job.dispatch_id, exception=repr(err), traceback=traceback.format_exc())
+        events.announce(task, "task-failed", job.dispatch_id, exception=repr(err), traceback=traceback.format_exc())
         _record(task.backend.mark_as_failure, job.dispatch_id, err)
         return False
-    _succeeded(task, job, outcome, time.monotonic() - started, later)
+    if outcome.get("outcome") == JobOutcome.FAILED:
+        failed = failure(job, outcome)
+        later(partial(events.announce, task, "task-failed", job.dispatch_id, exception=repr(failed), traceback=""))
+        later(partial(_record, task.backend.mark_as_failure, job.dispatch_id, failed))
+    else:
+        _succeeded(task, job, outcome, time.monotonic() - started, later)
     _record(ports.counters.add, {f"job:kept:{job.stage}": 1})  # animastor_jobs_total{event="kept"}; held, as the rest
     return True
 
@@ -285,96 +288,9 @@ def _succeeded(task: Task, job: Job, outcome: dict[str, Any], runtime: float, la
     # Shown as a delivered job's result is (its values as JSON carried them): a search of Flower for `'outcome':
     # 'ready'` missed the kept jobs, shown `<JobOutcome.READY: 'ready'>`.
     shown = {key: value.value if isinstance(value, Enum) else value for key, value in outcome.items()}
-    succeeded = {"result": repr(shown), "runtime": runtime, "hostname": _worker_name(task)}
-    later(partial(_announce, task, "task-succeeded", job.dispatch_id, **succeeded))
+    succeeded = {"result": repr(shown), "runtime": runtime, "hostname": events.worker_name(task)}
+    later(partial(events.announce, task, "task-succeeded", job.dispatch_id, **succeeded))
     later(partial(_record, task.backend.mark_as_done, job.dispatch_id, outcome))
-
-
-def progress_reporter(task: Task, job: Job) -> Callable[[float], None]:
-    """Progress for Flower under the job's own id: its result's PROGRESS state and a `task-progress`
-    event, at most every `PROGRESS_EVERY` seconds from the job's start. A job done sooner reports none: its
-    result follows at once, and a report of 100% was a result write and an event more per job (a tenth of
-    a worker's CPU per job of near-instant work). Sent by the process's progress thread (`_Sender`), never by
-    the generator's: a report due while the one before is still on its way is left out."""
-    last = [time.monotonic()]
-    sending = threading.Event()
-    failed: list[str] = []
-
-    def send(hostname: str, meta: dict[str, Any]) -> None:
-        try:
-            task.update_state(task_id=job.dispatch_id, state="PROGRESS", meta=meta)
-            _send_event(task, "task-progress", hostname=hostname, uuid=job.dispatch_id, **meta)
-        except Exception as err:  # an event or a state lost costs only Flower's view; said once a job
-            if not failed:
-                failed.append(repr(err))
-                log.warning("[GENERATE] %s progress not reported: %s: %s", job.describe(), type(err).__name__, err)
-        finally:
-            sending.clear()
-
-    def report(fraction: float) -> None:
-        now = time.monotonic()
-        if now - last[0] >= PROGRESS_EVERY and not sending.is_set():
-            last[0] = now
-            meta: dict[str, Any] = {
-                "book_id": job.book_id,
-                "chapter_id": job.chapter_id,
-                "scene_id": job.scene_id,
-                "stage": job.stage,
-                "percent": round(fraction * 100, 1),
-            }
-            sending.set()
-            _Sender.send(partial(send, _worker_name(task), meta))  # the name read here: a request is per thread
-
-    return report
-
-
-class _Sender:
-    """The process's one thread sending progress reports, in turn. *Why:* sent from the generator's thread, each
-    report waited on a broker or result store out of reach (3 s each for a GPU host cut off from the broker), and a
-    job of 12 s with 40 reports took 49 s; its GPU work stood still, though progress is for Flower alone."""
-
-    pid = -1
-    queue: SimpleQueue[Callable[[], None]] = SimpleQueue()
-
-    @classmethod
-    def send(cls, step: Callable[[], None]) -> None:
-        if cls.pid != os.getpid():  # a forked pool child has no thread of its parent's
-            cls.pid, cls.queue = os.getpid(), SimpleQueue()
-            threading.Thread(target=cls._run, args=(cls.queue,), name="progress", daemon=True).start()
-        cls.queue.put(step)
-
-    @staticmethod
-    def _run(steps: SimpleQueue[Callable[[], None]]) -> None:
-        while True:
-            steps.get()()
-
-
-def _announce(task: Task, kind: str, dispatch_id: str, **fields: Any) -> None:
-    if not _Events.on:
-        return
-    try:
-        _send_event(task, kind, uuid=dispatch_id, **fields)
-    except Exception as err:  # an event lost costs only Flower's view
-        log.debug("[GENERATE] %s event for %s not sent: %s", kind, dispatch_id, err)
-
-
-_dispatchers: dict[str, Any] = {}  # this process's event dispatcher per worker hostname
-
-
-def _worker_name(task: Task) -> str:
-    return task.request.hostname or "unknown"
-
-
-def _send_event(task: Task, kind: str, *, hostname: str | None = None, **fields: Any) -> None:
-    """An event under the worker's name (`hostname`, else the running request's), through a pooled producer
-    (as the publisher sends `task-sent`): `default_dispatcher` opens a channel per event, and on Redis a
-    channel is a connection of its own, so every progress report cost a connect and a close."""
-    hostname = hostname or _worker_name(task)
-    dispatcher = _dispatchers.get(hostname)
-    if dispatcher is None:
-        dispatcher = _dispatchers.setdefault(hostname, task.app.events.Dispatcher(hostname=hostname, enabled=False))
-    with task.app.producer_or_acquire() as producer:
-        dispatcher.publish(kind, fields, producer, retry=False)
 
 
 def _record(store: Callable[..., Any], *args: Any) -> None:

@@ -41,7 +41,7 @@ from celery.exceptions import Reject
 from animastor_tasks.domain.book import show_value, validate_id
 from animastor_tasks.domain.liveness import delivery_holder
 from animastor_tasks.domain.registry import CONTROL_QUEUE, MOST, StageSpec
-from animastor_tasks.errors import DeliveryNotStarted, InvalidCommand
+from animastor_tasks.errors import DeliveryNotStarted, InvalidCommand, JobFailed
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, lanes, refill, validate
 from animastor_tasks.flow import reconcile as reconcile_flow
@@ -219,6 +219,7 @@ def _register_generate(spec: StageSpec) -> None:
         acks_late=True,
         reject_on_worker_lost=True,
         Request=GenerateRequest,  # a job whose pool process dies is let go at once (worker/lost.py)
+        throws=(JobFailed,),  # a scene failed for good: FAILURE for Flower, at INFO (its job's line is the ERROR)
         soft_time_limit=settings.job_soft_time_limit,
         time_limit=settings.job_time_limit,
     )

@@ -19,12 +19,12 @@ from celery.contrib.testing.worker import start_worker
 
 from animastor_tasks.domain.registry import CONTROL_QUEUE
 from animastor_tasks.domain.vocabulary import JobOutcome
-from animastor_tasks.errors import StoreUnavailable
+from animastor_tasks.errors import JobFailed, StoreUnavailable
 from animastor_tasks.flow import refill
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.job import Job
 from animastor_tasks.ports import Committed, GateRows
-from animastor_tasks.worker import chain, logs, wiring
+from animastor_tasks.worker import chain, flower_events, logs, wiring
 from tests.support import wait_for
 
 from .helpers import advertise, fake_artifact, make_book, states
@@ -201,7 +201,7 @@ def test_a_kept_job_is_announced_once_it_has_passed_its_start_check_not_before(r
     lane(rt, lane_limit=1, book_quota=1, window=1)
     kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
     sent: list[tuple[str, str]] = []
-    monkeypatch.setattr(chain, "_announce", lambda task, kind, dispatch_id, **_: sent.append((kind, dispatch_id)))
+    monkeypatch.setattr(flower_events, "announce", lambda task, kind, uuid, **_: sent.append((kind, uuid)))
     before_start: list[tuple[str, str]] = []
 
     def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
@@ -228,7 +228,7 @@ def test_the_delivered_job_of_a_chain_is_succeeded_once_its_kept_successor_start
     first = Job("b", "ch1", "s1", "audio", "d1" * 16, 3)
     kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
     sent: list[tuple[str, str]] = []
-    monkeypatch.setattr(chain, "_announce", lambda task, kind, dispatch_id, **_: sent.append((kind, dispatch_id)))
+    monkeypatch.setattr(flower_events, "announce", lambda task, kind, uuid, **_: sent.append((kind, uuid)))
     seen: dict[str, Any] = {}
 
     def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
@@ -244,6 +244,42 @@ def test_the_delivered_job_of_a_chain_is_succeeded_once_its_kept_successor_start
     assert chain.run_chain(task, rt.ports, AUDIO, first, run) == {"outcome": "ready", "scene": "s1"}
     assert seen["state"] == "SUCCESS" and ("task-succeeded", first.dispatch_id) in seen["events"]
     assert app.AsyncResult(first.dispatch_id).result == {"outcome": "ready", "scene": "s1"}
+
+
+def test_a_job_whose_scene_failed_is_a_failed_task_delivered_or_kept(rt, monkeypatch) -> None:
+    """Flower and the result store showed a job that failed its scene for good SUCCESS (left out last session): its
+    task now fails with `JobFailed`, expected (`throws`), after its verdict; a kept one is recorded failed too."""
+    from animastor_tasks.worker.tasks import app
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    first = Job("b", "ch1", "s1", "audio", "d1" * 16, 3)
+    kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
+    sent: list[tuple[str, str]] = []
+    monkeypatch.setattr(flower_events, "announce", lambda task, kind, uuid, **_: sent.append((kind, uuid)))
+
+    def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
+        if job == kept:
+            later.job_started()
+            return {"outcome": JobOutcome.FAILED, "error": "a scene no voice can read"}
+        ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
+        return {"outcome": JobOutcome.READY}
+
+    task = app.tasks["animastor.generate.audio"]
+    assert chain.run_chain(task, rt.ports, AUDIO, first, run) == {"outcome": JobOutcome.READY}
+    assert ("task-failed", kept.dispatch_id) in sent and ("task-succeeded", kept.dispatch_id) not in sent
+    failed = app.AsyncResult(kept.dispatch_id)
+    assert failed.state == "FAILURE" and isinstance(failed.result, JobFailed), failed.result
+    assert str(failed.result) == "b/ch1/s2 audio failed: a scene no voice can read"
+
+    alone = Job("b", "ch1", "s3", "audio", "d3" * 16, 9)
+    with pytest.raises(JobFailed, match="b/ch1/s3 audio failed: a scene no voice can read"):
+        chain.run_chain(task, rt.ports, AUDIO, alone, lambda *_: run(rt.ports, kept, None, _Started()))
+    assert JobFailed in task.throws  # logged at INFO without a traceback: the job's own line is the ERROR
+
+
+class _Started:
+    def job_started(self) -> None:
+        pass
 
 
 def test_a_kept_jobs_log_lines_carry_its_own_ids(rt, monkeypatch) -> None:
@@ -301,8 +337,8 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
     from animastor_tasks.worker.tasks import app
 
     lane(rt, lane_limit=1, book_quota=1, window=1)
-    monkeypatch.setattr(chain._Events, "on", True)
-    monkeypatch.setattr(chain, "PROGRESS_EVERY", 0.0)  # its one report is due at once
+    monkeypatch.setattr(flower_events.Events, "on", True)
+    monkeypatch.setattr(flower_events, "PROGRESS_EVERY", 0.0)  # its one report is due at once
     kept = Job("b", "ch1", "s2", "audio", "d2" * 16, 7)
     heard: list[dict[str, Any]] = []
     with app.connection_for_read() as connection:
@@ -312,7 +348,7 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
         task = app.tasks["animastor.generate.audio"]
 
         def listening_now() -> bool:  # the event exchange keeps nothing: probe until the receiver hears
-            chain._send_event(task, "animastor-probe", uuid="probe")
+            flower_events.send_event(task, "animastor-probe", uuid="probe")
             return any(e["type"] == "animastor-probe" for e in heard)
 
         def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:

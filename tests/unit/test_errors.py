@@ -13,6 +13,7 @@ from animastor_tasks.errors import (
     BookBusy,
     InvalidCommand,
     InvalidTransition,
+    JobFailed,
     StoreUnavailable,
 )
 
@@ -22,6 +23,7 @@ ERRORS = [
     InvalidTransition("ready", "generating"),
     InvalidCommand("book_id: unknown book 'b9'"),
     BookBusy("b9", 1.0),  # a JSON backend rebuilt it as its base, a StoreUnavailable 'at :' (review)
+    JobFailed("b9/ch1/s1 audio", "a scene no voice can read"),
 ]
 
 
