@@ -18,9 +18,24 @@ import redis
 from kombu import Connection
 from kombu.transport import redis as kombu_redis
 
+WRITE_PROBE = "_animastor.write_probe"  # written as a channel opens (kombu prefixes it as its own keys)
+
 
 class Channel(kombu_redis.Channel):
     _shared_client: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """A channel opens only on a Redis that takes writes: one that is full refuses it as a connection error, which
+        Celery retries with its backoff. *Why:* kombu's PING passes on a full Redis, the consumer's first write was
+        refused, and Celery restarted it at once, about 12 Redis connections a second left open (review)."""
+        super().__init__(*args, **kwargs)
+        try:
+            self.client.set(WRITE_PROBE, "1", ex=60)
+        except redis.exceptions.OutOfMemoryError:
+            self.close()
+            raise
+        except redis.exceptions.ResponseError:  # refused for another reason (an ACL): proves nothing of memory
+            pass
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:

@@ -34,13 +34,17 @@ def test_workers_ride_out_a_full_redis(make_stack, redis_down_ok, figure, scale)
     full = time.monotonic()
     try:
         time.sleep(scale.pick(5.0, 15.0))  # past the running job's end: its ack is refused
+        clients = int(admin.info("clients")["connected_clients"])
         late = cluster.gpu("audio", wait=False)  # a worker started while Redis is full
-        time.sleep(2.0)
+        time.sleep(5.0)
         dead = [p for p in [*procs, late] if not p.alive()]
+        # It waits with Celery's backoff: restarted at once, it left about 12 connections a second open (review).
+        opened = int(admin.info("clients")["connected_clients"]) - clients
     finally:
         admin.config_set("maxmemory", 0)
     outage = time.monotonic() - full
     assert dead == [], "\n".join(f"{p.name} exited while Redis was full:\n{p.tail()}" for p in dead)
+    assert opened <= 8 and "Frequent restarts" not in late.log(), (opened, late.tail())
 
     sent = time.monotonic()
     stack.wait_commands(book.book_id, ["audio"], "completed", timeout=60)
