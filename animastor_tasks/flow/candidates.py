@@ -129,5 +129,6 @@ def _rounds(
             slots -= sum(1 for i in rows.in_flight if i.pair in taken and lane_of[i.stage] == slots_of)
             if slots <= 0:  # the freed slots are filled: the lane's others are those of jobs ending elsewhere
                 return read, False
-    ports.book_state.set_due(book, ports.clock())  # the lanes took all it read, and more is pending: the tick's pass
+    report.unread = True  # the lanes took all it read (claimed, or done already), and more is pending
+    ports.book_state.set_due(book, ports.clock())
     return read, False

@@ -39,6 +39,7 @@ class PassReport:
     claimed_stages: set[str] = field(default_factory=set)  # stages a claim of a refill's took pairs of
     error: str | None = None
     authorized_count: int = 0
+    unread: bool = False  # a refill's reads ran out, the lanes taking all they read: more is pending beyond
 
 
 def pass_rows(

@@ -96,7 +96,20 @@ def _refill(ports: Ports, book: str, lane: str | None, slots_of: str | None, slo
         gate.pass_on_slot(ports, book, slots_of, 1)
     if handed is not None and not any(ports.settings.registry.get(s).queue == handed for s in report.claimed_stages):
         _hand_over_done(ports, book, handed, began)  # a claim of the lane's pairs took the record away already
+    if report.unread:
+        _pass_now(ports, book)
     return report
+
+
+def _pass_now(ports: Ports, book: str) -> None:
+    """A refill whose reads ran out with the lanes taking all they read asks for the book's pass at once, which reads
+    every pending pair. *Why:* a book whose first pending pairs were hundreds done already (a regenerate without force
+    of a book mostly ready) waited for the tick's pass, every slot of its lanes idle meanwhile. Not sent: the book is
+    due, and the tick passes it."""
+    try:
+        ports.publisher.enqueue_gates([book])
+    except StoreUnavailable as err:
+        log.warning("[COMMAND-GATE] book=%r pass not sent, left to the tick: %s", book, err)
 
 
 def _hand_over_done(ports: Ports, book: str, lane: str, began: float) -> None:

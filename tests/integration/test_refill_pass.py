@@ -346,3 +346,15 @@ def test_a_freed_slot_that_looks_past_pairs_done_already_still_claims_only_its_o
         conn.execute("UPDATE asset_states SET state = 'ready' WHERE book_id = 'b' AND scene_id IN ('s3', 's4')")
     finish_one(rt, "b")
     assert [p[1] for p, s in states(rt, "b").items() if s == "generating"] == ["s2", "s5"]
+
+
+def test_a_freed_slot_past_more_pairs_done_already_than_a_refill_reads_gets_the_books_pass_at_once(rt) -> None:
+    """Its rounds ran out (8 reads of 16, all done already) with the lanes free: the book waited for the tick's pass,
+    every slot idle meanwhile (non-forced regenerate hunt: 3.5 s of a big book's first pass, up to a tick)."""
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=320))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # s1 and s2 run
+    _already_current(rt, "b", range(3, 301))  # more than a refill reads: 8 reads of 16, twice
+    finish_one(rt, "b")  # its refill, then the control work it sent
+    assert running(rt, "b") == {"b": 2}
+    assert states(rt, "b")[("ch1", "s301", "audio")] == "generating"
