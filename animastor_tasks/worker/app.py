@@ -156,6 +156,7 @@ def refuse_generators_not_built(queues: set[str]) -> None:
         raise SystemExit(2)
 
 
+EVICTION_PROBE_SECONDS = 2.0  # a warning's check: a Redis that does not answer in time delays a start no longer
 STORE_PROBE_SECONDS = 10.0  # a store's refusal comes in well under it; past it, the store is taken as down for now
 
 
@@ -180,7 +181,7 @@ def warn_of_an_evicting_redis(urls: list[str]) -> None:
     from animastor_tasks.adapters.redis.connection import eviction_policy
 
     for url in dict.fromkeys(urls):
-        policy = eviction_policy(url, within=STORE_PROBE_SECONDS)
+        policy = eviction_policy(url, within=EVICTION_PROBE_SECONDS)
         if policy not in (None, "noeviction"):
             sys.stderr.write(
                 f"animastor-tasks: the Redis at {redact_url(url)} may evict keys (maxmemory-policy {policy}): an "
