@@ -97,6 +97,10 @@ logging.getLogger("psycopg").addFilter(_not_an_aborted_pipeline)
 _SCHEMA_BEHIND = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)
 
 
+READ_ONLY = (
+    "the server answers but takes no writes: a standby, a primary being demoted, or default_transaction_read_only;"
+    " the URL must name the primary"
+)
 NOT_MIGRATED = "the database is not migrated to this release; run `animastor-tasks db migrate`"
 
 #: Why the last attempt to connect to each URL failed, until one succeeds.
@@ -302,7 +306,10 @@ class Database:
                     conn.autocommit = autocommit
                 yield conn
         except psycopg.Error as err:
-            if held is not None and held.broken and not isinstance(err, _SESSION_OWN_ENDS):
+            read_only = isinstance(err, psycopg.errors.ReadOnlySqlTransaction)
+            if held is not None and (held.broken or read_only) and not isinstance(err, _SESSION_OWN_ENDS):
+                # A read-only session stays one (opened on a standby, or while the database was set read-only): kept,
+                # every write on it failed after the primary took writes again, a finished job's result given up.
                 self._drop_idle()
             if isinstance(err, _SCHEMA_BEHIND) and self._schema_behind():
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -311,6 +318,8 @@ class Database:
                 detail = str(err).strip() or type(err).__name__
                 if isinstance(err, psycopg.errors.LockNotAvailable):  # read as an outage, an operator looked for one
                     detail += f" (a lock held past this wait by {BOOK_HOLDERS})"
+                if read_only:  # read as an outage, an operator looked for a server down
+                    detail += f" ({READ_ONLY})"
                 if isinstance(err, PoolTimeout) and self.url in _refusals:
                     detail = f"{detail}; the last attempt to connect: {_refusals[self.url]}"
                 raise StoreUnavailable("postgres", self.url, detail) from err
