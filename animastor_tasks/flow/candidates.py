@@ -130,5 +130,4 @@ def _rounds(
             if slots <= 0:  # the freed slots are filled: the lane's others are those of jobs ending elsewhere
                 return read, False
     report.unread = True  # the lanes took all it read (claimed, or done already), and more is pending
-    ports.book_state.set_due(book, ports.clock())
     return read, False
