@@ -172,8 +172,8 @@ def _still_deferred(ports: Ports, snap: Snapshot, handed_lane: str | None) -> se
 def _settle_idempotent(
     ports: Ports, book: str, todo: list[InFlight], force: set[Pair], result: DispatchResult, now: float
 ) -> list[InFlight]:
-    """Already completed (same inputs, not forced) or already leased pairs are not dispatched."""
-    # Unknown inputs (no hash on record: a stage the scene's import did not know) prove nothing: such a pair runs.
+    """Already completed (same inputs, not forced) or already leased pairs are not dispatched. Unknown inputs (no hash
+    on record: a stage the scene's import did not know) prove nothing: such a pair runs."""
     done = [
         i.pair
         for i in todo
@@ -291,14 +291,14 @@ def _claim_and_publish(
                 spec.queue: spec.lane_limit - session.counts.lane.get(s, 0) - taken[s] for s, spec in specs.items()
             }
     except Exception:
-        # The claim did not commit (Postgres refused the COMMIT, or the lease write failed after Redis took it):
-        # a lease written for it would hold its pair for a queued lease's whole TTL, every pass skipping the pair
-        # as claimed by a concurrent pass.
+        # The claim did not commit (Postgres refused the COMMIT, or the lease write failed after Redis took it): a
+        # lease written for it would hold its pair a queued lease's whole TTL, every pass skipping it as claimed.
         publish.drop_leases(ports, book, claims)
         if noted is not None:
             lanes.hand_over_again(ports, book, noted[0], now, noted[1])
         raise
-    result.claimed_lanes.update(queue_of.values())
+    # Only the lanes the choice weighed (*why:* a refill whose lane's one pair a concurrent claim took read no further)
+    result.claimed_lanes.update(queue_of[stage] for (_, _, stage), _ in unclaimed)
     result.claimed_stages.update(c.stage for c in claims)
     result.gone.update(c.pair for c in claims)
     for outcome, pairs in choice.refused.items():

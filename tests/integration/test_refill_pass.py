@@ -20,7 +20,7 @@ from animastor_tasks.flow.page import PassReport
 from animastor_tasks.ports import GateRows
 from animastor_tasks.worker.wiring import Wiring
 
-from .helpers import advertise, make_book, states, use_settings
+from .helpers import advertise, fake_artifact, make_book, states, use_settings
 from .test_elastic_share import finish_one, lane, run_control, running, waiting
 from .test_generate import dispatched_jobs
 
@@ -358,3 +358,43 @@ def test_a_freed_slot_past_more_pairs_done_already_than_a_refill_reads_gets_the_
     finish_one(rt, "b")  # its refill, then the control work it sent
     assert running(rt, "b") == {"b": 2}
     assert states(rt, "b")[("ch1", "s301", "audio")] == "generating"
+
+
+class _ThenAnotherRefill:
+    """The real asset store; the first candidate read it answers is followed by another process's whole refill, before
+    the reader goes on to its claim (two jobs of the lane ending milliseconds apart)."""
+
+    def __init__(self, inner: Any, other: Any) -> None:
+        self.inner, self.other = inner, other
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def gate_candidates(self, book: str, stages: Any, limit: int) -> GateRows | None:
+        found: GateRows | None = self.inner.gate_candidates(book, stages, limit)
+        other, self.other = self.other, None
+        if other is not None:
+            other()
+        return found
+
+
+def test_a_freed_slot_whose_one_pair_of_its_lane_another_refill_took_meanwhile_reads_its_lane_on(rt) -> None:
+    """Its read held 15 image pairs (the older command, their lane full) and one audio pair, which the other job's
+    refill claimed meanwhile: the claim counted the audio lane as claimed though no audio pair was left in it, the
+    refill read no further, and the audio slot idled with audio work pending (non-forced regenerate hunt, 1.8 s)."""
+    two_lanes(rt, lane_limit=2, book_quota=64, window=64)
+    rt.catalog.import_book(make_book("two", chapters=1, scenes=40))
+    regenerate_flow.regenerate(rt.ports, "two", ["image"], [["ch1", f"s{n}"] for n in range(1, 18)])  # 15 wait
+    time.sleep(0.01)  # the audio command is the younger: those image pairs come first in slot order
+    regenerate_flow.regenerate(rt.ports, "two", ["audio"])
+    first, second = [job for job in dispatched_jobs(rt, "two") if job.stage == "audio"]
+    left = [rt.ports.jobs.commit_job(*job.owned, fake_artifact("two"), "gpu.audio") for job in (first, second)]
+    assert None not in left
+
+    def first_ends() -> None:
+        refill.free_slot(rt.ports, "two", "gpu.audio", first.dispatch_id, left=left[0], here=True)  # type: ignore[arg-type]
+
+    rt.ports = replace(rt.ports, assets=_ThenAnotherRefill(rt.ports.assets, first_ends))
+    refill.free_slot(rt.ports, "two", "gpu.audio", second.dispatch_id, left=left[1], here=True)  # type: ignore[arg-type]
+    run_control(rt)
+    assert running_by_stage(rt, "two") == {"image": 2, "audio": 2}
