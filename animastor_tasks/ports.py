@@ -174,6 +174,7 @@ class BookState(Protocol):
     def book_snapshots(self, books: Sequence[str], now: float, queues: Sequence[str] = ()) -> dict[str, Snapshot]: ...
     def pair_snapshot(self, book: str, pairs: Sequence[Pair], now: float, queues: Sequence[str]) -> Snapshot: ...
     def set_due(self, book: str, when: float) -> None: ...  # an earlier entry stands
+    def ask_pass(self, book: str, seconds: float) -> bool: ...  # none asked in the last `seconds`: this one is
     def set_due_all(self, books: Sequence[str], when: float) -> None: ...  # `set_due` of each, one round trip
     def clear_due(self, book: str, seen: float) -> None: ...  # only while the entry is still `seen`
     def take_due(self, now: float) -> DuePasses: ...  # and the lapsed holds, in one step

@@ -134,6 +134,10 @@ class Keyspace:
             raise ValueError(f"unknown deferral bucket {bucket!r}")
         return SEP.join((self.prefix, "defer", encode(book), bucket))
 
+    def pass_asked(self, book: str) -> str:
+        """A refill sent the book's pass moments ago (`refill._pass_now`): the others of that moment send none."""
+        return self._key("pass-asked", book)
+
     def active_scenes(self, book: str) -> str:
         return self._key("active", book)
 

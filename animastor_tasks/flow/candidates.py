@@ -49,7 +49,8 @@ def dispatch_candidates(
     read, complete = _rounds(ports, report, book, specs, handed, (slots_of, slots), judged)
     if read is None:
         return None
-    unserved = lane is None and slots_of is not None and slots_of not in report.claimed_lanes
+    # *Why weighed, not counted:* a read whose one pair of the lane a concurrent claim took meanwhile read no further.
+    unserved = lane is None and slots_of is not None and slots_of not in report.weighed_lanes
     if unserved and not complete and not report.denied:
         # The freed lane's pairs were behind the book's others (an older command of another stage, its lane
         # full) and none came to a claim: the slot would idle while they wait. Its own pairs are read next.
@@ -99,6 +100,7 @@ def _rounds(
         report.outcomes.update(result.outcomes)
         report.dispatched.extend(result.dispatched)
         report.claimed_lanes |= result.claimed_lanes
+        report.weighed_lanes |= result.weighed_lanes
         report.held_lanes |= result.held_lanes
         report.claimed_stages |= result.claimed_stages
         if result.dispatched:

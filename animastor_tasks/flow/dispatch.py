@@ -34,7 +34,8 @@ class DispatchResult:
     outcomes: Counter[str] = field(default_factory=Counter)
     dispatched: list[str] = field(default_factory=list)
     blocked: dict[str, list[str]] = field(default_factory=dict)
-    claimed_lanes: set[str] = field(default_factory=set)  # queues whose capacity this pass counted
+    claimed_lanes: set[str] = field(default_factory=set)  # queues whose capacity this pass counted (and handed on)
+    weighed_lanes: set[str] = field(default_factory=set)  # of those, the lanes with a pair left to claim under the lock
     claimed_stages: set[str] = field(default_factory=set)  # stages of which this pass claimed a pair
     held_lanes: set[str] = field(default_factory=set)  # the handed lane, while its stage has no worker for now
     gone: set[Pair] = field(default_factory=set)  # pairs no longer pending: claimed, already completed, blocked
@@ -236,9 +237,8 @@ def _claim_and_publish(
         stage: {b: rank for b, rank in snap.waiters.get(queue, {}).items() if b != book}
         for stage, queue in queue_of.items()
     }
-    # Books handed a slot moments ago, their refills on their way (off the list meanwhile): a more urgent one's
-    # slot is not this pass's. *Why:* a bulk pass run before an interactive book's refill took the slot it was
-    # handed, and the reader's scene waited a whole bulk job more.
+    # Books handed a slot moments ago, their refills on their way (off the list meanwhile): a more urgent one's slot is
+    # not this pass's. *Why:* a bulk pass took an interactive book's, and the reader's scene waited a bulk job more.
     handed = {
         stage: {b: rank for b, rank in snap.handed.get(queue, {}).items() if b != book and b not in waiters[stage]}
         for stage, queue in queue_of.items()
@@ -297,8 +297,8 @@ def _claim_and_publish(
         if noted is not None:
             lanes.hand_over_again(ports, book, noted[0], now, noted[1])
         raise
-    # Only the lanes the choice weighed (*why:* a refill whose lane's one pair a concurrent claim took read no further)
-    result.claimed_lanes.update(queue_of[stage] for (_, _, stage), _ in unclaimed)
+    result.claimed_lanes.update(queue_of.values())
+    result.weighed_lanes.update(queue_of[stage] for (_, _, stage), _ in unclaimed)
     result.claimed_stages.update(c.stage for c in claims)
     result.gone.update(c.pair for c in claims)
     for outcome, pairs in choice.refused.items():

@@ -35,6 +35,7 @@ class PassReport:
     outcomes: Counter[str] = field(default_factory=Counter)
     dispatched: list[str] = field(default_factory=list)
     claimed_lanes: set[str] = field(default_factory=set)
+    weighed_lanes: set[str] = field(default_factory=set)  # `DispatchResult.weighed_lanes`
     held_lanes: set[str] = field(default_factory=set)  # `DispatchResult.held_lanes`
     claimed_stages: set[str] = field(default_factory=set)  # stages a claim of a refill's took pairs of
     error: str | None = None

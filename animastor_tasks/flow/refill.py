@@ -105,10 +105,12 @@ def _pass_now(ports: Ports, book: str) -> None:
     """A refill whose reads ran out with the lanes taking all they read asks for the book's pass at once, which reads
     every pending pair. *Why:* a book whose first pending pairs were hundreds done already (a regenerate without force
     of a book mostly ready) waited for the tick's pass, every slot of its lanes idle meanwhile. Due first: not sent,
-    the tick passes it. (A paged pass's own read of its first pairs needs neither: its pages read the rest.)"""
+    the tick passes it. One pass a tick at most: each job's end on a lane of 64 sent its own pass of the same big book
+    (review). (A paged pass's own read of its first pairs needs neither: its pages read the rest.)"""
     try:
         ports.book_state.set_due(book, ports.clock())
-        ports.publisher.enqueue_gates([book])
+        if ports.book_state.ask_pass(book, ports.settings.tick_seconds):
+            ports.publisher.enqueue_gates([book])
     except StoreUnavailable as err:
         log.warning("[COMMAND-GATE] book=%r pass not sent, left to the tick or reconcile: %s", book, err)
 

@@ -398,3 +398,48 @@ def test_a_freed_slot_whose_one_pair_of_its_lane_another_refill_took_meanwhile_r
     refill.free_slot(rt.ports, "two", "gpu.audio", second.dispatch_id, left=left[1], here=True)  # type: ignore[arg-type]
     run_control(rt)
     assert running_by_stage(rt, "two") == {"image": 2, "audio": 2}
+
+
+def test_refills_whose_reads_run_out_together_send_one_pass_of_their_book(rt) -> None:
+    """Each sent its own (review: 7 passes of one 12,000-scene book queued by 30 job ends on a lane of 64)."""
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=720))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # s1 and s2 run
+    _already_current(rt, "b", range(3, 701))  # more than two refills read
+    for job in dispatched_jobs(rt, "b"):
+        left = rt.ports.jobs.commit_job(*job.owned, fake_artifact("b"), "gpu.audio")
+        refill.free_slot(rt.ports, "b", "gpu.audio", job.dispatch_id, left=left, here=True)  # type: ignore[arg-type]
+    sent = run_control(rt)
+    assert [name for name, _ in sent].count("animastor.gate_batch") == 1, sent
+    assert running(rt, "b") == {"b": 2}
+
+
+def test_a_handed_slot_whose_pair_a_concurrent_pass_took_is_handed_on_once(rt, monkeypatch) -> None:
+    """Its claim hands the lane's spare slot on itself; a refill that also passed the slot on handed one free slot to
+    two books (review of 6281de4: x and y both sent a refill, y bounced back to the head of its priority)."""
+    lane(rt, lane_limit=3, book_quota=64, window=64)
+    for book, scenes in (("a", 3), ("w", 1), ("x", 2), ("y", 2)):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=scenes))
+    regenerate_flow.regenerate(rt.ports, "a", ["audio"])  # the lane full of a's jobs
+    for book in ("w", "x", "y"):
+        time.sleep(0.01)
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])  # each waits for the lane
+    run_control(rt)
+    for job in dispatched_jobs(rt, "a")[:2]:  # two slots free
+        rt.ports.jobs.commit_job(*job.owned, fake_artifact("a"), "gpu.audio")
+    sent: list[str] = []
+    enqueue = rt.ports.publisher.enqueue_refill
+
+    def recorded(book: str, *args: Any, **kwargs: Any) -> None:
+        sent.append(book)
+        enqueue(book, *args, **kwargs)
+
+    monkeypatch.setattr(rt.ports.publisher, "enqueue_refill", recorded)
+
+    def w_claims_meanwhile() -> None:  # another pass of w claims its one pair after this refill's read
+        refill.refill(rt.ports, "w", "gpu.audio")
+
+    rt.ports = replace(rt.ports, assets=_ThenAnotherRefill(rt.ports.assets, w_claims_meanwhile))
+    refill.refill(rt.ports, "w", "gpu.audio")
+    assert running(rt, "w") == {"w": 1}
+    assert sent == ["x"], sent  # the one slot left, to the book that waited longest, once

@@ -28,6 +28,11 @@ class DueIndexStore(CancelFlagStore):
         a stale snapshot never puts back a book that something made due sooner meanwhile."""
         self.conn.run(lambda: self.conn.client.zadd(self.conn.keys.due(), {book: when}, lt=True))
 
+    def ask_pass(self, book: str, seconds: float) -> bool:
+        """Whether no pass of the book was asked for in the last `seconds` (this one then is)."""
+        key, ms = self.conn.keys.pass_asked(book), max(1, round(seconds * 1000))
+        return bool(self.conn.run(lambda: self.conn.client.set(key, "1", nx=True, px=ms)))
+
     def set_due_all(self, books: Sequence[str], when: float) -> None:
         """`set_due` of each of `books`, in one round trip."""
         if books:
