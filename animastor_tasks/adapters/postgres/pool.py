@@ -304,12 +304,18 @@ class Database:
                 held = conn
                 if conn.autocommit != autocommit:
                     conn.autocommit = autocommit
-                yield conn
+                try:
+                    yield conn
+                except psycopg.errors.ReadOnlySqlTransaction:
+                    # A read-only session stays one (opened on a standby, or while the database was set read-only):
+                    # returned closed, the pool replaces it. *Why:* kept, every write on it failed after the primary
+                    # took writes again, a finished job's result given up. Only this one: draining the pool at each
+                    # refusal reopened every idle connection (8 per refusal) for as long as the refusals lasted.
+                    conn.close()
+                    raise
         except psycopg.Error as err:
             read_only = isinstance(err, psycopg.errors.ReadOnlySqlTransaction)
-            if held is not None and (held.broken or read_only) and not isinstance(err, _SESSION_OWN_ENDS):
-                # A read-only session stays one (opened on a standby, or while the database was set read-only): kept,
-                # every write on it failed after the primary took writes again, a finished job's result given up.
+            if held is not None and held.broken and not isinstance(err, _SESSION_OWN_ENDS) and not read_only:
                 self._drop_idle()
             if isinstance(err, _SCHEMA_BEHIND) and self._schema_behind():
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
