@@ -31,11 +31,14 @@ class Channel(kombu_redis.Channel):
         super().__init__(*args, **kwargs)
         try:
             self.client.set(WRITE_PROBE, "1", ex=60)
-        except redis.exceptions.OutOfMemoryError:
+        except redis.exceptions.ResponseError as err:
+            if not isinstance(err, redis.exceptions.OutOfMemoryError):
+                return  # refused for another reason (an ACL, a replica): proves nothing of memory
             self.close()
             raise
-        except redis.exceptions.ResponseError:  # refused for another reason (an ACL): proves nothing of memory
-            pass
+        except redis.exceptions.RedisError:  # the connection lost since the PING: closed as kombu closes it then
+            self.close()
+            raise
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:
