@@ -49,14 +49,17 @@ def dispatch_candidates(
     read, complete = _rounds(ports, report, book, specs, handed, (slots_of, slots), judged)
     if read is None:
         return None
-    # *Why weighed, not counted:* a read whose one pair of the lane a concurrent claim took meanwhile read no further.
-    unserved = lane is None and slots_of is not None and slots_of not in report.weighed_lanes
-    if unserved and not complete and not report.denied:
-        # The freed lane's pairs were behind the book's others (an older command of another stage, its lane
-        # full) and none came to a claim: the slot would idle while they wait. Its own pairs are read next.
-        freed = [s for s in specs if s.queue == slots_of]
-        more, _ = _rounds(ports, report, book, freed, handed, (slots_of, slots), judged)
-        read += more or 0
+    if lane is None and not complete and not report.denied:
+        # A lane whose pairs were behind the book's others (an older command of another stage, its lane full) and
+        # none came to a claim: its slots would idle while they wait. Its own pairs are read next: the freed lane's
+        # (a job's end: the others' slots are other processes'), or every such lane's (a first pass: a regenerate's
+        # of a big book left the audio lane idle until the tick). *Why weighed, not counted:* a read whose one pair
+        # of the lane a concurrent claim took meanwhile read no further.
+        lanes = {slots_of} if slots_of is not None else {s.queue for s in specs}
+        for queue in sorted(lanes - report.weighed_lanes):
+            own = [s for s in specs if s.queue == queue]
+            more, _ = _rounds(ports, report, book, own, handed, (slots_of, slots), judged)
+            read += more or 0
     return read
 
 

@@ -443,3 +443,14 @@ def test_a_handed_slot_whose_pair_a_concurrent_pass_took_is_handed_on_once(rt, m
     refill.refill(rt.ports, "w", "gpu.audio")
     assert running(rt, "w") == {"w": 1}
     assert sent == ["x"], sent  # the one slot left, to the book that waited longest, once
+
+
+def test_a_books_first_pass_by_candidates_reads_each_lane_its_first_read_left_out(rt) -> None:
+    """A regenerate's first pass of a big book (a refill of no lane): its read held only image pairs (the older
+    command, their lane full), and the audio lane idled until the tick's pass (soak re-test: 4 gaps, up to 4.3 s)."""
+    images_then_audio(rt)
+    for job in [job for job in dispatched_jobs(rt, "two") if job.stage == "audio"]:  # the audio lane empties
+        assert rt.ports.jobs.commit_job(*job.owned, fake_artifact("two"), "gpu.audio") is not None
+    rt.redis.client.delete(rt.redis.keys.deferrals("two", "capacity"))  # as its jobs' ends do, nobody else waiting
+    refill.refill(rt.ports, "two")
+    assert running_by_stage(rt, "two") == {"image": 2, "audio": 2}
