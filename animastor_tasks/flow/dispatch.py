@@ -10,7 +10,6 @@ A deferred pair is skipped before any side effect: its only cost is its share of
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
@@ -23,6 +22,7 @@ from animastor_tasks.domain.types import Pair
 from animastor_tasks.domain.vocabulary import DeferralBucket, Outcome
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import lanes, publish
+from animastor_tasks.flow.leased import defer_while_leased
 from animastor_tasks.ports import Claim, Ports, Snapshot
 from animastor_tasks.records import InFlight
 
@@ -209,7 +209,7 @@ def _settle_idempotent(
             ports.leases.release_lease((book, *pair), holder)
         else:
             busy.append(pair)
-    _defer_while_leased(ports, book, busy, now, result)
+    result.deferred_until.update(defer_while_leased(ports, book, busy, now))
     result.outcomes[Outcome.ALREADY_GENERATING] += len(busy)
     skip = set(busy)
     return [i for i in todo if i.pair not in skip]
@@ -255,6 +255,13 @@ def _claim_and_publish(
             ranks = {i.pair: i.rank for i in todo}
             choice = capacity.choose(unclaimed, session.counts, specs, permits, room, ranks)
             claims = session.claim(choice.chosen)
+            if choice.chosen and not claims:
+                # Each pair chosen left pending since the read (a concurrent pass found it done already): chosen again
+                # without them. *Why:* such a pair took the claim's one slot, and the slot idled with work pending.
+                gone = {pair for pair, _ in choice.chosen}
+                unclaimed = [w for w in unclaimed if w[0] not in gone]
+                choice = capacity.choose(unclaimed, session.counts, specs, permits, room, ranks)
+                claims = session.claim(choice.chosen)
             taken = Counter(c.stage for c in claims)
             # Still under the lane and book locks: a completion takes them before it frees capacity,
             # so these deferrals can never land after the completion that should clear them, and a
@@ -375,24 +382,6 @@ def _defer(
         ports.deferrals.defer(book, bucket, pairs, seconds, now)
         if result is not None:
             result.deferred_until.update(dict.fromkeys(pairs, now + seconds))
-
-
-def _defer_while_leased(ports: Ports, book: str, pairs: list[Pair], now: float, result: DispatchResult) -> None:
-    """`already_generating` for as long as each pair's lease has left, at most the idempotent window and the stage's
-    lease TTL. *Why:* the lease of a job that ended but whose release was lost (a Redis blip) lives out its TTL, and
-    the pair, edited and regenerated meanwhile, waited the whole window (900 s) with nothing running; a live job
-    renews its lease, and the next pass finds it again. A queued lease lasts a day: one a half-done Stop All left
-    (its Redis step failed) deferred the pair 900 s, though its job, refused at its start, holds it a TTL at most."""
-    window = deferral_seconds(Outcome.ALREADY_GENERATING, ports.settings.deferral_windows) or 0
-    registry = ports.settings.registry
-    left = ports.leases.lease_seconds_left([(book, *pair) for pair in pairs])
-    by_seconds: dict[int, list[Pair]] = {}
-    for pair, seconds in zip(pairs, left, strict=True):
-        ttl = registry.get(pair[2]).lease_ttl if pair[2] in registry else window
-        by_seconds.setdefault(min(window, ttl, max(1, math.ceil(seconds or 0))), []).append(pair)
-    for seconds, held in by_seconds.items():
-        ports.deferrals.defer(book, DeferralBucket.IDEMPOTENT, held, seconds, now)
-        result.deferred_until.update(dict.fromkeys(held, now + seconds))
 
 
 def count_outcomes(ports: Ports, outcomes: Mapping[str, int]) -> None:

@@ -454,3 +454,42 @@ def test_a_books_first_pass_by_candidates_reads_each_lane_its_first_read_left_ou
     rt.redis.client.delete(rt.redis.keys.deferrals("two", "capacity"))  # as its jobs' ends do, nobody else waiting
     refill.refill(rt.ports, "two")
     assert running_by_stage(rt, "two") == {"image": 2, "audio": 2}
+
+
+class _ThenSettled:
+    """The real asset store; after the first candidate read it answers, the first pair read is settled `ready` (a
+    concurrent pass found it done already), before the reader goes on to its claim."""
+
+    def __init__(self, inner: Any, rt: Wiring) -> None:
+        self.inner, self.rt, self.armed = inner, rt, True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def gate_candidates(self, book: str, stages: Any, limit: int) -> GateRows | None:
+        found: GateRows | None = self.inner.gate_candidates(book, stages, limit)
+        if self.armed and found is not None and found.in_flight:
+            self.armed = False
+            chapter, scene, stage = found.in_flight[0].pair
+            with self.rt.db.transaction() as conn:
+                conn.execute(
+                    "UPDATE asset_states SET state = 'ready' WHERE book_id = %s AND chapter_id = %s AND scene_id = %s"
+                    " AND stage = %s",
+                    (book, chapter, scene, stage),
+                )
+        return found
+
+
+def test_a_freed_slot_whose_first_candidate_was_settled_meanwhile_goes_to_the_next(rt) -> None:
+    """The settled pair still took the claim's one slot and failed its compare-and-set: nothing was claimed, the rest
+    refused `lane_full`, and the slot idled (soak re-test: 4.4 s, an interactive regenerate of a scene done already)."""
+    lane(rt, lane_limit=2, book_quota=2, window=2)
+    rt.catalog.import_book(make_book("b", chapters=1, scenes=10))
+    regenerate_flow.regenerate(rt.ports, "b", ["audio"])  # s1 and s2 run
+    job = dispatched_jobs(rt, "b")[0]
+    left = rt.ports.jobs.commit_job(*job.owned, fake_artifact("b"), "gpu.audio")
+    rt.ports = replace(rt.ports, assets=_ThenSettled(rt.ports.assets, rt))
+    refill.free_slot(rt.ports, "b", "gpu.audio", job.dispatch_id, left=left, here=True)  # type: ignore[arg-type]
+    assert states(rt, "b")[("ch1", "s3", "audio")] == "ready"
+    assert states(rt, "b")[("ch1", "s4", "audio")] == "generating"
+    assert running(rt, "b") == {"b": 2}
