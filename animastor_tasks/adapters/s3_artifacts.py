@@ -112,7 +112,6 @@ class S3ArtifactStore:
         return int(head.get("ContentLength", -1)) == size
 
 
-# What S3 answers when it cannot serve now rather than never (an overloaded or restarting store).
 def _said(err: Exception, *, named: bool = False) -> str:
     """What the S3 server (or boto3) said, cut and escaped (`printable`). *Why:* its words go into logs and onto the
     operator's terminal: a line break in an error's Message forged a log line, and one of 20 KB went whole."""
@@ -120,6 +119,7 @@ def _said(err: Exception, *, named: bool = False) -> str:
     return printable(text[:WORDS_LIMIT]) + ("..." if len(text) > WORDS_LIMIT else "")
 
 
+# What S3 answers when it cannot serve now rather than never (an overloaded or restarting store).
 _NOT_NOW = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"})
 
 

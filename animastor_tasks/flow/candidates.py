@@ -80,6 +80,7 @@ def _rounds(
     slots_of, slots = budget
     limit = candidate_limit([slots if s.queue == slots_of else s.lane_limit for s in specs])
     queues = ports.settings.registry.queues()
+    lane_of = {s.name: s.queue for s in specs}
     read = 0
     for _ in range(MAX_ROUNDS):
         started, now = time.monotonic(), ports.clock()
@@ -129,7 +130,6 @@ def _rounds(
         if len(result.dispatched) + len(result.settled) < len(rows.in_flight):
             return read, False
         if slots_of is not None:
-            lane_of = {s.name: s.queue for s in specs}
             taken = result.gone - result.settled
             slots -= sum(1 for i in rows.in_flight if i.pair in taken and lane_of[i.stage] == slots_of)
             if slots <= 0:  # the freed slots are filled: the lane's others are those of jobs ending elsewhere

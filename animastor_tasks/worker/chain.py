@@ -168,11 +168,11 @@ def run_chain(task: Task, ports: Ports, queue: str, first: Job, run: RunJob) -> 
     finally:
         aftermath.finish()
     if result.get("outcome") == JobOutcome.FAILED:  # its verdict is written: Celery marks the task failed
-        raise failure(first, result)
+        raise _failure(first, result)
     return result
 
 
-def failure(job: Job, outcome: dict[str, Any]) -> JobFailed:
+def _failure(job: Job, outcome: dict[str, Any]) -> JobFailed:
     """What a job whose scene failed ends with. *Why:* Flower and the result store showed it SUCCESS."""
     return JobFailed(f"{job.book_id}/{job.chapter_id}/{job.scene_id} {job.stage}", str(outcome.get("error")))
 
@@ -274,7 +274,7 @@ def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: Ru
         _record(task.backend.mark_as_failure, job.dispatch_id, err)
         return False
     if outcome.get("outcome") == JobOutcome.FAILED:
-        failed = failure(job, outcome)
+        failed = _failure(job, outcome)
         later(partial(events.announce, task, "task-failed", job.dispatch_id, exception=repr(failed), traceback=""))
         later(partial(_record, task.backend.mark_as_failure, job.dispatch_id, failed))
     else:

@@ -314,9 +314,8 @@ class Database:
                     conn.close()
                     raise
         except psycopg.Error as err:
-            read_only = isinstance(err, psycopg.errors.ReadOnlySqlTransaction)
-            if held is not None and held.broken and not isinstance(err, _SESSION_OWN_ENDS) and not read_only:
-                self._drop_idle()
+            if held is not None and held.broken and not isinstance(err, _SESSION_OWN_ENDS):
+                self._drop_idle()  # (a read-only session closed above is not broken: its pool is left as it is)
             if isinstance(err, _SCHEMA_BEHIND) and self._schema_behind():
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise StoreUnavailable("postgres", self.url, f"{first}: {NOT_MIGRATED}") from err
@@ -324,7 +323,7 @@ class Database:
                 detail = str(err).strip() or type(err).__name__
                 if isinstance(err, psycopg.errors.LockNotAvailable):  # read as an outage, an operator looked for one
                     detail += f" (a lock held past this wait by {BOOK_HOLDERS})"
-                if read_only:  # read as an outage, an operator looked for a server down
+                if isinstance(err, psycopg.errors.ReadOnlySqlTransaction):  # read as an outage, as a server down
                     detail += f" ({READ_ONLY})"
                 if isinstance(err, PoolTimeout) and self.url in _refusals:
                     detail = f"{detail}; the last attempt to connect: {_refusals[self.url]}"

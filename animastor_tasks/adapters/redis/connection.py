@@ -21,8 +21,8 @@ from animastor_tasks.errors import ConfigError, StoreUnavailable, redact_url
 
 T = TypeVar("T")
 CLOCK_CHECK_SECONDS = 60.0  # how often a process measures its clock's offset to the server's (`server_time`)
-OUT_OF_MEMORY = "Redis is full: its maxmemory reached with nothing it may evict; see docs/deployment.md, 'Redis memory'"
 CLOCK_JUMP_SECONDS = 1.0  # this host's wall clock moved so much away from its monotonic clock: measured again
+OUT_OF_MEMORY = "Redis is full: its maxmemory reached with nothing it may evict; see docs/deployment.md, 'Redis memory'"
 
 
 def _script(name: str) -> str:
