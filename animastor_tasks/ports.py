@@ -131,6 +131,7 @@ class JobStart(Protocol):
 
 class Jobs(Protocol):
     def starting(self, book: str, pair: Pair) -> AbstractContextManager[JobStart]: ...
+    def answers(self) -> bool: ...  # Postgres answers this process now
     def commit_job(  # None: its token was stale, nothing written
         self, book: str, pair: Pair, token: int, dispatch_id: str, artifact: dict[str, Any], lane: str
     ) -> Committed | None: ...

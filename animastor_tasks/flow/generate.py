@@ -38,6 +38,7 @@ from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.vocabulary import DeferralBucket, JobOutcome, Outcome
 from animastor_tasks.errors import ArtifactStoreError, GeneratorError, StoreUnavailable
 from animastor_tasks.flow import refill, takeover
+from animastor_tasks.flow.host_health import pause_if_sick, pause_while_unanswered, record_breaker, sick_host
 from animastor_tasks.flow.job import (
     Job,
     Later,
@@ -46,11 +47,8 @@ from animastor_tasks.flow.job import (
     guarded_progress,
     load_generator,
     log_raised,
-    pause_if_sick,
     quietly,
-    record_breaker,
     refusal_kind,
-    sick_host,
     start_delivery,
     when_reachable,
 )
@@ -93,6 +91,8 @@ def run_job(
         delivered.stopped = outcome["outcome"] in (JobOutcome.STOPPED, JobOutcome.FENCE_REJECTED)
     finally:
         later(partial(quietly, "end of delivery", delivered.end))
+        if delivered.unanswered:
+            pause_while_unanswered(ports, spec, worker, later)
     return pause_if_sick(ports, spec, worker, later, outcome)  # its node's runs keep failing: a pause, once it is over
 
 
@@ -180,7 +180,7 @@ def _run_owned(
     except StoreUnavailable:
         # No GPU work yet: the lease goes with the delivery, and the tick takes the pair over once Postgres answers
         # (left, each job of a queue drained during an outage held a slot idle for the rest of its lease TTL).
-        delivered.release = True
+        delivered.release = delivered.unanswered = True
         later.job_started()  # the check is over, unanswered: the delivery was this one's, and ends with it
         raise
     later.job_started()
@@ -198,14 +198,8 @@ def _run_owned(
     started = time.monotonic()
     try:
         generator = load_generator(ports, spec, job)
-        request = GenerationRequest(
-            job.book_id,
-            job.chapter_id,
-            job.scene_id,
-            job.stage,
-            row.text if spec.input_field == "text" else row.prompt,
-            dict(spec.params),
-        )
+        source = row.text if spec.input_field == "text" else row.prompt
+        request = GenerationRequest(job.book_id, job.chapter_id, job.scene_id, job.stage, source, dict(spec.params))
         media, error, attempts, kind = _generate_with_retries(ports, job, generator, request, watcher, progress)
         if watcher.should_stop():
             return _stopped(ports, job, watcher, result)
@@ -267,6 +261,7 @@ class _Delivered:
     release: bool = False
     ready: bool = False
     stopped: bool = False  # stopped or fenced off: its pair, left `generating`, taken over as it ends
+    unanswered: bool = False  # Postgres did not answer its start check
 
     def end(self) -> None:
         leases, job = self.ports.leases, self.job

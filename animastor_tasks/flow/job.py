@@ -16,23 +16,21 @@ from animastor_tasks.domain.deferral import compute_backoff
 from animastor_tasks.domain.job_rules import (
     RUN_TIME_SHARE,
     ErrorKind,
-    breaker_feed,
     classify_error,
     error_text,
-    host_pause,
-    node_feed,
 )
-from animastor_tasks.domain.liveness import holder_node
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.targets import stop_marker
 from animastor_tasks.domain.types import BookPair, Pair
 from animastor_tasks.errors import ArtifactStoreError, ConfigError, DeliveryNotStarted, GeneratorError, StoreUnavailable
-from animastor_tasks.ports import GenerationRequest, Generator, Media, Ports, RunRecorded
+from animastor_tasks.ports import GenerationRequest, Generator, Media, Ports
 
 log = logging.getLogger("animastor.generate")
 TRACEBACK_FRAMES = 30  # the innermost frames of a generator's traceback a log line keeps
 T = TypeVar("T")
 DELIVERY_START_WAITS = (0.25, 0.5, 1.0)  # seconds between the tries of a delivery's start while Redis is unreachable
+PAUSE_POLL = 0.5  # seconds between looks at whether a paused process may go on (`wait_out`)
+UNTIL_POLL = 1.0  # seconds between asks whether a pause's reason is over (a store answering again)
 
 
 @dataclass(frozen=True)
@@ -75,16 +73,28 @@ class Later:
     def job_started(self) -> None:
         """The job's start check is over (passed or not): bookkeeping held back may run now."""
 
-    def pause(self, seconds: float) -> None:
-        """The process takes no new job for `seconds` (its node's runs fail while other nodes' succeed): it waits
-        here. worker/chain.py sends the job it kept to follow to the broker first, and ends the wait on a shutdown."""
-        time.sleep(seconds)
+    def pause(self, seconds: float, until: Callable[[], bool] | None = None) -> None:
+        """The process takes no new job for `seconds`, or until `until()` says it may (`wait_out`): it waits here.
+        worker/chain.py sends the job it kept to follow to the broker first, and ends the wait on a shutdown."""
+        wait_out(time.monotonic() + seconds, until)
 
     def writing_verdict(self, job: Job) -> AbstractContextManager[object]:
         """Around the write of a job's verdict, which may wait out a Postgres outage (`when_reachable`): nothing
         here. A GPU worker holds its soft time limit back meanwhile (worker/time_limit.py): the limit is for a
         generator that runs too long, and fired in that wait it threw away the finished job's GPU work."""
         return nullcontext()
+
+
+def wait_out(ends: float, until: Callable[[], bool] | None, going_on: Callable[[], bool] = lambda: True) -> None:
+    """Waits until `ends` (`time.monotonic`), less once `until()` is true (asked every `UNTIL_POLL` seconds, at once
+    first) or `going_on()` false (looked at every `PAUSE_POLL` seconds)."""
+    asked = -UNTIL_POLL
+    while going_on() and (left := ends - time.monotonic()) > 0:
+        if until is not None and time.monotonic() - asked >= UNTIL_POLL:
+            asked = time.monotonic()
+            if until():
+                return
+        time.sleep(min(left, PAUSE_POLL))
 
 
 class Watcher(threading.Thread):
@@ -327,53 +337,6 @@ def log_raised(job: Job, err: BaseException, words: str) -> None:
     plugin's line break forged a log line of its own and a 20 MB message made a 20 MB line."""
     frames = "".join(traceback.format_tb(err.__traceback__)[-TRACEBACK_FRAMES:]).rstrip()
     log.error("[GENERATE] %s: %s\nTraceback (most recent call last):\n%s", job.describe(), words, frames)
-
-
-def record_breaker(ports: Ports, queue: str, kind: ErrorKind | None, worker: str) -> RunRecorded:
-    """Feed the queue's breaker, and the streak of `worker`'s node (`node_feed`), with a run's result as `breaker_feed`
-    says (`kind` None: its media is stored): the breaker's state after (None: nothing to record, or Redis did not
-    answer) and the node's streak."""
-    if (ok := breaker_feed(kind)) is None:
-        return RunRecorded(None)
-    settings = ports.settings
-    node = holder_node(worker) if node_feed(kind) else None
-    try:
-        return ports.breaker.breaker_record_run(
-            queue, ok, settings.breaker_threshold, settings.breaker_cooldown_seconds, node
-        )
-    except StoreUnavailable as err:
-        log.warning("[GENERATE] breaker of %s not updated: %s", queue, err)
-        return RunRecorded(None)
-
-
-def sick_host(ports: Ports, recorded: RunRecorded) -> dict[str, Any]:
-    """What a job's result says of its node's pause (`domain.job_rules.host_pause`): `paused`, the seconds, or none."""
-    settings = ports.settings
-    seconds = host_pause(
-        recorded.streak, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown_seconds
-    )
-    return {} if seconds is None else {"paused": seconds}
-
-
-def pause_if_sick(ports: Ports, spec: StageSpec, worker: str, later: Later, result: dict[str, Any]) -> dict[str, Any]:
-    """A job given back because its node's runs of the queue keep failing (`sick_host`: while other nodes' succeed, or
-    its failures opened the queue's breaker): said once, counted (`job:host_paused:<stage>`), then its process takes
-    no new job for the pause (`Later.pause`), after which its next job is the node's test. Called once the job is
-    over: its lease and slot are free, so the pair it gave back runs elsewhere meanwhile."""
-    seconds = result.get("paused")
-    if not seconds:
-        return result
-    log.warning(
-        "[GENERATE] host %s: %d or more runs of %s failed in a row (its own backend, unless the stage's breaker is open"
-        " too): pairs given back, pausing %gs",
-        holder_node(worker),
-        ports.settings.breaker_threshold,
-        spec.queue,
-        seconds,
-    )
-    quietly("count", ports.counters.add, {f"job:host_paused:{spec.name}": 1})
-    later.pause(seconds)
-    return result
 
 
 def quietly(what: str, fn: Callable[..., object], *args: Any) -> None:

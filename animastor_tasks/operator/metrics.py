@@ -42,6 +42,7 @@ JOB_EVENTS = (
     "process_lost",  # its pool process died mid-job, and the worker's main process let the job go (worker/lost.py)
     "node_lost",  # its worker node stopped beating (a lost host, a replaced pod): the tick let the job go
     "kept",  # run by the process whose slot it was claimed for, without a broker message (worker/chain.py)
+    "store_paused",  # its start check found Postgres unreachable from its host: its process paused until it answered
     "host_paused",  # its host's runs failed in a row (others' succeeding, or opening the breaker): its process paused
     *(str(o) for o in JobOutcome if o is not JobOutcome.FENCE_REJECTED),
 )

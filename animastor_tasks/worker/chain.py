@@ -47,7 +47,7 @@ from celery import Celery, Task
 
 from animastor_tasks.domain.vocabulary import JobOutcome
 from animastor_tasks.errors import JobFailed
-from animastor_tasks.flow.job import Job, Later
+from animastor_tasks.flow.job import Job, Later, wait_out
 from animastor_tasks.ports import Counters, Ports, Publisher
 from animastor_tasks.worker import flower_events as events
 from animastor_tasks.worker import logs, time_limit, tracing
@@ -55,7 +55,6 @@ from animastor_tasks.worker import logs, time_limit, tracing
 log = logging.getLogger("animastor.generate")
 
 RunJob = Callable[[Ports, Job, Callable[[float], None], Later], dict[str, Any]]
-PAUSE_POLL = 0.5  # seconds between looks at the shutdown flag while a process pauses (`Aftermath.pause`)
 PAUSE_MARGIN = 5.0  # a pause ends this long before its task's soft time limit at the latest
 
 
@@ -219,16 +218,15 @@ class Aftermath(Later):
     def writing_verdict(self, job: Job) -> AbstractContextManager[object]:
         return time_limit.soft_limit_held(job.describe())
 
-    def pause(self, seconds: float) -> None:
+    def pause(self, seconds: float, until: Callable[[], bool] | None = None) -> None:
         """The job kept to follow goes to the broker (a healthy host's process runs it meanwhile), the held
-        bookkeeping is done, then the task waits out `seconds`: ended by a warm shutdown (the worker's exit is not
-        held), and before the task's soft time limit (which, fired in the wait, failed the task)."""
+        bookkeeping is done, then the task waits out `seconds` (or until `until()`): ended by a warm shutdown (the
+        worker's exit is not held), and before the task's soft time limit (which, fired in the wait, failed the
+        task)."""
         kept, self.keeper.kept = self.keeper.kept, None
         _quietly_publish(self.keeper.inner, self.keeper.task_name, self.keeper.queue, kept)
         self.finish()
-        until = min(time.monotonic() + seconds, self.soft_limit_at - PAUSE_MARGIN)
-        while keeping() and (left := until - time.monotonic()) > 0:
-            time.sleep(min(left, PAUSE_POLL))
+        wait_out(min(time.monotonic() + seconds, self.soft_limit_at - PAUSE_MARGIN), until, keeping)
 
     def job_started(self) -> None:
         self.started = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -21,14 +21,16 @@ from animastor_tasks.worker.wiring import Wiring
 
 
 class Pauses(Later):
-    """The pauses a host's jobs ask of its process (its runs keep failing: `flow.job.pause_if_sick`), recorded rather
-    than waited out: a test's own loop is the worker here; worker/chain.py's wait is test_chain_shutdown.py's."""
+    """The pauses a host's jobs ask of its process (its runs keep failing: `flow.host_health.pause_if_sick`), recorded
+    rather than waited out: a test's own loop is the worker here; worker/chain.py's wait is test_chain_shutdown.py's."""
 
     def __init__(self) -> None:
         self.asked: list[float] = []
+        self.ended_by: list[Callable[[], bool] | None] = []
 
-    def pause(self, seconds: float) -> None:
+    def pause(self, seconds: float, until: Callable[[], bool] | None = None) -> None:
         self.asked.append(seconds)
+        self.ended_by.append(until)
 
 
 def make_book(book_id: str = "b1", chapters: int = 2, scenes: int = 3, text: str = "Once upon a time") -> Book:

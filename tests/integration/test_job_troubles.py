@@ -22,6 +22,7 @@ from animastor_tasks.errors import GeneratorError, StoreUnavailable
 from animastor_tasks.flow import gate, takeover
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.flow.generate import run_job
+from animastor_tasks.flow.job import wait_out
 from animastor_tasks.generators.media import synthesize_wav
 from animastor_tasks.ports import GenerationRequest, Generator, Media
 from animastor_tasks.worker.wiring import Wiring
@@ -169,6 +170,42 @@ def test_a_start_check_that_meets_a_postgres_failover_leaves_no_lease(rt, tmp_pa
     [again] = dispatched_jobs(rt, "b")
     assert again.dispatch_id != job.dispatch_id
     assert run_job(rt.ports, again, worker="test")["outcome"] == "ready"
+
+
+def test_a_start_check_postgres_did_not_answer_pauses_the_process_until_it_answers(
+    rt, tmp_path, monkeypatch, caplog
+) -> None:
+    """A host cut off from Postgres alone took every job published to the queue (e2e/test_host_without_postgres.py):
+    its process now pauses once its delivery is over, a breaker cool-down at most, ended as Postgres answers."""
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    _unreachable_for(rt, monkeypatch, "starting", 1)
+    later = Pauses()
+    with pytest.raises(StoreUnavailable):
+        run_job(rt.ports, job, worker="test@gpu-host-3", later=later)
+    assert later.asked == [rt.settings.breaker_cooldown_seconds]
+    [until] = later.ended_by
+    assert until is not None and until() is True  # Postgres answers this process again: the pause ends
+    assert rt.redis.client.exists(rt.redis.keys.lease("b", *PAIR)) == 0  # released before the pause
+    rt.ports.counters.flush()  # type: ignore[attr-defined]
+    assert rt.redis.client.hget(rt.redis.keys.metrics(), "job:store_paused:audio") == "1"
+    assert "host test@gpu-host-3: Postgres did not answer a start check of gpu.audio" in caplog.text
+    monkeypatch.setattr(rt.db, "ping", lambda: (_ for _ in ()).throw(StoreUnavailable("postgres", "x", "refused")))
+    assert until() is False
+
+
+def test_a_pause_ends_once_its_reason_is_over_and_not_before() -> None:
+    asked: list[float] = []
+
+    def answers() -> bool:
+        asked.append(time.monotonic())
+        return len(asked) >= 3
+
+    started = time.monotonic()
+    wait_out(started + 30, answers)
+    assert len(asked) == 3 and 1.9 < time.monotonic() - started < 5  # asked at once, then every second
+    wait_out(time.monotonic() + 0.3, lambda: False)  # never over: the pause's length bounds it
+    assert time.monotonic() - started < 5
 
 
 def test_a_failure_that_meets_a_postgres_failover_is_written_once_it_is_back(rt, tmp_path, monkeypatch) -> None:

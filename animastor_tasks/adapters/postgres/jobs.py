@@ -61,6 +61,13 @@ class JobStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
+    def answers(self) -> bool:
+        try:
+            self.db.ping()
+        except StoreUnavailable:
+            return False
+        return True
+
     @contextmanager
     def starting(self, book: str, pair: Pair) -> Iterator[StartTransaction]:
         """The pair's row, its scene input and its book's gate facts, read under the row lock.
