@@ -172,6 +172,9 @@ class Snapshot:
     presence_unsure_since: float = float("-inf")  # data lost or back from an outage: no consumer proves nothing yet
     # Per queue asked for: the head of its waiting list, book -> the priority rank it waits at, first first.
     waiters: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The same books, each with the time its place says it waits since (`domain.deferral.wait_score`; a book served
+    # moments ago waits from `SERVED_AFTER` on): who waited longer than whom at one priority.
+    places: dict[str, dict[str, float]] = field(default_factory=dict)
     # Per queue asked for: the books handed a slot of it moments ago whose refills have not claimed it yet, book ->
     # the priority rank they were handed it at (off the waiting list meanwhile).
     handed: dict[str, dict[str, int]] = field(default_factory=dict)

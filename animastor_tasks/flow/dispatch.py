@@ -243,11 +243,20 @@ def _claim_and_publish(
         stage: {b: rank for b, rank in snap.handed.get(queue, {}).items() if b != book and b not in waiters[stage]}
         for stage, queue in queue_of.items()
     }
+    # The books of a pair's priority before this one: listed earlier, or handed a slot. None on the lane handed to it:
+    # the list's order gave it the slot. *Why:* a book whose regenerate came as a slot freed took it from the book that
+    # had waited for the lane longest (its job's refill not yet claimed), as only more urgent books kept their slots.
+    ahead = {
+        stage: set()
+        if queue == handed_lane
+        else capacity.waited_longer(snap.places.get(queue, {}), book, now) | set(handed[stage])
+        for stage, queue in queue_of.items()
+    }
     claims: list[Claim] = []
     room_of = {stage for stage, queue in queue_of.items() if queue == handed_lane}  # the handed lane's stage
     noted: tuple[str, int] | None = None  # the lane whose record the claim's batch took away, the rank it held
     try:
-        with ports.assets.claiming(book, queue_of, waiters, handed) as session:
+        with ports.assets.claiming(book, queue_of, waiters, handed, ahead) as session:
             # A pair a concurrent pass of the book claimed since this one read it would take a slot of the choice
             # and then fail the claim's compare-and-set: under the book lock its own generating pairs say which.
             taken_meanwhile = set(session.counts.book_generating)

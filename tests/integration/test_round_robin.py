@@ -15,7 +15,7 @@ from animastor_tasks.operator import metrics
 from animastor_tasks.operator.render import queue_overview
 
 from .helpers import ended_unseen, make_book
-from .test_elastic_share import finish_one, lane, running, waiting
+from .test_elastic_share import finish_one, lane, run_control, running, waiting
 
 
 def test_a_book_that_came_while_another_s_job_ran_goes_before_that_book_s_next_job(rt) -> None:
@@ -34,6 +34,35 @@ def test_a_book_that_came_while_another_s_job_ran_goes_before_that_book_s_next_j
     finish_one(rt, "served")  # its job's end puts it back on the list; nobody else waits: it runs its next scene
     assert running(rt, "served", "late") == {"served": 1, "late": 1}
     assert "served" not in waiting(rt)
+
+
+def test_a_book_whose_regenerate_comes_as_a_slot_frees_does_not_take_it_from_a_book_that_waited_longer(rt) -> None:
+    """Old code: the newcomer's first pass saw the slot free (the ended job's refill not yet claimed) and took it, as
+    only more urgent waiters kept free slots from a pass; the refill then found the lane full. Of 300 books sent
+    together, books sent 75-250 places later first started before books that had waited 1-3 s longer."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    for book in ("first", "waiter", "newcomer"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "first", ["audio"])  # the one slot
+    regenerate_flow.regenerate(rt.ports, "waiter", ["audio"])  # the lane full: it waits, having run nothing
+    ended_unseen(rt, "first")  # its job ended; the refill of its slot (in its GPU process) has not claimed yet
+    regenerate_flow.regenerate(rt.ports, "newcomer", ["audio"])  # comes in that window, at the same priority
+    run_control(rt)
+    assert running(rt, "first", "waiter", "newcomer") == {"waiter": 1}
+    assert list(waiting(rt))[:2] == ["first", "newcomer"] or "newcomer" in waiting(rt)
+
+
+def test_a_book_handed_a_slot_claims_it_before_books_that_waited_longer_at_its_priority(rt) -> None:
+    """The list's order handed it the slot: the books behind it on the list keep nothing from its refill's claim."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    for book in ("first", "waiter", "later"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    assert list(waiting(rt)) == ["waiter", "later"]
+    finish_one(rt, "first")  # its refill hands the slot to the head of the list, whose claim takes it
+    assert running(rt, "waiter", "later") == {"waiter": 1}
+    finish_one(rt, "waiter")
+    assert running(rt, "waiter", "later") == {"later": 1}
 
 
 def test_operators_see_how_many_books_wait_for_each_lane(rt) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from animastor_tasks.domain.capacity import CapacityCounts, Waiter, choose, share_slots
+from animastor_tasks.domain.capacity import CapacityCounts, Waiter, choose, share_slots, waited_longer
+from animastor_tasks.domain.deferral import SERVED_AFTER
 from animastor_tasks.domain.registry import StageSpec
 from animastor_tasks.domain.vocabulary import Outcome
 
@@ -179,3 +180,26 @@ def test_a_more_urgent_book_at_its_share_holds_a_slot_while_no_book_as_urgent_co
         assert taken(Waiter(INTERACTIVE, capped, handed), book_cap=2) == [pairs[0][0]]
     # A book as urgent as the pair is no reason to keep the slot (the share decides between them).
     assert taken(Waiter(BULK, busy)) == [pairs[0][0]]
+
+
+def test_a_slot_is_kept_for_a_book_as_urgent_that_waited_longer_but_not_from_the_one_it_was_handed_to() -> None:
+    """A regenerate that came as a slot freed (its job's refill not yet claimed) took it from the book that had waited
+    longest; the book handed a slot claims it before the books behind it on the list."""
+    waits = {"audio": [Waiter(NORMAL, [], ahead=True)]}
+    pair = wanted(("c", "s1", "audio"))
+    counts = CapacityCounts(lane={"audio": 1}, book_generating=[], waiting=waits)
+    assert choose(pair, counts, spec(AUDIO, lane_limit=2), {}).refused == {Outcome.LANE_FULL: [("c", "s1", "audio")]}
+    behind = CapacityCounts(lane={"audio": 1}, book_generating=[], waiting={"audio": [Waiter(NORMAL, [])]})
+    assert choose(pair, behind, spec(AUDIO, lane_limit=2), {}).chosen == [(("c", "s1", "audio"), "d0")]
+    handed_its_slot = choose(pair, counts, spec(AUDIO, lane_limit=2), {}, room={"audio": 1})
+    assert handed_its_slot.chosen == [(("c", "s1", "audio"), "d0")]
+    two_free = CapacityCounts(lane={}, book_generating=[], waiting=waits)
+    assert choose(pair, two_free, spec(AUDIO, lane_limit=2), {}).chosen == [(("c", "s1", "audio"), "d0")]
+
+
+def test_the_books_before_one_on_a_lane_s_list_are_those_placed_earlier() -> None:
+    places = {"old": 100.0, "mine": 200.0, "later": 300.0, "served": SERVED_AFTER + 50.0}
+    assert waited_longer(places, "mine", now=400.0) == {"old"}
+    assert waited_longer(places, "newcomer", now=400.0) == {"old", "mine", "later"}  # not the one served moments ago
+    assert waited_longer(places, "served", now=400.0) == {"old", "mine", "later"}
+    assert waited_longer({"head": 0.0, "old": 100.0}, "head", now=400.0) == set()

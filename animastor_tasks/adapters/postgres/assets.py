@@ -8,7 +8,7 @@ not changed.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -120,12 +120,14 @@ class AssetStore(GateReads):
         lanes: Mapping[str, str],
         waiters: Mapping[str, Mapping[str, int]] | None = None,
         handed: Mapping[str, Mapping[str, int]] | None = None,
+        ahead: Mapping[str, Collection[str]] | None = None,
     ) -> Iterator[ClaimTransaction]:
         """Open a claim: the lanes of `lanes` (stage -> queue) and the book locked, capacity counted.
 
         `waiters` (stage -> other books waiting for its lane -> the priority rank each waits at): their
         generating pairs are read in the same statement, so the fair share knows whether they are still
         below theirs; None: unknown. `handed` (the same shape): books handed a slot whose refills are on their way.
+        `ahead` (stage -> books): those of `waiters` ahead of this book on the list, at the priority they wait at.
         The caller chooses from the counts (`domain.capacity`), claims, and writes its leases
         and deferrals before the block ends: a completion takes the same locks before it frees
         capacity, so a deferral can never land after the completion that should clear it.
@@ -177,8 +179,15 @@ class AssetStore(GateReads):
                 waiting=None
                 if waiters is None
                 else {
-                    stage: [Waiter(rank, running.get(b, [])) for b, rank in books.items() if b != book]
-                    + [Waiter(r, running.get(b, []), handed=True) for b, r in (handed or {}).get(stage, {}).items()]
+                    stage: [
+                        Waiter(rank, running.get(b, []), ahead=b in (ahead or {}).get(stage, ()))
+                        for b, rank in books.items()
+                        if b != book
+                    ]
+                    + [
+                        Waiter(r, running.get(b, []), handed=True, ahead=b in (ahead or {}).get(stage, ()))
+                        for b, r in (handed or {}).get(stage, {}).items()
+                    ]
                     for stage, books in waiters.items()
                 },
             )

@@ -165,6 +165,10 @@ class BookStateStore(DueIndexStore):
                 q: {str(b): int(score // RANK_SCALE) for b, score in per_queue[QUEUE_REPLIES * i + 2]}
                 for i, q in enumerate(queues)
             },
+            places={
+                q: {str(b): score % RANK_SCALE for b, score in per_queue[QUEUE_REPLIES * i + 2]}
+                for i, q in enumerate(queues)
+            },
             handed={q: _handed_lately(per_queue[QUEUE_REPLIES * i + 3], now) for i, q in enumerate(queues)},
             first_deferral_end=min(deferral_ends, default=None),
             due_at=None if due_at is None else float(due_at),
