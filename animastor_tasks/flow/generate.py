@@ -43,6 +43,7 @@ from animastor_tasks.flow.job import (
     Job,
     Later,
     Watcher,
+    beside_the_job,
     checked_media,
     guarded_progress,
     load_generator,
@@ -282,7 +283,8 @@ def _free_capacity(
     ports: Ports, job: Job, spec: StageSpec, left: Committed, later: Later | None = None, closed: bool = False
 ) -> None:
     """The job's slot is free, now (`refill.free_slot`). `left`: what its verdict left the book; `later`: ready."""
-    refill.free_slot(ports, job.book_id, spec.queue, job.dispatch_id, breaker_closed=closed, after=later, left=left)
+    with beside_the_job():
+        refill.free_slot(ports, job.book_id, spec.queue, job.dispatch_id, breaker_closed=closed, after=later, left=left)
 
 
 def _generate_with_retries(

@@ -3,12 +3,13 @@ the watcher of its lease while it runs, and what it asks of its generator (loade
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -60,6 +61,26 @@ class Job:
             f"book={self.book_id!r} chapter={self.chapter_id!r} scene={self.scene_id!r} stage={self.stage}"
             f" dispatch={self.dispatch_id} token={self.fencing_token}"
         )
+
+
+#: True while a job's process works for others (the refill of the slot its job freed: claims of other books and
+#: commands): the lines it logs meanwhile carry none of the job's ids (`worker/logs.py`).
+_beside: contextvars.ContextVar[bool] = contextvars.ContextVar("animastor_beside_the_job", default=False)
+
+
+@contextmanager
+def beside_the_job() -> Iterator[None]:
+    """*Why:* a `[DISPATCH]` line of another book's pair, claimed by a job's refill, carried that job's command_id and
+    dispatch id: a search of the logs by command_id gave another command's dispatches."""
+    token = _beside.set(True)
+    try:
+        yield
+    finally:
+        _beside.reset(token)
+
+
+def is_beside_the_job() -> bool:
+    return _beside.get()
 
 
 class Later:

@@ -28,6 +28,7 @@ from pythonjsonlogger.json import JsonFormatter
 
 from animastor_tasks.domain.book import storable
 from animastor_tasks.errors import ConfigError
+from animastor_tasks.flow.job import is_beside_the_job
 
 LEVEL_VAR = "ANIMASTOR_LOG_LEVEL"
 FORMAT_VAR = "ANIMASTOR_LOG_FORMAT"
@@ -80,6 +81,8 @@ def effective_level(celery_level: int | str | None, argv: Sequence[str], env: Ma
 def current_context() -> dict[str, str]:
     """What the line being logged works on: the running task's context in its own thread; in another thread
     (a job's lease watcher) the one task this process runs, when it runs exactly one (prefork: always)."""
+    if is_beside_the_job():
+        return {}
     found = _context.get()
     if found is None:
         with _lock:

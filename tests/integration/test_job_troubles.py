@@ -676,3 +676,45 @@ def test_a_server_that_answers_its_error_text_as_the_media_fails_no_more_than_th
     assert rt.ports.breaker.breaker_state("gpu.audio") == "open"
     audio = Counter(s for (_, _, stage), s in states(rt, "b").items() if stage == "audio")
     assert audio == {"failed": 2, "pending": 4}, results  # threshold - 1 failed; the rest wait
+
+
+def test_the_log_lines_of_a_jobs_refill_carry_none_of_the_jobs_ids(rt, monkeypatch) -> None:
+    """Old code: the `[DISPATCH]` line of another book's pair, claimed by the refill of the slot a job freed, carried
+    the job's command_id and dispatch id (its task's): a search of the JSON logs by command_id gave another command's
+    dispatches (two hunts saw it)."""
+    import logging
+    from dataclasses import asdict
+
+    from animastor_tasks.worker import logs
+    from animastor_tasks.worker.tasks import app
+
+    from .test_elastic_share import lane
+
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    for book in ("b", "other"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=1))
+        regenerate_flow.regenerate(rt.ports, book, ["audio"])  # `other` waits for the lane
+    [job] = dispatched_jobs(rt, "b")
+    monkeypatch.setattr(logs._Lookup, "command_of", classmethod(lambda cls, fields: "the-jobs-command"))
+    lines: list[tuple[str, dict[str, str]]] = []
+
+    class Contexts(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append((record.getMessage(), logs.current_context()))
+
+    handler, parent = Contexts(), logging.getLogger("animastor")
+    level = parent.level
+    parent.addHandler(handler)
+    parent.setLevel(logging.INFO)  # clears the loggers' caches of what is enabled
+    task = app.tasks["animastor.generate.audio"]
+    logs.on_task_prerun(task_id=job.dispatch_id, task=task, kwargs=asdict(job))
+    try:
+        assert run_job(rt.ports, job, worker="test")["outcome"] == "ready"
+    finally:
+        logs.on_task_postrun(task_id=job.dispatch_id)
+        parent.removeHandler(handler)
+        parent.setLevel(level)
+    [dispatched] = [context for message, context in lines if message.startswith("[DISPATCH] book='other'")]
+    assert dispatched == {}
+    [ready] = [context for message, context in lines if message.startswith("[GENERATE]") and " ready " in message]
+    assert (ready.get("command_id"), ready.get("dispatch_id")) == ("the-jobs-command", job.dispatch_id)
