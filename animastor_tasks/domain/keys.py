@@ -59,6 +59,8 @@ widens to another book).
 | ``P:breaker:QUEUE``                           | hash   | until closed again                        |
 | ``P:breaker-host:QUEUE:NODE`` (value: NODE's  | string | until NODE runs a job of QUEUE well; a    |
 |   failed runs of QUEUE in a row)              |        | day after its last failure                |
+| ``P:stage-limits`` (JSON: each stage's queue | string | rewritten by each control worker's        |
+|   and limits, as its ANIMASTOR_STAGES says)   |        | heartbeat; an hour after the last         |
 | ``P:lock:NAME``                               | string | short singleton locks (tick, reconcile)   |
 | ``P:bookmark:NAME``                           | string | where a task's round goes on (reconcile:  |
 |                                               |        | the last book it passed); no expiry       |
@@ -253,6 +255,10 @@ class Keyspace:
         """The queues a pass found waiting for a restarted worker (a set): the first heartbeat on one takes it away
         and hands its lane to the books waiting for it (`lanes.consumers_arrived`)."""
         return self._key("awaited")
+
+    def stage_limits(self) -> str:
+        """The stage limits of the control workers' table, which every process's must match (`registry.limits_of`)."""
+        return self._key("stage-limits")
 
     def beats(self) -> str:
         """Each worker node's last heartbeat (name -> when, by the Redis server's clock), whatever it consumes."""

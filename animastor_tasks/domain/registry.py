@@ -190,3 +190,25 @@ def registry_from_table(table: Mapping[str, Any] | None) -> MediaRegistry:
             )
         )
     return MediaRegistry(tuple(stages))
+
+
+#: What every process's stage table must agree on: each claim counts against the limits of its own process's table.
+LIMITS = ("queue", "lane_limit", "book_quota", "window", "book_cap")
+
+
+def limits_of(registry: MediaRegistry) -> dict[str, dict[str, Any]]:
+    return {s.name: {key: getattr(s, key) for key in LIMITS} for s in registry.stages}
+
+
+def limits_differ(mine: Mapping[str, Mapping[str, Any]], theirs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Each limit two tables disagree on, as `stage key: mine/theirs` (a stage only one of them has: `-`)."""
+    differ = []
+    for stage in sorted(set(mine) | set(theirs)):
+        here, there = mine.get(stage), theirs.get(stage)
+        if here is None or there is None:
+            differ.append(f"{stage}: {'-' if here is None else 'set'}/{'-' if there is None else 'set'}")
+            continue
+        differ.extend(
+            f"{stage} {key}: {here.get(key)}/{there.get(key)}" for key in LIMITS if here.get(key) != there.get(key)
+        )
+    return differ

@@ -21,6 +21,7 @@ from celery import bootsteps, signals
 from celery.bootsteps import RUN
 from celery.worker import state as worker_state
 
+from animastor_tasks.domain.registry import CONTROL_QUEUE, limits_differ, limits_of
 from animastor_tasks.errors import StoreUnavailable
 from animastor_tasks.flow import lanes
 
@@ -106,6 +107,7 @@ class PresenceStep(bootsteps.StartStopStep):
         self._draining = threading.Event()
         self._reconnecting = threading.Event()
         self._wake = threading.Event()  # beat now, not at the end of the wait: the worker stopped consuming
+        self._disagreed: list[str] = []  # how its stage limits differed from the control workers' when last told
 
     def start(self, parent: Any) -> None:
         self._draining.clear()
@@ -172,6 +174,7 @@ class PresenceStep(bootsteps.StartStopStep):
                     parent.hostname, queues, ttl, gone=self._advertised - queues, holding=holding
                 )
                 self._advertised = queues
+                self._compare_limits(parent.hostname, queues)
             except StoreUnavailable as err:
                 log.warning("[PRESENCE] heartbeat failed: %s", err)
             except Exception:
@@ -182,6 +185,29 @@ class PresenceStep(bootsteps.StartStopStep):
             self._wake.clear()
             if self._stop.is_set():
                 return
+
+    def _compare_limits(self, hostname: str, queues: set[str]) -> None:
+        """A control worker publishes its stage limits; any other worker says once when its own differ. *Why:* each
+        process claims against its own table: a GPU worker still at the old `lane_limit` after GPUs were added
+        refilled its freed slot only below it, and the new slots idled until the tick (the lane 71% busy with 100
+        pairs waiting), with no word of it anywhere."""
+        from animastor_tasks.worker import wiring
+
+        current = wiring.current()
+        mine = limits_of(current.settings.registry)
+        if CONTROL_QUEUE in queues:
+            current.presence.publish_limits(mine)
+            return
+        theirs = current.presence.published_limits()
+        differ = [] if theirs is None else limits_differ(mine, theirs)
+        if differ and differ != self._disagreed:
+            log.warning(
+                "[PRESENCE] %s: its ANIMASTOR_STAGES disagrees with the control worker's (here/there: %s); each process"
+                " claims against its own table's limits: restart every process with the same table",
+                hostname,
+                "; ".join(differ),
+            )
+        self._disagreed = differ
 
     def _withdraw(self, parent: Any) -> None:
         if not self._advertised:

@@ -14,11 +14,15 @@ timeout; its heartbeats have stopped, so it is not live.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from animastor_tasks.adapters.broker_probe import amqp_consumer_counts
 from animastor_tasks.adapters.redis.connection import RedisConnection
 from animastor_tasks.domain.liveness import FORGET_SILENT_NODE_SECONDS
+
+LIMITS_KEPT_SECONDS = 3600  # the control workers' stage limits, after their last heartbeat
 
 
 class PresenceStore:
@@ -64,6 +68,23 @@ class PresenceStore:
             pipe.zremrangebyscore(self.conn.keys.beats(), "-inf", f"({now - FORGET_SILENT_NODE_SECONDS}")
             answers = pipe.execute()
         return set() if holding else {queue for queue, taken in zip(queues, answers, strict=False) if taken}
+
+    def publish_limits(self, limits: Mapping[str, Any]) -> None:
+        """A control worker's stage limits, which the other processes compare theirs with (`published_limits`)."""
+        with self.conn.errors():
+            self.conn.client.set(
+                self.conn.keys.stage_limits(), json.dumps(limits, sort_keys=True), ex=LIMITS_KEPT_SECONDS
+            )
+
+    def published_limits(self) -> dict[str, Any] | None:
+        """The control workers' stage limits, None when none is on record (or unreadable as JSON)."""
+        with self.conn.errors():
+            raw = self.conn.client.get(self.conn.keys.stage_limits())
+        try:
+            found = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        return found if isinstance(found, dict) else None
 
     def await_consumer(self, queues: Sequence[str]) -> None:
         """A pass waits for a worker on `queues` (a restarted one's successor): its first heartbeat says so."""
