@@ -99,11 +99,16 @@ def _binds(
     )
 
 
-def waited_longer(places: Mapping[str, float], book: str, now: float) -> set[str]:
-    """The books before `book` on a lane's list at their priority (`places`: each one's time on it): placed earlier
-    than it, or than `now`, where a book that is not listed would join."""
-    mine = places.get(book, now)
-    return {b for b, since in places.items() if b != book and since < mine}
+def waited_longer(places: Mapping[str, float], ranks: Mapping[str, int], book: str, now: float) -> set[str]:
+    """The books before `book` on a lane's list at their priority (`places`: each one's time on it, `ranks`: the
+    priority each waits at): placed earlier than its own place at that priority, or than `now`, where it would join
+    at a priority it does not wait at. *Why not its place alone:* a book waiting at bulk since before a normal book
+    came went before it with a normal pair, as if it had waited at normal all along."""
+
+    def mine(other: str) -> float:
+        return places.get(book, now) if book in ranks and ranks[book] == ranks.get(other) else now
+
+    return {b for b, since in places.items() if b != book and since < mine(b)}
 
 
 def could_take(waiting: Sequence[Waiter], index: int, stage: str, spec: StageSpec) -> bool:

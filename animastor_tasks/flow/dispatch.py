@@ -249,7 +249,8 @@ def _claim_and_publish(
     ahead = {
         stage: set()
         if queue == handed_lane
-        else capacity.waited_longer(snap.places.get(queue, {}), book, now) | set(handed[stage])
+        else capacity.waited_longer(snap.places.get(queue, {}), snap.waiters.get(queue, {}), book, now)
+        | set(handed[stage])
         for stage, queue in queue_of.items()
     }
     claims: list[Claim] = []

@@ -72,7 +72,10 @@ def pause_while_unanswered(ports: Ports, spec: StageSpec, worker: str, later: La
     this process takes no job until Postgres answers it again, a breaker cool-down at most. *Why:* a host cut off
     from Postgres alone, idle while the others ran jobs kept from their refills, took every job published to the
     queue, failed its start a pool timeout later, and took it again once the tick had put it back: a reader's
-    interactive scene went round so for minutes while the healthy hosts ran bulk work."""
+    interactive scene went round so for minutes while the healthy hosts ran bulk work. A Postgres that answers now (the
+    check's wait for its row lock ran out, a read-only primary in a failover) asks for no pause."""
+    if ports.jobs.answers():
+        return
     seconds = ports.settings.breaker_cooldown_seconds
     log.warning(
         "[GENERATE] host %s: Postgres did not answer a start check of %s: no job taken until it does (%gs at most)",

@@ -180,18 +180,40 @@ def test_a_start_check_postgres_did_not_answer_pauses_the_process_until_it_answe
     _one_scene(rt, tmp_path)
     [job] = dispatched_jobs(rt, "b")
     _unreachable_for(rt, monkeypatch, "starting", 1)
+    ping = rt.db.ping
+    monkeypatch.setattr(rt.db, "ping", lambda: (_ for _ in ()).throw(StoreUnavailable("postgres", "x", "refused")))
     later = Pauses()
     with pytest.raises(StoreUnavailable):
         run_job(rt.ports, job, worker="test@gpu-host-3", later=later)
     assert later.asked == [rt.settings.breaker_cooldown_seconds]
     [until] = later.ended_by
-    assert until is not None and until() is True  # Postgres answers this process again: the pause ends
+    assert until is not None and until() is False  # Postgres does not answer this process: the pause goes on
+    monkeypatch.setattr(rt.db, "ping", ping)
+    assert until() is True  # it answers again: the pause ends
     assert rt.redis.client.exists(rt.redis.keys.lease("b", *PAIR)) == 0  # released before the pause
     rt.ports.counters.flush()  # type: ignore[attr-defined]
     assert rt.redis.client.hget(rt.redis.keys.metrics(), "job:store_paused:audio") == "1"
     assert "host test@gpu-host-3: Postgres did not answer a start check of gpu.audio" in caplog.text
-    monkeypatch.setattr(rt.db, "ping", lambda: (_ for _ in ()).throw(StoreUnavailable("postgres", "x", "refused")))
-    assert until() is False
+
+
+def test_a_start_check_whose_row_lock_wait_ran_out_asks_for_no_pause(rt, tmp_path, monkeypatch, caplog) -> None:
+    """Review: a lock wait cut short is a `StoreUnavailable` too, though Postgres answered: it was said and counted as
+    Postgres unreachable from the host, and operators sent to check its route."""
+    from animastor_tasks.adapters.postgres import pool
+
+    _one_scene(rt, tmp_path)
+    [job] = dispatched_jobs(rt, "b")
+    monkeypatch.setattr(pool, "LOCK_WAIT_MS", 300)
+    with rt.db.transaction() as holder:  # another transaction holds the pair's row (a long import, a silent client)
+        holder.execute(
+            "SELECT 1 FROM asset_states WHERE book_id = 'b' AND chapter_id = 'ch1' AND scene_id = 's1'"
+            " AND stage = 'audio' FOR UPDATE"
+        ).fetchone()
+        later = Pauses()
+        with pytest.raises(StoreUnavailable, match="lock timeout"):
+            run_job(rt.ports, job, worker="test@gpu-host-3", later=later)
+    assert later.asked == []
+    assert "Postgres did not answer" not in caplog.text
 
 
 def test_a_pause_ends_once_its_reason_is_over_and_not_before() -> None:

@@ -6,6 +6,7 @@ Real Postgres, Redis and broker; jobs run in-process (`test_elastic_share.finish
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import generate_latest
 
 from animastor_tasks.domain.deferral import served_since, wait_score
@@ -49,7 +50,24 @@ def test_a_book_whose_regenerate_comes_as_a_slot_frees_does_not_take_it_from_a_b
     regenerate_flow.regenerate(rt.ports, "newcomer", ["audio"])  # comes in that window, at the same priority
     run_control(rt)
     assert running(rt, "first", "waiter", "newcomer") == {"waiter": 1}
-    assert list(waiting(rt))[:2] == ["first", "newcomer"] or "newcomer" in waiting(rt)
+    assert list(waiting(rt)) == ["newcomer", "first", "waiter"]  # the books served since, behind the one that came
+
+
+@pytest.mark.parametrize("priority", ["normal", "interactive"])
+def test_a_book_waiting_at_bulk_takes_no_slot_with_a_more_urgent_pair_from_a_book_that_waited_longer_at_it(
+    rt, priority: str
+) -> None:
+    """Review: its place at bulk, taken since before the waiter came, was compared with the waiter's at `priority`."""
+    lane(rt, lane_limit=1, book_quota=1, window=1)
+    for book in ("first", "big", "waiter"):
+        rt.catalog.import_book(make_book(book, chapters=1, scenes=2))
+    regenerate_flow.regenerate(rt.ports, "first", ["audio"])  # the one slot
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"], [("ch1", "s1")], priority="bulk")  # waits at bulk
+    regenerate_flow.regenerate(rt.ports, "waiter", ["audio"], priority=priority)  # waits, placed after big's place
+    ended_unseen(rt, "first")  # its job ended; its refill not yet claimed
+    regenerate_flow.regenerate(rt.ports, "big", ["audio"], [("ch1", "s2")], priority=priority)  # as the slot frees
+    run_control(rt)
+    assert running(rt, "first", "big", "waiter") == {"waiter": 1}
 
 
 def test_a_book_handed_a_slot_claims_it_before_books_that_waited_longer_at_its_priority(rt) -> None:

@@ -197,9 +197,12 @@ def test_a_slot_is_kept_for_a_book_as_urgent_that_waited_longer_but_not_from_the
     assert choose(pair, two_free, spec(AUDIO, lane_limit=2), {}).chosen == [(("c", "s1", "audio"), "d0")]
 
 
-def test_the_books_before_one_on_a_lane_s_list_are_those_placed_earlier() -> None:
+def test_the_books_before_one_on_a_lane_s_list_are_those_placed_earlier_at_their_priority() -> None:
     places = {"old": 100.0, "mine": 200.0, "later": 300.0, "served": SERVED_AFTER + 50.0}
-    assert waited_longer(places, "mine", now=400.0) == {"old"}
-    assert waited_longer(places, "newcomer", now=400.0) == {"old", "mine", "later"}  # not the one served moments ago
-    assert waited_longer(places, "served", now=400.0) == {"old", "mine", "later"}
-    assert waited_longer({"head": 0.0, "old": 100.0}, "head", now=400.0) == set()
+    ranks = dict.fromkeys(places, NORMAL)
+    assert waited_longer(places, ranks, "mine", now=400.0) == {"old"}
+    assert waited_longer(places, ranks, "newcomer", now=400.0) == {"old", "mine", "later"}  # not one served moments ago
+    assert waited_longer(places, ranks, "served", now=400.0) == {"old", "mine", "later"}
+    assert waited_longer({"head": 0.0, "old": 100.0}, {"head": NORMAL, "old": NORMAL}, "head", now=400.0) == set()
+    # Listed at bulk since before `later` came at normal: at normal it would join now, behind `later`.
+    assert waited_longer(places, {**ranks, "mine": BULK}, "mine", now=400.0) == {"old", "later"}
