@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import ExitStack
+from typing import cast
 from urllib.parse import urlsplit
 
 import psycopg
@@ -157,3 +158,37 @@ def test_a_worker_s_migration_check_against_a_server_that_never_answers_ends_in_
         took = time.monotonic() - started
         proxy.frozen.clear()
     assert said == [None] and took < 6, (said, took)
+
+
+@pytest.mark.timeout(60)
+def test_a_start_check_against_a_server_that_never_answers_ends_well_before_the_answer_limit(
+    settings, migrated, monkeypatch
+) -> None:
+    """Pause hunt: a GPU host's pooled connection through a hung pooler held a job's start check, and its slot, for
+    the whole `ANSWER_LIMIT_S` (60 s) before the job was let go and the process paused; so did the paused process's
+    ask whether Postgres answers. Both wait `START_ANSWER_LIMIT_S` at most (2 s here; the other transactions' limit
+    stays 60 s), and the connection goes back to the pool with the usual limit."""
+    from animastor_tasks.adapters.postgres import jobs as job_rows
+    from animastor_tasks.adapters.postgres.pool import ANSWER_LIMIT_S
+
+    monkeypatch.setattr(job_rows, "START_ANSWER_LIMIT_S", 2.0)
+    where = urlsplit(settings.database_url)
+    host, port = where.hostname or "127.0.0.1", where.port or 5432
+    with FreezingProxy((host, port)) as proxy:
+        db = Database(settings.database_url.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}", 1), max_size=1)
+        store = job_rows.JobStore(db)
+        try:
+            assert store.answers()  # a pooled connection now, as on a host that ran a job a moment ago
+            with db.read() as conn:
+                assert cast(_Connection, conn).answer_limit == ANSWER_LIMIT_S  # the ask's limit went with it
+            proxy.frozen.set()
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="within 2s"), store.starting("nobook", ("ch1", "s1", "audio")):
+                pass
+            assert time.monotonic() - started < 10
+            started = time.monotonic()
+            assert not store.answers()
+            assert time.monotonic() - started < 10
+        finally:
+            proxy.frozen.clear()
+            db.close()

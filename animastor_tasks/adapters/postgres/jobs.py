@@ -16,7 +16,7 @@ import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS, HAS_FEW_TARGETS, PRIORITIES, has_target_in
-from animastor_tasks.adapters.postgres.pool import Database, bound_lock_waits
+from animastor_tasks.adapters.postgres.pool import LOCK_WAIT_MS, Database, bound_lock_waits
 from animastor_tasks.adapters.postgres.released import mark_released
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.book import storable
@@ -57,13 +57,19 @@ class StartTransaction:
             self._conn.commit()
 
 
+#: The longest a job's start check (or a paused process's ask whether Postgres answers) waits for one answer: past the
+#: row lock's wait (`LOCK_WAIT_MS`), far short of `ANSWER_LIMIT_S`. *Why:* against a pooler that took the connection
+#: and answered nothing, the check held its job and slot 60 s before the job was let go and the process paused.
+START_ANSWER_LIMIT_S = LOCK_WAIT_MS / 1000 + 5
+
+
 class JobStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
     def answers(self) -> bool:
         try:
-            self.db.ping()
+            self.db.ping(answer_limit=START_ANSWER_LIMIT_S)
         except StoreUnavailable:
             return False
         return True
@@ -77,7 +83,7 @@ class JobStore:
         and the facts read here show it.
         """
         chapter, scene, stage = pair
-        with self.db.transaction() as conn:
+        with self.db.transaction(answer_limit=START_ANSWER_LIMIT_S) as conn:
             with conn.pipeline():  # BEGIN, the bounds (of its wait for the row lock, of its hold) and the read
                 bound_lock_waits(conn)
                 found = conn.execute(

@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, cast
 from urllib.parse import unquote
 
 import psycopg
@@ -285,10 +285,20 @@ class Database:
         return self._pool
 
     @contextmanager
-    def transaction(self) -> Iterator[psycopg.Connection]:
-        """One transaction: committed when the block ends, rolled back on error."""
+    def transaction(self, *, answer_limit: float | None = None) -> Iterator[psycopg.Connection]:
+        """One transaction: committed when the block ends, rolled back on error. `answer_limit`: a shorter wait for
+        each answer than `ANSWER_LIMIT_S`, for a short transaction whose caller should not wait a minute on a server
+        that took the connection and answers nothing."""
         with self._connection(autocommit=False) as conn:
-            yield conn
+            if answer_limit is None:
+                yield conn
+                return
+            held = cast(_Connection, conn)
+            held.answer_limit = answer_limit
+            try:
+                yield conn
+            finally:
+                held.answer_limit = ANSWER_LIMIT_S
 
     @contextmanager
     def read(self) -> Iterator[psycopg.Connection]:
@@ -377,6 +387,6 @@ class Database:
         except (psycopg.Error, StoreUnavailable) as err:
             log.warning("[DB] ANALYZE %s failed, plans may be slow until it runs: %s", ", ".join(tables), err)
 
-    def ping(self) -> None:
-        with self.transaction() as conn:
+    def ping(self, answer_limit: float | None = None) -> None:
+        with self.transaction(answer_limit=answer_limit) as conn:
             conn.execute("SELECT 1")
