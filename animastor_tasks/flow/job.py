@@ -107,9 +107,9 @@ class Later:
 
 
 def wait_out(ends: float, until: Callable[[], bool] | None, going_on: Callable[[], bool] = lambda: True) -> None:
-    """Waits until `ends` (`time.monotonic`), less once `until()` is true (asked every `UNTIL_POLL` seconds, at once
-    first) or `going_on()` false (looked at every `PAUSE_POLL` seconds)."""
-    asked = -UNTIL_POLL
+    """Waits until `ends` (`time.monotonic`), less once `until()` is true (asked every `UNTIL_POLL` seconds, the first
+    time one in: its caller has just asked) or `going_on()` false (looked at every `PAUSE_POLL` seconds)."""
+    asked = time.monotonic()
     while going_on() and (left := ends - time.monotonic()) > 0:
         if until is not None and time.monotonic() - asked >= UNTIL_POLL:
             asked = time.monotonic()
