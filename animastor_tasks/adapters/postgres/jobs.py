@@ -16,7 +16,7 @@ import psycopg
 
 from animastor_tasks.adapters.postgres import journal, literals
 from animastor_tasks.adapters.postgres.gate_reads import FEW_TARGETS, HAS_FEW_TARGETS, PRIORITIES, has_target_in
-from animastor_tasks.adapters.postgres.pool import LOCK_WAIT_MS, Database, bound_lock_waits
+from animastor_tasks.adapters.postgres.pool import LOCK_WAIT_MS, Database, answering_within, bound_lock_waits
 from animastor_tasks.adapters.postgres.released import mark_released
 from animastor_tasks.adapters.postgres.settle import settle_commands
 from animastor_tasks.domain.book import storable
@@ -69,7 +69,7 @@ class JobStore:
 
     def answers(self) -> bool:
         try:
-            self.db.ping(answer_limit=START_ANSWER_LIMIT_S)
+            self.db.ping(within=START_ANSWER_LIMIT_S)
         except StoreUnavailable:
             return False
         return True
@@ -83,7 +83,7 @@ class JobStore:
         and the facts read here show it.
         """
         chapter, scene, stage = pair
-        with self.db.transaction(answer_limit=START_ANSWER_LIMIT_S) as conn:
+        with self.db.transaction() as conn, answering_within(conn, START_ANSWER_LIMIT_S):
             with conn.pipeline():  # BEGIN, the bounds (of its wait for the row lock, of its hold) and the read
                 bound_lock_waits(conn)
                 found = conn.execute(

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from animastor_tasks.adapters.postgres.pool import Database, without_answer_limit
+from animastor_tasks.adapters.postgres.pool import Database, answering_within
 
 # The event of a change made by a statement whose RETURNING rows are the changed pairs:
 # `WITH changed AS (UPDATE ... RETURNING ...) ` + EVENTS_FROM_CHANGED names each pair once.
@@ -51,7 +51,7 @@ class Journal:
         `max_rows`. *Why 0:* read as "older than now", it emptied the journal on every reconcile. Not bounded by the
         answer limit (`pool.ANSWER_LIMIT_S`): a backlog (a lowered `ANIMASTOR_JOURNAL_MAX_ROWS`) may take longer to
         delete, and cut short each pass, it was rolled back each pass, with the rest of reconcile's pass after it."""
-        with self.db.transaction() as conn, without_answer_limit(conn):
+        with self.db.transaction() as conn, answering_within(conn, None):
             removed = 0
             if retention_days > 0:
                 removed = conn.execute(

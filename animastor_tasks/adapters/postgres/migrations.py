@@ -15,7 +15,7 @@ from animastor_tasks.adapters.postgres.pool import (
     _Connection,
     _dead_peer_defaults,
     _is_store_error,
-    without_answer_limit,
+    answering_within,
 )
 from animastor_tasks.errors import AnimastorError, StoreUnavailable
 
@@ -83,7 +83,7 @@ def migrate(db: Database, lock_wait: float = LOCK_WAIT_SECONDS) -> list[str]:
     long for the advisory lock, then gives up naming the session that holds it.
     """
     applied: list[str] = []
-    with db.read() as conn, without_answer_limit(conn):
+    with db.read() as conn, answering_within(conn, None):
         _take_migration_lock(db, conn, lock_wait)
         try:
             conn.execute(

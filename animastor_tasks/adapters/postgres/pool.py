@@ -14,8 +14,8 @@ import re
 import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any, Self, TypeVar, cast
+from contextlib import contextmanager, nullcontext
+from typing import Any, Self, TypeVar
 from urllib.parse import unquote
 
 import psycopg
@@ -143,12 +143,15 @@ class _Connection(psycopg.Connection[TupleRow]):
 
 
 @contextmanager
-def without_answer_limit(conn: psycopg.Connection[Any]) -> Iterator[None]:
-    """For a migration's session: one statement may rewrite a big table for longer than `ANSWER_LIMIT_S`."""
+def answering_within(conn: psycopg.Connection[Any], seconds: float | None) -> Iterator[None]:
+    """Each answer on `conn` waited for `seconds` at most in the block (None: without a bound), then `ANSWER_LIMIT_S`
+    again. None: a migration's session or the journal's prune, one statement of which may rewrite a big table for
+    longer than `ANSWER_LIMIT_S`. Shorter: a short transaction whose caller should not wait a minute on a server that
+    took the connection and answers nothing (a job's start check)."""
     if not isinstance(conn, _Connection):
         yield
         return
-    conn.answer_limit = None
+    conn.answer_limit = seconds
     try:
         yield
     finally:
@@ -285,20 +288,10 @@ class Database:
         return self._pool
 
     @contextmanager
-    def transaction(self, *, answer_limit: float | None = None) -> Iterator[psycopg.Connection]:
-        """One transaction: committed when the block ends, rolled back on error. `answer_limit`: a shorter wait for
-        each answer than `ANSWER_LIMIT_S`, for a short transaction whose caller should not wait a minute on a server
-        that took the connection and answers nothing."""
+    def transaction(self) -> Iterator[psycopg.Connection]:
+        """One transaction: committed when the block ends, rolled back on error."""
         with self._connection(autocommit=False) as conn:
-            if answer_limit is None:
-                yield conn
-                return
-            held = cast(_Connection, conn)
-            held.answer_limit = answer_limit
-            try:
-                yield conn
-            finally:
-                held.answer_limit = ANSWER_LIMIT_S
+            yield conn
 
     @contextmanager
     def read(self) -> Iterator[psycopg.Connection]:
@@ -387,6 +380,7 @@ class Database:
         except (psycopg.Error, StoreUnavailable) as err:
             log.warning("[DB] ANALYZE %s failed, plans may be slow until it runs: %s", ", ".join(tables), err)
 
-    def ping(self, answer_limit: float | None = None) -> None:
-        with self.transaction(answer_limit=answer_limit) as conn:
+    def ping(self, within: float | None = None) -> None:
+        """`within`: its answer waited for that long at most (`answering_within`), not `ANSWER_LIMIT_S`."""
+        with self.transaction() as conn, answering_within(conn, within) if within is not None else nullcontext():
             conn.execute("SELECT 1")
