@@ -196,8 +196,9 @@ class HeldCounters:
 
 class Aftermath(Later):
     """`job.Later` for a chain: a step given while a job is kept to run next is held back until that
-    job has passed its start check, then run in a thread beside it; any other step runs at once. A job's
-    verdict is written with the task's soft time limit held back (`time_limit.soft_limit_held`)."""
+    job has passed its start check, then run in a thread beside it; any other step runs at once, or, while the held
+    steps still run, after them in their thread. A job's verdict is written with the task's soft time limit held back
+    (`time_limit.soft_limit_held`)."""
 
     def __init__(self, keeper: KeepingPublisher, soft_limit_at: float = math.inf) -> None:
         self.keeper = keeper
@@ -205,15 +206,27 @@ class Aftermath(Later):
         self.steps: list[Callable[[], object]] = []
         self.thread: threading.Thread | None = None
         self.started = False  # the current job's start check is over
+        self._running: list[Callable[[], object]] | None = None  # what the thread has still to run; None: it is over
+        self._lock = threading.Lock()
 
     def __call__(self, step: Callable[[], object]) -> None:
         if threading.current_thread() is self.thread:  # a held step's own: now
             step()
-        elif self.keeper.kept is None:
-            self.end()  # after the held steps still running: a job's `task-succeeded` never before its `task-started`
-            step()
-        else:  # run in the context it was given in: its lines are its own job's (`logs.job_context`)
+        elif self.keeper.kept is not None:  # run in the context it was given in: its lines are its own job's
             self.steps.append(partial(contextvars.copy_context().run, step))
+        elif not self._behind_the_held(step):
+            step()
+
+    def _behind_the_held(self, step: Callable[[], object]) -> bool:
+        """While the held steps still run, a step given once no job is kept runs after them, in their thread: a job's
+        `task-succeeded` never goes out before its `task-started`. *Why not waited for:* the kept job counts its start
+        right after its start check, and that count waited for all of its predecessor's bookkeeping (its result,
+        Flower's events, its lease) before the job's own work began, its GPU idle meanwhile."""
+        with self._lock:
+            if self._running is None:
+                return False
+            self._running.append(partial(contextvars.copy_context().run, step))
+            return True
 
     def writing_verdict(self, job: Job) -> AbstractContextManager[object]:
         return time_limit.soft_limit_held(job.describe())
@@ -232,9 +245,18 @@ class Aftermath(Later):
         self.started = True
         if not self.steps or self.thread is not None:
             return
-        steps, self.steps = self.steps, []
-        self.thread = threading.Thread(target=_run_steps, args=(steps,), name="aftermath", daemon=True)
+        self._running, self.steps = self.steps, []
+        self.thread = threading.Thread(target=self._run_held, name="aftermath", daemon=True)
         self.thread.start()
+
+    def _run_held(self) -> None:
+        while True:
+            with self._lock:
+                if not self._running:
+                    self._running = None
+                    return
+                step = self._running.pop(0)
+            _run_steps((step,))
 
     def end(self) -> None:
         if self.thread is not None:

@@ -82,3 +82,40 @@ def test_a_step_given_once_no_job_is_kept_runs_after_the_held_steps_still_runnin
     aftermath(given_now)
     aftermath.finish()
     assert ran == ["held", "now"]
+
+
+def test_a_step_given_once_no_job_is_kept_waits_in_the_thread_not_in_the_caller() -> None:
+    """The kept job counts its start right after its start check, while its predecessor's bookkeeping still runs: the
+    count waited for all of that bookkeeping (its result, Flower's events, its lease), the GPU idle meanwhile."""
+    keeper = Keeper()
+    keeper.kept = object()
+    aftermath = Aftermath(keeper)
+    ran: list[tuple[str, str]] = []
+    release = threading.Event()
+
+    def slow_held_step() -> None:
+        release.wait(timeout=5)
+        ran.append(("held", threading.current_thread().name))
+
+    aftermath(slow_held_step)
+    aftermath.job_started()
+    keeper.kept = None
+    aftermath(lambda: ran.append(("counted", threading.current_thread().name)))
+    assert ran == []  # the caller went on, the held step still running
+    release.set()
+    aftermath.finish()
+    assert ran == [("held", "aftermath"), ("counted", "aftermath")]
+
+
+def test_once_the_held_steps_are_over_a_step_runs_at_once_in_the_caller() -> None:
+    keeper = Keeper()
+    keeper.kept = object()
+    aftermath = Aftermath(keeper)
+    ran: list[str] = []
+    aftermath(lambda: ran.append("held"))
+    aftermath.job_started()
+    assert aftermath.thread is not None
+    aftermath.thread.join()
+    keeper.kept = None
+    aftermath(lambda: ran.append(threading.current_thread().name))
+    assert ran == ["held", threading.current_thread().name]
