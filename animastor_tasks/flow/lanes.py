@@ -132,6 +132,10 @@ def block_stage(ports: Ports, book: str, spec: StageSpec) -> list[str]:
     dispatch_ids = [d for _, d in released if d]
     if dispatch_ids:
         ports.publisher.revoke(dispatch_ids)
+    if not blocked and not released:
+        # Blocked a moment before (the tick passed the book again): the operator was told then, and nothing changed.
+        log.info("[DISPATCH] book=%r stage=%s: no live consumer, and nothing of it left to block", book, spec.name)
+        return blocked
     ports.counters.add({f"blocked:{spec.name}": len(blocked)})
     log.warning(
         "[DISPATCH] BLOCKED book=%r stage=%s queue=%s reason=%s commands=%s released=%d: no live consumer;"

@@ -662,3 +662,15 @@ def test_a_request_made_twice_at_once_logs_no_aborted_pipeline(rt, book, caplog)
     with caplog.at_level(logging.DEBUG), pytest.raises(DuplicateCommand):
         rt.ports.commands.create_commands("b1", request, per_stage, True)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_stage_blocked_again_with_nothing_left_to_block_asks_the_operator_for_nothing(rt, book, caplog) -> None:
+    """The tick passed a book whose stage was BLOCKED a moment before: a second BLOCKED warning, `commands=none
+    released=0`, told the operator to start a worker and send a new regenerate, though nothing had changed."""
+    regenerate_flow.regenerate(rt.ports, book, ["audio"])
+    spec = rt.settings.registry.get("audio")
+    with caplog.at_level(logging.INFO, logger="animastor.dispatch"):
+        assert lanes.block_stage(rt.ports, book, spec)
+        assert lanes.block_stage(rt.ports, book, spec) == []
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "BLOCKED" in warned[0] and "released=0" not in warned[0]
