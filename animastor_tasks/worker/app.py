@@ -65,11 +65,13 @@ def set_up_solo(sender: Any = None, **_: Any) -> None:
         warm.warm_up(app)
 
 
-@signals.worker_init.connect
-def let_go_of_previous_run(sender: Any = None, **_: Any) -> None:
-    """Jobs this node's previous run held when it was killed are let go before this run takes any (lost.py)."""
-    if getattr(sender, "hostname", None):
-        lost.let_go_of_previous_run(settings, sender.hostname, app, events=bool(getattr(sender, "task_events", False)))
+@signals.celeryd_after_setup.connect
+def let_go_of_previous_run(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """Jobs this node's previous run held when it was killed are let go before this run takes any (lost.py): once
+    its logging is set up, before its pool starts. *Why not at `worker_init`:* before Celery's logging, the lines
+    saying which jobs were let go came out bare, with no time and no level."""
+    if isinstance(sender, str) and sender:
+        lost.let_go_of_previous_run(settings, sender, app, events=bool(getattr(instance, "task_events", False)))
 
 
 @signals.worker_ready.connect
