@@ -175,7 +175,12 @@ def note_shutdown(settings: Settings, node: str) -> None:
     finally:
         conn.close()
     if noted:
-        log.info("[WORKER] %s shutting down: %d running job start(s) noted as stopped by the operator", node, noted)
+        log.info(
+            "[WORKER] %s shutting down with %d running job(s): one this shutdown kills before it ends (a cold"
+            " shutdown, the grace run out) is not counted as a lost worker; a warm shutdown lets them finish",
+            node,
+            noted,
+        )
 
 
 SHUTDOWN_SIGNALS = ("SIGTERM", "SIGQUIT", "SIGINT")  # warm, cold, and Ctrl-C (warm, then cold once again)
