@@ -249,6 +249,11 @@ class Aftermath(Later):
         self.thread = threading.Thread(target=self._run_held, name="aftermath", daemon=True)
         self.thread.start()
 
+    def holding(self) -> bool:
+        """Whether the thread still has steps to run (its own job's announcements among them)."""
+        with self._lock:
+            return self._running is not None
+
     def _run_held(self) -> None:
         while True:
             with self._lock:
@@ -262,6 +267,9 @@ class Aftermath(Later):
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+        with self._lock:  # left by a thread a BaseException ended: run here rather than lost with it
+            left, self._running = self._running or [], None
+        _run_steps(left)
 
     def finish(self) -> None:
         """Before the task returns or raises: every step given is done."""
@@ -284,12 +292,13 @@ def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: Ru
     started = time.monotonic()
     try:
         with tracing.span(f"run/{name}", trace, **{"celery.task_name": name, "messaging.message.id": job.dispatch_id}):
-            outcome = run(ports, job, events.progress_reporter(task, job), later)
+            outcome = run(ports, job, _once_announced(events.progress_reporter(task, job), later), later)
     except Exception as err:
         if not later.started:
             log.warning("[GENERATE] %s could not start in its predecessor's task (%s); published", job.describe(), err)
             return False
         log.exception("[GENERATE] %s raised in its predecessor's task", job.describe())
+        later.end()  # its `task-received` and `task-started`, held with its predecessor's bookkeeping, go out first
         events.announce(task, "task-failed", job.dispatch_id, exception=repr(err), traceback=traceback.format_exc())
         _record(task.backend.mark_as_failure, job.dispatch_id, err)
         return False
@@ -301,6 +310,18 @@ def _run_kept(task: Task, ports: Ports, job: Job, name: str, trace: Any, run: Ru
         _succeeded(task, job, outcome, time.monotonic() - started, later)
     _record(ports.counters.add, {f"job:kept:{job.stage}": 1})  # animastor_jobs_total{event="kept"}; held, as the rest
     return True
+
+
+def _once_announced(report: Callable[[float], None], later: Aftermath) -> Callable[[float], None]:
+    """A kept job's progress, none of it while its `task-received` and `task-started` (held with its predecessor's
+    bookkeeping) may still be on their way: a report due meanwhile is left out, as one due while the report before
+    is (`flower_events.progress_reporter`). *Why:* Flower got the job's progress before it knew the job had started."""
+
+    def reported(fraction: float) -> None:
+        if not later.holding():
+            report(fraction)
+
+    return reported
 
 
 def _succeeded(task: Task, job: Job, outcome: dict[str, Any], runtime: float, later: Aftermath) -> None:

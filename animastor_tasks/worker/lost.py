@@ -128,7 +128,7 @@ def let_go(worker: str, pid: int, redelivered: str | None, *, message: str | Non
 
 
 def let_go_of_previous_run(settings: Settings, node: str, app: Any = None, *, events: bool = False) -> None:
-    """`worker_init`, in the main process before any pool process starts: free what the previous run of this
+    """`celeryd_after_setup`, in the main process before any pool process starts: free what the previous run of this
     node still held. A heartbeat of the name still live (a run killed moments ago) is watched for one beat
     first: one that beats again is another live worker under the same name, whose jobs are left alone. `app`: the
     jobs let go are failed in its result store, and in Flower with `events` (`celery_publisher.fail_lost`)."""
@@ -176,8 +176,8 @@ def note_shutdown(settings: Settings, node: str) -> None:
         conn.close()
     if noted:
         log.info(
-            "[WORKER] %s shutting down with %d running job(s): one this shutdown kills before it ends (a cold"
-            " shutdown, the grace run out) is not counted as a lost worker; a warm shutdown lets them finish",
+            "[WORKER] %s shutting down with %d running job(s): a job this shutdown kills (a cold shutdown, or a warm"
+            " one whose grace period runs out) is not counted as a lost worker",
             node,
             noted,
         )

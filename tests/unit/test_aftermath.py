@@ -73,7 +73,7 @@ def test_a_step_given_once_no_job_is_kept_runs_after_the_held_steps_still_runnin
 
     aftermath(slow_held_step)
     aftermath.job_started()
-    keeper.kept = None  # nothing more is kept: a step now runs in the caller's thread
+    keeper.kept = None  # nothing more is kept: a step now runs after the held ones
 
     def given_now() -> None:
         later_given.set()
