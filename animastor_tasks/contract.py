@@ -152,6 +152,7 @@ class QueueRow(TypedDict):
     breaker: str
     deferred: dict[str, int]
     start_worker: str
+    successor_awaited_seconds: NotRequired[float | None]
 
 
 class Enqueued(TypedDict):

@@ -28,23 +28,25 @@ LOST_HAND_OVER_TICKS = 2  # a handed book's refill not back within this many tic
 HANDED_CLOCK_SLACK = 1.0
 
 
-def successor_awaited(ports: Ports, queues: Sequence[str]) -> set[str]:
+def successor_awaited(ports: Ports, queues: Sequence[str]) -> dict[str, float]:
     """Those of `queues` (none of them consumed) whose last worker stopped cleanly less than
-    `silent_worker_seconds` ago: a restart, whose successor is given that long to consume before the stage's
-    commands are BLOCKED; or longer ago (at most a job's hard time limit more) while another worker still drains
-    its jobs (it holds its queues, `Presence.held`): a rollout whose successors start once it is done. *Why:* a
-    deployment that replaces a stage's only worker (`docker compose up`) leaves its queue without a consumer for
-    the seconds the new one takes to start, and the tick BLOCKED every command with work in flight there, for
-    good; and compose starts a host's new containers only once all its old ones have stopped, so an idle worker's
-    stage was BLOCKED 30 s into its neighbour's drain of a long job. A StoreUnavailable is the caller's."""
+    `silent_worker_seconds` ago, with the seconds their successor has left before the stage's commands are BLOCKED: a
+    restart, whose successor is given that long to consume; or longer ago (at most a job's hard time limit more)
+    while another worker still drains its jobs (it holds its queues, `Presence.held`): a rollout whose successors
+    start once it is done. *Why:* a deployment that replaces a stage's only worker (`docker compose up`) leaves its
+    queue without a consumer for the seconds the new one takes to start, and the tick BLOCKED every command with work
+    in flight there, for good; and compose starts a host's new containers only once all its old ones have stopped, so
+    an idle worker's stage was BLOCKED 30 s into its neighbour's drain of a long job. A StoreUnavailable is the
+    caller's."""
     if not queues:
-        return set()
+        return {}
     grace = ports.settings.silent_worker_seconds
     everyone = sorted({spec.queue for spec in ports.settings.registry.stages} | set(queues))
     departed = ports.presence.departed_ago(everyone)  # one read: these queues' stops and every other one's
     mine = {queue: departed[queue] for queue in queues if queue in departed}
-    awaited = {queue for queue, ago in mine.items() if ago < grace}
-    longer = {queue for queue, ago in mine.items() if grace <= ago < grace + ports.settings.job_time_limit}
+    awaited = {queue: grace - ago for queue, ago in mine.items() if ago < grace}
+    longest = grace + ports.settings.job_time_limit
+    longer = {queue: longest - ago for queue, ago in mine.items() if grace <= ago < longest}
     # A rollout under way: a worker stopped cleanly less than `grace` ago (a drain just ended: a compose project's
     # successors start once its last old container has stopped), or one drains its jobs still (it holds its queues).
     if longer and (any(ago < grace for ago in departed.values()) or ports.presence.held(everyone)):

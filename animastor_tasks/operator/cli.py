@@ -261,14 +261,15 @@ def commands_cmd(book_id: str | None, limit: int, as_json: bool) -> None:
 @click.option("--interval", default=2.0, show_default=True, type=INTERVAL)
 def queues(as_json: bool, watch: bool, interval: float) -> None:
     """GPU queues: consumers, depth (? when the broker cannot say), running, lane limit, breaker, deferrals."""
+    from animastor_tasks.operator import queue_view
     from animastor_tasks.operator import render as views
 
     _watch_or_json(watch, as_json)
     if watch:
         with to_stdout():
-            views.watch_queues(lambda: views.queue_overview(_wired()), interval=interval)
+            views.watch_queues(lambda: queue_view.queue_overview(_wired()), interval=interval)
         return
-    emit(views.queue_overview(_wired()), as_json, views.show_queues)
+    emit(queue_view.queue_overview(_wired()), as_json, views.show_queues)
 
 
 def _watch_or_json(watch: bool, as_json: bool) -> None:

@@ -262,7 +262,7 @@ def _buckets(fields: dict[str, str], name: str) -> tuple[list[tuple[str, float]]
 
 
 def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
-    from animastor_tasks.operator import render as views
+    from animastor_tasks.operator import queue_view
 
     try:
         running: dict[str, int] | None = rt.reads.lane_usage()
@@ -270,7 +270,7 @@ def _queue_families(rt: Wiring, up: dict[str, float]) -> Iterator[Metric]:
         # Any failure (a schema not migrated, a privilege withheld) is Postgres's: raised on, it counted as Redis down.
         log.warning("[METRICS] lane usage unreadable: %s", err)
         running, up["postgres"] = None, 0.0
-    rows = views.queue_overview(rt, running if running is not None else {})
+    rows = queue_view.queue_overview(rt, running if running is not None else {})
     consumers = GaugeMetricFamily(
         "animastor_queue_consumers", "Live consumers (heartbeat) per GPU queue.", labels=["queue", "stage"]
     )

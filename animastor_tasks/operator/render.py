@@ -19,11 +19,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from animastor_tasks.adapters.broker_probe import amqp_queue_counts, passive_depths
 from animastor_tasks.contract import BookStatus, QueueRow
 from animastor_tasks.domain.vocabulary import NO_LONGER_ACTIVE, AssetState
 from animastor_tasks.errors import StoreUnavailable
-from animastor_tasks.worker.wiring import Wiring
 
 # Progress columns, most finished first.
 STATES = (AssetState.READY, AssetState.GENERATING, AssetState.PENDING, AssetState.DIRTY, AssetState.FAILED)
@@ -300,63 +298,6 @@ def _done(progress: Mapping[str, Any]) -> str:
     return f"{done} ({failed} failed)" if failed else done
 
 
-def queue_overview(rt: Wiring, running: Mapping[str, int] | None = None) -> list[QueueRow]:
-    """`running`: the lanes' generating pairs per stage, when the caller read them (None: read here)."""
-    specs = rt.settings.stages
-    queues = [s.queue for s in specs]
-    now = rt.ports.clock()  # deferrals and heartbeats go by the Redis server's clock
-    live = rt.presence.live_consumers(queues, now)
-    # Each host's last beat as it wrote it: its own TTL may differ from this process's setting.
-    beats = rt.presence.last_beats(sorted({host for hosts in live.values() for host in hosts}))
-    amqp, depth = _broker_counts(rt.presence.amqp_url, rt.settings.broker_url, queues)
-    running = rt.reads.lane_usage() if running is None else running
-    deferred = rt.deferrals.deferral_counts(rt.ports.book_state.active_books(), now)
-    waiting = rt.deferrals.books_waiting(queues)
-    return [
-        {
-            "queue": spec.queue,
-            "stage": spec.name,
-            "consumers": [
-                {
-                    "hostname": host,
-                    "heartbeat_age_seconds": round(
-                        max(0.0, now - beats[host])
-                        if host in beats
-                        else rt.settings.presence_ttl_seconds - (exp - now),
-                        1,
-                    ),
-                }
-                for host, exp in sorted(live.get(spec.queue, {}).items())
-            ],
-            "broker_consumers": amqp.get(spec.queue),
-            "depth": depth.get(spec.queue),
-            "in_flight": running.get(spec.name, 0),
-            "lane_limit": spec.lane_limit,
-            "books_waiting": waiting[spec.queue],
-            "breaker": rt.breaker.breaker_state(spec.queue),
-            "deferred": deferred,
-            "start_worker": f"animastor-tasks worker --stage {spec.name}",
-        }
-        for spec in specs
-    ]
-
-
-def _broker_counts(
-    amqp_url: str | None, broker_url: str, queues: list[str]
-) -> tuple[dict[str, int], dict[str, int | None]]:
-    """(the AMQP broker's own consumer count per queue, messages waiting in each queue). The consumers: a
-    connection the broker still holds counts, heartbeat or not; none without AMQP. Either unknown where the broker
-    cannot say (null, `?`: never 0). On AMQP both come from one passive declare a queue: asked apart, a broker
-    that never answered was waited for twice."""
-    if not amqp_url:
-        return {}, passive_depths(broker_url, queues)
-    try:
-        counts = amqp_queue_counts(amqp_url, queues)
-    except StoreUnavailable:
-        return {}, dict.fromkeys(queues)
-    return {q: consumers for q, (_, consumers) in counts.items()}, {q: ready for q, (ready, _) in counts.items()}
-
-
 def queues_table(rows: Sequence[QueueRow | Mapping[str, Any]]) -> Table:
     # The deferrals are counted across every book and stage (a count per stage would read every deferred pair):
     # shown once, under the table, rather than as a column that repeated the same figures on every queue.
@@ -366,7 +307,13 @@ def queues_table(rows: Sequence[QueueRow | Mapping[str, Any]]) -> Table:
     table = Table(*columns, caption=f"deferred pairs: {deferred}")
     for r in rows:
         consumers = ", ".join(f"{escape(c['hostname'])} ({c['heartbeat_age_seconds']}s)" for c in r["consumers"])
-        if not consumers:
+        awaited = r.get("successor_awaited_seconds")
+        if not consumers and awaited is not None:
+            consumers = (
+                f"[bold yellow]none[/bold yellow] - its worker stopped: a successor is awaited {awaited:g}s more,"
+                f" then its commands are BLOCKED; start one: {r['start_worker']}"
+            )
+        elif not consumers:
             consumers = f"[bold red]none[/bold red] - start one: {r['start_worker']}"
         depth = Text("?", style="bold yellow") if r["depth"] is None else Text(str(r["depth"]))
         breaker = Text(r["breaker"], style="green" if r["breaker"] == "closed" else "bold red")

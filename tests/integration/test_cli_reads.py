@@ -145,12 +145,26 @@ def test_status_shows_a_book_s_active_command_however_many_newer_ones_there_are(
 def test_a_heartbeat_s_age_is_read_from_the_beat_not_from_this_shell_s_ttl(rt) -> None:
     """The age was the CLI's own presence TTL less the heartbeat's time left: a worker run with a TTL of 30 s that
     beat a moment ago showed -24 s beside a shell with the default 6 s."""
-    from animastor_tasks.operator.render import queue_overview
+    from animastor_tasks.operator.queue_view import queue_overview
 
     advertise(rt, "gpu.audio", ttl=30.0)
     [audio] = [row for row in queue_overview(rt) if row["queue"] == "gpu.audio"]
     [consumer] = audio["consumers"]
     assert 0 <= consumer["heartbeat_age_seconds"] < 2, consumer
+
+
+def test_a_queue_whose_worker_stopped_cleanly_shows_how_long_its_successor_is_awaited(rt) -> None:
+    """During a restart the view said only "none - start one", not that the runtime waits for the successor, nor
+    how long before the stage's commands are BLOCKED."""
+    from animastor_tasks.operator.queue_view import queue_overview
+
+    advertise(rt, "gpu.audio", "gpu.image", host="audio@box")
+    rt.presence.heartbeat("audio@box", ["gpu.image"], 60.0, gone=["gpu.audio"])  # a clean stop of its audio consumer
+    rows = {row["queue"]: row for row in queue_overview(rt)}
+    grace = rt.settings.silent_worker_seconds
+    assert rows["gpu.audio"]["consumers"] == []
+    assert grace - 2 < rows["gpu.audio"]["successor_awaited_seconds"] <= grace
+    assert rows["gpu.image"]["successor_awaited_seconds"] is None  # consumed: nothing awaited
 
 
 def test_status_of_a_book_shows_its_progress_while_redis_does_not_answer(rt, monkeypatch) -> None:

@@ -13,7 +13,7 @@ from animastor_tasks.domain.deferral import served_since, wait_score
 from animastor_tasks.flow import gate, lanes
 from animastor_tasks.flow import regenerate as regenerate_flow
 from animastor_tasks.operator import metrics
-from animastor_tasks.operator.render import queue_overview
+from animastor_tasks.operator.queue_view import queue_overview
 
 from .helpers import ended_unseen, make_book
 from .test_elastic_share import finish_one, lane, run_control, running, waiting

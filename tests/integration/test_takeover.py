@@ -538,7 +538,7 @@ def test_a_broker_that_cannot_count_consumers_blocks_nothing_and_reconcile_goes_
 
 
 def test_the_queues_view_shows_an_unreadable_broker_count_as_unknown(rt: Wiring) -> None:
-    from animastor_tasks.operator.render import queue_overview
+    from animastor_tasks.operator.queue_view import queue_overview
 
     advertise(rt, "gpu.audio")
     rt.presence = PresenceStore(rt.redis, _unreachable_amqp_url())

@@ -149,6 +149,14 @@ def test_unreadable_queue_depth_shows_question_mark_not_zero() -> None:
     assert two.count("capacity=3") == 1 and "deferred pairs: capacity=3" in two
 
 
+def test_a_queue_awaiting_its_workers_successor_says_how_long_before_its_commands_are_blocked() -> None:
+    row = {**queue_row(0), "consumers": [], "successor_awaited_seconds": 12.5}
+    out = text_of(render.queues_table([row]), width=400)
+    assert "a successor is awaited 12.5s more, then its commands are BLOCKED" in out
+    gone = text_of(render.queues_table([{**row, "successor_awaited_seconds": None}]), width=400)
+    assert "awaited" not in gone and "start one" in gone
+
+
 def test_queue_depths_unknown_when_the_broker_is_down() -> None:
     depths = passive_depths("redis://127.0.0.1:1/0", ["gpu.audio", "gpu.image"])
     assert depths == {"gpu.audio": None, "gpu.image": None}
