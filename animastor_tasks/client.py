@@ -34,7 +34,7 @@ from animastor_tasks.contract import (
     RegenerateKwargs,
     RegenerateResult,
 )
-from animastor_tasks.domain.registry import CONTROL_QUEUE
+from animastor_tasks.domain.registry import CONTROL_ORDER, CONTROL_QUEUE, SENT_AT_HEADER
 from animastor_tasks.errors import AnimastorError, InvalidCommand, StoreUnavailable
 
 _REMOTE_INVALID = ("InvalidCommand", "InvalidInput", "InvalidBook")
@@ -83,6 +83,22 @@ class Client:
             err.command_id = command_id
             raise
 
+    def _order(self, app: Celery, name: str, kwargs: RegenerateKwargs | CancelKwargs | GateKwargs) -> dict[str, Any]:
+        """On a Redis broker, where the command waits in the control queue (`CONTROL_ORDER`: a regenerate by its
+        priority, anything else first), and for a regenerate or a Stop All when it was sent (`SENT_AT_HEADER`), by the
+        broker's clock: one clock for every sender, so a Stop All and a regenerate two hosts sent compare right.
+        RabbitMQ keeps the queue in order (its priorities need a queue declared with `x-max-priority`, which an
+        existing queue cannot take)."""
+        if not urlsplit(self.settings.broker_url).scheme.startswith("redis"):
+            return {}
+        wanted = (kwargs.get("priority") or "normal") if name == "animastor.regenerate" else "interactive"
+        order: dict[str, Any] = {"priority": CONTROL_ORDER.get(wanted, 0) if isinstance(wanted, str) else 0}
+        if name in ("animastor.regenerate", "animastor.cancel"):
+            with app.pool.acquire(block=True) as conn:
+                seconds, micros = conn.default_channel.client.time()
+            order["headers"] = {SENT_AT_HEADER: seconds + micros / 1_000_000}
+        return order
+
     def _send(
         self, name: str, kwargs: RegenerateKwargs | CancelKwargs | GateKwargs, wait: bool, command_id: str | None
     ) -> Any:
@@ -96,6 +112,7 @@ class Client:
                 name,
                 kwargs=dict(kwargs),
                 queue=CONTROL_QUEUE,
+                **self._order(app, name, kwargs),
                 retry=True,
                 retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
             )

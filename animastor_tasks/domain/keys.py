@@ -124,6 +124,10 @@ class Keyspace:
     def cancel_flag(self, book: str) -> str:
         return self._key("cancel", book)
 
+    def stops_sent(self) -> str:
+        """When each book's latest Stop All was sent, by its sender's stamp (zset: book -> unix seconds)."""
+        return self._key("stops-sent")
+
     def lifting(self, book: str) -> str:
         """The regenerates lifting the book's cancel flag whose commands are not written yet (see `BookState`)."""
         return self._key("lifting", book)

@@ -19,8 +19,9 @@ from animastor_tasks.ports import Ports
 log = logging.getLogger("animastor.commands")
 
 
-def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, Any]:
-    """Stop All: after this returns no job of the book may start GPU work until a new regenerate."""
+def cancel(ports: Ports, book_id: object, reason: object = None, sent_at: float | None = None) -> dict[str, Any]:
+    """Stop All: after this returns no job of the book may start GPU work until a new regenerate. `sent_at`: when its
+    sender sent it (the client's stamp): a regenerate sent before it and taken after it is void (`regenerate`)."""
     why = validate.reason(reason)
     try:
         book = validate.known_book(ports, book_id)
@@ -28,13 +29,13 @@ def cancel(ports: Ports, book_id: object, reason: object = None) -> dict[str, An
         # Postgres does not answer: whether the book exists is unknown, and the flag goes all the same (the caller
         # is told to send the Stop All again). *Why:* nothing was written, and the running jobs, which only the flag
         # stops, ran on to their end and committed once Postgres was back.
-        ports.book_state.stop_book(validate.book_id(book_id), ports.settings.registry.queues())
+        ports.book_state.stop_book(validate.book_id(book_id), ports.settings.registry.queues(), sent_at)
         raise
     except InvalidCommand:
         _unflag_unknown(ports, book_id)
         raise
     # The flag goes first: from this moment running jobs see should_stop() and the gate denies.
-    ports.book_state.stop_book(book, ports.settings.registry.queues())
+    ports.book_state.stop_book(book, ports.settings.registry.queues(), sent_at)
     cancelled, released, dispatched = ports.commands.cancel_book(book, why)
     try:
         let_go(ports, book, dispatched)

@@ -46,8 +46,10 @@ def regenerate(
     command_id: object = None,
     force: object = True,
     priority: object = None,
+    sent_at: float | None = None,
 ) -> dict[str, Any]:
-    """Create one command per stage for the named scenes and start a gate pass at once.
+    """Create one command per stage for the named scenes and start a gate pass at once. `sent_at`: when its sender sent
+    it (the client's stamp); sent before a Stop All of the book that was taken first, it is void.
 
     A scene whose job is running: with `force=False` the running job completes it for this command;
     with `force=True` that job is stopped (its output, if it still commits, is refused) and a fresh run
@@ -66,6 +68,11 @@ def regenerate(
         raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
     if context.replay_of:
         return _replay(ports, context, request_id, book, wanted, force, rank, named)
+    if sent_at is not None and ports.book_state.stopped_after(book, sent_at):
+        # A Stop All sent after it overtook it in the control queue (an interactive command's urgency, or the other
+        # control process): taken in the order they were sent, the Stop All would have cancelled it.
+        log.info("[COMMAND] book=%r regenerate request=%s sent before a Stop All taken first: void", book, request_id)
+        return {"commands": [], "skipped": [{"stage": s, "reason": "stopped"} for s in wanted]}
     if named is not None:
         found = set(context.scenes)  # *why a set:* 40,000 scenes named held the control process 37 s
         missing = [i for i, pair in enumerate(named) if pair not in found]

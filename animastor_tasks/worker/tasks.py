@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +41,7 @@ from celery.exceptions import Reject
 
 from animastor_tasks.domain.book import show_value, validate_id
 from animastor_tasks.domain.liveness import delivery_holder
-from animastor_tasks.domain.registry import CONTROL_QUEUE, MOST, StageSpec
+from animastor_tasks.domain.registry import CONTROL_QUEUE, MOST, SENT_AT_HEADER, StageSpec
 from animastor_tasks.errors import DeliveryNotStarted, InvalidCommand, JobFailed
 from animastor_tasks.flow import cancel as cancel_flow
 from animastor_tasks.flow import gate, lanes, refill, validate
@@ -136,13 +137,23 @@ def regenerate(
     **unknown: Any,
 ) -> dict[str, Any]:
     _call_as_schema_says("animastor.regenerate", unknown, book_id=book_id, stages=stages)
-    return regenerate_flow.regenerate(ports(), book_id, stages, scenes, command_id, force, priority)
+    sent_at = _sent_at(regenerate.request)
+    return regenerate_flow.regenerate(ports(), book_id, stages, scenes, command_id, force, priority, sent_at)
 
 
 @app.task(name="animastor.cancel", base=CallerTask, throws=(InvalidCommand,))
 def cancel(book_id: Any = MISSING, reason: str | None = None, **unknown: Any) -> dict[str, Any]:
     _call_as_schema_says("animastor.cancel", unknown, book_id=book_id)
-    return cancel_flow.cancel(ports(), book_id, reason)
+    return cancel_flow.cancel(ports(), book_id, reason, _sent_at(cancel.request))
+
+
+def _sent_at(request: Any) -> float | None:
+    """When the caller sent the command (`SENT_AT_HEADER`, the client's stamp); None without one, or one that is no
+    time (a hand-made message's: ignored, as the header is no part of the kwargs)."""
+    stamp = getattr(request, SENT_AT_HEADER, None)
+    if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp):
+        return None
+    return float(stamp)
 
 
 @app.task(name="animastor.gate", base=CallerTask, throws=(InvalidCommand,))

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from animastor_tasks.client import Client
+from animastor_tasks.domain.registry import CONTROL_ORDER, CONTROL_QUEUE, SENT_AT_HEADER
 from animastor_tasks.errors import AnimastorError, StoreUnavailable
 
 
@@ -92,6 +93,41 @@ def test_a_result_store_lost_while_the_answer_is_awaited_is_a_store_error_not_a_
     assert time.monotonic() - started < 15
 
 
+# kombu's Redis transport: a queue's messages of priority step N wait in the list named '<queue>\x06\x16<N>' (0: the
+# queue's own name).
+NORMAL_LIST = f"{CONTROL_QUEUE}\x06\x16{CONTROL_ORDER['normal']}"
+
+
+def _control_lists(rt) -> dict[int, list[dict]]:  # type: ignore[no-untyped-def]
+    lists = {step: CONTROL_QUEUE if step == 0 else f"{CONTROL_QUEUE}\x06\x16{step}" for step in (0, 3, 6, 9)}
+    return {step: [json.loads(raw) for raw in rt.redis.client.lrange(name, 0, -1)] for step, name in lists.items()}
+
+
+def test_a_reader_s_scene_and_a_stop_all_wait_ahead_of_normal_and_bulk_regenerates(rt, settings) -> None:
+    """One control queue, first in first out: a reader's interactive scene sent during a burst of 300 regenerates
+    waited 2.6 s for the control workers to take the burst first. Each command says when it was sent, so that a
+    Stop All taken before a regenerate sent ahead of it still stops it (`test_commands.py`)."""
+    client = Client(settings)
+    before = time.time()
+    try:
+        client.regenerate("b1", ["audio"], priority="bulk", wait=False)
+        client.regenerate("b1", ["audio"], wait=False)
+        client.regenerate("b1", ["audio"], priority="interactive", wait=False)
+        client.cancel("b2", wait=False)
+    finally:
+        client.close()
+    waiting = _control_lists(rt)
+    tasks = {step: [m["headers"]["task"] for m in messages] for step, messages in waiting.items()}
+    assert tasks == {
+        0: ["animastor.cancel", "animastor.regenerate"],
+        3: ["animastor.regenerate"],
+        6: ["animastor.regenerate"],
+        9: [],
+    }
+    stamps = [m["headers"][SENT_AT_HEADER] for messages in waiting.values() for m in messages]
+    assert all(before <= stamp <= time.time() for stamp in stamps) and len(stamps) == 4
+
+
 def test_an_empty_command_id_is_sent_as_given_not_replaced(rt, settings) -> None:
     """`command_id=""` was swapped for a fresh UUID on every call: a caller whose id came out empty made a new
     command (and GPU work) on each retry instead of hearing its id is not one."""
@@ -100,7 +136,7 @@ def test_an_empty_command_id_is_sent_as_given_not_replaced(rt, settings) -> None
         client.regenerate("b1", ["audio"], command_id="", wait=False)
     finally:
         client.close()
-    [raw] = rt.redis.client.lrange("animastor.control", 0, -1)
+    [raw] = rt.redis.client.lrange(NORMAL_LIST, 0, -1)
     _args, kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
     assert kwargs["command_id"] == ""
 
@@ -118,7 +154,7 @@ def test_a_string_where_a_list_belongs_is_sent_as_given_for_the_worker_to_refuse
         client.regenerate("b1", stages, scenes, wait=False)
     finally:
         client.close()
-    [raw] = rt.redis.client.lrange("animastor.control", 0, -1)
+    [raw] = rt.redis.client.lrange(NORMAL_LIST, 0, -1)
     _args, kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
     assert (kwargs["stages"], kwargs["scenes"]) == (stages, json.loads(json.dumps(scenes)))
 
@@ -137,7 +173,7 @@ def test_cli_regenerate_without_an_answer_says_which_command_id_to_resend_with(r
     hint = re.search(r"resend with --command-id ([0-9a-f-]{36})", done.stderr)
     assert hint, done.stderr
     # The queued message carries that id: a resend with it is the same request.
-    [message] = rt.redis.client.lrange("animastor.control", 0, -1)
+    [message] = rt.redis.client.lrange(NORMAL_LIST, 0, -1)
     assert json.loads(base64.b64decode(json.loads(message)["body"]))[1]["command_id"] == hint.group(1)
 
 

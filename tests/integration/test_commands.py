@@ -674,3 +674,27 @@ def test_a_stage_blocked_again_with_nothing_left_to_block_asks_the_operator_for_
         assert lanes.block_stage(rt.ports, book, spec) == []
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "BLOCKED" in warned[0] and "released=0" not in warned[0]
+
+
+def test_a_regenerate_sent_before_a_stop_all_that_was_taken_first_is_void(rt, book) -> None:
+    """A Stop All goes ahead of normal and bulk regenerates in the control queue: one sent after a regenerate of its
+    book could be taken first, and the regenerate, taken after it, ran though the Stop All was meant to stop it."""
+    cancel_flow.cancel(rt.ports, book, sent_at=1000.0)
+    before = regenerate_flow.regenerate(rt.ports, book, ["audio", "image"], sent_at=999.0)
+    assert before == {
+        "commands": [],
+        "skipped": [{"stage": "audio", "reason": "stopped"}, {"stage": "image", "reason": "stopped"}],
+    }
+    assert rt.ports.commands.command_statuses([]) == {}
+    with rt.db.read() as conn:
+        assert conn.execute("SELECT count(*) FROM commands WHERE book_id = %s", (book,)).fetchone()[0] == 0
+    after = regenerate_flow.regenerate(rt.ports, book, ["audio"], sent_at=1001.0)
+    assert [c["status"] for c in after["commands"]] == ["active"]
+    unstamped = regenerate_flow.regenerate(rt.ports, book, ["image"])  # a hand-made message: no stamp, taken as sent
+    assert [c["status"] for c in unstamped["commands"]] == ["active"]
+
+
+def test_a_later_stop_all_of_another_book_voids_nothing(rt, book) -> None:
+    rt.catalog.import_book(make_book("other"))
+    cancel_flow.cancel(rt.ports, "other", sent_at=2000.0)
+    assert regenerate_flow.regenerate(rt.ports, book, ["audio"], sent_at=1999.0)["commands"]

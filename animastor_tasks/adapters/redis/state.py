@@ -29,6 +29,8 @@ from animastor_tasks.domain.keys import (
 from animastor_tasks.domain.types import Pair, SceneKey
 from animastor_tasks.ports import Snapshot
 
+# How long a Stop All's send stamp is kept: longer than a regenerate waits in the control queue behind others.
+STOPS_KEPT_SECONDS = 86_400.0
 WAITERS_READ = 16  # books read at the head of each queue's waiting list (the fair share looks at them)
 
 
@@ -334,15 +336,19 @@ class BookStateStore(DueIndexStore):
         members: set[Any] = self.conn.run(lambda: self.conn.client.smembers(self.conn.keys.active_books()))
         return {str(m) for m in members}
 
-    def stop_book(self, book: str, queues: Sequence[str] = ()) -> None:
+    def stop_book(self, book: str, queues: Sequence[str] = (), sent_at: float | None = None) -> None:
         """Stop All, Redis side: flag set; force set, deferrals, active index and due entry gone, and the book off the
         waiting lists of `queues`, its hand-over records there gone too. *Why:* left there, it kept its place (an
         interactive one, say) with nothing to run, its fair share binding the books that waited after it until a
         hand-over served it and it passed on; a record left put it back (its refill failing in a Postgres failover,
-        `lua/handed_keep.lua`, or lost, `lua/handed_restore.lua`)."""
+        `lua/handed_keep.lua`, or lost, `lua/handed_restore.lua`). `sent_at`: when the Stop All was sent, kept a day
+        (`stopped_after`)."""
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
             pipe.set(self.conn.keys.cancel_flag(book), STOP_FLAG)
+            if sent_at is not None:
+                pipe.zadd(self.conn.keys.stops_sent(), {book: sent_at}, gt=True)
+                pipe.zremrangebyscore(self.conn.keys.stops_sent(), "-inf", f"({sent_at - STOPS_KEPT_SECONDS}")
             pipe.delete(self.conn.keys.force_set(book), self.conn.keys.active_scenes(book))
             pipe.delete(*(self.conn.keys.deferrals(book, b) for b in DEFER_BUCKETS))
             pipe.srem(self.conn.keys.active_books(), book)
@@ -351,6 +357,12 @@ class BookStateStore(DueIndexStore):
                 pipe.zrem(self.conn.keys.lane_waiters(queue), book)
                 pipe.hdel(self.conn.keys.lane_handed(queue), book)
             pipe.execute()
+
+    def stopped_after(self, book: str, sent_at: float) -> bool:
+        """Whether a Stop All of the book sent after `sent_at` (both stamped by the broker's clock) was taken already: a
+        regenerate sent before it, still queued behind other commands while it overtook them, is void."""
+        stopped = self.conn.run(lambda: self.conn.client.zscore(self.conn.keys.stops_sent(), book))
+        return stopped is not None and float(stopped) > sent_at
 
 
 def _scored(flat: list[Any]) -> list[tuple[Any, float]]:
