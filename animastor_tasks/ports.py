@@ -195,7 +195,7 @@ class BookState(Protocol):
     def stop_stands(self, book: str, now: float) -> bool: ...  # a Stop All's own flag, no regenerate lifting it
     def set_cancel_flags(self, books: Iterable[str]) -> None: ...  # mirrors of tombstones, never over a Stop All's
     def stop_book(self, book: str, queues: Sequence[str] = (), sent_at: float | None = None) -> None: ...  # off lanes
-    def stopped_after(self, book: str, sent_at: float) -> bool: ...  # a Stop All sent later than `sent_at` taken
+    def void_if_stopped(self, book: str, request: str, sent_at: float | None) -> bool: ...  # sent before a Stop All
     def start_work(  # `snapshot` (now, queues): the book's snapshot, read after the writes in the same round trip
         self,
         book: str,

@@ -125,8 +125,12 @@ class Keyspace:
         return self._key("cancel", book)
 
     def stops_sent(self) -> str:
-        """When each book's latest Stop All was sent, by its sender's stamp (zset: book -> unix seconds)."""
+        """When each book's latest Stop All was sent, by its stamp (zset: book -> unix seconds)."""
         return self._key("stops-sent")
+
+    def voided(self) -> str:
+        """The regenerates found void (sent before a Stop All taken first): zset request id -> when."""
+        return self._key("voided-requests")
 
     def lifting(self, book: str) -> str:
         """The regenerates lifting the book's cancel flag whose commands are not written yet (see `BookState`)."""

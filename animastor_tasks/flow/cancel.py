@@ -21,7 +21,10 @@ log = logging.getLogger("animastor.commands")
 
 def cancel(ports: Ports, book_id: object, reason: object = None, sent_at: float | None = None) -> dict[str, Any]:
     """Stop All: after this returns no job of the book may start GPU work until a new regenerate. `sent_at`: when its
-    sender sent it (the client's stamp): a regenerate sent before it and taken after it is void (`regenerate`)."""
+    sender sent it (the client's stamp, by the broker's clock): a regenerate sent before it and taken after it is void
+    (`regenerate`). A Stop All with none counts as sent when it is taken. *Why:* sent by hand or from Flower, at the
+    control queue's first priority, it overtook the client's normal and bulk regenerates sent before it, which then
+    ran; now those sent while it waited in the queue are void too."""
     why = validate.reason(reason)
     try:
         book = validate.known_book(ports, book_id)
@@ -29,13 +32,13 @@ def cancel(ports: Ports, book_id: object, reason: object = None, sent_at: float 
         # Postgres does not answer: whether the book exists is unknown, and the flag goes all the same (the caller
         # is told to send the Stop All again). *Why:* nothing was written, and the running jobs, which only the flag
         # stops, ran on to their end and committed once Postgres was back.
-        ports.book_state.stop_book(validate.book_id(book_id), ports.settings.registry.queues(), sent_at)
+        ports.book_state.stop_book(validate.book_id(book_id), ports.settings.registry.queues(), _stamp(ports, sent_at))
         raise
     except InvalidCommand:
         _unflag_unknown(ports, book_id)
         raise
     # The flag goes first: from this moment running jobs see should_stop() and the gate denies.
-    ports.book_state.stop_book(book, ports.settings.registry.queues(), sent_at)
+    ports.book_state.stop_book(book, ports.settings.registry.queues(), _stamp(ports, sent_at))
     cancelled, released, dispatched = ports.commands.cancel_book(book, why)
     try:
         let_go(ports, book, dispatched)
@@ -52,6 +55,12 @@ def cancel(ports: Ports, book_id: object, reason: object = None, sent_at: float 
         why,
     )
     return {"book_id": book, "cancelled_commands": cancelled, "released": released, "revoked": len(dispatched)}
+
+
+def _stamp(ports: Ports, sent_at: float | None) -> float:
+    now = ports.clock()
+    believed = validate.sent_at(sent_at, now)
+    return now if believed is None else believed
 
 
 def _unflag_unknown(ports: Ports, book_id: object) -> None:

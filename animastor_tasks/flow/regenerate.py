@@ -68,11 +68,6 @@ def regenerate(
         raise InvalidCommand(f"book_id: unknown book {show_value(book)}")
     if context.replay_of:
         return _replay(ports, context, request_id, book, wanted, force, rank, named)
-    if sent_at is not None and ports.book_state.stopped_after(book, sent_at):
-        # A Stop All sent after it overtook it in the control queue (an interactive command's urgency, or the other
-        # control process): taken in the order they were sent, the Stop All would have cancelled it.
-        log.info("[COMMAND] book=%r regenerate request=%s sent before a Stop All taken first: void", book, request_id)
-        return {"commands": [], "skipped": [{"stage": s, "reason": "stopped"} for s in wanted]}
     if named is not None:
         found = set(context.scenes)  # *why a set:* 40,000 scenes named held the control process 37 s
         missing = [i for i, pair in enumerate(named) if pair not in found]
@@ -86,6 +81,12 @@ def regenerate(
     enabled = [s for s in wanted if layer_enabled(layers, s)]
     if not enabled:
         return {"commands": [], "skipped": skipped}
+    if ports.book_state.void_if_stopped(book, request_id, validate.sent_at(sent_at, ports.clock())):
+        # A Stop All sent after it overtook it in the control queue (its priority): taken in the order they were sent,
+        # the Stop All would have cancelled it. (One the other control process takes while this one writes its
+        # commands is as before: whichever writes last stands.)
+        log.info("[COMMAND] book=%r regenerate request=%s sent before a Stop All taken first: void", book, request_id)
+        return {"commands": [], "skipped": [*skipped, *({"stage": s, "reason": "stopped"} for s in enabled)]}
 
     per_stage = {
         stage: (request_id if len(enabled) == 1 else str(uuid.uuid5(uuid.UUID(request_id), stage)), targets)

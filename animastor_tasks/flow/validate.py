@@ -117,3 +117,17 @@ def reason(value: object) -> str | None:
     if len(value) > MAX_REASON_CHARS:  # copied onto each command it ends, and shown in every status
         raise InvalidCommand(f"reason: must be at most {MAX_REASON_CHARS} characters (has {len(value)})")
     return value
+
+
+#: How far from the runtime's clock a command's send stamp may lie and still be believed: a regenerate waits in the
+#: control queue behind others for seconds or minutes, never a day; ahead, the broker's clock and Redis's agree closely.
+STAMP_PAST_SECONDS = 86_400.0
+STAMP_AHEAD_SECONDS = 60.0
+
+
+def sent_at(stamp: float | None, now: float) -> float | None:
+    """A command's send stamp (`registry.SENT_AT_HEADER`) if it can be believed, else None (taken as unstamped). *Why:*
+    one in milliseconds, or a year ahead, voided every later regenerate of its book for good."""
+    if stamp is None or not now - STAMP_PAST_SECONDS <= stamp <= now + STAMP_AHEAD_SECONDS:
+        return None
+    return stamp

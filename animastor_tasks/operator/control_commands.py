@@ -60,7 +60,8 @@ def _decoded(half: str) -> str:
     "--priority",
     type=click.Choice([str(p) for p in Priority]),
     default=None,
-    help="Who gets a free GPU slot first (default: normal).",
+    help="Who gets a free GPU slot first, and on a Redis broker which command the control workers take first"
+    " (default: normal).",
 )
 @click.option("--timeout", default=30.0, show_default=True, type=WAIT, help="Seconds to wait for the control worker.")
 @click.option("--json", "as_json", is_flag=True)

@@ -47,6 +47,6 @@ def test_a_reader_s_scene_and_a_stop_all_pass_a_backlog_of_regenerates(make_stac
     assert answer == {"commands": [], "skipped": [{"stage": "audio", "reason": "stopped"}]}
     assert stack.client.app.AsyncResult(reader["task_id"]).get(timeout=30)["commands"]
     figure(
-        f"{BACKLOG} regenerates queued ahead of a reader's scene: its command came {order.index('reader') + 1}st of"
-        f" {len(order)} ({took:.1f}s to take them all)"
+        f"{BACKLOG} regenerates queued ahead of a reader's scene: its command was number {order.index('reader') + 1}"
+        f" of {len(order)} taken ({took:.1f}s to take them all)"
     )

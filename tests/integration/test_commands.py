@@ -676,25 +676,57 @@ def test_a_stage_blocked_again_with_nothing_left_to_block_asks_the_operator_for_
     assert len(warned) == 1 and "BLOCKED" in warned[0] and "released=0" not in warned[0]
 
 
+def _commands_of(rt, book: str) -> int:  # type: ignore[no-untyped-def]
+    with rt.db.read() as conn:
+        return int(conn.execute("SELECT count(*) FROM commands WHERE book_id = %s", (book,)).fetchone()[0])
+
+
 def test_a_regenerate_sent_before_a_stop_all_that_was_taken_first_is_void(rt, book) -> None:
     """A Stop All goes ahead of normal and bulk regenerates in the control queue: one sent after a regenerate of its
     book could be taken first, and the regenerate, taken after it, ran though the Stop All was meant to stop it."""
-    cancel_flow.cancel(rt.ports, book, sent_at=1000.0)
-    before = regenerate_flow.regenerate(rt.ports, book, ["audio", "image"], sent_at=999.0)
-    assert before == {
+    now = rt.ports.clock()
+    cancel_flow.cancel(rt.ports, book, sent_at=now - 1)
+    void = regenerate_flow.regenerate(rt.ports, book, ["audio", "image"], sent_at=now - 2)
+    assert void == {
         "commands": [],
         "skipped": [{"stage": "audio", "reason": "stopped"}, {"stage": "image", "reason": "stopped"}],
     }
-    assert rt.ports.commands.command_statuses([]) == {}
-    with rt.db.read() as conn:
-        assert conn.execute("SELECT count(*) FROM commands WHERE book_id = %s", (book,)).fetchone()[0] == 0
-    after = regenerate_flow.regenerate(rt.ports, book, ["audio"], sent_at=1001.0)
+    assert _commands_of(rt, book) == 0
+    after = regenerate_flow.regenerate(rt.ports, book, ["audio"], sent_at=now)
     assert [c["status"] for c in after["commands"]] == ["active"]
     unstamped = regenerate_flow.regenerate(rt.ports, book, ["image"])  # a hand-made message: no stamp, taken as sent
     assert [c["status"] for c in unstamped["commands"]] == ["active"]
 
 
+def test_a_resend_of_a_void_regenerate_is_void_too(rt, book) -> None:
+    """The client's timeout says to resend with the same command id: the resend, sent after the Stop All, made the
+    work the Stop All had stopped (review)."""
+    now = rt.ports.clock()
+    cancel_flow.cancel(rt.ports, book, sent_at=now - 1)
+    request = str(uuid.uuid4())
+    assert regenerate_flow.regenerate(rt.ports, book, ["audio"], command_id=request, sent_at=now - 2)["commands"] == []
+    again = regenerate_flow.regenerate(rt.ports, book, ["audio"], command_id=request, sent_at=now + 1)
+    assert again == {"commands": [], "skipped": [{"stage": "audio", "reason": "stopped"}]}
+    assert _commands_of(rt, book) == 0
+
+
+def test_a_stop_all_sent_without_a_stamp_counts_as_sent_when_it_is_taken(rt, book) -> None:
+    """Sent by hand or from Flower (no stamp, at the control queue's first priority), it overtook a client's
+    regenerate sent before it, which then ran (review)."""
+    before = rt.ports.clock() - 0.5
+    cancel_flow.cancel(rt.ports, book)
+    assert regenerate_flow.regenerate(rt.ports, book, ["audio"], sent_at=before)["commands"] == []
+
+
+def test_a_stamp_that_cannot_be_true_is_not_believed(rt, book) -> None:
+    """One in milliseconds (a hand-made sender's) voided every later regenerate of its book for good (review)."""
+    now = rt.ports.clock()
+    cancel_flow.cancel(rt.ports, book, sent_at=now * 1000)  # counted as sent when taken
+    assert regenerate_flow.regenerate(rt.ports, book, ["audio"], sent_at=now + 1)["commands"]
+
+
 def test_a_later_stop_all_of_another_book_voids_nothing(rt, book) -> None:
     rt.catalog.import_book(make_book("other"))
-    cancel_flow.cancel(rt.ports, "other", sent_at=2000.0)
-    assert regenerate_flow.regenerate(rt.ports, book, ["audio"], sent_at=1999.0)["commands"]
+    now = rt.ports.clock()
+    cancel_flow.cancel(rt.ports, "other", sent_at=now)
+    assert regenerate_flow.regenerate(rt.ports, book, ["audio"], sent_at=now - 1)["commands"]

@@ -342,13 +342,16 @@ class BookStateStore(DueIndexStore):
         interactive one, say) with nothing to run, its fair share binding the books that waited after it until a
         hand-over served it and it passed on; a record left put it back (its refill failing in a Postgres failover,
         `lua/handed_keep.lua`, or lost, `lua/handed_restore.lua`). `sent_at`: when the Stop All was sent, kept a day
-        (`stopped_after`)."""
+        (`void_if_stopped`)."""
+        now = self.conn.server_time()
         with self.conn.errors():
             pipe = self.conn.client.pipeline(transaction=True)
             pipe.set(self.conn.keys.cancel_flag(book), STOP_FLAG)
             if sent_at is not None:
-                pipe.zadd(self.conn.keys.stops_sent(), {book: sent_at}, gt=True)
-                pipe.zremrangebyscore(self.conn.keys.stops_sent(), "-inf", f"({sent_at - STOPS_KEPT_SECONDS}")
+                stops = self.conn.keys.stops_sent()
+                pipe.zadd(stops, {book: sent_at}, gt=True)
+                pipe.zremrangebyscore(stops, "-inf", f"({now - STOPS_KEPT_SECONDS}")
+                pipe.expire(stops, int(STOPS_KEPT_SECONDS))
             pipe.delete(self.conn.keys.force_set(book), self.conn.keys.active_scenes(book))
             pipe.delete(*(self.conn.keys.deferrals(book, b) for b in DEFER_BUCKETS))
             pipe.srem(self.conn.keys.active_books(), book)
@@ -358,11 +361,23 @@ class BookStateStore(DueIndexStore):
                 pipe.hdel(self.conn.keys.lane_handed(queue), book)
             pipe.execute()
 
-    def stopped_after(self, book: str, sent_at: float) -> bool:
-        """Whether a Stop All of the book sent after `sent_at` (both stamped by the broker's clock) was taken already: a
-        regenerate sent before it, still queued behind other commands while it overtook them, is void."""
-        stopped = self.conn.run(lambda: self.conn.client.zscore(self.conn.keys.stops_sent(), book))
-        return stopped is not None and float(stopped) > sent_at
+    def void_if_stopped(self, book: str, request: str, sent_at: float | None) -> bool:
+        """Whether the regenerate `request` is void: sent (`sent_at`, by the broker's clock) before a Stop All of the
+        book that was taken already, now or when it was first sent (a resend of a void one is void: *why:* it made the
+        work its first sending's Stop All had stopped). Noted for a day."""
+        keys, now = self.conn.keys, self.conn.server_time()
+        with self.conn.errors():
+            pipe = self.conn.client.pipeline(transaction=False)
+            pipe.zscore(keys.voided(), request)
+            pipe.zscore(keys.stops_sent(), book)
+            voided, stopped = pipe.execute()
+            if voided is None and (sent_at is None or stopped is None or float(stopped) <= sent_at):
+                return False
+            pipe.zadd(keys.voided(), {request: now})
+            pipe.zremrangebyscore(keys.voided(), "-inf", f"({now - STOPS_KEPT_SECONDS}")
+            pipe.expire(keys.voided(), int(STOPS_KEPT_SECONDS))
+            pipe.execute()
+        return True
 
 
 def _scored(flat: list[Any]) -> list[tuple[Any, float]]:
