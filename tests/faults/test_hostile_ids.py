@@ -54,6 +54,8 @@ OTHER_KINDS = {
     "superseded",
     "lanes-seen-free",
     "held",
+    "stops-sent",
+    "voided-requests",
 }
 EXAMPLES = current_scale().pick(60, 500)
 
@@ -186,7 +188,7 @@ def check_keys(rt: Wiring, books: dict[str, Book]) -> dict[str, Any]:
             pair = (content["chapter"], content["scene"], content["stage"])
             assert content["book"] in books and pair in pairs[content["book"]], (key, content)
             assert _journaled(rt, content["book"], pair, dispatch_id), f"{key!r}: no such dispatch of {content}"
-        elif kind == "active-books":
+        elif kind in ("active-books", "stops-sent"):
             assert set(content) <= set(books), (key, content)
     return keys
 

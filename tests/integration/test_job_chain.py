@@ -354,6 +354,8 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
         def run(ports: Any, job: Job, progress: Any, later: Any) -> dict[str, Any]:
             if job == kept:
                 later.job_started()
+                # A report due while its start is still being announced is left out (`chain._once_announced`).
+                wait_for(lambda: not later.holding(), 10, "its start announced")
                 progress(1.0)
             else:
                 ports.publisher.publish_job("animastor.generate.audio", AUDIO, kept.dispatch_id, asdict(kept))
@@ -372,8 +374,9 @@ def test_a_kept_jobs_events_and_progress_reach_flower_under_the_workers_name(rt,
             receiver.should_stop = True  # the receiver's thread ends before its connection closes, pass or fail
             listening.join(timeout=10)
         assert not listening.is_alive()
-    # Its progress goes out from the job's own thread, beside the announcements of its start.
+    # Its progress goes out from the job's own thread, after the announcements of its start.
     assert [k for k in kinds() if k != "task-progress"] == ["task-received", "task-started", "task-succeeded"]
+    assert kinds().index("task-progress") > kinds().index("task-started"), kinds()
     progress = next(e for e in heard if e["type"] == "task-progress")
     assert (progress["hostname"], progress["percent"], progress["scene_id"]) == ("gpu-audio@test", 100.0, "s2")
     # Each under the worker's name: sent from the thread the announcements are held back in, they were sent
