@@ -348,10 +348,7 @@ class BookStateStore(DueIndexStore):
             pipe = self.conn.client.pipeline(transaction=True)
             pipe.set(self.conn.keys.cancel_flag(book), STOP_FLAG)
             if sent_at is not None:
-                stops = self.conn.keys.stops_sent()
-                pipe.zadd(stops, {book: sent_at}, gt=True)
-                pipe.zremrangebyscore(stops, "-inf", f"({now - STOPS_KEPT_SECONDS}")
-                pipe.expire(stops, int(STOPS_KEPT_SECONDS))
+                _note_for_a_day(pipe, self.conn.keys.stops_sent(), book, sent_at, now, gt=True)
             pipe.delete(self.conn.keys.force_set(book), self.conn.keys.active_scenes(book))
             pipe.delete(*(self.conn.keys.deferrals(book, b) for b in DEFER_BUCKETS))
             pipe.srem(self.conn.keys.active_books(), book)
@@ -373,11 +370,17 @@ class BookStateStore(DueIndexStore):
             voided, stopped = pipe.execute()
             if voided is None and (sent_at is None or stopped is None or float(stopped) <= sent_at):
                 return False
-            pipe.zadd(keys.voided(), {request: now})
-            pipe.zremrangebyscore(keys.voided(), "-inf", f"({now - STOPS_KEPT_SECONDS}")
-            pipe.expire(keys.voided(), int(STOPS_KEPT_SECONDS))
+            _note_for_a_day(pipe, keys.voided(), request, now, now)
             pipe.execute()
         return True
+
+
+def _note_for_a_day(pipe: Any, key: str, member: str, score: float, now: float, *, gt: bool = False) -> None:
+    """`member` noted at `score` in the zset `key` (`gt`: only raised), whose notes older than `STOPS_KEPT_SECONDS` go
+    (by `now`, the server's clock) and which goes whole once none has been written for that long."""
+    pipe.zadd(key, {member: score}, gt=gt)
+    pipe.zremrangebyscore(key, "-inf", f"({now - STOPS_KEPT_SECONDS}")
+    pipe.expire(key, int(STOPS_KEPT_SECONDS))
 
 
 def _scored(flat: list[Any]) -> list[tuple[Any, float]]:
